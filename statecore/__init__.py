@@ -1,0 +1,29 @@
+"""statecore: a fast, crash-safe, versioned key-value state store for stateful stream processing.
+
+The compiled core (``_hash``, ``_rowtable``, ``_snapshot``, ``_delta``) holds rows, indexes
+and file images; this package re-exports its public classes.
+"""
+from statecore.errors import (
+    AuthenticationError,
+    IllegalStateError,
+    SchemaMismatchError,
+    StateCorruptionError,
+    StateStoreError,
+    VersionNotFoundError,
+)
+from statecore.schema import RowSchema
+from statecore._rowtable import RowCursor, RowTable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "IllegalStateError",
+    "RowCursor",
+    "RowSchema",
+    "RowTable",
+    "SchemaMismatchError",
+    "StateCorruptionError",
+    "StateStoreError",
+    "VersionNotFoundError",
+]

@@ -1,0 +1,103 @@
+# cython: language_level=3
+"""RowTable: an open-addressing hash table over fixed-width binary rows (see _rowtable.pyx)."""
+cimport cython
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy
+
+cdef struct Slot:
+    uint32_t tag    # slot_tag(key hash); its low bits pick the home slot
+    uint32_t row    # index of the row in the arena + 1; 0 marks an empty slot
+
+cdef enum:
+    ROW_FREE = 0
+    ROW_LIVE = 1
+    ROW_ZOMBIE = 2   # removed while an iterator was open; kept until the last one closes
+
+# Codes returned by nogil functions; table_raise() maps them to exceptions.
+cdef enum:
+    TABLE_OK = 0
+    TABLE_NO_MEMORY = -1
+    TABLE_FULL = -2
+
+
+cdef inline bint rows_equal(const uint8_t* a, const uint8_t* b, size_t width) noexcept nogil:
+    """Byte equality, with the common key widths compared as machine words (inlined)."""
+    cdef uint64_t x0, y0, x1, y1
+    if width == 8:
+        memcpy(&x0, a, 8)
+        memcpy(&y0, b, 8)
+        return x0 == y0
+    if width == 16:
+        memcpy(&x0, a, 8)
+        memcpy(&y0, b, 8)
+        memcpy(&x1, a + 8, 8)
+        memcpy(&y1, b + 8, 8)
+        return (x0 == y0) & (x1 == y1)
+    return memcmp(a, b, width) == 0
+
+
+@cython.final
+cdef class RowTable:
+    cdef readonly object key_schema
+    cdef readonly object value_schema
+    cdef readonly Py_ssize_t key_width
+    cdef readonly Py_ssize_t value_width
+    cdef readonly Py_ssize_t row_width
+
+    cdef Slot* slots
+    cdef uint64_t n_slots           # a power of two, or 0 before the first insert
+    cdef uint32_t max_displacement  # an upper bound on every entry's distance from home
+    cdef uint64_t count
+
+    cdef uint8_t* rows              # the arena: row i at rows + i * row_width (key, then value)
+    cdef uint8_t* row_state         # ROW_FREE / ROW_LIVE / ROW_ZOMBIE per arena row
+    cdef uint64_t rows_used         # high-water mark of the arena
+    cdef uint64_t rows_capacity
+
+    cdef uint32_t* free_rows        # stack of reusable arena rows
+    cdef uint64_t n_free
+    cdef uint64_t free_capacity
+
+    cdef uint32_t* zombies          # rows removed while iterators were open, in removal order
+    cdef uint64_t n_zombies
+    cdef uint64_t zombie_capacity
+
+    cdef int open_cursors
+    cdef size_t allocated_bytes
+    cdef size_t slots_bytes, rows_bytes, state_bytes, free_bytes, zombie_bytes
+
+    cdef int mem_resize(self, void** buf, size_t* cur_bytes, size_t new_bytes) noexcept nogil
+    cdef void mem_release(self, void** buf, size_t* cur_bytes) noexcept nogil
+    cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil
+    cdef void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil
+    cdef void slots_erase(self, uint64_t pos) noexcept nogil
+    cdef int row_alloc(self, uint32_t* row_out) noexcept nogil
+    cdef int _push_row(self, uint32_t** stack, uint64_t* n, uint64_t* capacity, size_t* nbytes,
+                       uint32_t row) noexcept nogil
+    cdef object _check(self, int code)
+    cdef void _hash_keys(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags) noexcept nogil
+    cdef inline void _prefetch(self, const uint32_t* tags, Py_ssize_t i, Py_ssize_t n) noexcept nogil
+    cdef void _get_many(self, const uint8_t* keys, Py_ssize_t n, uint8_t* values, uint8_t* found,
+                        uint32_t* tags) noexcept nogil
+    cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                       uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil
+    cdef int _remove_many(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
+                          Py_ssize_t* removed) noexcept nogil
+
+    cdef uint32_t table_find(self, const uint8_t* key, uint32_t tag, uint64_t* slot_out) noexcept nogil
+    cdef int table_put(self, const uint8_t* key, const uint8_t* value, uint32_t tag) noexcept nogil
+    cdef int table_remove(self, const uint8_t* key, uint32_t tag) noexcept nogil
+    cdef void cursor_closed(self) noexcept nogil
+
+
+@cython.final
+cdef class RowCursor:
+    cdef RowTable table
+    cdef uint64_t pos
+    cdef uint64_t end
+    cdef uint32_t* predead      # zombies that existed when the cursor opened: not ours to visit
+    cdef uint64_t n_predead
+    cdef uint64_t predead_pos
+    cdef bint is_open
+
+    cdef void close_cursor(self) noexcept

@@ -1,0 +1,791 @@
+# cython: language_level=3
+"""RowTable: the in-memory map of a store, over fixed-width binary rows.
+
+Layout. Rows (key bytes then value bytes) live in an arena, one contiguous allocation
+indexed by row number; rows never move, so cursors can hold row numbers across updates.
+The index is an open-addressing table of 8-byte slots ``(tag, row + 1)`` with linear
+probing and Robin Hood placement: an entry's distance from its home slot is derived from
+its tag, lookups of absent keys stop as soon as they pass a richer entry, and deletion
+shifts the following entries back, so there are no tombstones and lookups do not degrade
+after many delete/insert cycles. The table grows (doubles) at 3/4 load.
+
+Iteration. A :class:`RowCursor` visits each row that was live when it opened exactly once,
+even while rows are put and removed: while any cursor is open, removed rows become
+zombies (kept, not reused) and new rows are appended past every cursor's end.
+
+Memory. Every buffer comes from ``malloc`` and is registered with tracemalloc under
+:data:`TRACE_DOMAIN`; :meth:`RowTable.sizeof` is exactly the bytes allocated.
+
+Thread-safety: none. Callers serialize all calls on one table; batch calls release the GIL,
+so other Python threads run meanwhile, but they must not use the same table.
+"""
+cimport cython
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc, qsort
+from libc.math cimport log
+from libc.string cimport memcmp, memcpy, memset
+
+from statecore._hash cimport key_hash, slot_tag
+
+import numpy as np
+
+from statecore.schema import as_schema
+
+cdef extern from *:
+    int __builtin_popcountll(unsigned long long) nogil
+
+cdef extern from "Python.h":
+    int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size) nogil
+    int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr) nogil
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    #include <string.h>
+    #include <sys/mman.h>
+
+    /* Buffers of 1 MiB and more are mapped directly: on Linux they then grow with mremap
+       (no copy, however large the arena), and huge pages are asked for, since the index and
+       the arena are probed at random and would otherwise miss the TLB on most lookups.
+       Sizes are rounded up to whole pages, and the rounded size is what gets accounted. */
+    #define SC_BIG_BUFFER ((size_t)1 << 20)
+    #define SC_PAGE ((size_t)4096)
+
+    static size_t sc_mem_actual(size_t n) {
+    #if defined(__linux__)
+        return n >= SC_BIG_BUFFER ? (n + SC_PAGE - 1) & ~(SC_PAGE - 1) : n;
+    #else
+        return n;
+    #endif
+    }
+
+    static void sc_mem_free(void* p, size_t actual) {
+        if (p == NULL) return;
+    #if defined(__linux__)
+        if (actual >= SC_BIG_BUFFER) { munmap(p, actual); return; }
+    #endif
+        free(p);
+    }
+
+    /* Resize a buffer of `old_actual` bytes to hold `want` bytes, keeping its contents;
+       NULL on failure (the old buffer is then untouched). */
+    static void* sc_mem_resize(void* p, size_t old_actual, size_t want) {
+        size_t actual = sc_mem_actual(want);
+    #if defined(__linux__)
+        if (actual >= SC_BIG_BUFFER) {
+            void* q;
+            if (p != NULL && old_actual >= SC_BIG_BUFFER) {
+                q = mremap(p, old_actual, actual, MREMAP_MAYMOVE);
+            } else {
+                q = mmap(NULL, actual, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+                if (q != MAP_FAILED && p != NULL) {
+                    memcpy(q, p, old_actual < actual ? old_actual : actual);
+                    sc_mem_free(p, old_actual);
+                }
+            }
+            if (q == MAP_FAILED) return NULL;
+    #if defined(MADV_HUGEPAGE)
+            madvise(q, actual, MADV_HUGEPAGE);
+    #endif
+            return q;
+        }
+        if (p != NULL && old_actual >= SC_BIG_BUFFER) {
+            void* q = malloc(actual ? actual : 1);
+            if (q == NULL) return NULL;
+            memcpy(q, p, actual);
+            sc_mem_free(p, old_actual);
+            return q;
+        }
+    #endif
+        return realloc(p, actual ? actual : 1);
+    }
+    #if defined(__GNUC__) || defined(__clang__)
+    #define SC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
+    #else
+    #define SC_PREFETCH(p) ((void)(p))
+    #endif
+    """
+    size_t sc_mem_actual(size_t n) nogil
+    void sc_mem_free(void* p, size_t actual) nogil
+    void* sc_mem_resize(void* p, size_t old_actual, size_t want) nogil
+    void SC_PREFETCH(const void* p) nogil
+
+# tracemalloc domain of every RowTable buffer ("SC" + 1), for tests of sizeof().
+TRACE_DOMAIN = 0x53430001
+cdef unsigned int _TRACE_DOMAIN = 0x53430001
+
+cdef enum:
+    MIN_SLOTS = 16
+    MIN_ROWS = 16
+    SLOT_PREFETCH_AHEAD = 16   # lookups ahead whose home slot is prefetched
+    ROW_PREFETCH_AHEAD = 8     # lookups ahead whose home row is prefetched
+    CURSOR_CHUNK_ROWS = 1024
+
+# Row numbers are stored + 1 in a uint32 slot field.
+cdef uint64_t MAX_ROWS = 0xFFFFFFFE
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef double _estimate_distinct(const uint32_t* tags, Py_ssize_t n, uint64_t* bitmap,
+                               uint64_t n_bits) noexcept nogil:
+    """Distinct tags among ``n`` (linear counting over ``n_bits``, a power of two >= 2n).
+
+    A batch of D distinct keys leaves the table with at least max(count, D) keys, whatever
+    was there before, so reserving that much up front never over-allocates and spares the
+    rehashes of growing step by step.
+    """
+    cdef Py_ssize_t i
+    cdef uint64_t zeros = 0, w, mask = n_bits - 1
+    for i in range(n):
+        bitmap[(tags[i] & mask) >> 6] |= (<uint64_t>1) << (tags[i] & 63)
+    for i in range(<Py_ssize_t>(n_bits >> 6)):
+        w = bitmap[i]
+        zeros += 64 - __builtin_popcountll(w)
+    if zeros == 0:
+        return <double>n
+    return -(<double>n_bits) * log(<double>zeros / <double>n_bits)
+
+
+cdef int _cmp_u32(const void* a, const void* b) noexcept nogil:
+    cdef uint32_t x = (<const uint32_t*>a)[0]
+    cdef uint32_t y = (<const uint32_t*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef inline const uint8_t* _rows_ptr(const uint8_t[:, ::1] rows) noexcept:
+    """First byte of a (n, width) row array, or NULL when it holds no bytes."""
+    if rows.shape[0] == 0 or rows.shape[1] == 0:
+        return NULL
+    return &rows[0, 0]
+
+
+cdef object _raise_code(int code):
+    if code == TABLE_NO_MEMORY:
+        raise MemoryError("RowTable could not allocate memory")
+    if code == TABLE_FULL:
+        raise OverflowError(f"RowTable holds at most {MAX_ROWS} rows")
+    raise AssertionError(f"unknown RowTable code {code}")
+
+
+@cython.final
+cdef class RowTable:
+    """A hash map from key rows to value rows of two fixed-width schemas.
+
+    Parameters
+    ----------
+    key_schema, value_schema : numpy structured dtype or RowSchema
+        The value schema may have no fields (a set).
+    capacity : int, optional
+        Keys to size the table for up front.
+    """
+
+    def __cinit__(self, key_schema, value_schema, Py_ssize_t capacity=0):
+        self.key_schema = as_schema(key_schema)
+        self.value_schema = as_schema(value_schema)
+        if self.key_schema.width == 0:
+            raise TypeError("a key schema needs at least one field")
+        self.key_width = self.key_schema.width
+        self.value_width = self.value_schema.width
+        self.row_width = self.key_width + self.value_width
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        if capacity:
+            self._check(self.slots_reserve(<uint64_t>capacity))
+
+    def __dealloc__(self):
+        self.mem_release(<void**>&self.slots, &self.slots_bytes)
+        self.mem_release(<void**>&self.rows, &self.rows_bytes)
+        self.mem_release(<void**>&self.row_state, &self.state_bytes)
+        self.mem_release(<void**>&self.free_rows, &self.free_bytes)
+        self.mem_release(<void**>&self.zombies, &self.zombie_bytes)
+
+    cdef object _check(self, int code):
+        if code < 0:
+            _raise_code(code)
+
+    # -- memory ---------------------------------------------------------------------------
+    cdef int mem_resize(self, void** buf, size_t* cur_bytes, size_t new_bytes) noexcept nogil:
+        """Grow or shrink one buffer, keeping its contents and the accounting exact."""
+        cdef void* p = sc_mem_resize(buf[0], cur_bytes[0], new_bytes)
+        cdef size_t actual = sc_mem_actual(new_bytes)
+        if p == NULL:
+            return TABLE_NO_MEMORY
+        if buf[0] != NULL:
+            PyTraceMalloc_Untrack(_TRACE_DOMAIN, <uintptr_t>buf[0])
+        PyTraceMalloc_Track(_TRACE_DOMAIN, <uintptr_t>p, actual)
+        self.allocated_bytes = self.allocated_bytes - cur_bytes[0] + actual
+        buf[0] = p
+        cur_bytes[0] = actual
+        return TABLE_OK
+
+    cdef void mem_release(self, void** buf, size_t* cur_bytes) noexcept nogil:
+        if buf[0] != NULL:
+            PyTraceMalloc_Untrack(_TRACE_DOMAIN, <uintptr_t>buf[0])
+            sc_mem_free(buf[0], cur_bytes[0])
+            self.allocated_bytes -= cur_bytes[0]
+        buf[0] = NULL
+        cur_bytes[0] = 0
+
+    # -- index ----------------------------------------------------------------------------
+    cdef uint32_t table_find(self, const uint8_t* key, uint32_t tag, uint64_t* slot_out) noexcept nogil:
+        """Row number + 1 of ``key``, or 0; ``slot_out`` gets its slot."""
+        if self.n_slots == 0:
+            return 0
+        cdef uint64_t mask = self.n_slots - 1
+        cdef uint64_t pos = tag & mask
+        cdef uint64_t dist = 0
+        cdef Slot* s
+        while dist <= self.max_displacement:
+            s = &self.slots[pos]
+            if s.row == 0:
+                return 0
+            if ((pos - (s.tag & mask)) & mask) < dist:
+                return 0  # a richer entry: ours would have displaced it (Robin Hood)
+            if s.tag == tag and rows_equal(self.rows + <uint64_t>(s.row - 1) * self.row_width,
+                                           key, self.key_width):
+                slot_out[0] = pos
+                return s.row
+            pos = (pos + 1) & mask
+            dist += 1
+        return 0
+
+    cdef void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil:
+        # REQUIRES: a free slot exists and the key is not in the index.
+        cdef uint64_t mask = self.n_slots - 1
+        cdef uint64_t pos = tag & mask
+        cdef uint64_t dist = 0, resident_dist
+        cdef Slot* s
+        cdef Slot carried
+        carried.tag = tag
+        carried.row = row
+        while True:
+            s = &self.slots[pos]
+            if s.row == 0:
+                s[0] = carried
+                if dist > self.max_displacement:
+                    self.max_displacement = <uint32_t>dist
+                return
+            resident_dist = (pos - (s.tag & mask)) & mask
+            if resident_dist < dist:
+                carried, s[0] = s[0], carried
+                if dist > self.max_displacement:
+                    self.max_displacement = <uint32_t>dist
+                dist = resident_dist
+            pos = (pos + 1) & mask
+            dist += 1
+
+    cdef void slots_erase(self, uint64_t pos) noexcept nogil:
+        """Empty slot ``pos`` and shift the entries after it back one step."""
+        cdef uint64_t mask = self.n_slots - 1
+        cdef uint64_t nxt = (pos + 1) & mask
+        while self.slots[nxt].row != 0 and ((nxt - (self.slots[nxt].tag & mask)) & mask) != 0:
+            self.slots[pos] = self.slots[nxt]
+            pos = nxt
+            nxt = (nxt + 1) & mask
+        self.slots[pos].tag = 0
+        self.slots[pos].row = 0
+
+    cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil:
+        """Size the index for ``n_keys`` at no more than 3/4 load; rebuild it if it grows."""
+        cdef uint64_t target = self.n_slots if self.n_slots else MIN_SLOTS
+        while n_keys * 4 > target * 3:
+            target *= 2
+        if target == self.n_slots:
+            return TABLE_OK
+        cdef Slot* old = self.slots
+        cdef uint64_t old_n = self.n_slots, i
+        cdef size_t old_bytes = self.slots_bytes
+        self.slots = NULL
+        self.slots_bytes = 0
+        if self.mem_resize(<void**>&self.slots, &self.slots_bytes, target * sizeof(Slot)) < 0:
+            self.slots = old
+            self.slots_bytes = old_bytes
+            return TABLE_NO_MEMORY
+        memset(self.slots, 0, target * sizeof(Slot))
+        self.n_slots = target
+        self.max_displacement = 0
+        for i in range(old_n):
+            if old[i].row != 0:
+                self.slots_insert(old[i].tag, old[i].row)
+        self.mem_release(<void**>&old, &old_bytes)
+        return TABLE_OK
+
+    # -- arena ----------------------------------------------------------------------------
+    cdef int row_alloc(self, uint32_t* row_out) noexcept nogil:
+        cdef uint64_t new_cap
+        if self.open_cursors == 0 and self.n_free > 0:
+            self.n_free -= 1
+            row_out[0] = self.free_rows[self.n_free]
+            return TABLE_OK
+        if self.rows_used == self.rows_capacity:
+            if self.rows_capacity >= MAX_ROWS:
+                return TABLE_FULL
+            new_cap = self.rows_capacity + self.rows_capacity // 2
+            if new_cap < MIN_ROWS:
+                new_cap = MIN_ROWS
+            if new_cap > MAX_ROWS:
+                new_cap = MAX_ROWS
+            if self.mem_resize(<void**>&self.rows, &self.rows_bytes, new_cap * self.row_width) < 0:
+                return TABLE_NO_MEMORY
+            if self.mem_resize(<void**>&self.row_state, &self.state_bytes, new_cap) < 0:
+                return TABLE_NO_MEMORY
+            self.rows_capacity = new_cap
+        row_out[0] = <uint32_t>self.rows_used
+        self.rows_used += 1
+        return TABLE_OK
+
+    cdef int _push_row(self, uint32_t** stack, uint64_t* n, uint64_t* capacity, size_t* nbytes,
+                       uint32_t row) noexcept nogil:
+        cdef uint64_t new_cap
+        if n[0] == capacity[0]:
+            new_cap = capacity[0] * 2 if capacity[0] else MIN_ROWS
+            if self.mem_resize(<void**>stack, nbytes, new_cap * sizeof(uint32_t)) < 0:
+                return TABLE_NO_MEMORY
+            capacity[0] = new_cap
+        stack[0][n[0]] = row
+        n[0] += 1
+        return TABLE_OK
+
+    # -- single-row operations (nogil) ----------------------------------------------------
+    cdef int table_put(self, const uint8_t* key, const uint8_t* value, uint32_t tag) noexcept nogil:
+        """1 if the key was new, 0 if its value was overwritten, < 0 on error (table unchanged)."""
+        cdef uint64_t pos
+        cdef uint32_t row = self.table_find(key, tag, &pos)
+        cdef uint8_t* dst
+        cdef int rc
+        if row != 0:
+            if self.value_width:
+                memcpy(self.rows + <uint64_t>(row - 1) * self.row_width + self.key_width,
+                       value, self.value_width)
+            return 0
+        rc = self.slots_reserve(self.count + 1)
+        if rc < 0:
+            return rc
+        rc = self.row_alloc(&row)
+        if rc < 0:
+            return rc
+        dst = self.rows + <uint64_t>row * self.row_width
+        memcpy(dst, key, self.key_width)
+        if self.value_width:
+            memcpy(dst + self.key_width, value, self.value_width)
+        self.row_state[row] = ROW_LIVE
+        self.slots_insert(tag, row + 1)
+        self.count += 1
+        return 1
+
+    cdef int table_remove(self, const uint8_t* key, uint32_t tag) noexcept nogil:
+        """1 if the key was removed, 0 if absent, < 0 on error (table unchanged)."""
+        cdef uint64_t pos
+        cdef uint32_t row = self.table_find(key, tag, &pos)
+        cdef int rc
+        if row == 0:
+            return 0
+        row -= 1
+        if self.open_cursors > 0:
+            rc = self._push_row(&self.zombies, &self.n_zombies, &self.zombie_capacity,
+                                &self.zombie_bytes, row)
+            if rc < 0:
+                return rc
+            self.row_state[row] = ROW_ZOMBIE
+        else:
+            rc = self._push_row(&self.free_rows, &self.n_free, &self.free_capacity,
+                                &self.free_bytes, row)
+            if rc < 0:
+                return rc
+            self.row_state[row] = ROW_FREE
+        self.slots_erase(pos)
+        self.count -= 1
+        return 1
+
+    cdef void cursor_closed(self) noexcept nogil:
+        cdef uint64_t i
+        cdef uint32_t row
+        self.open_cursors -= 1
+        if self.open_cursors > 0:
+            return
+        for i in range(self.n_zombies):
+            row = self.zombies[i]
+            self.row_state[row] = ROW_FREE
+            # Out of memory here only costs the row's reuse; it is never visited again.
+            self._push_row(&self.free_rows, &self.n_free, &self.free_capacity, &self.free_bytes, row)
+        self.n_zombies = 0
+
+    # -- batch operations (nogil inner loops) ---------------------------------------------
+    # REQUIRES (all three): row arrays have n rows of the right widths, checked by the
+    # def methods below; tests/test_rowtable.py covers 0 rows, 1 row, the resize threshold
+    # and wrap-around.
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef void _hash_keys(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags) noexcept nogil:
+        cdef Py_ssize_t i
+        for i in range(n):
+            tags[i] = slot_tag(key_hash(keys + i * self.key_width, self.key_width))
+
+    cdef inline void _prefetch(self, const uint32_t* tags, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+        """Software pipeline for batch lookups: bring the home slot of lookup i+16 toward the
+        cache, and the row of lookup i+8 (its slot, found by tag, arrived meanwhile)."""
+        cdef uint64_t mask = self.n_slots - 1, pos, dist
+        cdef uint32_t tag
+        cdef Slot* s
+        if self.n_slots == 0:
+            return
+        if i + SLOT_PREFETCH_AHEAD < n:
+            SC_PREFETCH(&self.slots[tags[i + SLOT_PREFETCH_AHEAD] & mask])
+        if i + ROW_PREFETCH_AHEAD < n:
+            tag = tags[i + ROW_PREFETCH_AHEAD]
+            pos = tag & mask
+            dist = 0
+            while dist <= self.max_displacement:
+                s = &self.slots[pos]
+                if s.row == 0:
+                    return
+                if s.tag == tag:
+                    SC_PREFETCH(self.rows + <uint64_t>(s.row - 1) * self.row_width)
+                    return
+                pos = (pos + 1) & mask
+                dist += 1
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef void _get_many(self, const uint8_t* keys, Py_ssize_t n, uint8_t* values, uint8_t* found,
+                        uint32_t* tags) noexcept nogil:
+        cdef Py_ssize_t i
+        cdef uint64_t pos
+        cdef uint32_t row
+        cdef size_t kw = self.key_width, vw = self.value_width
+        self._hash_keys(keys, n, tags)
+        for i in range(n):
+            self._prefetch(tags, i, n)
+            row = self.table_find(keys + i * kw, tags[i], &pos)
+            found[i] = row != 0
+            if vw:
+                if row != 0:
+                    memcpy(values + i * vw, self.rows + <uint64_t>(row - 1) * self.row_width + kw, vw)
+                else:
+                    memset(values + i * vw, 0, vw)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                       uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil:
+        cdef Py_ssize_t i
+        cdef int rc
+        cdef size_t kw = self.key_width, vw = self.value_width
+        cdef uint64_t at_least
+        self._hash_keys(keys, n, tags)
+        if bitmap != NULL:
+            at_least = <uint64_t>(0.97 * _estimate_distinct(tags, n, bitmap, n_bits))
+            if at_least > self.count:
+                rc = self.slots_reserve(at_least)
+                if rc < 0:
+                    return rc
+        for i in range(n):
+            self._prefetch(tags, i, n)
+            rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
+            if rc < 0:
+                return rc
+        return TABLE_OK
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef int _remove_many(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
+                          Py_ssize_t* removed) noexcept nogil:
+        cdef Py_ssize_t i
+        cdef int rc
+        self._hash_keys(keys, n, tags)
+        for i in range(n):
+            self._prefetch(tags, i, n)
+            rc = self.table_remove(keys + i * self.key_width, tags[i])
+            if rc < 0:
+                return rc
+            removed[0] += rc
+        return TABLE_OK
+
+    # -- raw rows: the store's interface --------------------------------------------------
+    def _check_rows(self, rows, Py_ssize_t width, what):
+        if rows.ndim != 2 or rows.shape[1] != width:
+            raise ValueError(f"{what} must be an (n, {width}) uint8 array, got shape {rows.shape}")
+
+    def get_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,
+                 uint8_t[::1] found not None):
+        """Look up ``keys`` (n, key_width) into ``values`` (n, value_width) and ``found`` (n,)."""
+        cdef Py_ssize_t n = keys.shape[0]
+        if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
+            raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values, "
+                             f"got {keys.shape[1]} and {values.shape[1]} bytes")
+        if values.shape[0] != n or found.shape[0] != n:
+            raise ValueError(f"{n} keys but {values.shape[0]} value rows and {found.shape[0]} found flags")
+        cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
+        if n == 0:
+            return
+        cdef uint8_t* value_ptr = <uint8_t*>_rows_ptr(values)
+        with nogil:
+            self._get_many(&keys[0, 0], n, value_ptr, &found[0], &tags[0])
+
+    def put_rows(self, const uint8_t[:, ::1] keys not None, const uint8_t[:, ::1] values not None):
+        """Insert or overwrite ``keys`` (n, key_width) with ``values`` (n, value_width); later
+        duplicates win. On MemoryError the rows before the failing one stay applied."""
+        cdef Py_ssize_t n = keys.shape[0]
+        cdef int rc
+        if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
+            raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values, "
+                             f"got {keys.shape[1]} and {values.shape[1]} bytes")
+        if values.shape[0] != n:
+            raise ValueError(f"{n} keys but {values.shape[0]} value rows")
+        cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
+        if n == 0:
+            return
+        cdef const uint8_t* value_ptr = _rows_ptr(values)
+        cdef uint64_t n_bits = 0
+        cdef uint64_t[::1] bitmap
+        cdef uint64_t* bitmap_ptr = NULL
+        if <uint64_t>(self.count + n) > <uint64_t>self.capacity and n >= 1024:
+            n_bits = 1024
+            while n_bits < <uint64_t>(2 * n) and n_bits < (<uint64_t>1 << 28):
+                n_bits *= 2
+            bitmap = np.zeros(n_bits // 64, dtype=np.uint64)
+            bitmap_ptr = &bitmap[0]
+        with nogil:
+            rc = self._put_many(&keys[0, 0], value_ptr, n, &tags[0], bitmap_ptr, n_bits)
+        self._check(rc)
+
+    def remove_rows(self, const uint8_t[:, ::1] keys not None):
+        """Remove ``keys`` (n, key_width); absent keys are ignored. Returns how many were removed."""
+        cdef Py_ssize_t n = keys.shape[0], removed = 0
+        cdef int rc
+        if keys.shape[1] != self.key_width:
+            raise ValueError(f"keys must be (n, {self.key_width}) rows, got {keys.shape[1]} bytes")
+        cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
+        if n == 0:
+            return 0
+        with nogil:
+            rc = self._remove_many(&keys[0, 0], n, &tags[0], &removed)
+        self._check(rc)
+        return removed
+
+    def get_row(self, const uint8_t[::1] key not None):
+        """Value bytes of key bytes, or None."""
+        cdef uint64_t pos
+        cdef uint32_t row
+        if key.shape[0] != self.key_width:
+            raise ValueError(f"a key row is {self.key_width} bytes, got {key.shape[0]}")
+        row = self.table_find(&key[0], slot_tag(key_hash(&key[0], self.key_width)), &pos)
+        if row == 0:
+            return None
+        return PyBytes_FromStringAndSize(
+            <char*>self.rows + <uint64_t>(row - 1) * self.row_width + self.key_width, self.value_width)
+
+    def put_row(self, const uint8_t[::1] key not None, const uint8_t[::1] value not None):
+        """Insert or overwrite one row given as bytes; True if the key was new."""
+        if key.shape[0] != self.key_width or value.shape[0] != self.value_width:
+            raise ValueError(f"a row is {self.key_width} key bytes and {self.value_width} value bytes, "
+                             f"got {key.shape[0]} and {value.shape[0]}")
+        cdef int rc = self.table_put(&key[0], &value[0] if self.value_width else NULL,
+                                     slot_tag(key_hash(&key[0], self.key_width)))
+        self._check(rc)
+        return rc == 1
+
+    def remove_row(self, const uint8_t[::1] key not None):
+        """Remove one key given as bytes; True if it was there."""
+        if key.shape[0] != self.key_width:
+            raise ValueError(f"a key row is {self.key_width} bytes, got {key.shape[0]}")
+        cdef int rc = self.table_remove(&key[0], slot_tag(key_hash(&key[0], self.key_width)))
+        self._check(rc)
+        return rc == 1
+
+    # -- the schema-level API -------------------------------------------------------------
+    def get(self, key):
+        """The value tuple of ``key`` (tuple, scalar, record or bytes), or None."""
+        value = self.get_row(self.key_schema.encode(key))
+        return None if value is None else self.value_schema.decode(value)
+
+    def put(self, key, value):
+        """Insert or overwrite; ``value`` is a tuple, scalar, record or bytes of the value schema."""
+        if value is None:
+            raise ValueError("Cannot put a null value")
+        self.put_row(self.key_schema.encode(key), self.value_schema.encode(value))
+
+    def remove(self, key):
+        """Remove ``key``; True if it was there."""
+        return self.remove_row(self.key_schema.encode(key))
+
+    def __contains__(self, key):
+        return self.get_row(self.key_schema.encode(key)) is not None
+
+    def __len__(self):
+        return self.count
+
+    def get_batch(self, keys):
+        """``(values, found)``: a structured array of the value schema (zeros where not found)
+        and a bool array, for a batch of keys (structured array or mapping of columns)."""
+        key_rows = self.key_schema.rows(keys)
+        n = key_rows.shape[0]
+        values = np.zeros(n, dtype=self.value_schema.dtype)
+        found = np.empty(n, dtype=np.bool_)
+        value_rows = (values.view(np.uint8).reshape(n, self.value_width) if self.value_width
+                      else np.empty((n, 0), dtype=np.uint8))
+        self.get_rows(key_rows, value_rows, found.view(np.uint8))
+        return values, found
+
+    def put_batch(self, keys, values=None):
+        """Insert or overwrite a batch; ``values`` may be None for an empty value schema."""
+        key_rows = self.key_schema.rows(keys)
+        if values is None:
+            if self.value_width:
+                raise ValueError("Cannot put a null value")
+            value_rows = np.empty((key_rows.shape[0], 0), dtype=np.uint8)
+        else:
+            value_rows = self.value_schema.rows(values)
+        self.put_rows(key_rows, value_rows)
+
+    def remove_batch(self, keys):
+        """Remove a batch of keys; returns how many were present."""
+        return self.remove_rows(self.key_schema.rows(keys))
+
+    def cursor(self):
+        """A :class:`RowCursor` over the rows live now (see the module docstring)."""
+        return RowCursor(self)
+
+    def items(self):
+        """Yield ``(key_tuple, value_tuple)`` for each row live when iteration began."""
+        cdef Py_ssize_t kw = self.key_width
+        decode_key = self.key_schema.decode
+        decode_value = self.value_schema.decode
+        cursor = RowCursor(self)
+        try:
+            while True:
+                chunk = cursor.next_rows(CURSOR_CHUNK_ROWS)
+                if chunk is None:
+                    return
+                for row in chunk:
+                    raw = row.tobytes()
+                    yield decode_key(raw[:kw]), decode_value(raw[kw:])
+        finally:
+            cursor.close()
+
+    def iter_batches(self, Py_ssize_t rows_per_batch=65536):
+        """Yield ``(keys, values)`` structured-array copies covering each row live when
+        iteration began exactly once."""
+        if rows_per_batch <= 0:
+            raise ValueError(f"rows_per_batch must be > 0, got {rows_per_batch}")
+        cursor = RowCursor(self)
+        try:
+            while True:
+                chunk = cursor.next_rows(rows_per_batch)
+                if chunk is None:
+                    return
+                keys = np.ascontiguousarray(chunk[:, :self.key_width])
+                values = np.ascontiguousarray(chunk[:, self.key_width:])
+                yield self.key_schema.from_rows(keys), self.value_schema.from_rows(values)
+        finally:
+            cursor.close()
+
+    def clear(self):
+        """Remove every row and give the memory back."""
+        if self.open_cursors:
+            raise RuntimeError("cannot clear a RowTable while a cursor is open")
+        self.mem_release(<void**>&self.slots, &self.slots_bytes)
+        self.mem_release(<void**>&self.rows, &self.rows_bytes)
+        self.mem_release(<void**>&self.row_state, &self.state_bytes)
+        self.mem_release(<void**>&self.free_rows, &self.free_bytes)
+        self.mem_release(<void**>&self.zombies, &self.zombie_bytes)
+        self.n_slots = self.count = self.rows_used = self.rows_capacity = 0
+        self.n_free = self.free_capacity = self.n_zombies = self.zombie_capacity = 0
+        self.max_displacement = 0
+
+    # -- introspection --------------------------------------------------------------------
+    def sizeof(self):
+        """Bytes of memory this table has allocated (all of it traced under TRACE_DOMAIN)."""
+        return self.allocated_bytes
+
+    def __sizeof__(self):
+        return object.__sizeof__(self) + self.allocated_bytes
+
+    @property
+    def capacity(self):
+        """Keys the index holds before it grows."""
+        return self.n_slots * 3 // 4
+
+    @property
+    def max_probe_len(self):
+        """An upper bound on the slots any lookup inspects (max displacement + 1)."""
+        return self.max_displacement + 1 if self.count else 0
+
+    def probe_stats(self):
+        """``{"mean": ..., "max": ...}`` displacement over live entries (scans the index)."""
+        cdef uint64_t i, d, total = 0, worst = 0, mask = self.n_slots - 1
+        for i in range(self.n_slots):
+            if self.slots[i].row != 0:
+                d = (i - (self.slots[i].tag & mask)) & mask
+                total += d
+                if d > worst:
+                    worst = d
+        return {"mean": total / self.count if self.count else 0.0, "max": worst,
+                "slots": self.n_slots, "keys": self.count}
+
+
+@cython.final
+cdef class RowCursor:
+    """Visits, in chunks, each row live when it opened exactly once, whatever is put or
+    removed meanwhile. Close it (or exhaust it) so removed rows can be reused."""
+
+    def __cinit__(self, RowTable table not None):
+        cdef size_t nbytes
+        self.table = table
+        self.end = table.rows_used
+        if table.n_zombies:
+            nbytes = table.n_zombies * sizeof(uint32_t)
+            self.predead = <uint32_t*>malloc(nbytes)
+            if self.predead == NULL:
+                raise MemoryError("RowCursor could not allocate memory")
+            memcpy(self.predead, table.zombies, nbytes)
+            qsort(self.predead, table.n_zombies, sizeof(uint32_t), _cmp_u32)
+            self.n_predead = table.n_zombies
+        table.open_cursors += 1
+        self.is_open = True
+
+    def __dealloc__(self):
+        self.close_cursor()
+
+    cdef void close_cursor(self) noexcept:
+        if self.is_open:
+            self.is_open = False
+            free(self.predead)
+            self.predead = NULL
+            self.table.cursor_closed()
+
+    def close(self):
+        self.close_cursor()
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def next_rows(self, Py_ssize_t max_rows):
+        """A copy of up to ``max_rows`` next rows as an (m, row_width) uint8 array, or None
+        when done (the cursor then closes itself)."""
+        if not self.is_open:
+            return None
+        cdef RowTable t = self.table
+        cdef Py_ssize_t rw = t.row_width, m = 0
+        out = np.empty((max_rows, rw), dtype=np.uint8)
+        cdef uint8_t[:, ::1] dst = out
+        cdef uint8_t state
+        cdef bint visit
+        with nogil:
+            while self.pos < self.end and m < max_rows:
+                state = t.row_state[self.pos]
+                visit = state == ROW_LIVE
+                if state == ROW_ZOMBIE:
+                    while self.predead_pos < self.n_predead and self.predead[self.predead_pos] < self.pos:
+                        self.predead_pos += 1
+                    visit = not (self.predead_pos < self.n_predead
+                                 and self.predead[self.predead_pos] == self.pos)
+                if visit:
+                    memcpy(&dst[m, 0], t.rows + self.pos * rw, rw)
+                    m += 1
+                self.pos += 1
+        if m == 0:
+            self.close_cursor()
+            return None
+        return out[:m]
