@@ -60,7 +60,7 @@ class RowSchema:
     """
 
     __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "_struct", "_bytes_fields",
-                 "_bool_fields", "_single_bytes")
+                 "_bool_fields", "_single_bytes", "_plain", "_pack_values", "_unpack_row")
 
     def __init__(self, dtype):
         dt = np.dtype(dtype)
@@ -76,6 +76,9 @@ class RowSchema:
         self._bytes_fields = tuple(i for i, (_, f) in enumerate(fields) if f.kind == "S")
         self._bool_fields = tuple(i for i, (_, f) in enumerate(fields) if f.kind == "b")
         self._single_bytes = len(fields) == 1 and fields[0][1].kind == "S"
+        self._plain = not (self._bytes_fields or self._bool_fields)  # struct alone is strict enough
+        self._pack_values = self._struct.pack
+        self._unpack_row = self._struct.unpack
         self.fingerprint = xxh64_digest(self.describe_json().encode())
 
     # -- identity -------------------------------------------------------------------------
@@ -107,52 +110,73 @@ class RowSchema:
         Bytes must be exactly ``width`` long, except for a one-field ``S<n>`` schema, where
         they are the field's value (at most n bytes, NUL-padded as numpy pads).
         """
-        if isinstance(obj, (bytes, bytearray, memoryview)):
+        kind = type(obj)
+        if self._plain and (kind is tuple or kind is int or kind is float):
+            try:  # the per-row fast path: struct checks ints, floats and the field count
+                return self._pack_values(*obj) if kind is tuple else self._pack_values(obj)
+            except struct.error:
+                raise self._explain(obj if kind is tuple else (obj,)) from None
+        if kind is tuple:
+            return self._pack(obj)
+        if kind is int or kind is float:
+            if len(self.fields) == 1:
+                return self._pack((obj,))
+        elif isinstance(obj, (bytes, bytearray, memoryview)):
             raw = bytes(obj)
             if self._single_bytes:
                 return self._pack((raw,))
             if len(raw) != self.width:
                 raise ValueError(f"a row of {self.names} is {self.width} bytes, got {len(raw)} bytes")
             return raw
-        if isinstance(obj, (np.void, np.ndarray)) and obj.dtype.names is not None:
+        elif isinstance(obj, (np.void, np.ndarray)) and obj.dtype.names is not None:
             self.check_dtype(obj.dtype)
             return self._pack(obj.item() if isinstance(obj, np.ndarray) else tuple(obj.item()))
-        if isinstance(obj, tuple):
-            return self._pack(obj)
-        if isinstance(obj, list):
+        elif isinstance(obj, tuple):
+            return self._pack(tuple(obj))
+        elif isinstance(obj, list):
             return self._pack(tuple(obj))
         if len(self.fields) == 1 and obj is not None:
             return self._pack((obj,))
         raise TypeError(f"expected a tuple of {len(self.fields)} fields {self.names}, got {type(obj).__name__}")
 
     def _pack(self, values):
+        if self._bool_fields or self._bytes_fields:
+            self._check_strict_fields(values)
+        try:
+            return self._pack_values(*values)
+        except struct.error:
+            raise self._explain(values) from None
+
+    def _check_strict_fields(self, values):
+        """The checks struct leaves out: it turns any object into a bool, and truncates bytes."""
         if len(values) != len(self.fields):
             raise TypeError(f"expected {len(self.fields)} fields {self.names}, got {len(values)} values")
-        for i in self._bool_fields:  # struct would turn any object into a bool
+        for i in self._bool_fields:
             if not isinstance(values[i], (bool, np.bool_)):
                 raise TypeError(f"field '{self.names[i]}' is bool, got {type(values[i]).__name__}")
-        for i in self._bytes_fields:  # struct would truncate silently
+        for i in self._bytes_fields:
             v = values[i]
             if not isinstance(v, (bytes, np.bytes_)):
                 raise TypeError(f"field '{self.names[i]}' is {self.fields[i][1].str}, got {type(v).__name__}")
             if len(v) > self.fields[i][1].itemsize:
                 raise ValueError(f"field '{self.names[i]}' holds at most {self.fields[i][1].itemsize} bytes, "
                                  f"got {len(v)}")
-        try:
-            return self._struct.pack(*values)
-        except struct.error:
-            pass
-        for (name, f), v in zip(self.fields, values):  # find the field to name it
+
+    def _explain(self, values):
+        """The exception naming the field struct refused."""
+        if len(values) != len(self.fields):
+            return TypeError(f"expected {len(self.fields)} fields {self.names}, got {len(values)} values")
+        for (name, f), v in zip(self.fields, values):
             try:
                 struct.pack("<" + (f"{f.itemsize}s" if f.kind == "S" else _STRUCT_CODES[f]), v)
             except struct.error as e:
                 kind = ValueError if isinstance(v, (int, float, np.integer, np.floating)) else TypeError
-                raise kind(f"field '{name}' ({f.str}) cannot hold {v!r}: {e}") from None
-        raise AssertionError("unreachable: struct refused the row but every field packed")
+                return kind(f"field '{name}' ({f.str}) cannot hold {v!r}: {e}")
+        return AssertionError("unreachable: struct refused the row but every field packed")
 
     def decode(self, row):
         """The tuple of field values of row bytes (``S<n>`` values without trailing NULs)."""
-        values = self._struct.unpack(row)
+        values = self._unpack_row(row)
         if self._bytes_fields:
             values = list(values)
             for i in self._bytes_fields:
