@@ -13,11 +13,21 @@ from statecore.errors import (
 )
 from statecore.schema import RowSchema
 from statecore._rowtable import RowCursor, RowTable
+from statecore._snapshot import SnapshotReader, SnapshotWriter, write_snapshot
+from statecore._delta import DeltaReader, DeltaWriter, apply_delta, encode_delta, read_delta
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "DeltaReader",
+    "DeltaWriter",
+    "SnapshotReader",
+    "SnapshotWriter",
+    "apply_delta",
+    "encode_delta",
+    "read_delta",
+    "write_snapshot",
     "IllegalStateError",
     "RowCursor",
     "RowSchema",

@@ -1,0 +1,768 @@
+"""Tests of statecore._snapshot: the snapshot format, SnapshotWriter and SnapshotReader.
+
+The format is pinned twice: by a pure-Python reference encoder written from the format
+description (byte-for-byte equality with the writer) and by golden bytes of one tiny file.
+Corruption is fuzzed in subprocesses, so that a crash fails the test instead of the run.
+"""
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from statecore._rowtable import RowTable
+from statecore._snapshot import (
+    DEFAULT_BLOCK_SIZE,
+    FOOTER_MAGIC,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    SnapshotReader,
+    SnapshotWriter,
+    write_snapshot,
+)
+from statecore.errors import SchemaMismatchError, StateCorruptionError
+from statecore.schema import RowSchema
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAYOUTS = {
+    "int64->int64,float64": ([("k", "<i8")], [("a", "<i8"), ("b", "<f8")]),
+    "multi-field key": ([("user", "S5"), ("flag", "?"), ("n", "<i4"), ("small", "u1")],
+                        [("x", "<f4"), ("tag", "S3")]),
+    "set": ([("k", "<u8")], []),
+    "1-byte key": ([("k", "u1")], [("v", "<i2")]),
+}
+
+HEADER = struct.Struct("<8sIIIIQQQQQIIIQQQQQ16sI")
+HEADER_FIELDS = ("magic", "format_version", "header_size", "key_width", "value_width", "key_fingerprint",
+                 "value_fingerprint", "store_version", "row_count", "n_slots", "hash_id", "reserved",
+                 "block_size", "n_blocks", "rows_offset", "slots_offset", "checksums_offset", "file_size",
+                 "lineage", "schema_json_len")
+FOOTER = struct.Struct("<8sQQQI20x")
+
+
+def xxh64(data):
+    return xxhash.xxh64_intdigest(bytes(data))
+
+
+# -- data -------------------------------------------------------------------------------------
+def random_column(rng, dt, n):
+    if dt.kind == "S":
+        letters = rng.integers(ord("a"), ord("z") + 1, size=(n, dt.itemsize), dtype=np.uint8)
+        lengths = rng.integers(0, dt.itemsize + 1, size=n)
+        letters[np.arange(dt.itemsize)[None, :] >= lengths[:, None]] = 0  # NUL-padded, as numpy pads
+        return letters.reshape(-1).view(dt)
+    if dt.kind == "b":
+        return rng.integers(0, 2, size=n).astype(np.bool_)
+    if dt.kind == "f":
+        return rng.standard_normal(n).astype(dt)
+    info = np.iinfo(dt)
+    return rng.integers(info.min, info.max, size=n, endpoint=True, dtype=dt)
+
+
+def random_records(rng, schema, n):
+    out = np.zeros(n, dtype=schema.dtype)
+    for name, dt in schema.fields:
+        out[name] = random_column(rng, dt, n)
+    return out
+
+
+def unique_key_rows(rng, schema, n):
+    """Up to ``n`` distinct key rows (n, width) in random order (fewer if the key space is small)."""
+    rows = np.unique(schema.rows(random_records(rng, schema, 2 * n + 600)), axis=0)
+    return rows[rng.permutation(len(rows))][:n]
+
+
+def make_rows(rng, key_schema, value_schema, n, n_misses=200):
+    """``(rows, miss_keys)``: n rows (keys distinct) and keys that are not among them."""
+    keys = unique_key_rows(rng, key_schema, n + n_misses)
+    hits, misses = keys[:n], keys[n:]
+    values = value_schema.rows(random_records(rng, value_schema, len(hits)))
+    return np.ascontiguousarray(np.concatenate([hits, values], axis=1)), misses
+
+
+def schemas(layout):
+    key_dtype, value_dtype = LAYOUTS[layout]
+    return RowSchema(np.dtype(key_dtype)), RowSchema(np.dtype(value_dtype))
+
+
+def write_file(path, key_schema, value_schema, rows, store_version=7, lineage=bytes(16),
+               block_size=DEFAULT_BLOCK_SIZE, chunks=None):
+    with open(path, "wb") as f:
+        writer = SnapshotWriter(f, key_schema, value_schema, len(rows), store_version, lineage, block_size)
+        for chunk in (chunks or [rows]):
+            writer.write_rows(chunk)
+        return writer.finish()
+
+
+def split_randomly(rng, rows):
+    """Read-only chunks of random sizes (some empty) covering ``rows``."""
+    cuts = np.sort(rng.integers(0, len(rows) + 1, size=min(len(rows), 6)))
+    chunks = np.split(rows, cuts)
+    for chunk in chunks:
+        chunk.setflags(write=False)
+    return chunks
+
+
+# -- a pure-Python encoder, written from the format description -------------------------------
+def reference_snapshot(key_schema, value_schema, rows, store_version, lineage, block_size):
+    kw, vw = key_schema.width, value_schema.width
+    rows = [bytes(r) for r in rows]
+    n_slots = 16
+    while len(rows) * 4 > n_slots * 3:
+        n_slots *= 2
+    mask = n_slots - 1
+    slots = [(0, 0)] * n_slots
+    max_disp = 0
+    for i, row in enumerate(rows):
+        tag = xxh64(row[:kw]) & 0xFFFFFFFF
+        carried, pos, dist = (tag, i + 1), tag & mask, 0
+        while True:
+            if slots[pos][1] == 0:
+                slots[pos] = carried
+                max_disp = max(max_disp, dist)
+                break
+            resident_dist = (pos - (slots[pos][0] & mask)) & mask
+            if resident_dist < dist:
+                slots[pos], carried = carried, slots[pos]
+                max_disp = max(max_disp, dist)
+                dist = resident_dist
+            pos, dist = (pos + 1) & mask, dist + 1
+    rows_bytes = b"".join(rows)
+    slots_offset = -(-(4096 + len(rows_bytes)) // 64) * 64
+    data = (rows_bytes + bytes(slots_offset - 4096 - len(rows_bytes))
+            + b"".join(struct.pack("<II", t, r) for t, r in slots))
+    checksums_offset = 4096 + len(data)
+    table = b"".join(struct.pack("<Q", xxh64(data[i:i + block_size]))
+                     for i in range(0, len(data), block_size))
+    file_size = checksums_offset + len(table) + 64
+    schema_json = json.dumps({"key": key_schema.describe(), "value": value_schema.describe()},
+                             separators=(",", ":")).encode()
+    header = HEADER.pack(b"SCSNAP\0\x01", 1, 4096, kw, vw, key_schema.fingerprint, value_schema.fingerprint,
+                         store_version, len(rows), n_slots, 1, 0, block_size, len(table) // 8, 4096,
+                         slots_offset, checksums_offset, file_size, lineage, len(schema_json)) + schema_json
+    header = header.ljust(4088, b"\0")
+    header += struct.pack("<Q", xxh64(header))
+    footer = struct.pack("<8sQQQI", b"SCSNEND\x01", xxh64(table), file_size, xxh64(header[:4088]), max_disp)
+    footer = footer.ljust(56, b"\0")
+    footer += struct.pack("<Q", xxh64(footer))
+    return header + data + table + footer
+
+
+# -- round trips --------------------------------------------------------------------------------
+def check_against_model(reader, rows, misses, key_schema, value_schema):
+    kw = key_schema.width
+    model = {bytes(r[:kw]): bytes(r[kw:]) for r in rows}
+    assert len(reader) == len(model) == reader.row_count
+    # Raw batch lookups: hits then misses, in a shuffled order, from a read-only array.
+    keys = np.concatenate([rows[:, :kw], misses]) if len(rows) else misses
+    order = np.random.default_rng(1).permutation(len(keys))
+    keys = np.ascontiguousarray(keys[order])
+    keys.setflags(write=False)
+    values = np.full((len(keys), value_schema.width), 0xAB, dtype=np.uint8)
+    found = np.zeros(len(keys), dtype=np.uint8)
+    reader.get_rows(keys, values, found)
+    # The model, vectorized: keys[i] is hit order[i] if order[i] < len(rows), else a miss.
+    expected_values = np.concatenate([rows[:, kw:], np.zeros((len(misses), value_schema.width), np.uint8)])
+    assert np.array_equal(found, (order < len(rows)).astype(np.uint8))
+    assert np.array_equal(values, expected_values[order])
+    # Structured batches.
+    batch = key_schema.from_rows(keys)
+    got_values, got_found = reader.get_batch(batch)
+    assert got_found.dtype == np.bool_ and (got_found == found.astype(bool)).all()
+    assert got_values.tobytes() == values.tobytes()
+    # One at a time, through every entry point, on a sample.
+    for key in keys[:300]:
+        expected = model.get(key.tobytes())
+        assert reader.get_row(key.tobytes()) == expected
+        decoded = reader.get(key.tobytes())
+        assert decoded == (None if expected is None else value_schema.decode(expected))
+        assert (key.tobytes() in reader) == (expected is not None)
+    # Iteration visits every row once, in file order.
+    cursor = reader.cursor()
+    chunks = []
+    while (chunk := cursor.next_rows(977)) is not None:
+        chunks.append(chunk)
+    got = np.concatenate(chunks) if chunks else np.empty((0, rows.shape[1]), np.uint8)
+    assert np.array_equal(got, rows)
+    items = list(reader.items())
+    assert len(items) == len(rows)
+    for i in range(0, len(rows), max(1, len(rows) // 2000)):  # decoding every row twice is slow
+        key, value = bytes(rows[i, :kw]), bytes(rows[i, kw:])
+        assert items[i] == (key_schema.decode(key), value_schema.decode(value))
+    batches = list(reader.iter_batches(4096))
+    n = sum(len(k) for k, _ in batches)
+    assert n == len(rows)
+    if batches:
+        assert np.concatenate([k for k, _ in batches]).tobytes() == rows[:, :kw].tobytes()
+        assert np.concatenate([v for _, v in batches]).tobytes() == rows[:, kw:].tobytes()
+        assert batches[0][0].dtype == key_schema.dtype and batches[0][1].dtype == value_schema.dtype
+
+
+SIZES = [0, 1, 12, 49152, 100_000]  # 12 and 49152 fill 16 and 65536 slots to exactly 3/4
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_round_trip_matches_dict_model(tmp_path, layout, n):
+    rng = np.random.default_rng([n, len(layout)])
+    key_schema, value_schema = schemas(layout)
+    rows, misses = make_rows(rng, key_schema, value_schema, n)
+    n = len(rows)  # a 1-byte key has 256 keys at most
+    block_size = 64 if n < 100 else 4096 if n < 60_000 else DEFAULT_BLOCK_SIZE
+    path = tmp_path / "s.snapshot"
+    info = write_file(path, key_schema, value_schema, rows, block_size=block_size,
+                      chunks=split_randomly(rng, rows))
+    assert info["row_count"] == n and info["file_size"] == os.path.getsize(path)
+    assert info["n_slots"] * 3 >= n * 4 and (info["n_slots"] == 16 or info["n_slots"] * 3 < n * 8)
+    with SnapshotReader(path, key_schema, value_schema) as reader:
+        assert reader.store_version == 7 and reader.lineage == bytes(16)
+        check_against_model(reader, rows, misses, key_schema, value_schema)
+        reader.verify()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_schemas_come_from_the_file_when_not_given(tmp_path, layout):
+    rng = np.random.default_rng(5)
+    key_schema, value_schema = schemas(layout)
+    rows, misses = make_rows(rng, key_schema, value_schema, 150)
+    write_file(tmp_path / "s", key_schema, value_schema, rows)
+    with SnapshotReader(tmp_path / "s") as reader:
+        assert reader.key_schema == key_schema and reader.value_schema == value_schema
+        check_against_model(reader, rows, misses, key_schema, value_schema)
+
+
+def test_write_snapshot_streams_a_rowtable(tmp_path):
+    rng = np.random.default_rng(11)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    table = RowTable(key_schema, value_schema)
+    keys = random_records(rng, key_schema, 150_000)
+    table.put_batch(keys, random_records(rng, value_schema, 150_000))
+    table.remove_batch(keys[:20_000])  # holes in the arena
+    path = tmp_path / "t.snapshot"
+    lineage = uuid.UUID(int=42)
+    with open(path, "wb") as f:
+        info = write_snapshot(f, table, 12, lineage=lineage)
+    assert info["row_count"] == len(table)
+    with SnapshotReader(path, key_schema, value_schema, expected_lineage=lineage.bytes) as reader:
+        assert reader.store_version == 12 and reader.lineage == lineage.bytes
+        probe = np.concatenate([keys[:1000], keys[-5000:]])
+        values, found = reader.get_batch(probe)
+        expected_values, expected_found = table.get_batch(probe)
+        assert (found == expected_found).all() and found[:1000].sum() == 0
+        assert values.tobytes() == expected_values.tobytes()
+        assert dict(reader.items()) == dict(table.items())
+
+
+def test_writer_output_equals_the_reference_encoder(tmp_path):
+    rng = np.random.default_rng(3)
+    for layout, n, block_size in [("1-byte key", 192, 64), ("multi-field key", 700, 128),
+                                  ("set", 12, 64), ("int64->int64,float64", 0, 4096),
+                                  ("int64->int64,float64", 3000, 65536)]:
+        key_schema, value_schema = schemas(layout)
+        rows, _ = make_rows(rng, key_schema, value_schema, n)
+        lineage = bytes(range(16))
+        path = tmp_path / f"{n}.snapshot"
+        info = write_file(path, key_schema, value_schema, rows, store_version=2**40 + 3, lineage=lineage,
+                          block_size=block_size, chunks=split_randomly(rng, rows))
+        expected = reference_snapshot(key_schema, value_schema, rows, 2**40 + 3, lineage, block_size)
+        assert path.read_bytes() == expected, layout
+        assert info["max_displacement"] == FOOTER.unpack_from(expected, len(expected) - 64)[4]
+
+
+# Pins format version 1: the first 64 header bytes and the whole file of a tiny snapshot.
+GOLDEN_HEADER_64 = ("5343534e4150000101000000001000000800000004000000d4fa5a5e9c6c53c9"
+                    "2ff296b31dc6cf60030000000000000003000000000000001000000000000000")
+GOLDEN_FILE_XXH64 = 0x60DB274C442AA65B
+GOLDEN_FILE_SIZE = 4096 + 64 + 128 + 8 + 64  # header, 3 rows padded to 64, 16 slots, 1 checksum, footer
+
+
+def tiny_snapshot(path):
+    key_schema = RowSchema(np.dtype([("id", "<i8")]))
+    value_schema = RowSchema(np.dtype([("count", "<i4")]))
+    rows = np.concatenate([np.array([1, 2, 3], "<i8").view(np.uint8).reshape(3, 8),
+                           np.array([10, 20, 30], "<i4").view(np.uint8).reshape(3, 4)], axis=1)
+    write_file(path, key_schema, value_schema, np.ascontiguousarray(rows), store_version=3,
+               lineage=b"lineage-0123456!", block_size=4096)
+    return key_schema, value_schema
+
+
+def test_golden_bytes_of_a_tiny_snapshot(tmp_path):
+    tiny_snapshot(tmp_path / "tiny")
+    data = (tmp_path / "tiny").read_bytes()
+    assert data[:64].hex() == GOLDEN_HEADER_64
+    assert len(data) == GOLDEN_FILE_SIZE
+    assert xxh64(data) == GOLDEN_FILE_XXH64
+    assert data[:8] == MAGIC and data[-64:-56] == FOOTER_MAGIC and FORMAT_VERSION == 1
+    header = dict(zip(HEADER_FIELDS, HEADER.unpack_from(data)))
+    assert header["lineage"] == b"lineage-0123456!"
+    assert json.loads(data[136:136 + header["schema_json_len"]]) == {"key": [["id", "<i8"]],
+                                                                     "value": [["count", "<i4"]]}
+
+
+# -- opening: headers before trust --------------------------------------------------------------
+@pytest.fixture
+def small_snapshot(tmp_path):
+    """A 500-row snapshot with 512-byte blocks: (path, rows, misses, key_schema, value_schema)."""
+    rng = np.random.default_rng(17)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, misses = make_rows(rng, key_schema, value_schema, 500)
+    path = tmp_path / "small.snapshot"
+    write_file(path, key_schema, value_schema, rows, lineage=b"L" * 16, block_size=512)
+    return path, rows, misses, key_schema, value_schema
+
+
+def rewrite_header(path, fix_checksum=True, **fields):
+    data = bytearray(Path(path).read_bytes())
+    values = dict(zip(HEADER_FIELDS, HEADER.unpack_from(data)))
+    values.update(fields)
+    HEADER.pack_into(data, 0, *(values[f] for f in HEADER_FIELDS))
+    if fix_checksum:
+        struct.pack_into("<Q", data, 4088, xxh64(data[:4088]))
+    Path(path).write_bytes(bytes(data))
+    return values
+
+
+def open_error(path, **kwargs):
+    with pytest.raises(StateCorruptionError) as info:
+        SnapshotReader(path, **kwargs)
+    assert info.value.path == str(path)
+    return info.value
+
+
+def test_schema_mismatch_names_the_schema(small_snapshot):
+    path, _, _, key_schema, value_schema = small_snapshot
+    with pytest.raises(SchemaMismatchError, match="key schema"):
+        SnapshotReader(path, np.dtype([("k", "<i4")]), value_schema)
+    with pytest.raises(SchemaMismatchError, match="value schema"):
+        SnapshotReader(path, key_schema, np.dtype([("a", "<i8"), ("c", "<f8")]))
+    with SnapshotReader(path, key_schema.dtype, value_schema.dtype):
+        pass
+
+
+def test_lineage_must_match_when_expected(small_snapshot):
+    path = small_snapshot[0]
+    error = open_error(path, expected_lineage=b"M" * 16)
+    assert "another lineage" in error.reason and error.offset == 116
+    with SnapshotReader(path, expected_lineage=b"L" * 16) as reader:
+        assert reader.lineage == b"L" * 16
+    with pytest.raises(ValueError):
+        SnapshotReader(path, expected_lineage=b"short")
+
+
+@pytest.mark.parametrize("length", [0, 1, 100, 4095, 4159, 4160, -1, -8, -64, -65, -600])
+def test_truncated_files_are_corrupt(small_snapshot, length):
+    path = small_snapshot[0]
+    data = path.read_bytes()
+    path.write_bytes(data[:length] if length >= 0 else data[:len(data) + length])
+    open_error(path)
+
+
+def test_an_appended_byte_is_corrupt(small_snapshot):
+    path = small_snapshot[0]
+    path.write_bytes(path.read_bytes() + b"\0")
+    open_error(path)
+
+
+def test_wrong_magic(small_snapshot):
+    path = small_snapshot[0]
+    data = bytearray(path.read_bytes())
+    data[0:8] = b"PAR1\0\0\0\0"
+    path.write_bytes(bytes(data))
+    error = open_error(path)
+    assert error.offset == 0 and "magic" in error.reason
+
+
+@pytest.mark.parametrize("fix_checksum", [True, False])
+def test_unknown_format_version_is_named(small_snapshot, fix_checksum):
+    path = small_snapshot[0]
+    rewrite_header(path, fix_checksum=fix_checksum, format_version=2)
+    error = open_error(path)
+    assert error.offset == 8 and "format version 2" in error.reason
+
+
+def test_header_checksum(small_snapshot):
+    path = small_snapshot[0]
+    rewrite_header(path, fix_checksum=False, store_version=8)
+    error = open_error(path)
+    assert error.offset == 4088 and "checksum" in error.reason
+
+
+@pytest.mark.parametrize("change", [
+    {"file_size": +4096}, {"row_count": +1}, {"row_count": +1_000_000}, {"row_count": 2**40},
+    {"n_slots": +1}, {"n_slots": 2**62}, {"n_slots": -1008}, {"slots_offset": +64},
+    {"checksums_offset": +8}, {"checksums_offset": 2**63}, {"n_blocks": +1}, {"n_blocks": -1},
+    {"block_size": +1}, {"block_size": 2**31}, {"block_size": -448}, {"rows_offset": +64},
+    {"key_width": +1}, {"value_width": -8}, {"key_width": -8}, {"hash_id": +1}, {"reserved": 7},
+    {"header_size": +1}, {"schema_json_len": +1}, {"schema_json_len": 5000},
+    {"key_fingerprint": +1}, {"value_fingerprint": +1},
+])
+def test_inconsistent_headers_with_valid_checksums(small_snapshot, change):
+    """Sizes larger than the file, sections out of order, unknown ids: an error, never a crash."""
+    path = small_snapshot[0]
+    (field, delta), = change.items()
+    original = dict(zip(HEADER_FIELDS, HEADER.unpack_from(path.read_bytes())))[field]
+    value = delta if abs(delta) >= 2**30 or field == "reserved" else original + delta
+    rewrite_header(path, **{field: value})
+    open_error(path)
+
+
+@pytest.mark.parametrize("field,value", [("max_displacement", 1024), ("max_displacement", 2**32 - 1),
+                                         ("file_size", 1), ("header_checksum", 5)])
+def test_inconsistent_footers_with_valid_checksums(small_snapshot, field, value):
+    path = small_snapshot[0]
+    data = bytearray(path.read_bytes())
+    at = len(data) - 64
+    fields = dict(zip(["magic", "table_checksum", "file_size", "header_checksum", "max_displacement"],
+                      FOOTER.unpack_from(data, at)))
+    fields[field] = value
+    FOOTER.pack_into(data, at, *fields.values())
+    struct.pack_into("<Q", data, at + 56, xxh64(data[at:at + 56]))
+    path.write_bytes(bytes(data))
+    error = open_error(path)
+    assert at <= error.offset < len(data)
+
+
+def test_a_header_from_another_snapshot_is_refused(tmp_path, small_snapshot):
+    path, rows, _, key_schema, value_schema = small_snapshot
+    write_file(tmp_path / "other", key_schema, value_schema, rows, store_version=8, block_size=512)
+    spliced = (tmp_path / "other").read_bytes()[:4096] + path.read_bytes()[4096:]
+    (tmp_path / "spliced").write_bytes(spliced)
+    error = open_error(tmp_path / "spliced")
+    assert "another header" in error.reason
+
+
+# -- lazy verification --------------------------------------------------------------------------
+def test_opening_reads_no_data_block(tmp_path):
+    rng = np.random.default_rng(2)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, _ = make_rows(rng, key_schema, value_schema, 100_000, n_misses=0)
+    write_file(tmp_path / "s", key_schema, value_schema, rows)
+    with SnapshotReader(tmp_path / "s") as reader:
+        assert reader.n_blocks > 50 and reader.verified_blocks() == 0
+        assert reader.get_row(rows[0, :8].tobytes()) == rows[0, 8:].tobytes()
+        assert 1 <= reader.verified_blocks() <= 3
+        reader.verify()
+        assert reader.verified_blocks() == reader.n_blocks
+
+
+def block_of(reader, offset):
+    return (offset - HEADER_SIZE) // reader.block_size
+
+
+def test_a_flipped_row_byte_is_found_by_the_lookup_that_reads_it(small_snapshot):
+    path, rows, _, key_schema, _ = small_snapshot
+    row = 321
+    offset = HEADER_SIZE + row * rows.shape[1] + 12  # inside the value
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    with SnapshotReader(path) as reader:  # no verify()
+        block_start = HEADER_SIZE + block_of(reader, offset) * reader.block_size
+        far = 5  # a row in another block
+        assert block_of(reader, HEADER_SIZE + far * 24) != block_of(reader, offset)
+        assert reader.get_row(rows[far, :8].tobytes()) == rows[far, 8:].tobytes()
+        with pytest.raises(StateCorruptionError) as info:
+            reader.get_row(rows[row, :8].tobytes())
+        assert info.value.offset == block_start and "checksum" in info.value.reason
+        assert str(path) in str(info.value) and f"at byte {block_start}" in str(info.value)
+        with pytest.raises(StateCorruptionError):
+            reader.get_batch(key_schema.from_rows(np.ascontiguousarray(rows[row - 1:row + 1, :8])))
+        with pytest.raises(StateCorruptionError):
+            list(reader.items())
+        with pytest.raises(StateCorruptionError):
+            reader.verify()
+
+
+def test_a_damaged_checksum_table_is_found_on_first_use(small_snapshot):
+    path, rows, _, _, _ = small_snapshot
+    data = bytearray(path.read_bytes())
+    header = dict(zip(HEADER_FIELDS, HEADER.unpack_from(data)))
+    data[header["checksums_offset"] + 3] ^= 1
+    path.write_bytes(bytes(data))
+    with SnapshotReader(path) as reader:
+        with pytest.raises(StateCorruptionError, match="checksum table") as info:
+            reader.get_row(rows[0, :8].tobytes())
+        assert info.value.offset == header["checksums_offset"]
+
+
+def test_a_flipped_slot_byte_is_found(small_snapshot):
+    path, rows, _, _, _ = small_snapshot
+    data = bytearray(path.read_bytes())
+    header = dict(zip(HEADER_FIELDS, HEADER.unpack_from(data)))
+    # Corrupt the slot of row 0 (its row number field), found from the unmodified index.
+    tag = xxh64(rows[0, :8].tobytes()) & 0xFFFFFFFF
+    pos = tag & (header["n_slots"] - 1)
+    while struct.unpack_from("<II", data, header["slots_offset"] + 8 * pos)[1] != 1:
+        pos = (pos + 1) & (header["n_slots"] - 1)
+    data[header["slots_offset"] + 8 * pos + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with SnapshotReader(path) as reader:
+        with pytest.raises(StateCorruptionError):
+            reader.get_row(rows[0, :8].tobytes())
+
+
+# -- writer errors ------------------------------------------------------------------------------
+def test_writer_refuses_duplicates_and_wrong_counts():
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rng = np.random.default_rng(4)
+    rows, _ = make_rows(rng, key_schema, value_schema, 100, n_misses=0)
+
+    writer = SnapshotWriter(io.BytesIO(), key_schema, value_schema, 100, 1)
+    dup = rows.copy()
+    dup[70, :8] = dup[10, :8]
+    with pytest.raises(ValueError, match="duplicate key: row 70 has the key of row 10"):
+        writer.write_rows(dup)
+    with pytest.raises(ValueError, match="failed"):
+        writer.write_rows(rows)
+
+    writer = SnapshotWriter(io.BytesIO(), key_schema, value_schema, 101, 1)
+    writer.write_rows(rows)
+    with pytest.raises(ValueError, match="duplicate key: row 100 has the key of row 42"):
+        writer.write_rows(rows[42:43])
+
+    writer = SnapshotWriter(io.BytesIO(), key_schema, value_schema, 100, 1)
+    writer.write_rows(rows[:60])
+    with pytest.raises(ValueError, match="announced with 100 rows, but 60"):
+        writer.finish()
+    with pytest.raises(ValueError, match="announced with 100 rows"):
+        writer.write_rows(rows[:41])
+    with pytest.raises(ValueError, match=r"\(m, 24\)"):
+        writer.write_rows(rows[:, :16])
+    with pytest.raises(TypeError, match="uint8"):
+        writer.write_rows(rows.view(np.uint16))
+    writer.write_rows(rows[60:])
+    info = writer.finish()
+    with pytest.raises(ValueError, match="finished"):
+        writer.finish()
+    assert info["row_count"] == 100
+
+
+@pytest.mark.parametrize("kwargs", [{"row_count": -1}, {"row_count": 2**32}, {"store_version": -1},
+                                    {"lineage": b"x" * 15}, {"block_size": 100}, {"block_size": 32},
+                                    {"block_size": 2**31}])
+def test_writer_arguments_out_of_range(kwargs):
+    key_schema, value_schema = schemas("set")
+    args = {"row_count": 1, "store_version": 0, **kwargs}
+    with pytest.raises(ValueError):
+        SnapshotWriter(io.BytesIO(), key_schema, value_schema, **args)
+
+
+def test_writer_needs_only_write_and_survives_partial_writes(tmp_path):
+    class WriteOnly:  # no seek, no tell; takes at most 1000 bytes per call, as raw files may
+        def __init__(self):
+            self.parts = []
+
+        def write(self, data):
+            data = bytes(memoryview(data)[:1000])
+            self.parts.append(data)
+            return len(data)
+
+    rng = np.random.default_rng(9)
+    key_schema, value_schema = schemas("multi-field key")
+    rows, _ = make_rows(rng, key_schema, value_schema, 3000, n_misses=0)
+    sink = WriteOnly()
+    writer = SnapshotWriter(sink, key_schema, value_schema, len(rows), 4, block_size=1024)
+    for chunk in split_randomly(rng, rows):
+        writer.write_rows(chunk)
+    writer.finish()
+    expected = reference_snapshot(key_schema, value_schema, rows, 4, bytes(16), 1024)
+    assert b"".join(sink.parts) == expected
+
+
+# -- lifetime -----------------------------------------------------------------------------------
+def test_close_and_use_after_close(small_snapshot):
+    path, rows, _, key_schema, _ = small_snapshot
+    reader = SnapshotReader(path)
+    key = rows[7, :8].tobytes()
+    value = reader.get_row(key)
+    values, found = reader.get_batch(key_schema.from_rows(np.ascontiguousarray(rows[:10, :8])))
+    batches = list(reader.iter_batches(100))
+    cursor = reader.cursor()
+    first = cursor.next_rows(5)
+    reader.close()
+    reader.close()  # harmless
+    assert reader.closed
+    # Copies survive the mapping.
+    assert value == rows[7, 8:].tobytes() and found.all() and first.tobytes() == rows[:5].tobytes()
+    assert np.concatenate([k for k, _ in batches]).tobytes() == rows[:, :8].tobytes()
+    for call in (lambda: reader.get_row(key), lambda: reader.get(1), lambda: 1 in reader,
+                 lambda: reader.get_batch(key_schema.from_rows(np.ascontiguousarray(rows[:2, :8]))),
+                 lambda: cursor.next_rows(5), reader.cursor, lambda: list(reader.items()), reader.verify):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    assert len(reader) == 500
+    with pytest.raises(ValueError):
+        with reader:
+            pass
+
+
+def test_readers_of_one_file_share_nothing_but_the_file(small_snapshot):
+    path, rows, _, _, _ = small_snapshot
+    with SnapshotReader(path) as a, SnapshotReader(path) as b:
+        assert a.get_row(rows[3, :8].tobytes()) == b.get_row(rows[3, :8].tobytes())
+        assert a.verified_blocks() == b.verified_blocks() > 0
+
+
+def test_get_rows_checks_shapes(small_snapshot):
+    path = small_snapshot[0]
+    with SnapshotReader(path) as reader:
+        with pytest.raises(ValueError):
+            reader.get_rows(np.zeros((3, 7), np.uint8), np.zeros((3, 16), np.uint8), np.zeros(3, np.uint8))
+        with pytest.raises(ValueError):
+            reader.get_rows(np.zeros((3, 8), np.uint8), np.zeros((2, 16), np.uint8), np.zeros(3, np.uint8))
+        with pytest.raises(ValueError):
+            reader.get_row(b"1234567")
+        reader.get_rows(np.zeros((0, 8), np.uint8), np.zeros((0, 16), np.uint8), np.zeros(0, np.uint8))
+
+
+# -- corruption fuzz, in subprocesses -----------------------------------------------------------
+DRIVER = r'''
+import json, sys
+import numpy as np
+from statecore._snapshot import SnapshotReader
+from statecore.errors import StateCorruptionError
+
+pristine_path, rows_path, misses_path, cases_path, case_path = sys.argv[1:]
+pristine = open(pristine_path, "rb").read()
+rows = np.load(rows_path)
+misses = np.load(misses_path)
+kw = misses.shape[1]
+vw = rows.shape[1] - kw
+keys = np.ascontiguousarray(rows[:, :kw])
+
+def check(case):
+    with SnapshotReader(case_path) as reader:
+        if case["verify"]:
+            reader.verify()
+        values = np.zeros((len(keys), vw), np.uint8)
+        found = np.zeros(len(keys), np.uint8)
+        reader.get_rows(keys, values, found)
+        if not (found.all() and np.array_equal(values, rows[:, kw:])):
+            return "wrong: lookups"
+        found = np.ones(len(misses), np.uint8)
+        reader.get_rows(misses, np.zeros((len(misses), vw), np.uint8), found)
+        if found.any():
+            return "wrong: a missing key was found"
+        for i in range(0, len(keys), 37):
+            if reader.get_row(keys[i].tobytes()) != rows[i, kw:].tobytes():
+                return "wrong: get_row"
+        cursor = reader.cursor()
+        chunks = []
+        while (chunk := cursor.next_rows(100)) is not None:
+            chunks.append(chunk)
+        if not np.array_equal(np.concatenate(chunks), rows):
+            return "wrong: iteration"
+        if len(reader) != len(rows):
+            return "wrong: len"
+    return "ok"
+
+for case in json.load(open(cases_path)):
+    data = bytearray(pristine)
+    if case["kind"] == "flip":
+        data[case["offset"]] ^= case["mask"]
+    else:
+        data = data[:case["length"]]
+    with open(case_path, "wb") as f:
+        f.write(data)
+    try:
+        result = check(case)
+    except StateCorruptionError as e:
+        result = "error"
+    except Exception as e:
+        result = f"other: {type(e).__name__}: {e}"
+    print(json.dumps({**case, "result": result}), flush=True)
+'''
+
+
+def fuzz_cases(rng, size, header, n_cases):
+    """Single-byte flips spread over every region, then truncations."""
+    json_end = 136 + header["schema_json_len"]
+    regions = [(0, 136), (136, json_end), (json_end, 4088), (4088, 4096),
+               (4096, header["slots_offset"]), (header["slots_offset"], header["checksums_offset"]),
+               (header["checksums_offset"], size - 64), (size - 64, size)]
+    cases = []
+    for i in range(n_cases):
+        lo, hi = regions[i % len(regions)]
+        cases.append({"kind": "flip", "offset": int(rng.integers(lo, hi)),
+                      "mask": int(rng.integers(1, 256)), "verify": bool(i % 3 == 0)})
+    for length in rng.integers(0, size, size=n_cases // 8):
+        cases.append({"kind": "truncate", "length": int(length), "verify": False})
+    return cases
+
+
+@pytest.mark.parametrize("layout,block_size,seed", [("int64->int64,float64", 512, 1),
+                                                    ("multi-field key", 256, 2),
+                                                    ("set", 64, 3),
+                                                    ("int64->int64,float64", 4096, 4)])
+def test_corruption_fuzz_in_subprocess(tmp_path, layout, block_size, seed):
+    rng = np.random.default_rng(seed)
+    key_schema, value_schema = schemas(layout)
+    rows, misses = make_rows(rng, key_schema, value_schema, 400)
+    path = tmp_path / "pristine"
+    write_file(path, key_schema, value_schema, rows, block_size=block_size)
+    size = path.stat().st_size
+    header = dict(zip(HEADER_FIELDS, HEADER.unpack_from(path.read_bytes())))
+    cases = fuzz_cases(rng, size, header, 160)
+    np.save(tmp_path / "rows.npy", rows)
+    np.save(tmp_path / "misses.npy", misses)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, tmp_path / "driver.py", path, tmp_path / "rows.npy", tmp_path / "misses.npy",
+            tmp_path / "cases.json", tmp_path / "case"]
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=env, cwd=str(REPO),
+                          timeout=120)
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    if proc.returncode != 0:
+        last = results[-1] if results else None
+        pytest.fail(f"driver exited with {proc.returncode} (negative: killed by a signal) after "
+                    f"{len(results)} of {len(cases)} cases; last finished: {last}\n{proc.stderr[-3000:]}")
+    assert len(results) == len(cases)
+    bad = [r for r in results if r["result"] not in ("ok", "error")]
+    assert not bad, bad[:5]
+    # Every byte is under a checksum: verify() finds every flip, and a truncation never opens.
+    missed = [r for r in results if (r["verify"] or r["kind"] == "truncate") and r["result"] != "error"]
+    assert not missed, missed[:5]
+    assert sum(r["result"] == "error" for r in results) > len(results) // 2
+
+
+# -- threads --------------------------------------------------------------------------------------
+def test_threads_share_a_reader_and_close_does_not_pull_the_mapping_away(tmp_path):
+    import threading
+
+    rng = np.random.default_rng(21)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, _ = make_rows(rng, key_schema, value_schema, 60_000, n_misses=0)
+    write_file(tmp_path / "s", key_schema, value_schema, rows, block_size=4096)
+    keys = key_schema.from_rows(np.ascontiguousarray(rows[:, :8]))
+    expected = rows[:, 8:].tobytes()
+    reader = SnapshotReader(tmp_path / "s")
+    outcomes = []
+
+    def lookups():  # every block is checked by whichever thread gets there first
+        try:
+            while True:
+                values, found = reader.get_batch(keys)
+                outcomes.append(bool(found.all()) and values.tobytes() == expected)
+        except ValueError as e:  # closed under us: only between calls, never inside one
+            outcomes.append("closed" in str(e))
+
+    threads = [threading.Thread(target=lookups) for _ in range(3)]
+    for t in threads:
+        t.start()
+    while len(outcomes) < 6:
+        threading.Event().wait(0.001)
+    reader.close()
+    for t in threads:
+        t.join(timeout=30)
+    assert outcomes and all(outcomes)
+    assert sum(1 for o in outcomes if o is True) >= 6
