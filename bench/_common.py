@@ -101,7 +101,12 @@ class Table:
               f"{'M' + self.unit + '/s':>10} {'ns/' + self.unit.rstrip('s'):>8} {'relative':>8}")
         for r in self.summary():
             print(f"{r['name']:<{width}}  {r['best_ms']:>9.2f} {r['median_ms']:>10.2f} {r['stdev_ms']:>7.2f} "
-                  f"{r['m_per_s']:>10.2f} {r['ns_per_item']:>8.1f} {r['relative']:>7.1f}X")
+                  f"{_num(r['m_per_s']):>10} {_num(r['ns_per_item']):>8} {r['relative']:>7.1f}X")
+
+
+def _num(x):
+    """Two decimals for ordinary figures, three significant digits for tiny or huge ones."""
+    return f"{x:.2f}" if 0.1 <= abs(x) < 1e5 else f"{x:.3g}"
 
 
 def arg_parser(description, rows=1_000_000, repeat=7):
