@@ -30,6 +30,7 @@ from statecore._hash cimport key_hash, slot_tag
 
 import numpy as np
 
+from statecore.rowsource import iter_batches, iter_items, lookup_batch
 from statecore.schema import as_schema
 
 cdef extern from *:
@@ -120,7 +121,6 @@ cdef enum:
     MIN_ROWS = 16
     SLOT_PREFETCH_AHEAD = 16   # lookups ahead whose home slot is prefetched
     ROW_PREFETCH_AHEAD = 8     # lookups ahead whose home row is prefetched
-    CURSOR_CHUNK_ROWS = 1024
 
 # Row numbers are stored + 1 in a uint32 slot field.
 cdef uint64_t MAX_ROWS = 0xFFFFFFFE
@@ -618,16 +618,8 @@ cdef class RowTable:
         return self.count
 
     def get_batch(self, keys):
-        """``(values, found)``: a structured array of the value schema (zeros where not found)
-        and a bool array, for a batch of keys (structured array or mapping of columns)."""
-        key_rows = self.key_schema.rows(keys)
-        n = key_rows.shape[0]
-        values = np.zeros(n, dtype=self.value_schema.dtype)
-        found = np.empty(n, dtype=np.bool_)
-        value_rows = (values.view(np.uint8).reshape(n, self.value_width) if self.value_width
-                      else np.empty((n, 0), dtype=np.uint8))
-        self.get_rows(key_rows, value_rows, found.view(np.uint8))
-        return values, found
+        """``(values, found)`` for a batch of keys; see :func:`statecore.rowsource.lookup_batch`."""
+        return lookup_batch(self.get_rows, self.key_schema, self.value_schema, keys)
 
     def put_batch(self, keys, values=None):
         """Insert or overwrite a batch; ``values`` may be None for an empty value schema."""
@@ -650,37 +642,12 @@ cdef class RowTable:
 
     def items(self):
         """Yield ``(key_tuple, value_tuple)`` for each row live when iteration began."""
-        cdef Py_ssize_t kw = self.key_width
-        decode_key = self.key_schema.decode
-        decode_value = self.value_schema.decode
-        cursor = RowCursor(self)
-        try:
-            while True:
-                chunk = cursor.next_rows(CURSOR_CHUNK_ROWS)
-                if chunk is None:
-                    return
-                for row in chunk:
-                    raw = row.tobytes()
-                    yield decode_key(raw[:kw]), decode_value(raw[kw:])
-        finally:
-            cursor.close()
+        return iter_items(RowCursor(self), self.key_schema, self.value_schema)
 
     def iter_batches(self, Py_ssize_t rows_per_batch=65536):
         """Yield ``(keys, values)`` structured-array copies covering each row live when
         iteration began exactly once."""
-        if rows_per_batch <= 0:
-            raise ValueError(f"rows_per_batch must be > 0, got {rows_per_batch}")
-        cursor = RowCursor(self)
-        try:
-            while True:
-                chunk = cursor.next_rows(rows_per_batch)
-                if chunk is None:
-                    return
-                keys = np.ascontiguousarray(chunk[:, :self.key_width])
-                values = np.ascontiguousarray(chunk[:, self.key_width:])
-                yield self.key_schema.from_rows(keys), self.value_schema.from_rows(values)
-        finally:
-            cursor.close()
+        return iter_batches(RowCursor(self), self.key_schema, self.value_schema, rows_per_batch)
 
     def clear(self):
         """Remove every row and give the memory back."""

@@ -97,6 +97,7 @@ import uuid
 import numpy as np
 
 from statecore.errors import SchemaMismatchError, StateCorruptionError
+from statecore.rowsource import iter_batches, iter_items, lookup_batch
 from statecore.schema import RowSchema, as_schema
 
 cdef extern from *:
@@ -179,7 +180,6 @@ assert _HEADER.size == 136 and _FOOTER.size == 56
 cdef enum:
     SLOT_PREFETCH_AHEAD = 16   # lookups ahead whose home slot is prefetched
     ROW_PREFETCH_AHEAD = 8     # lookups ahead whose row is prefetched
-    CURSOR_CHUNK_ROWS = 1024
     VERIFY_WINDOW_BYTES = 4 << 20   # verify() reads ahead this much
     WRITE_CHUNK_ROWS = 65536
 
@@ -1090,16 +1090,8 @@ cdef class SnapshotReader:
         return self.row_count
 
     def get_batch(self, keys):
-        """``(values, found)``: a structured array of the value schema (zeros where not found)
-        and a bool array, for a batch of keys (structured array or mapping of columns)."""
-        key_rows = self.key_schema.rows(keys)
-        n = key_rows.shape[0]
-        values = np.zeros(n, dtype=self.value_schema.dtype)
-        found = np.empty(n, dtype=np.bool_)
-        value_rows = (values.view(np.uint8).reshape(n, self.value_width) if self.value_width
-                      else np.empty((n, 0), dtype=np.uint8))
-        self.get_rows(key_rows, value_rows, found.view(np.uint8))
-        return values, found
+        """``(values, found)`` for a batch of keys; see :func:`statecore.rowsource.lookup_batch`."""
+        return lookup_batch(self.get_rows, self.key_schema, self.value_schema, keys)
 
     def cursor(self):
         """A :class:`SnapshotCursor` over every row, in file order."""
@@ -1108,31 +1100,11 @@ cdef class SnapshotReader:
 
     def items(self):
         """Yield ``(key_tuple, value_tuple)`` for every row, in file order."""
-        cdef Py_ssize_t kw = self.key_width, rw = self.row_width, i, m
-        decode_key = self.key_schema.decode
-        decode_value = self.value_schema.decode
-        cursor = self.cursor()
-        while True:
-            chunk = cursor.next_rows(CURSOR_CHUNK_ROWS)
-            if chunk is None:
-                return
-            raw = chunk.tobytes()
-            m = chunk.shape[0]
-            for i in range(m):
-                yield decode_key(raw[i * rw:i * rw + kw]), decode_value(raw[i * rw + kw:(i + 1) * rw])
+        return iter_items(self.cursor(), self.key_schema, self.value_schema)
 
     def iter_batches(self, Py_ssize_t rows_per_batch=65536):
         """Yield ``(keys, values)`` structured-array copies covering every row exactly once."""
-        if rows_per_batch <= 0:
-            raise ValueError(f"rows_per_batch must be > 0, got {rows_per_batch}")
-        cursor = self.cursor()
-        while True:
-            chunk = cursor.next_rows(rows_per_batch)
-            if chunk is None:
-                return
-            keys = np.ascontiguousarray(chunk[:, :self.key_width])
-            values = np.ascontiguousarray(chunk[:, self.key_width:])
-            yield self.key_schema.from_rows(keys), self.value_schema.from_rows(values)
+        return iter_batches(self.cursor(), self.key_schema, self.value_schema, rows_per_batch)
 
     # -- checks ---------------------------------------------------------------------------
     def verify(self):
