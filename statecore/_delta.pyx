@@ -91,7 +91,7 @@ import lz4.block
 import numpy as np
 
 from statecore.errors import IllegalStateError, SchemaMismatchError, StateCorruptionError
-from statecore.schema import as_schema
+from statecore.schema import as_schema, key_value_schemas
 
 __all__ = [
     "BLOCK_PUTS", "BLOCK_REMOVES", "DEFAULT_BLOCK_BYTES", "FORMAT_VERSION", "MAX_BLOCK_RAW_SIZE",
@@ -235,10 +235,7 @@ cdef class DeltaWriter:
             PyMem_Free(self._buf)
             self._buf = NULL
         self._write = fileobj.write
-        self.key_schema = as_schema(key_schema)
-        self.value_schema = as_schema(value_schema)
-        if self.key_schema.width == 0:
-            raise TypeError("a key schema needs at least one field")
+        self.key_schema, self.value_schema = key_value_schemas(key_schema, value_schema)
         self.key_width = self.key_schema.width
         self.value_width = self.value_schema.width
         if not isinstance(store_version, int) or not 0 <= store_version < (1 << 64):

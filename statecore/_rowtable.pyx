@@ -31,7 +31,7 @@ from statecore._hash cimport key_hash, slot_tag
 import numpy as np
 
 from statecore.rowsource import iter_batches, iter_items, lookup_batch
-from statecore.schema import as_schema
+from statecore.schema import key_value_schemas
 
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
@@ -182,10 +182,7 @@ cdef class RowTable:
     """
 
     def __cinit__(self, key_schema, value_schema, Py_ssize_t capacity=0):
-        self.key_schema = as_schema(key_schema)
-        self.value_schema = as_schema(value_schema)
-        if self.key_schema.width == 0:
-            raise TypeError("a key schema needs at least one field")
+        self.key_schema, self.value_schema = key_value_schemas(key_schema, value_schema)
         self.key_width = self.key_schema.width
         self.value_width = self.value_schema.width
         self.row_width = self.key_width + self.value_width

@@ -98,7 +98,7 @@ import numpy as np
 
 from statecore.errors import SchemaMismatchError, StateCorruptionError
 from statecore.rowsource import iter_batches, iter_items, lookup_batch
-from statecore.schema import RowSchema, as_schema
+from statecore.schema import RowSchema, as_schema, key_value_schemas
 
 cdef extern from *:
     """
@@ -276,10 +276,7 @@ cdef class SnapshotWriter:
                   lineage=bytes(16), block_size=DEFAULT_BLOCK_SIZE):
         if not callable(getattr(fileobj, "write", None)):
             raise TypeError(f"fileobj must have a write() method, got {type(fileobj).__name__}")
-        self.key_schema = as_schema(key_schema)
-        self.value_schema = as_schema(value_schema)
-        if self.key_schema.width == 0:
-            raise TypeError("a key schema needs at least one field")
+        self.key_schema, self.value_schema = key_value_schemas(key_schema, value_schema)
         self.key_width = self.key_schema.width
         self.value_width = self.value_schema.width
         self.row_width = self.key_width + self.value_width

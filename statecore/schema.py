@@ -13,7 +13,7 @@ import numpy as np
 
 from statecore._hash import xxh64_digest
 
-__all__ = ["RowSchema", "as_schema"]
+__all__ = ["RowSchema", "as_schema", "key_value_schemas"]
 
 # numpy dtype char -> struct code, for the fixed-width kinds a row may hold (packed, "<").
 _STRUCT_CODES = {
@@ -272,6 +272,15 @@ def _structured_from(columns, dtype, n):
     for name in dtype.names:
         out[name] = columns[name]
     return out
+
+
+def key_value_schemas(key_schema, value_schema):
+    """The (key, value) RowSchemas of a store; a key needs at least one field, a value may
+    have none."""
+    key, value = as_schema(key_schema), as_schema(value_schema)
+    if key.width == 0:
+        raise TypeError("a key schema needs at least one field")
+    return key, value
 
 
 def as_schema(schema):
