@@ -15,11 +15,26 @@ from statecore.schema import RowSchema
 from statecore._rowtable import RowCursor, RowTable
 from statecore._snapshot import SnapshotReader, SnapshotWriter, write_snapshot
 from statecore._delta import DeltaReader, DeltaWriter, apply_delta, encode_delta, read_delta
+from statecore.conf import StateStoreConf
+from statecore.ids import StateStoreId, StateStoreProviderId
+from statecore.metrics import StateStoreCustomMetric, StateStoreMetrics
+from statecore.store import (FileStateStoreProvider, ReadStateStore, StateStore, StateStoreProvider,
+                             create_and_init_provider)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "FileStateStoreProvider",
+    "ReadStateStore",
+    "StateStore",
+    "StateStoreConf",
+    "StateStoreCustomMetric",
+    "StateStoreId",
+    "StateStoreMetrics",
+    "StateStoreProvider",
+    "StateStoreProviderId",
+    "create_and_init_provider",
     "DeltaReader",
     "DeltaWriter",
     "SnapshotReader",

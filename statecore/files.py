@@ -1,0 +1,713 @@
+"""The files of one store directory, on any fsspec filesystem: the only way state files are touched.
+
+:class:`StoreFiles` owns everything statecore does with the files of a store directory
+(``<root>/<operator>/<partition>[/<store>]``): listing the ``<v>.delta`` and
+``<v>.snapshot`` files by Spark's naming rule, reading them whole or in part, writing them
+atomically (a temporary file in the same directory, then a rename), deleting them, and
+giving the snapshot reader a local path it can memory-map (a copy in a local cache
+directory when the filesystem is remote). The formats of the files themselves are owned by
+the compiled modules (``_delta``, ``_snapshot``); this module moves bytes, never reads them.
+
+The store obtains its files through :func:`open_store_files`, so tests replace that one
+function (or use :class:`FaultInjectingFiles`) to fail any step of any file operation.
+
+Thread-safety: a ``StoreFiles`` may be shared by several threads (a task thread and the
+maintenance thread). It keeps no mutable state after construction; the only shared thing
+it writes is the local cache directory, where every file appears by an atomic rename.
+"""
+import collections
+import errno
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import uuid
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import tokenize
+
+__all__ = ["StoreFiles", "FaultInjectingFiles", "open_store_files"]
+
+logger = logging.getLogger(__name__)
+
+# A version is ASCII digits only: Python's int() would also take "+5", " 5", "5_0" and
+# non-ASCII digits, none of which Spark (Long.parseLong) or a human would call a version.
+_VERSION = re.compile(r"[0-9]+")
+_MAX_VERSION = 2**63 - 1  # a Java long, as Spark parses it
+_KINDS = ("delta", "snapshot")
+
+# Keys of fsspec's info() that change when a file is re-written (which of them a
+# filesystem gives varies: local and memory give mtime/created, S3 ETag and LastModified,
+# GCS generation and crc32c, ...). They key the local cache together with the size.
+_IDENTITY_KEYS = (
+    "mtime", "created", "LastModified", "last_modified", "updated", "ETag", "etag",
+    "VersionId", "version_id", "generation", "checksum", "md5Hash", "content_md5", "crc32c",
+)
+
+
+class StoreFiles:
+    """The files of one store directory on any fsspec filesystem.
+
+    Parameters
+    ----------
+    location : str
+        The directory: a plain path (made absolute), a ``file://`` URL, or any fsspec URL
+        (``memory://x/y``, ``s3://bucket/ckpt/0/3``).
+    storage_options : dict, optional
+        Passed to the fsspec filesystem (credentials, endpoints, ...).
+    local_cache_dir : str, optional
+        Where copies of remote files are kept for memory-mapping; required only when
+        :meth:`local_path_for_mapping` is called on a filesystem that is not local.
+
+    Attributes
+    ----------
+    location : str
+        The location exactly as given, for messages.
+    fs : fsspec.AbstractFileSystem
+        The filesystem; plain paths and ``file://`` give the local one.
+    is_local : bool
+        True for the local filesystem, where files are written and read with ``os``
+        calls directly (so that they can be fsync'ed and mapped in place).
+
+    Notes
+    -----
+    File names passed to the methods are relative to the directory and use ``/``
+    (``"12.delta"``, ``"_metadata/schema"``).
+    """
+
+    def __init__(self, location, storage_options=None, local_cache_dir=None):
+        if not isinstance(location, str) or not location:
+            raise ValueError(f"location must be a non-empty string, got {location!r}")
+        self.location = location
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = fsspec.core.url_to_fs(location, **self.storage_options)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        # fsspec already strips "file://" and makes relative local paths absolute.
+        self._root = root.rstrip("/") or "/"
+        self.local_cache_dir = (os.path.abspath(local_cache_dir)
+                                if local_cache_dir is not None else None)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.location!r})"
+
+    # -- names and paths ----------------------------------------------------------------
+
+    def _full(self, name):
+        """The filesystem path of ``name``, after checking it stays inside the directory."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"file name must be a non-empty string, got {name!r}")
+        parts = name.split("/")
+        if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"file name {name!r} must be relative to the store directory")
+        return self._root.rstrip("/") + "/" + name
+
+    def path(self, name):
+        """The full path (local) or URL (other filesystems) of ``name``, for messages.
+
+        Parameters
+        ----------
+        name : str
+            A file name relative to the directory.
+
+        Returns
+        -------
+        str
+        """
+        full = self._full(name)
+        return full if self.is_local else self.fs.unstrip_protocol(full)
+
+    def _dir_path(self):
+        return self._root if self.is_local else self.fs.unstrip_protocol(self._root)
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    # Visible for tests. Called before each step of a file operation ("flush", "fsync",
+    # "rename", "delete", "read"); FaultInjectingFiles raises from here.
+    def _step(self, step, name):
+        pass
+
+    # Visible for tests. The file object handed to a write_atomic callback.
+    def _writer(self, f, name):
+        return f
+
+    # -- directory --------------------------------------------------------------------------
+
+    def mkdirs(self):
+        """Create the directory and its parents; an existing directory is fine."""
+        if self.is_local:
+            os.makedirs(self._root, exist_ok=True)
+        else:
+            self.fs.makedirs(self._root, exist_ok=True)
+
+    def _list_names(self):
+        """(name, is_dir) of every entry in the directory; none if it does not exist."""
+        if self.is_local:
+            try:
+                with os.scandir(self._root) as it:
+                    return [(e.name, e.is_dir()) for e in it]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        # Listings may be cached by the filesystem object (s3fs, gcsfs): files written by
+        # another process would stay invisible.
+        self.fs.invalidate_cache(self._root)
+        try:
+            entries = self.fs.ls(self._root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("type") == "directory")
+                for e in entries]
+
+    def list_versions(self):
+        """The delta and snapshot files in the directory, by version.
+
+        Spark's rule (spec 4.1): a name split on ``.`` must have exactly two parts; the
+        first, ASCII digits, is the version; the second, compared case-insensitively, is
+        ``delta`` or ``snapshot``. Other two-part names are logged as a warning and
+        ignored; temporary files (leading dot), names with more or fewer dots, and
+        directories (``_metadata``) are ignored silently. A missing directory has no files.
+
+        Returns
+        -------
+        deltas, snapshots : dict[int, str], dict[int, str]
+            Version -> file name, each sorted by version.
+
+        Notes
+        -----
+        Where Spark fails on a two-part name whose first part is not a number, we warn and
+        ignore it. If two names give one version (``7.delta`` and ``007.DELTA``), the
+        canonical ``<v>.delta`` is kept (else the first in sorted order) and the other is
+        logged.
+        """
+        found = ({}, {})
+        for name, is_dir in sorted(self._list_names()):
+            if is_dir or name.startswith("."):
+                continue
+            parts = name.split(".")
+            if len(parts) != 2:
+                continue
+            kind = parts[1].lower()
+            if (kind not in _KINDS or not _VERSION.fullmatch(parts[0])
+                    or int(parts[0]) > _MAX_VERSION):
+                logger.warning("Could not identify file %s in store directory %s; ignoring it",
+                               self.path(name), self._dir_path())
+                continue
+            version = int(parts[0])
+            table = found[_KINDS.index(kind)]
+            kept = table.get(version)
+            if kept is not None:
+                ignored = name
+                if name == f"{version}.{kind}":
+                    table[version], ignored = name, kept
+                logger.warning("Ignoring file %s: file %s already holds %s version %d",
+                               self.path(ignored), self.path(table[version]), kind, version)
+                continue
+            table[version] = name
+        return tuple(dict(sorted(t.items())) for t in found)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def exists(self, name):
+        """Whether the file ``name`` exists.
+
+        Parameters
+        ----------
+        name : str
+
+        Returns
+        -------
+        bool
+        """
+        full = self._full(name)
+        if self.is_local:
+            return os.path.exists(full)
+        self.fs.invalidate_cache(full)
+        return self.fs.exists(full)
+
+    def read_bytes(self, name):
+        """The whole content of ``name``.
+
+        Parameters
+        ----------
+        name : str
+
+        Returns
+        -------
+        bytes
+
+        Raises
+        ------
+        FileNotFoundError
+            If the file does not exist.
+        """
+        full = self._full(name)
+        self._step("read", name)
+        if self.is_local:
+            with open(full, "rb") as f:
+                return f.read()
+        return self.fs.cat_file(full)
+
+    def read_range(self, name, start, length):
+        """``length`` bytes of ``name`` from byte ``start`` (fewer if the file ends first).
+
+        Reads only that range, so a header can be checked without fetching a whole
+        remote file.
+
+        Parameters
+        ----------
+        name : str
+        start, length : int
+            Non-negative.
+
+        Returns
+        -------
+        bytes
+
+        Raises
+        ------
+        FileNotFoundError
+            If the file does not exist.
+        """
+        if start < 0 or length < 0:
+            raise ValueError(f"start and length must be >= 0, got {start} and {length}")
+        full = self._full(name)
+        self._step("read", name)
+        if self.is_local:
+            with open(full, "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        if length == 0:
+            self.fs.info(full)  # still FileNotFoundError for a missing file
+            return b""
+        return self.fs.cat_file(full, start, start + length)
+
+    def open_read(self, name):
+        """A binary file object reading ``name``; use it as a context manager.
+
+        Parameters
+        ----------
+        name : str
+
+        Returns
+        -------
+        file object
+
+        Raises
+        ------
+        FileNotFoundError
+            If the file does not exist.
+        """
+        full = self._full(name)
+        self._step("read", name)
+        if self.is_local:
+            return open(full, "rb")
+        return self.fs.open(full, "rb")
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def write_atomic(self, name, write, overwrite=True):
+        """Write ``name`` so that it appears whole or not at all.
+
+        ``write(fileobj)`` writes the content into a temporary file
+        ``.<name>.<uuid4hex>.tmp`` in the same directory, which is then flushed, fsync'ed
+        (local filesystem) and renamed to ``name`` (spec 4.4.1). On the local filesystem
+        the directory is fsync'ed after the rename, so the new name survives a power
+        loss. Until the rename, nothing but the temporary file is touched; on any error the
+        temporary file is deleted (best effort) and the error re-raised.
+
+        Parameters
+        ----------
+        name : str
+            The final file name; missing parent directories are created (as Spark's
+            ``createAtomic`` does).
+        write : callable
+            Called once with a binary file object open for writing.
+        overwrite : bool, default True
+            Replace an existing file of that name. With False an existing file is left
+            alone and ``FileExistsError`` raised (the schema file uses this).
+
+        Returns
+        -------
+        int
+            The size of the file written, in bytes.
+
+        Raises
+        ------
+        FileExistsError
+            If ``overwrite`` is False and ``name`` exists.
+        OSError
+            From the filesystem; the previous file of that name, if any, is intact. (Only
+            a failing fsync of the directory, after the rename, finds the new file in
+            place; writing it again is safe.)
+        """
+        full = self._full(name)
+        parent, base = full.rsplit("/", 1)
+        tmp = f"{parent}/.{base}.{uuid.uuid4().hex}.tmp"
+        if not overwrite and self.exists(name):
+            raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
+        if self.is_local:
+            return self._write_local(name, full, tmp, write, overwrite)
+        return self._write_remote(name, full, tmp, write, overwrite)
+
+    def _write_local(self, name, full, tmp, write, overwrite):
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        renamed = False
+        f = open(tmp, "xb")
+        try:
+            try:
+                write(self._writer(f, name))
+                self._step("flush", name)
+                f.flush()
+                self._step("fsync", name)
+                os.fsync(f.fileno())
+                size = os.fstat(f.fileno()).st_size
+            except BaseException:
+                _quietly(f.close)  # a failing close must not hide the first error
+                raise
+            f.close()
+            self._step("rename", name)
+            if overwrite:
+                os.replace(tmp, full)
+            else:
+                self._rename_no_clobber_local(name, tmp, full)
+            renamed = True
+        except BaseException:
+            if not renamed:
+                _quietly(os.unlink, tmp)
+            raise
+        _fsync_dir(os.path.dirname(full))
+        return size
+
+    def _rename_no_clobber_local(self, name, tmp, full):
+        # A hard link fails if the target exists, so no other writer can be overwritten
+        # between a check and the rename; filesystems without links fall back to one.
+        try:
+            os.link(tmp, full)
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, "File exists", self.path(name)) from None
+        except OSError:
+            if os.path.lexists(full):
+                raise FileExistsError(errno.EEXIST, "File exists", self.path(name)) from None
+            os.replace(tmp, full)
+            return
+        _quietly(os.unlink, tmp)
+
+    def _write_remote(self, name, full, tmp, write, overwrite):
+        renamed = False
+        try:
+            f = self.fs.open(tmp, "wb")
+            try:
+                write(self._writer(f, name))
+                self._step("flush", name)
+                f.flush()
+                self._step("fsync", name)  # nothing to sync: close() makes it durable
+            except BaseException:
+                _quietly(f.close)  # a failing close must not hide the first error
+                raise
+            f.close()
+            self._step("rename", name)
+            # Object stores have no rename that refuses to overwrite; the check is racy
+            # there, which is acceptable for the one file written this way (the schema).
+            if not overwrite and self.fs.exists(full):
+                raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
+            self.fs.mv(tmp, full)
+            renamed = True
+        except BaseException:
+            if not renamed:
+                _quietly(self.fs.rm_file, tmp)
+            raise
+        self.fs.invalidate_cache(full)
+        return self.fs.size(full)
+
+    # -- deleting ---------------------------------------------------------------------------
+
+    def delete(self, names):
+        """Delete files, best effort: missing files and failures are skipped (failures logged).
+
+        Also drops local cached copies of the deleted files.
+
+        Parameters
+        ----------
+        names : iterable of str
+
+        Returns
+        -------
+        list of str
+            The names that were deleted.
+        """
+        deleted = []
+        for name in names:
+            full = self._full(name)
+            try:
+                self._step("delete", name)
+                if self.is_local:
+                    os.unlink(full)
+                else:
+                    self.fs.rm_file(full)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                logger.warning("Could not delete file %s: %s", self.path(name), e)
+                continue
+            deleted.append(name)
+            if not self.is_local and self.local_cache_dir is not None:
+                self._drop_cached(full, keep=None)
+        return deleted
+
+    # -- mapping ----------------------------------------------------------------------------
+
+    def local_path_for_mapping(self, name):
+        """A local path holding the content of ``name``, that can be memory-mapped.
+
+        On the local filesystem this is the file itself. On any other, the file is copied
+        once into ``local_cache_dir`` (to a temporary name, then renamed) and the copy is
+        reused while the source keeps its size and version (mtime, ETag, ... as the
+        filesystem reports them), so a re-written file is copied afresh. Older copies of
+        the same source are then removed; a process that has mapped one keeps its pages.
+
+        Parameters
+        ----------
+        name : str
+
+        Returns
+        -------
+        str
+
+        Raises
+        ------
+        FileNotFoundError
+            If the file does not exist.
+        ValueError
+            If the filesystem is not local and no ``local_cache_dir`` was given.
+        """
+        full = self._full(name)
+        self._step("read", name)
+        if self.is_local:
+            os.stat(full)  # FileNotFoundError here, as on other filesystems
+            return full
+        if self.local_cache_dir is None:
+            raise ValueError(
+                f"local_cache_dir (spark.statecore.localCacheDir) is required to map "
+                f"{self.path(name)}: {type(self.fs).__name__} is not a local filesystem")
+        os.makedirs(self.local_cache_dir, exist_ok=True)
+        base = full.rsplit("/", 1)[1]
+        # Sources change under a name only when a version is committed again; copying
+        # while that happens yields a copy of the wrong size, so look again.
+        for _ in range(3):
+            self.fs.invalidate_cache(full)
+            info = self.fs.info(full)
+            size = info["size"]
+            identity = _digest(json.dumps(
+                [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))
+            cached = os.path.join(self.local_cache_dir,
+                                  f"{self._source_id(full)}-{identity[:16]}-{base}")
+            try:
+                if os.path.getsize(cached) == size:
+                    return cached
+            except FileNotFoundError:
+                pass
+            tmp = os.path.join(self.local_cache_dir,
+                               f".{os.path.basename(cached)}.{uuid.uuid4().hex}.tmp")
+            try:
+                self.fs.get_file(full, tmp)
+                if os.path.getsize(tmp) != size:
+                    os.unlink(tmp)
+                    continue
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # a copy torn by a power loss would read as corrupt
+                finally:
+                    os.close(fd)
+                os.replace(tmp, cached)
+            except BaseException:
+                _quietly(os.unlink, tmp)
+                raise
+            self._drop_cached(full, keep=cached)
+            return cached
+        raise OSError(errno.EAGAIN, "file kept changing while it was copied", self.path(name))
+
+    def _source_id(self, full):
+        """Names one source file across filesystems and endpoints (part of cache names)."""
+        fs_type = f"{type(self.fs).__module__}.{type(self.fs).__qualname__}"
+        return _digest(f"{fs_type}\0{self.fs.unstrip_protocol(full)}\0"
+                       f"{tokenize(self.storage_options)}")[:24]
+
+    def _drop_cached(self, full, keep):
+        """Remove cached copies of ``full`` other than ``keep`` (best effort)."""
+        prefix = self._source_id(full) + "-"
+        try:
+            names = os.listdir(self.local_cache_dir)
+        except OSError:
+            return
+        for n in names:
+            p = os.path.join(self.local_cache_dir, n)
+            if n.startswith(prefix) and p != keep:
+                _quietly(os.unlink, p)
+
+
+def _digest(text):
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _quietly(fn, *args):
+    """Best-effort cleanup: never masks the error being handled."""
+    try:
+        fn(*args)
+    except Exception:
+        pass
+
+
+def _fsync_dir(path):
+    """Make a rename in ``path`` durable; skipped where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # Windows, or a directory we may not open: nothing more we can do
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some filesystems (and platforms) do not support fsync on a directory.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def open_store_files(location, storage_options=None, local_cache_dir=None):
+    """The :class:`StoreFiles` of a store directory; the store gets its files only from here.
+
+    Tests replace this function (``monkeypatch.setattr(statecore.files,
+    "open_store_files", ...)``) to hand the store a :class:`FaultInjectingFiles`.
+
+    Parameters
+    ----------
+    location : str
+    storage_options : dict, optional
+    local_cache_dir : str, optional
+
+    Returns
+    -------
+    StoreFiles
+    """
+    return StoreFiles(location, storage_options, local_cache_dir)
+
+
+# Visible for tests.
+class FaultInjectingFiles(StoreFiles):
+    """StoreFiles that fail a chosen step of the operations on chosen files (for tests).
+
+    Steps: ``"write"`` (inside the ``write_atomic`` callback), ``"flush"``, ``"fsync"``,
+    ``"rename"`` (of ``write_atomic``), ``"delete"`` and ``"read"`` (``read_bytes``,
+    ``read_range``, ``open_read``, ``local_path_for_mapping``). An armed step raises
+    ``OSError("injected fault at <step> of <name>")``. ``calls`` counts how many times each
+    step ran (``"write"``: once per ``write_atomic``); ``raised`` how many faults fired.
+
+    Thread-safe: arming and counting take a lock.
+    """
+
+    STEPS = ("write", "flush", "fsync", "rename", "delete", "read")
+
+    def __init__(self, location, storage_options=None, local_cache_dir=None):
+        super().__init__(location, storage_options, local_cache_dir)
+        self._lock = threading.Lock()
+        self._faults = []  # [step, pattern, remaining or None, after_bytes]
+        self._pending = threading.local()  # this thread's armed, not yet fired write fault
+        self.calls = collections.Counter()
+        self.raised = collections.Counter()
+
+    def arm(self, step, pattern="*", times=1, after_bytes=0):
+        """Make ``step`` fail for file names matching ``pattern``.
+
+        Parameters
+        ----------
+        step : str
+            One of :attr:`STEPS`.
+        pattern : str, default "*"
+            A glob (``fnmatch``) over the file name relative to the directory.
+        times : int or None, default 1
+            How many faults to raise before disarming; None: every time.
+        after_bytes : int, default 0
+            ``"write"`` only: the callback's writes go through until this many bytes are
+            in the temporary file, then the write that crosses it stores the bytes up to
+            it and raises (a torn write). If the callback writes less, the fault fires
+            when it returns.
+        """
+        if step not in self.STEPS:
+            raise ValueError(f"unknown step {step!r}; steps are {self.STEPS}")
+        if times is not None and times < 1:
+            raise ValueError(f"times must be >= 1 or None, got {times}")
+        with self._lock:
+            self._faults.append([step, pattern, times, after_bytes])
+
+    def disarm(self, step=None):
+        """Remove the faults armed for ``step`` (all steps if None)."""
+        with self._lock:
+            self._faults = [f for f in self._faults if step is not None and f[0] != step]
+
+    def _take(self, step, name):
+        """Consume and return the first fault armed for (step, name), or None. REQUIRES: lock."""
+        for fault in self._faults:
+            if fault[0] == step and fnmatch.fnmatchcase(name, fault[1]):
+                if fault[2] is not None:
+                    fault[2] -= 1
+                    if fault[2] == 0:
+                        self._faults.remove(fault)
+                return fault
+        return None
+
+    def _fire(self, step, name):
+        with self._lock:
+            self.raised[step] += 1
+        raise OSError(f"injected fault at {step} of {name}")
+
+    def _step(self, step, name):
+        pending = getattr(self._pending, "writer", None)
+        if step == "flush" and pending is not None and pending.name == name:
+            # The callback returned without crossing after_bytes: the write fault fires now.
+            self._pending.writer = None
+            if not pending.fired:
+                pending.fired = True
+                self._fire("write", name)
+        with self._lock:
+            self.calls[step] += 1
+            fault = self._take(step, name)
+        if fault is not None:
+            self._fire(step, name)
+
+    def _writer(self, f, name):
+        with self._lock:
+            self.calls["write"] += 1
+            fault = self._take("write", name)
+        self._pending.writer = None
+        if fault is None:
+            return f
+        writer = _FaultyWriter(f, self, name, fault[3])
+        self._pending.writer = writer
+        return writer
+
+
+class _FaultyWriter:
+    """A writable file that raises once ``after_bytes`` bytes went through (a torn write)."""
+
+    def __init__(self, f, files, name, after_bytes):
+        self._f = f
+        self._files = files
+        self.name = name
+        self._left = after_bytes
+        self.fired = False
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        if not self.fired and len(view) > self._left:
+            if self._left:
+                self._f.write(view[:self._left])
+            self.fired = True
+            self._files._fire("write", self.name)
+        self._left -= len(view)
+        return self._f.write(view)
+
+    def __getattr__(self, attr):
+        return getattr(self._f, attr)

@@ -1,0 +1,180 @@
+"""The executor-side registry: one per process (Spark's ``object StateStore``).
+
+It loads providers by :class:`~statecore.StateStoreProviderId` and keeps them loaded across
+micro-batches, and runs the maintenance thread, started on the first :func:`get`, that
+every ``maintenance_interval_s`` runs each provider's ``do_maintenance`` (snapshots and
+cleanup) and then, if a coordinator was set, unloads the providers the coordinator says
+are no longer active here. A provider whose maintenance raises is logged and unloaded; the
+others go on (Spark 4.0). Without a coordinator nothing is ever unloaded by maintenance.
+
+Thread-safety: every function may be called from any thread. The registry lock is held
+only to look up, add or remove providers; loading a version, committing and maintenance
+run outside it.
+"""
+import logging
+import threading
+
+from statecore.conf import StateStoreConf
+from statecore.store import create_and_init_provider
+
+__all__ = ["get", "get_read_only", "unload", "is_loaded", "is_maintenance_running", "set_coordinator",
+           "stop", "loaded_provider_ids", "run_maintenance_now", "wait_for_maintenance_passes"]
+
+log = logging.getLogger(__name__)
+
+_lock = threading.RLock()
+_providers = {}  # StateStoreProviderId -> provider
+_coordinator = None  # (ref, host, executor_id)
+_maintenance = None  # the running _MaintenanceThread, if any
+_passes = 0  # completed maintenance passes (visible for tests)
+_passes_changed = threading.Condition(_lock)
+
+
+class _MaintenanceThread(threading.Thread):
+    """Runs a maintenance pass every ``interval_s`` until stopped (first pass after one period)."""
+
+    def __init__(self, interval_s):
+        super().__init__(name="state-store-maintenance-task", daemon=True)
+        self.interval_s = interval_s
+        self.stopping = threading.Event()
+
+    def run(self):
+        while not self.stopping.wait(self.interval_s):
+            try:
+                run_maintenance_now()
+            except Exception:  # never let the thread die: providers are handled one by one
+                log.exception("State store maintenance pass failed")
+
+
+def _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal):
+    if not isinstance(version, int) or version < 0:
+        raise ValueError(f"Version cannot be less than 0, got {version}")  # before anything loads
+    conf = conf or StateStoreConf()
+    with _lock:
+        _start_maintenance_if_needed(conf)
+        provider = _providers.get(provider_id)
+        if provider is None:
+            provider = create_and_init_provider(provider_id.store_id, key_schema, value_schema, conf,
+                                                key_index_ordinal)
+            _providers[provider_id] = provider
+        others = [pid for pid in _providers if pid != provider_id]
+        coordinator = _coordinator
+    if coordinator is not None:
+        ref, host, executor_id = coordinator
+        try:
+            to_unload = ref.report_active_instance(provider_id, host, executor_id, others)
+        except Exception as e:  # an unreachable coordinator must not stop the task
+            log.warning("could not report %s to the state store coordinator: %s", provider_id, e)
+            to_unload = ()
+        for pid in to_unload:
+            unload(pid)
+    return provider
+
+
+def get(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None):
+    """The writable store of ``version`` from the provider of ``provider_id``, loading the
+    provider on first use."""
+    return _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal).get_store(version)
+
+
+def get_read_only(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None):
+    """Like :func:`get`, but a read-only store."""
+    return _provider_for(provider_id, key_schema, value_schema, version, conf,
+                         key_index_ordinal).get_read_store(version)
+
+
+def unload(provider_id):
+    """Drop and close a provider; unknown ids are ignored."""
+    with _lock:
+        provider = _providers.pop(provider_id, None)
+    if provider is not None:
+        provider.close()
+        log.info("Unloaded %s", provider)
+
+
+def is_loaded(provider_id):
+    with _lock:
+        return provider_id in _providers
+
+
+def loaded_provider_ids():
+    with _lock:
+        return list(_providers)
+
+
+def is_maintenance_running():
+    with _lock:
+        return _maintenance is not None and _maintenance.is_alive()
+
+
+def set_coordinator(ref, host, executor_id):
+    """Report to ``ref`` (a StateStoreCoordinatorRef) as executor ``executor_id`` on ``host``;
+    ``ref=None`` forgets the coordinator."""
+    global _coordinator
+    with _lock:
+        _coordinator = None if ref is None else (ref, host, executor_id)
+
+
+def _start_maintenance_if_needed(conf):
+    global _maintenance
+    # REQUIRES: _lock held
+    if _maintenance is None or not _maintenance.is_alive():
+        _maintenance = _MaintenanceThread(conf.maintenance_interval_s)
+        _maintenance.start()
+        log.info("State Store maintenance task started")
+
+
+def run_maintenance_now():
+    """One maintenance pass over every loaded provider (what the thread runs each period)."""
+    global _passes
+    with _lock:
+        providers = list(_providers.items())
+        coordinator = _coordinator
+    for provider_id, provider in providers:
+        try:
+            provider.do_maintenance()
+        except Exception:
+            log.exception("Error managing %s, unloading state store provider", provider)
+            unload(provider_id)
+            continue
+        if coordinator is not None:
+            ref, _host, executor_id = coordinator
+            try:
+                active = ref.verify_if_instance_active(provider_id, executor_id)
+            except Exception as e:
+                log.warning("could not verify %s with the state store coordinator: %s", provider_id, e)
+                continue
+            if not active:
+                unload(provider_id)
+    with _lock:
+        _passes += 1
+        _passes_changed.notify_all()
+
+
+def wait_for_maintenance_passes(n, timeout_s):
+    """Wait until at least ``n`` passes have completed since the process started (or since
+    :func:`stop`); returns whether they did within ``timeout_s``. Visible for tests."""
+    with _lock:
+        return _passes_changed.wait_for(lambda: _passes >= n, timeout=timeout_s)
+
+
+def maintenance_passes():
+    with _lock:
+        return _passes
+
+
+def stop():
+    """Unload every provider, forget the coordinator, and stop (join) the maintenance thread."""
+    global _maintenance, _coordinator, _passes
+    with _lock:
+        thread, _maintenance = _maintenance, None
+        ids = list(_providers)
+        _coordinator = None
+    for provider_id in ids:
+        unload(provider_id)
+    if thread is not None:
+        thread.stopping.set()
+        thread.join()
+    with _lock:
+        _passes = 0
+    log.info("StateStore stopped")

@@ -1,0 +1,130 @@
+"""The executor registry: loading, maintenance thread, unloading, coordinator hooks."""
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, registry
+
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("v", "<i8")])
+DEADLINE_S = 30
+
+
+@pytest.fixture(autouse=True)
+def clean_registry():
+    registry.stop()
+    yield
+    registry.stop()
+
+
+def pid(root, partition=0, run=None):
+    return StateStoreProviderId(StateStoreId(str(root), 0, partition), run or uuid.uuid4())
+
+
+def commit(provider_id, version, conf, key=1):
+    store = registry.get(provider_id, KEY, VALUE, version, conf)
+    store.put(key, (version,))
+    return store.commit()
+
+
+def test_negative_version_loads_nothing(tmp_path):
+    p = pid(tmp_path)
+    with pytest.raises(ValueError, match="less than 0"):
+        registry.get(p, KEY, VALUE, -1)
+    assert not registry.is_loaded(p)
+
+
+def test_get_loads_once_and_starts_maintenance(tmp_path):
+    conf = StateStoreConf(maintenance_interval_s=3600)
+    p = pid(tmp_path)
+    assert not registry.is_maintenance_running()
+    assert commit(p, 0, conf) == 1
+    assert registry.is_loaded(p) and registry.is_maintenance_running()
+    assert registry.get_read_only(p, KEY, VALUE, 1, conf).get(1) == (0,)
+    assert registry.loaded_provider_ids() == [p]
+    registry.unload(p)
+    assert not registry.is_loaded(p)
+    registry.stop()
+    assert not registry.is_maintenance_running()
+
+
+def test_maintenance_thread_snapshots_and_cleans_up(tmp_path):
+    conf = StateStoreConf(maintenance_interval_s=0.01, min_deltas_for_snapshot=2, min_versions_to_retain=1)
+    p = pid(tmp_path)
+    for v in range(6):
+        commit(p, v, conf, key=v)
+    start = registry.maintenance_passes()
+    assert registry.wait_for_maintenance_passes(start + 2, DEADLINE_S)
+    names = os.listdir(os.path.join(tmp_path, "0", "0"))
+    assert any(n.endswith(".snapshot") for n in names)  # passes ran while batches committed
+    assert registry.is_loaded(p)  # no coordinator: maintenance unloads nothing
+    fresh = StateStoreProviderId(p.store_id, uuid.uuid4())
+    assert dict(registry.get_read_only(fresh, KEY, VALUE, 6, conf).iterator()) == {(k,): (k,) for k in range(6)}
+
+
+def test_failing_maintenance_unloads_only_that_provider(tmp_path):
+    good = pid(tmp_path / "good")
+    bad = pid(tmp_path / "bad")
+    conf = StateStoreConf(maintenance_interval_s=3600)
+    commit(good, 0, conf)
+    commit(bad, 0, StateStoreConf(maintenance_interval_s=3600, provider_class="models.FailingMaintenanceProvider"))
+    registry.run_maintenance_now()
+    assert registry.is_loaded(good) and not registry.is_loaded(bad)
+    assert registry.is_maintenance_running()
+
+
+class FakeCoordinator:
+    """Stands in for StateStoreCoordinatorRef: records calls, answers as told."""
+
+    def __init__(self):
+        self.reports, self.unload_on_report, self.active, self.fail = [], [], {}, False
+
+    def report_active_instance(self, provider_id, host, executor_id, provider_ids_to_check=()):
+        if self.fail:
+            raise ConnectionError("coordinator is gone")
+        self.reports.append((provider_id, host, executor_id, list(provider_ids_to_check)))
+        return [p for p in provider_ids_to_check if p in self.unload_on_report]
+
+    def verify_if_instance_active(self, provider_id, executor_id):
+        if self.fail:
+            raise ConnectionError("coordinator is gone")
+        return self.active.get(provider_id, True)
+
+
+def test_coordinator_report_unloads_what_it_names(tmp_path):
+    coord = FakeCoordinator()
+    registry.set_coordinator(coord, "127.0.0.1", "7")
+    conf = StateStoreConf(maintenance_interval_s=3600)
+    a, b = pid(tmp_path, 0), pid(tmp_path, 1)
+    commit(a, 0, conf)
+    coord.unload_on_report = [a]
+    commit(b, 0, conf)
+    assert coord.reports[-1][:3] == (b, "127.0.0.1", "7") and coord.reports[-1][3] == [a]
+    assert not registry.is_loaded(a) and registry.is_loaded(b)
+
+
+def test_maintenance_unloads_inactive_instances_after_their_maintenance(tmp_path):
+    coord = FakeCoordinator()
+    registry.set_coordinator(coord, "127.0.0.1", "7")
+    conf = StateStoreConf(maintenance_interval_s=3600, min_deltas_for_snapshot=1)
+    a, b = pid(tmp_path, 0), pid(tmp_path, 1)
+    for v in range(3):
+        commit(a, v, conf)
+        commit(b, v, conf)
+    coord.active[a] = False
+    registry.run_maintenance_now()
+    assert not registry.is_loaded(a) and registry.is_loaded(b)
+    assert "3.snapshot" in os.listdir(os.path.join(tmp_path, "0", "0"))  # maintained, then unloaded
+
+
+def test_unreachable_coordinator_is_not_fatal(tmp_path):
+    coord = FakeCoordinator()
+    coord.fail = True
+    registry.set_coordinator(coord, "127.0.0.1", "7")
+    conf = StateStoreConf(maintenance_interval_s=3600)
+    a = pid(tmp_path)
+    assert commit(a, 0, conf) == 1
+    registry.run_maintenance_now()
+    assert registry.is_loaded(a)

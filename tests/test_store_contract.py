@@ -1,0 +1,326 @@
+"""The store contract (spec section 12), for every provider class, the reference model included;
+then what only the file provider has: files, snapshots, cleanup, lineage, damage."""
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from statecore import (FileStateStoreProvider, IllegalStateError, SchemaMismatchError,
+                       StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
+                       create_and_init_provider)
+
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
+PROVIDERS = ["statecore.FileStateStoreProvider", "models.DictStateStoreProvider"]
+
+
+@pytest.fixture(params=PROVIDERS, ids=["file", "model"])
+def provider_class(request):
+    return request.param
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "state")
+
+
+def make(root, provider_class="statecore.FileStateStoreProvider", partition=0, key=KEY, value=VALUE, **conf):
+    conf = StateStoreConf(provider_class=provider_class, **conf)
+    return create_and_init_provider(StateStoreId(root, 0, partition), key, value, conf)
+
+
+def commit_batch(provider, version, puts=(), removes=()):
+    store = provider.get_store(version)
+    for k, v in puts:
+        store.put(k, v)
+    for k in removes:
+        store.remove(k)
+    return store.commit()
+
+
+def contents(store):
+    return {k[0]: v for k, v in store.iterator()}
+
+
+def test_commit_returns_next_version_and_is_durable(root, provider_class):
+    p = make(root, provider_class)
+    store = p.get_store(0)
+    assert store.version == 0 and store.get(1) is None
+    store.put(1, (1, 1.0))
+    assert store.get(1) == (1, 1.0)  # sees its own update
+    assert p.get_read_store(0).get(1) is None  # nobody else does
+    assert store.commit() == 1 and store.has_committed
+    assert make(root, provider_class).get_read_store(1).get(1) == (1, 1.0)  # a new provider sees it
+    uncommitted = p.get_store(1)
+    uncommitted.put(2, (2, 2.0))
+    uncommitted.abort()
+    assert make(root, provider_class).get_read_store(1).get(2) is None
+    with pytest.raises(VersionNotFoundError):
+        make(root, provider_class).get_read_store(2)
+
+
+def test_bad_versions(root, provider_class):
+    p = make(root, provider_class)
+    with pytest.raises(ValueError, match="less than 0"):
+        p.get_store(-1)
+    with pytest.raises(VersionNotFoundError):
+        p.get_store(1)
+    commit_batch(p, 0, [(1, (1, 1.0))])
+    with pytest.raises(VersionNotFoundError):
+        make(root, provider_class).get_store(3)
+
+
+def test_lifecycle_messages(root, provider_class):
+    p = make(root, provider_class)
+    store = p.get_store(0)
+    with pytest.raises(ValueError, match="Cannot put a null value"):
+        store.put(1, None)
+    store.commit()
+    with pytest.raises(IllegalStateError, match="Cannot put after already committed or aborted"):
+        store.put(1, (1, 1.0))
+    with pytest.raises(IllegalStateError, match="Cannot remove after already committed or aborted"):
+        store.remove(1)
+    with pytest.raises(IllegalStateError, match="Cannot commit after already committed or aborted"):
+        store.commit()
+    with pytest.raises(ValueError, match="Cannot put a null value"):
+        store.put(1, None)  # the null check comes before the state check
+    assert store.get(1) is None and store.metrics.num_keys == 0  # reads stay allowed
+    store.abort()
+    assert not store.has_committed
+    aborted = p.get_store(1)
+    aborted.abort()
+    aborted.abort()
+    with pytest.raises(IllegalStateError, match="Cannot put after already committed or aborted"):
+        aborted.put(1, (1, 1.0))
+    assert p.get_read_store(1).get(1) is None
+
+
+def test_batch_api_matches_scalar_api(root, provider_class):
+    p = make(root, provider_class)
+    s = p.get_store(0)
+    keys = np.arange(100).astype(KEY)
+    values = np.zeros(100, VALUE)
+    values["count"] = np.arange(100)
+    s.put_batch(keys, values)
+    s.remove_batch(np.arange(0, 100, 3).astype(KEY))
+    assert s.commit() == 1
+    r = p.get_read_store(1)
+    got, found = r.get_batch(np.arange(105).astype(KEY))
+    assert found.tolist() == [k % 3 != 0 and k < 100 for k in range(105)]
+    assert all(r.get(k) == ((k, 0.0) if k % 3 else None) for k in range(100))
+    assert got["count"][found].tolist() == [k for k in range(100) if k % 3]
+    assert r.metrics.num_keys == 66
+
+
+def test_re_execution_overwrites_later_versions(root, provider_class):
+    p = make(root, provider_class)
+    for v in range(4):
+        commit_batch(p, v, [(v, (v, 0.0))])
+    # batch 2 runs again from version 2 with other input
+    assert commit_batch(p, 2, [(100, (100, 0.0))]) == 3
+    assert contents(p.get_read_store(3)) == {0: (0, 0.0), 1: (1, 0.0), 100: (100, 0.0)}
+    fresh = make(root, provider_class)
+    assert contents(fresh.get_read_store(3)) == {0: (0, 0.0), 1: (1, 0.0), 100: (100, 0.0)}
+    with pytest.raises(VersionNotFoundError):
+        fresh.get_read_store(4)  # the abandoned run's version 4 is gone
+    assert commit_batch(fresh, 3, [(5, (5, 0.0))]) == 4
+
+
+def test_reading_a_version_while_it_is_being_updated(root, provider_class):
+    p = make(root, provider_class)
+    commit_batch(p, 0, [(k, (k, 0.0)) for k in range(10)])
+    reader = p.get_read_store(1)
+    writer = p.get_store(1)
+    writer.remove(3)
+    writer.put(4, (40, 0.0))
+    writer.put(11, (11, 0.0))
+    assert reader.get(3) == (3, 0.0) and reader.get(11) is None
+    assert writer.commit() == 2
+    # the committed version 2 does not leak into the reader of version 1
+    assert contents(reader) == {k: (k, 0.0) for k in range(10)}
+    reader.abort()  # aborting a reader deletes nothing
+    assert contents(p.get_read_store(2))[4] == (40, 0.0)
+
+
+def test_iterating_while_updating_visits_each_key_once(root, provider_class):
+    p = make(root, provider_class)
+    commit_batch(p, 0, [(k, (k, 0.0)) for k in range(0, 500)])
+    commit_batch(p, 1, [(k, (k, 1.0)) for k in range(400, 700)], removes=range(0, 50))
+    s = p.get_store(2)
+    s.put(900, (900, 0.0))
+    s.remove(60)
+    seen = []
+    for (k,), v in s.iterator():
+        seen.append(k)
+        s.remove(k)  # evict what we visit
+        s.put(10_000 + k, (0, 0.0))  # add keys the iteration must not visit
+        s.put(k + 1, (k, 9.0))  # overwrite a key that may still be ahead
+    expected = set(range(50, 700)) - {60} | {900}
+    assert sorted(seen) == sorted(expected)
+    s.commit()
+
+
+def test_metrics_and_combine(root, provider_class):
+    from statecore import StateStoreMetrics
+    p = make(root, provider_class)
+    s = p.get_store(0)
+    s.put(1, (1, 1.0))
+    s.put(2, (1, 1.0))
+    assert s.metrics.num_keys == 2
+    s.commit()
+    m = p.get_read_store(1).metrics
+    assert m.num_keys == 2
+    combined = StateStoreMetrics.combine([m, m])
+    assert combined.num_keys == 4
+    assert combined.custom_metrics == {k: 2 * v for k, v in m.custom_metrics.items()}
+
+
+# -- the file provider -------------------------------------------------------------------------
+def store_files(root, partition=0):
+    d = os.path.join(root, "0", str(partition))
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_nothing_is_written_before_commit_and_abort_leaves_nothing(root):
+    p = make(root)
+    s = p.get_store(0)
+    s.put(1, (1, 1.0))
+    assert [f for f in store_files(root) if f.endswith("delta") or f.endswith(".tmp")] == []
+    s.abort()
+    assert [f for f in store_files(root) if "delta" in f or f.endswith(".tmp")] == []
+    assert p.get_store(0).commit() == 1  # an empty commit still writes its delta
+    assert "1.delta" in store_files(root)
+    assert make(root).get_read_store(1).metrics.num_keys == 0
+
+
+def test_other_files_in_the_directory_are_ignored(root):
+    p = make(root)
+    commit_batch(p, 0, [(1, (1, 1.0))])
+    d = os.path.join(root, "0", "0")
+    for name in (".1.delta.abc.tmp", "notes.txt", "x.delta", "2.delta.bak", "_metadata"):
+        Path(d, name).write_bytes(b"")
+    assert make(root).get_read_store(1).get(1) == (1, 1.0)
+
+
+def test_snapshots_after_more_than_min_deltas_and_cleanup_like_spark(root):
+    # spec 4.7's example: minDeltasForSnapshot 5, maintenance after every commit ->
+    # snapshots at 6, 12, 18; minBatchesToRetain 2 and commit 20 -> files < 18 deleted
+    p = make(root, min_deltas_for_snapshot=5, min_versions_to_retain=2)
+    for v in range(20):
+        commit_batch(p, v, [(v, (v, 0.0))], removes=[v - 3] if v >= 3 else ())
+        p.do_maintenance()
+    files = store_files(root)
+    assert [f for f in files if f.endswith(".snapshot")] == ["18.snapshot"]
+    assert sorted(int(f.split(".")[0]) for f in files if f.endswith(".delta")) == [18, 19, 20]
+    fresh = make(root)
+    assert contents(fresh.get_read_store(20)) == {k: (k, 0.0) for k in range(17, 20)}
+    assert contents(make(root).get_read_store(19)) == {k: (k, 0.0) for k in range(16, 19)}
+
+
+def test_no_snapshot_at_exactly_min_deltas(root):
+    p = make(root, min_deltas_for_snapshot=5)
+    for v in range(5):
+        commit_batch(p, v, [(v, (v, 0.0))])
+        p.do_maintenance()
+    assert not [f for f in store_files(root) if f.endswith(".snapshot")]
+    commit_batch(p, 5, [(5, (5, 0.0))])
+    p.do_maintenance()
+    assert "6.snapshot" in store_files(root)
+
+
+def test_state_loads_from_snapshot_plus_deltas_and_keeps_serving_during_snapshots(root):
+    p = make(root, min_deltas_for_snapshot=2)
+    model = {}
+    rng = np.random.default_rng(7)
+    for v in range(12):
+        s = p.get_store(v)
+        keys = rng.integers(0, 300, 80)
+        for k in keys[:60]:
+            s.put(int(k), (int(k), float(v)))
+            model[int(k)] = (int(k), float(v))
+        for k in keys[60:]:
+            s.remove(int(k))
+            model.pop(int(k), None)
+        s.commit()
+        if v % 3 == 2:
+            p.do_maintenance()
+        assert contents(p.get_read_store(v + 1)) == model
+        assert p.get_read_store(v + 1).metrics.num_keys == len(model)
+    assert contents(make(root).get_read_store(12)) == model
+
+
+def test_reopening_with_other_schemas_is_refused(root):
+    commit_batch(make(root), 0, [(1, (1, 1.0))])
+    with pytest.raises(SchemaMismatchError, match="value schema"):
+        make(root, value=np.dtype([("count", "<i4"), ("sum", "<f8")]))
+    with pytest.raises(SchemaMismatchError, match="key schema"):
+        make(root, key=np.dtype([("k", "<i4")]))
+
+
+def test_memory_filesystem(tmp_path):
+    bucket = f"memory://sctest-{uuid.uuid4().hex}"
+    root = f"{bucket}/state"
+    try:
+        p = make(root, min_deltas_for_snapshot=1, local_cache_dir=str(tmp_path / "cache"))
+        for v in range(4):
+            commit_batch(p, v, [(v, (v, 0.0))])
+            p.do_maintenance()
+        assert contents(make(root, local_cache_dir=str(tmp_path / "cache")).get_read_store(4)) == {
+            k: (k, 0.0) for k in range(4)}
+    finally:
+        import fsspec
+        fsspec.filesystem("memory").rm(bucket, recursive=True)
+
+
+def test_stale_snapshot_of_an_abandoned_run_is_never_read(root):
+    p = make(root, min_deltas_for_snapshot=3)
+    for v in range(6):
+        commit_batch(p, v, [(v, (v, 0.0))])
+    p.do_maintenance()
+    d = os.path.join(root, "0", "0")
+    assert "6.snapshot" in store_files(root)
+    stale = Path(d, "6.snapshot").read_bytes()
+    # re-execute batches 4 and 5 with other data
+    q = make(root)
+    commit_batch(q, 4, [(50, (50, 0.0))])
+    commit_batch(q, 5, [(60, (60, 0.0))])
+    assert "6.snapshot" not in store_files(root)
+    # an old maintenance thread finishing late puts the old run's snapshot back
+    Path(d, "6.snapshot").write_bytes(stale)
+    expected = {0: (0, 0.0), 1: (1, 0.0), 2: (2, 0.0), 3: (3, 0.0), 50: (50, 0.0), 60: (60, 0.0)}
+    assert contents(make(root).get_read_store(6)) == expected
+
+
+def test_damaged_snapshot_falls_back_to_deltas_and_damaged_delta_is_an_error(root):
+    p = make(root, min_deltas_for_snapshot=2)
+    for v in range(5):
+        commit_batch(p, v, [(v, (v, 0.0))])
+    p.do_maintenance()
+    d = os.path.join(root, "0", "0")
+    snap = os.path.join(d, "5.snapshot")
+    data = bytearray(Path(snap).read_bytes())
+    data[10] ^= 0xFF  # in the header: found when the store opens
+    Path(snap).write_bytes(bytes(data))
+    assert contents(make(root).get_read_store(5)) == {k: (k, 0.0) for k in range(5)}
+    delta = os.path.join(d, "3.delta")
+    data = bytearray(Path(delta).read_bytes())
+    data[-20] ^= 0xFF
+    Path(delta).write_bytes(bytes(data))
+    os.remove(snap)
+    with pytest.raises(StateCorruptionError, match="3.delta"):
+        make(root).get_read_store(5)
+
+
+def test_cache_hits_and_misses(root):
+    p = make(root)
+    commit_batch(p, 0, [(1, (1, 0.0))])
+    commit_batch(p, 1, [(2, (2, 0.0))])
+    m = p.get_read_store(2).metrics.custom_metrics
+    assert m["loadedMapCacheMissCount"] == 0 and m["loadedMapCacheHitCount"] == 2
+    p.get_read_store(1)  # held in memory (max_versions_to_retain_in_memory=2)
+    q = make(root)
+    q.get_read_store(1)
+    m = q.get_read_store(1).metrics.custom_metrics
+    assert m["loadedMapCacheMissCount"] == 1 and m["loadedMapCacheHitCount"] == 1
