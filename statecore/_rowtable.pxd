@@ -71,6 +71,7 @@ cdef class RowTable:
     cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil
     cdef void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil
     cdef void slots_erase(self, uint64_t pos) noexcept nogil
+    cdef int rows_reserve(self, uint64_t n_rows) noexcept nogil
     cdef int row_alloc(self, uint32_t* row_out) noexcept nogil
     cdef int _push_row(self, uint32_t** stack, uint64_t* n, uint64_t* capacity, size_t* nbytes,
                        uint32_t row) noexcept nogil
@@ -81,6 +82,8 @@ cdef class RowTable:
                         uint32_t* tags) noexcept nogil
     cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
                        uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil
+    cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                            uint8_t* prior, uint8_t* found, uint32_t* tags) noexcept nogil
     cdef int _remove_many(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
                           Py_ssize_t* removed) noexcept nogil
 

@@ -310,8 +310,22 @@ cdef class RowTable:
         return TABLE_OK
 
     # -- arena ----------------------------------------------------------------------------
+    cdef int rows_reserve(self, uint64_t n_rows) noexcept nogil:
+        """Size the arena for ``n_rows`` rows (never shrinks it)."""
+        if n_rows <= self.rows_capacity:
+            return TABLE_OK
+        if n_rows > MAX_ROWS:
+            return TABLE_FULL
+        if self.mem_resize(<void**>&self.rows, &self.rows_bytes, n_rows * self.row_width) < 0:
+            return TABLE_NO_MEMORY
+        if self.mem_resize(<void**>&self.row_state, &self.state_bytes, n_rows) < 0:
+            return TABLE_NO_MEMORY
+        self.rows_capacity = n_rows
+        return TABLE_OK
+
     cdef int row_alloc(self, uint32_t* row_out) noexcept nogil:
         cdef uint64_t new_cap
+        cdef int rc
         if self.open_cursors == 0 and self.n_free > 0:
             self.n_free -= 1
             row_out[0] = self.free_rows[self.n_free]
@@ -324,11 +338,9 @@ cdef class RowTable:
                 new_cap = MIN_ROWS
             if new_cap > MAX_ROWS:
                 new_cap = MAX_ROWS
-            if self.mem_resize(<void**>&self.rows, &self.rows_bytes, new_cap * self.row_width) < 0:
-                return TABLE_NO_MEMORY
-            if self.mem_resize(<void**>&self.row_state, &self.state_bytes, new_cap) < 0:
-                return TABLE_NO_MEMORY
-            self.rows_capacity = new_cap
+            rc = self.rows_reserve(new_cap)
+            if rc < 0:
+                return rc
         row_out[0] = <uint32_t>self.rows_used
         self.rows_used += 1
         return TABLE_OK
@@ -473,13 +485,49 @@ cdef class RowTable:
         cdef uint64_t at_least
         self._hash_keys(keys, n, tags)
         if bitmap != NULL:
-            at_least = <uint64_t>(0.97 * _estimate_distinct(tags, n, bitmap, n_bits))
+            # unbiased, and capped by the batch size: all-distinct batches get exactly n
+            at_least = <uint64_t>_estimate_distinct(tags, n, bitmap, n_bits)
+            if at_least > <uint64_t>n:
+                at_least = n
             if at_least > self.count:
                 rc = self.slots_reserve(at_least)
                 if rc < 0:
                     return rc
+                # the arena too: rows beyond the free ones come from its end
+                if self.rows_used + (at_least - self.count) > self.rows_capacity + self.n_free:
+                    rc = self.rows_reserve(self.rows_used + (at_least - self.count))
+                    if rc < 0:
+                        return rc
         for i in range(n):
             self._prefetch(tags, i, n)
+            rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
+            if rc < 0:
+                return rc
+        return TABLE_OK
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                            uint8_t* prior, uint8_t* found, uint32_t* tags) noexcept nogil:
+        cdef Py_ssize_t i
+        cdef int rc
+        cdef uint64_t pos
+        cdef uint32_t row
+        cdef size_t kw = self.key_width, vw = self.value_width
+        cdef uint8_t* dst
+        self._hash_keys(keys, n, tags)
+        for i in range(n):
+            self._prefetch(tags, i, n)
+            row = self.table_find(keys + i * kw, tags[i], &pos)
+            found[i] = row != 0
+            if row != 0:
+                if vw:
+                    dst = self.rows + <uint64_t>(row - 1) * self.row_width + kw
+                    memcpy(prior + i * vw, dst, vw)
+                    memcpy(dst, values + i * vw, vw)
+                continue
+            if vw:
+                memset(prior + i * vw, 0, vw)
             rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
             if rc < 0:
                 return rc
@@ -548,6 +596,28 @@ cdef class RowTable:
             rc = self._put_many(&keys[0, 0], value_ptr, n, &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
 
+    def exchange_rows(self, const uint8_t[:, ::1] keys not None, const uint8_t[:, ::1] values not None,
+                      uint8_t[:, ::1] prior not None, uint8_t[::1] found not None):
+        """Put ``values`` at ``keys`` and return what was there: ``prior`` gets the old value and
+        ``found`` 1 where the key was present (0 and zeros where it is new). One probe per key
+        where a lookup then a put would take two. REQUIRES unique keys (else ``prior`` of a
+        later duplicate is the earlier one's new value)."""
+        cdef Py_ssize_t n = keys.shape[0]
+        cdef int rc
+        if keys.shape[1] != self.key_width or values.shape[1] != self.value_width or prior.shape[1] != self.value_width:
+            raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values")
+        if values.shape[0] != n or prior.shape[0] != n or found.shape[0] != n:
+            raise ValueError(f"{n} keys but {values.shape[0]} values, {prior.shape[0]} prior rows, "
+                             f"{found.shape[0]} found flags")
+        cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
+        if n == 0:
+            return
+        cdef const uint8_t* value_ptr = _rows_ptr(values)
+        cdef uint8_t* prior_ptr = <uint8_t*>_rows_ptr(prior)
+        with nogil:
+            rc = self._exchange_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0])
+        self._check(rc)
+
     def remove_rows(self, const uint8_t[:, ::1] keys not None):
         """Remove ``keys`` (n, key_width); absent keys are ignored. Returns how many were removed."""
         cdef Py_ssize_t n = keys.shape[0], removed = 0
@@ -561,6 +631,31 @@ cdef class RowTable:
             rc = self._remove_many(&keys[0, 0], n, &tags[0], &removed)
         self._check(rc)
         return removed
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def export_rows(self):
+        """``(keys, values)``: every live row, as new ``(n, key_width)`` and ``(n, value_width)``
+        uint8 arrays, in one pass (arena order)."""
+        cdef Py_ssize_t n = self.count, kw = self.key_width, vw = self.value_width, m = 0
+        cdef uint64_t i
+        keys = np.empty((n, kw), dtype=np.uint8)
+        values = np.empty((n, vw), dtype=np.uint8)
+        if n == 0:
+            return keys, values
+        cdef uint8_t[:, ::1] kdst = keys
+        cdef uint8_t* vdst = <uint8_t*>_rows_ptr(values)
+        cdef const uint8_t* src
+        with nogil:
+            for i in range(self.rows_used):
+                if self.row_state[i] == ROW_LIVE:
+                    # REQUIRES: m < n: exactly `count` rows are live (table invariant)
+                    src = self.rows + i * self.row_width
+                    memcpy(&kdst[m, 0], src, kw)
+                    if vw:
+                        memcpy(vdst + m * vw, src + kw, vw)
+                    m += 1
+        return keys, values
 
     def get_row(self, const uint8_t[::1] key not None):
         """Value bytes of key bytes, or None."""

@@ -21,52 +21,97 @@ import numpy as np
 from statecore._rowtable import RowTable
 from statecore._snapshot import SnapshotReader
 
-__all__ = ["Layer", "State", "FrozenView", "concat_rows"]
+__all__ = ["Layer", "State", "FrozenView", "take_rows"]
 
 EMPTY = np.dtype([])
 
 
-def concat_rows(table, width):
-    """Every row of a RowTable as one ``(n, width)`` uint8 array (a copy)."""
-    cursor = table.cursor()
-    chunks = []
-    while (chunk := cursor.next_rows(1 << 16)) is not None:
-        chunks.append(chunk)
-    return np.concatenate(chunks) if chunks else np.empty((0, width), dtype=np.uint8)
+def take_rows(rows, index):
+    """``rows[index]`` for an (n, w) uint8 row array, as one memcpy per row (a void view)."""
+    w = rows.shape[1]
+    if w == 0:
+        return np.empty((len(index), 0), dtype=np.uint8)
+    return rows.view(f"V{w}").ravel()[index].view(np.uint8).reshape(-1, w)
+
+
+def put_rows_at(dst, index, src):
+    """``dst[index] = src`` for (n, w) uint8 row arrays, one memcpy per row."""
+    w = dst.shape[1]
+    if w:
+        dst.view(f"V{w}").ravel()[index] = src.view(f"V{w}").ravel()
+
+
+def no_values(n):
+    return np.empty((n, 0), dtype=np.uint8)
 
 
 class Layer:
-    """Keys this layer decides: ``puts`` (key -> value) and ``dels`` (keys absent here)."""
+    """Keys this layer decides: ``puts`` (key -> value) and ``dels`` (keys absent here).
 
-    __slots__ = ("puts", "dels")
+    An undo layer is kept as the arrays the merge already had (keys, prior values, prior
+    presence) and turned into tables only if an older version is ever read: most never are.
+    """
+
+    __slots__ = ("key_schema", "value_schema", "_puts", "_dels", "_pending")
 
     def __init__(self, key_schema, value_schema):
-        self.puts = RowTable(key_schema, value_schema)
-        self.dels = RowTable(key_schema, EMPTY)
+        self.key_schema = key_schema
+        self.value_schema = value_schema
+        self._puts = self._dels = None
+        self._pending = None
+
+    @classmethod
+    def from_changes(cls, key_schema, value_schema, keys, values, present):
+        layer = cls(key_schema, value_schema)
+        layer._pending = (keys, values, present)
+        return layer
+
+    def _materialize(self):
+        self._puts = RowTable(self.key_schema, self.value_schema)
+        self._dels = RowTable(self.key_schema, EMPTY)
+        if self._pending is not None:
+            keys, values, present = self._pending
+            self._pending = None
+            if present.any():
+                self._puts.put_rows(take_rows(keys, present), take_rows(values, present))
+            if not present.all():
+                absent = take_rows(keys, ~present)
+                self._dels.put_rows(absent, no_values(absent.shape[0]))
+
+    @property
+    def puts(self):
+        if self._puts is None:
+            self._materialize()
+        return self._puts
+
+    @property
+    def dels(self):
+        if self._dels is None:
+            self._materialize()
+        return self._dels
 
     def __len__(self):
-        return len(self.puts) + len(self.dels)
+        if self._pending is not None:
+            return self._pending[0].shape[0]
+        return (len(self._puts) if self._puts is not None else 0) + (len(self._dels) if self._dels is not None else 0)
 
     def sizeof(self):
-        return self.puts.sizeof() + self.dels.sizeof()
+        if self._pending is not None:
+            return sum(a.nbytes for a in self._pending)
+        return sum(t.sizeof() for t in (self._puts, self._dels) if t is not None)
 
     def copy(self):
         """An independent Layer with the same contents."""
-        put_keys, put_values, del_keys = self.rows()
-        other = Layer(self.puts.key_schema, self.puts.value_schema)
+        put_keys, put_values = self.puts.export_rows()
+        del_keys, _ = self.dels.export_rows()
+        other = Layer(self.key_schema, self.value_schema)
         other.puts.put_rows(put_keys, put_values)
-        other.dels.put_rows(del_keys, np.empty((del_keys.shape[0], 0), dtype=np.uint8))
+        other.dels.put_rows(del_keys, no_values(del_keys.shape[0]))
         return other
 
-    def rows(self):
-        """``(put_keys, put_values, deleted_keys)`` as contiguous uint8 row arrays."""
-        kw = self.puts.key_width
-        put_rows = concat_rows(self.puts, self.puts.row_width)
-        return (np.ascontiguousarray(put_rows[:, :kw]), np.ascontiguousarray(put_rows[:, kw:]),
-                concat_rows(self.dels, kw))
-
     def probe(self, key_rows, values_out):
-        """Look ``key_rows`` up: values into ``values_out``; returns (put_found, decided)."""
+        """Look ``key_rows`` up: values into ``values_out`` (zeros where absent); returns
+        ``(put_found, decided)`` bool arrays."""
         n = key_rows.shape[0]
         put_found = np.zeros(n, dtype=np.uint8)
         if len(self.puts):
@@ -75,7 +120,7 @@ class Layer:
         decided = put_found.copy()
         if len(self.dels):
             del_found = np.zeros(n, dtype=np.uint8)
-            self.dels.get_rows(key_rows, np.empty((n, 0), dtype=np.uint8), del_found)
+            self.dels.get_rows(key_rows, no_values(n), del_found)
             decided |= del_found.view(np.bool_)
         return put_found, decided
 
@@ -91,7 +136,7 @@ class FrozenView:
 
     @property
     def num_keys(self):
-        return self.state.num_keys[self.version]
+        return self.state.count(self.version)
 
 
 class State:
@@ -133,33 +178,31 @@ class State:
         vw = self.value_schema.width
         values = np.zeros((n, vw), dtype=np.uint8)
         found = np.zeros(n, dtype=np.bool_)
-        pending = None  # None means every row is still pending (no copy needed)
+        pending = None  # indices still undecided; None: all of them (no gather needed)
         for layer in (*extra_layers, *self.layers_for(version)):
             if not len(layer):
                 continue
-            sub = key_rows if pending is None else np.ascontiguousarray(key_rows[pending])
-            if sub.shape[0] == 0:
+            if pending is None:
+                put_found, decided = layer.probe(key_rows, values)  # nothing found yet: write in place
+                found |= put_found
+                pending = np.flatnonzero(~decided)
+                continue
+            if pending.size == 0:
                 break
-            sub_values = np.zeros((sub.shape[0], vw), dtype=np.uint8)
-            put_found, decided = layer.probe(sub, sub_values)
-            idx = np.arange(n) if pending is None else pending
-            values[idx[put_found]] = sub_values[put_found]
-            found[idx[put_found]] = True
-            pending = idx[~decided]
-        if self.base is not None:
-            sub = key_rows if pending is None else np.ascontiguousarray(key_rows[pending])
-            if sub.shape[0]:
-                base_values, base_found = base_lookup(self.base, sub)
-                idx = np.arange(n) if pending is None else pending
-                values[idx] = base_values
-                found[idx] = base_found
+            sub_values = np.empty((pending.size, vw), dtype=np.uint8)
+            put_found, decided = layer.probe(take_rows(key_rows, pending), sub_values)
+            hit = pending[put_found]
+            put_rows_at(values, hit, take_rows(sub_values, put_found))
+            found[hit] = True
+            pending = pending[~decided]
+        if self.base is not None and (pending is None or pending.size):
+            sub = key_rows if pending is None else take_rows(key_rows, pending)
+            base_values, base_found = base_lookup(self.base, sub)
+            if pending is None:
+                return base_values, base_found
+            put_rows_at(values, pending, base_values)
+            found[pending] = base_found
         return values, found
-
-    def base_found(self, key_rows):
-        """Which keys the base holds (tombstones are only needed for those)."""
-        if self.base is None or key_rows.shape[0] == 0:
-            return np.zeros(key_rows.shape[0], dtype=np.bool_)
-        return base_lookup(self.base, key_rows)[1]
 
     def iter_rows(self, version, extra_layers=(), chunk_rows=1 << 16):
         """Yield ``(n, row_width)`` uint8 chunks of every row at ``version`` (under
@@ -180,24 +223,37 @@ class State:
                     yield chunk[keep]
 
     # -- changes --------------------------------------------------------------------------
+    def count(self, version):
+        """Keys at ``version``; counted from the head and the base when not known yet (after a
+        load from files), which costs one base lookup per key changed since the base."""
+        n = self.num_keys[version]
+        if n is None:
+            # REQUIRES: version == self.version (older versions get their count at merge time)
+            put_keys, _ = self.head.puts.export_rows()
+            del_keys, _ = self.head.dels.export_rows()
+            if self.base is None:
+                n = put_keys.shape[0]
+            else:
+                n = (base_count(self.base) + int((~base_lookup(self.base, put_keys)[1]).sum())
+                     - int(base_lookup(self.base, del_keys)[1].sum()))
+            self.num_keys[version] = n
+        return n
+
     def replay(self, kind_is_put, keys, values):
-        """Apply one block of a delta to the head (loading from files: no undo kept).
-        REQUIRES: keys are unique within the block (deltas are written from a table)."""
+        """Apply one block of a delta to the head (loading from files: no undo, no lookups;
+        the key count becomes unknown until asked for). REQUIRES: not frozen."""
         if keys.shape[0] == 0:
             return
-        _, present = self.lookup(self.version, keys)
-        v = self.version
+        self.num_keys[self.version] = None
         if kind_is_put:
-            self.num_keys[v] += int((~present).sum())
             self.head.puts.put_rows(keys, values)
             if len(self.head.dels):
                 self.head.dels.remove_rows(keys)
         else:
-            self.num_keys[v] -= int(present.sum())
             if len(self.head.puts):
                 self.head.puts.remove_rows(keys)
-            in_base = self.base_found(keys)
-            self._tombstone(keys[in_base])
+            if self.base is not None:
+                self.head.dels.put_rows(keys, no_values(keys.shape[0]))
 
     def advance(self, version, commit_id):
         """Make the head (just replayed) the given version."""
@@ -207,38 +263,48 @@ class State:
         self.commit_ids[version] = commit_id
         self.num_keys[version] = n
 
-    def merge(self, update, commit_id):
-        """Apply a store's update layer as version ``self.version + 1``, keeping its undo."""
-        put_keys, put_values, del_keys = update.rows()
-        keys = np.concatenate([put_keys, del_keys])
-        prior_values, prior_found = self.lookup(self.version, keys)
-        undo = Layer(self.key_schema, self.value_schema)
-        if prior_found.any():
-            undo.puts.put_rows(np.ascontiguousarray(keys[prior_found]),
-                               np.ascontiguousarray(prior_values[prior_found]))
-        if not prior_found.all():
-            absent = np.ascontiguousarray(keys[~prior_found])
-            undo.dels.put_rows(absent, np.empty((absent.shape[0], 0), dtype=np.uint8))
-        n_put = put_keys.shape[0]
-        new_keys = int((~prior_found[:n_put]).sum()) - int(prior_found[n_put:].sum())
-        if n_put:
-            self.head.puts.put_rows(put_keys, put_values)
-            if len(self.head.dels):
-                self.head.dels.remove_rows(put_keys)
+    def merge(self, put_keys, put_values, del_keys, commit_id):
+        """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
+        their undo: the prior value or absence of every key they change."""
+        before = self.count(self.version)
+        prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
+        prior_del, prior_del_found = self.lookup(self.version, del_keys)
         if del_keys.shape[0]:
             if len(self.head.puts):
                 self.head.puts.remove_rows(del_keys)
-            self._tombstone(del_keys[self.base_found(del_keys)])
+            if self.base is not None:
+                self.head.dels.put_rows(del_keys, no_values(del_keys.shape[0]))
         old = self.version
         self.version = old + 1
-        self.undo[self.version] = undo
+        self.undo[self.version] = Layer.from_changes(
+            self.key_schema, self.value_schema, _cat(put_keys, del_keys), _cat(prior_put, prior_del),
+            _cat(prior_put_found, prior_del_found))
         self.commit_ids[self.version] = commit_id
-        self.num_keys[self.version] = self.num_keys[old] + new_keys
+        self.num_keys[self.version] = (before + int((~prior_put_found).sum()) - int(prior_del_found.sum()))
         self.merges += 1
 
-    def _tombstone(self, keys):
-        if keys.shape[0]:
-            self.head.dels.put_rows(np.ascontiguousarray(keys), np.empty((keys.shape[0], 0), dtype=np.uint8))
+    def _put_and_get_prior(self, keys, values):
+        """Write puts into the head; return each key's value and presence before the write."""
+        n = keys.shape[0]
+        prior = np.empty((n, self.value_schema.width), dtype=np.uint8)
+        in_head = np.empty(n, dtype=np.uint8)
+        self.head.puts.exchange_rows(keys, values, prior, in_head)  # one probe: old value out, new in
+        found = in_head.view(np.bool_).copy()
+        rest = np.flatnonzero(~found)
+        if rest.size == 0:
+            return prior, found
+        rest_keys = take_rows(keys, rest)
+        if len(self.head.dels):
+            tombstoned = np.zeros(rest.size, dtype=np.uint8)
+            self.head.dels.get_rows(rest_keys, no_values(rest.size), tombstoned)
+            self.head.dels.remove_rows(rest_keys)
+            keep = ~tombstoned.view(np.bool_)
+            rest, rest_keys = rest[keep], take_rows(rest_keys, keep)
+        if self.base is not None and rest.size:
+            base_values, base_found = base_lookup(self.base, rest_keys)
+            put_rows_at(prior, rest, base_values)
+            found[rest] = base_found
+        return prior, found
 
     def retain(self, keep_from):
         """Forget versions older than ``keep_from`` (and the undo layers only they need)."""
@@ -267,6 +333,16 @@ def base_lookup(base, key_rows):
         base.get_rows(key_rows, values, found)
         return values, found.view(np.bool_)
     return base.state.lookup(base.version, key_rows)
+
+
+def _cat(a, b):
+    return a if b.shape[0] == 0 else np.concatenate([a, b])
+
+
+def base_count(base):
+    if isinstance(base, SnapshotReader):
+        return base.row_count
+    return base.state.count(base.version)
 
 
 def base_rows(base, chunk_rows):

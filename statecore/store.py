@@ -262,7 +262,8 @@ class _FileReadStore(ReadStateStore):
         self._view.release()
 
     def _num_keys(self):
-        return self._view.state.num_keys[self._view.version]
+        with self._provider._lock:
+            return self._view.state.count(self._view.version)
 
     @property
     def metrics(self):
@@ -366,7 +367,8 @@ class _FileStore(_FileReadStore, StateStore):
         if self._state == _COMMITTED:
             return self._committed_num_keys
         base = super()._num_keys()
-        put_keys, _, del_keys = self._update.rows()
+        put_keys, _ = self._update.puts.export_rows()
+        del_keys, _ = self._update.dels.export_rows()
         _, put_found = self._view.lookup(put_keys)
         _, del_found = self._view.lookup(del_keys)
         return base + int((~put_found).sum()) - int(del_found.sum())
@@ -386,6 +388,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
         self._latest = None
         self._pins = {}
+        self._recommits = []  # versions committed again (re-executed batches), in order
         self._hits = self._misses = 0
         self._schema_written = False
         self._closed = False
@@ -484,8 +487,11 @@ class FileStateStoreProvider(StateStoreProvider):
         commit_id = os.urandom(8)
         parent_id = view.state.commit_ids[version]
         self._write_schema_file()
-        self._drop_later_lineage(new_version)
-        put_keys, put_values, del_keys = update.rows()
+        if self._drop_later_lineage(new_version):
+            with self._lock:
+                self._recommits.append(new_version)
+        put_keys, put_values = update.puts.export_rows()
+        del_keys, _ = update.dels.export_rows()
 
         def write(f):
             writer = DeltaWriter(f, self._key_schema, self._value_schema, new_version,
@@ -504,8 +510,8 @@ class FileStateStoreProvider(StateStoreProvider):
                 # lineage continues from the store's own version, frozen underneath.
                 view.state.frozen = True
                 state = State(self._key_schema, self._value_schema, FrozenView(view.state, version),
-                              version, parent_id, view.state.num_keys[version])
-            state.merge(update, commit_id)
+                              version, parent_id, view.state.count(version))
+            state.merge(put_keys, put_values, del_keys, commit_id)
             num_keys = state.num_keys[new_version]
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
@@ -517,7 +523,8 @@ class FileStateStoreProvider(StateStoreProvider):
 
     def _drop_later_lineage(self, new_version):
         """Before re-committing ``new_version``: delete files an abandoned run left at later
-        versions, and its snapshot of ``new_version`` (its delta is overwritten)."""
+        versions, and its snapshot of ``new_version`` (its delta is overwritten). True if
+        this is such a re-commit."""
         deltas, snapshots = self._files.list_versions()
         stale = [name for v, name in deltas.items() if v > new_version]
         stale += [name for v, name in snapshots.items() if v >= new_version]
@@ -525,6 +532,7 @@ class FileStateStoreProvider(StateStoreProvider):
             log.warning("re-committing version %d of %s: deleting files of the abandoned run: %s",
                         new_version, self, sorted(stale))
             self._files.delete(stale)
+        return bool(stale) or new_version in deltas
 
     # -- loading ---------------------------------------------------------------------------
     def _delta_lineage(self, name):
@@ -660,12 +668,13 @@ class FileStateStoreProvider(StateStoreProvider):
             state.frozen = True
             frozen_view = FrozenView(state, last)
             successor = State(self._key_schema, self._value_schema, frozen_view, last,
-                              state.commit_ids[last], state.num_keys[last])
+                              state.commit_ids[last], state.count(last))
             successor.undo = dict(state.undo)
             successor.commit_ids = dict(state.commit_ids)
             successor.num_keys = dict(state.num_keys)
             self._latest = successor
             commit_id = state.commit_ids[last]
+            recommits_seen = len(self._recommits)
         name = f"{last}.snapshot"
         row_count = frozen_view.num_keys
 
@@ -680,17 +689,19 @@ class FileStateStoreProvider(StateStoreProvider):
         reader = SnapshotReader(self._files.local_path_for_mapping(name), self._key_schema, self._value_schema)
         with self._lock:
             current = self._latest
-            if current is None or current.commit_ids.get(last, commit_id) != commit_id:
-                stale = True
-            else:
-                stale = False
-                # Same data, now mapped: swap the base of every state built over the frozen one.
+            # a batch re-executed meanwhile at or below `last` makes this file another run's
+            stale = any(v <= last for v in self._recommits[recommits_seen:])
+            swapped = False
+            if current is not None and not stale:
+                # Same data, now mapped: swap the base of the state built over the frozen one.
                 node = current
-                while node is not None:
+                while node is not None and not swapped:
                     if isinstance(node.base, FrozenView) and node.base.state is state:
                         node.base = reader
-                        break
+                        swapped = True
                     node = node.base.state if isinstance(node.base, FrozenView) else None
+        if not swapped:
+            reader.close()
         if stale:
             log.warning("snapshot %s of %s belongs to a run that was re-executed; deleting it", name, self)
             self._files.delete([name])

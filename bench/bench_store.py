@@ -1,0 +1,198 @@
+"""The versioned store on local files, against what a Python user would do instead (pickle a
+dict of the state each batch), in the same run.
+
+    python -m bench.bench_store --rows 1000000 --repeat 5 [--big-rows 10000000] [--json PATH]
+
+1. commit of ``--rows`` updated rows vs pickle + lz4 + fsync of the equivalent dict;
+2. reopening a ``--big-rows`` state from a snapshot plus 5 deltas and one lookup vs
+   ``pickle.load`` of the dict;
+3. a micro-batch loop of 100 batches (get_store, 100k upserts through the batch API,
+   commit) with the maintenance thread running;
+4. memory: the provider's tables and the process's peak RSS against the raw row bytes.
+"""
+import gc
+import os
+import pickle
+import resource
+import shutil
+import tempfile
+import time
+import uuid
+
+import lz4.frame
+import numpy as np
+
+from bench._common import Table, arg_parser, measure, print_header, write_json
+from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider, registry
+
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
+ROW_BYTES = KEY.itemsize + VALUE.itemsize
+
+
+def batch(rng, n, key_space):
+    keys = np.zeros(n, KEY)
+    keys["k"] = rng.choice(key_space, n, replace=False) if n <= key_space else rng.integers(0, key_space, n)
+    values = np.zeros(n, VALUE)
+    values["count"] = rng.integers(0, 1000, n)
+    values["sum"] = rng.random(n)
+    return keys, values
+
+
+def fill(provider, rows, rng):
+    keys = np.zeros(rows, KEY)
+    keys["k"] = np.arange(rows) * 7
+    values = np.zeros(rows, VALUE)
+    values["count"] = 1
+    store = provider.get_store(0)
+    store.put_batch(keys, values)
+    store.commit()
+    return keys
+
+
+def as_dict(keys, values):
+    return dict(zip(keys["k"].tolist(), zip(values["count"].tolist(), values["sum"].tolist())))
+
+
+def pickle_lz4_fsync(d, path):
+    with open(path, "wb") as f:
+        f.write(lz4.frame.compress(pickle.dumps(d, protocol=pickle.HIGHEST_PROTOCOL)))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main():
+    p = arg_parser(__doc__.splitlines()[0], rows=1_000_000, repeat=5)
+    p.add_argument("--big-rows", type=int, default=10_000_000, help="rows of the reopened state")
+    p.add_argument("--batches", type=int, default=100)
+    p.add_argument("--batch-rows", type=int, default=100_000)
+    args = p.parse_args()
+    header = print_header(f"versioned store on local files; rows {args.rows:,}, big {args.big_rows:,}")
+    rng = np.random.default_rng(args.seed)
+    scratch = tempfile.mkdtemp(prefix="statecore-bench-")
+    tables, extra = [], {}
+    try:
+        # 1. commit of N updated rows
+        n = args.rows
+        provider = create_and_init_provider(StateStoreId(f"{scratch}/commit", 0, 0), KEY, VALUE,
+                                            StateStoreConf())
+        keys = fill(provider, n, rng)
+        values = np.zeros(n, VALUE)
+        values["count"] = 2
+        version = [1]
+        stores = []
+
+        def prepare():
+            s = provider.get_store(version[0])
+            s.put_batch(keys, values)
+            stores.append(s)
+
+        def do_commit():
+            version[0] = stores.pop().commit()
+
+        d = as_dict(keys, values)
+        t = Table(f"commit {n:,} updated rows (durable)", n)
+        t.add("pickle + lz4 + fsync of the dict", measure(lambda: pickle_lz4_fsync(d, f"{scratch}/dict.pkl.lz4"),
+                                                           args.repeat))
+        t.add("StateStore.commit (delta + fsync + merge)", measure(do_commit, args.repeat, setup=prepare))
+        tables.append(t)
+        del d, provider
+        gc.collect()
+
+        # 2. reopen a big state from a snapshot + 5 deltas, one lookup
+        big = args.big_rows
+        root = f"{scratch}/reopen"
+        conf = StateStoreConf(min_deltas_for_snapshot=0)
+        provider = create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, conf)
+        big_keys = fill(provider, big, rng)
+        provider.do_maintenance()  # 1.snapshot
+        for v in range(1, 6):
+            k, val = batch(rng, 100_000, big)
+            k["k"] *= 7
+            s = provider.get_store(v)
+            s.put_batch(k, val)
+            s.commit()
+        files = sorted(os.listdir(f"{root}/0/0"))
+        del provider
+        gc.collect()
+        probe = int(big_keys["k"][big // 2])
+
+        def reopen():
+            fresh = create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, conf)
+            assert fresh.get_read_store(6).get(probe) is not None
+
+        pk_keys = big_keys.copy()
+        pk_vals = np.zeros(big, VALUE)
+        pk_vals["count"] = 1
+        with open(f"{scratch}/big.pkl", "wb") as f:
+            pickle.dump(as_dict(pk_keys, pk_vals), f, protocol=pickle.HIGHEST_PROTOCOL)
+        del pk_keys, pk_vals
+        gc.collect()
+
+        def unpickle():
+            with open(f"{scratch}/big.pkl", "rb") as f:
+                assert pickle.load(f).get(probe) is not None
+
+        t = Table(f"reopen {big:,} keys (snapshot + 5 deltas of 100k) + 1 lookup", 1, unit="opens")
+        t.add("pickle.load(dict) + lookup", measure(unpickle, max(2, args.repeat // 2)))
+        t.add("new provider + get_read_store(6) + get", measure(reopen, args.repeat))
+        tables.append(t)
+        extra["reopen_files"] = files
+        os.remove(f"{scratch}/big.pkl")
+        shutil.rmtree(root)
+
+        # 3. the micro-batch loop with maintenance running
+        registry.stop()
+        loop_conf = StateStoreConf(maintenance_interval_s=1.0)
+        pid = StateStoreProviderId(StateStoreId(f"{scratch}/loop", 0, 0), uuid.uuid4())
+        key_space = 1_000_000
+        batches = [batch(rng, args.batch_rows, key_space) for _ in range(args.batches)]
+        rss_before = rss_mib()
+        t0 = time.perf_counter()
+        per_batch = []
+        for v, (k, val) in enumerate(batches):
+            b0 = time.perf_counter()
+            s = registry.get(pid, KEY, VALUE, v, loop_conf)
+            s.put_batch(k, val)
+            s.commit()
+            per_batch.append(time.perf_counter() - b0)
+        elapsed = time.perf_counter() - t0
+        final = registry.get_read_only(pid, KEY, VALUE, args.batches, loop_conf)
+        live = final.metrics.num_keys
+        provider_bytes = final.metrics.memory_used_bytes
+        snapshots = [f for f in os.listdir(f"{scratch}/loop/0/0") if f.endswith(".snapshot")]
+        registry.stop()
+        upserts = args.batches * args.batch_rows
+        t = Table(f"micro-batch loop: {args.batches} x {args.batch_rows:,} upserts", upserts, unit="upserts")
+        t.add("get_store + put_batch + commit, maintenance on", [elapsed])
+        tables.append(t)
+        extra["loop"] = {
+            "upserts_per_s": upserts / elapsed, "batch_ms_median": float(np.median(per_batch) * 1e3),
+            "batch_ms_p99": float(np.percentile(per_batch, 99) * 1e3), "live_keys": live,
+            "raw_row_bytes": live * ROW_BYTES, "provider_table_bytes": provider_bytes,
+            "snapshots_written": sorted(snapshots), "peak_rss_mib_before": rss_before,
+            "peak_rss_mib_after": rss_mib(),
+        }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    for t in tables:
+        t.print()
+    loop = extra["loop"]
+    print(f"\nloop: {loop['upserts_per_s'] / 1e6:.2f} M upserts/s; batch median {loop['batch_ms_median']:.1f} ms, "
+          f"p99 {loop['batch_ms_p99']:.1f} ms; snapshots {loop['snapshots_written']}")
+    print(f"memory: {loop['live_keys']:,} live keys = {loop['raw_row_bytes'] / 2**20:.1f} MiB of raw rows; "
+          f"provider tables {loop['provider_table_bytes'] / 2**20:.1f} MiB "
+          f"({loop['provider_table_bytes'] / max(loop['raw_row_bytes'], 1):.2f}x, snapshot pages not counted); "
+          f"peak RSS {loop['peak_rss_mib_before']:.0f} -> {loop['peak_rss_mib_after']:.0f} MiB")
+    print(f"reopen files: {extra['reopen_files']}")
+    if args.json:
+        write_json(args.json, header, tables, extra)
+
+
+if __name__ == "__main__":
+    main()
