@@ -477,27 +477,38 @@ cdef class RowTable:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
+    cdef int _reserve_for(self, const uint32_t* tags, Py_ssize_t n, uint64_t* bitmap,
+                          uint64_t n_bits) noexcept nogil:
+        """Size index and arena for a batch whose tags are known (see _estimate_distinct)."""
+        cdef uint64_t at_least
+        cdef int rc
+        if bitmap == NULL:
+            return TABLE_OK
+        # unbiased, and capped by the batch size: all-distinct batches get exactly n
+        at_least = <uint64_t>_estimate_distinct(tags, n, bitmap, n_bits)
+        if at_least > <uint64_t>n:
+            at_least = n
+        if at_least <= self.count:
+            return TABLE_OK
+        rc = self.slots_reserve(at_least)
+        if rc < 0:
+            return rc
+        # the arena too: rows beyond the free ones come from its end
+        if self.rows_used + (at_least - self.count) > self.rows_capacity + self.n_free:
+            return self.rows_reserve(self.rows_used + (at_least - self.count))
+        return TABLE_OK
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
                        uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil:
         cdef Py_ssize_t i
         cdef int rc
         cdef size_t kw = self.key_width, vw = self.value_width
-        cdef uint64_t at_least
         self._hash_keys(keys, n, tags)
-        if bitmap != NULL:
-            # unbiased, and capped by the batch size: all-distinct batches get exactly n
-            at_least = <uint64_t>_estimate_distinct(tags, n, bitmap, n_bits)
-            if at_least > <uint64_t>n:
-                at_least = n
-            if at_least > self.count:
-                rc = self.slots_reserve(at_least)
-                if rc < 0:
-                    return rc
-                # the arena too: rows beyond the free ones come from its end
-                if self.rows_used + (at_least - self.count) > self.rows_capacity + self.n_free:
-                    rc = self.rows_reserve(self.rows_used + (at_least - self.count))
-                    if rc < 0:
-                        return rc
+        rc = self._reserve_for(tags, n, bitmap, n_bits)
+        if rc < 0:
+            return rc
         for i in range(n):
             self._prefetch(tags, i, n)
             rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
@@ -508,7 +519,8 @@ cdef class RowTable:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                            uint8_t* prior, uint8_t* found, uint32_t* tags) noexcept nogil:
+                            uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
+                            uint64_t n_bits) noexcept nogil:
         cdef Py_ssize_t i
         cdef int rc
         cdef uint64_t pos
@@ -516,6 +528,9 @@ cdef class RowTable:
         cdef size_t kw = self.key_width, vw = self.value_width
         cdef uint8_t* dst
         self._hash_keys(keys, n, tags)
+        rc = self._reserve_for(tags, n, bitmap, n_bits)
+        if rc < 0:
+            return rc
         for i in range(n):
             self._prefetch(tags, i, n)
             row = self.table_find(keys + i * kw, tags[i], &pos)
@@ -553,6 +568,15 @@ cdef class RowTable:
         if rows.ndim != 2 or rows.shape[1] != width:
             raise ValueError(f"{what} must be an (n, {width}) uint8 array, got shape {rows.shape}")
 
+    def _growth_bitmap(self, Py_ssize_t n):
+        """Scratch bits for the distinct-key estimate, when a batch of n may outgrow the table."""
+        if self.count + n <= self.capacity or n < 1024:
+            return None
+        cdef uint64_t n_bits = 1024
+        while n_bits < <uint64_t>(2 * n) and n_bits < (<uint64_t>1 << 28):
+            n_bits *= 2
+        return np.zeros(n_bits // 64, dtype=np.uint64)
+
     def get_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,
                  uint8_t[::1] found not None):
         """Look up ``keys`` (n, key_width) into ``values`` (n, value_width) and ``found`` (n,)."""
@@ -583,15 +607,14 @@ cdef class RowTable:
         if n == 0:
             return
         cdef const uint8_t* value_ptr = _rows_ptr(values)
-        cdef uint64_t n_bits = 0
-        cdef uint64_t[::1] bitmap
+        bitmap = self._growth_bitmap(n)
+        cdef uint64_t[::1] bits
         cdef uint64_t* bitmap_ptr = NULL
-        if <uint64_t>(self.count + n) > <uint64_t>self.capacity and n >= 1024:
-            n_bits = 1024
-            while n_bits < <uint64_t>(2 * n) and n_bits < (<uint64_t>1 << 28):
-                n_bits *= 2
-            bitmap = np.zeros(n_bits // 64, dtype=np.uint64)
-            bitmap_ptr = &bitmap[0]
+        cdef uint64_t n_bits = 0
+        if bitmap is not None:
+            bits = bitmap
+            bitmap_ptr = &bits[0]
+            n_bits = bitmap.shape[0] * 64
         with nogil:
             rc = self._put_many(&keys[0, 0], value_ptr, n, &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
@@ -614,8 +637,17 @@ cdef class RowTable:
             return
         cdef const uint8_t* value_ptr = _rows_ptr(values)
         cdef uint8_t* prior_ptr = <uint8_t*>_rows_ptr(prior)
+        bitmap = self._growth_bitmap(n)
+        cdef uint64_t[::1] bits
+        cdef uint64_t* bitmap_ptr = NULL
+        cdef uint64_t n_bits = 0
+        if bitmap is not None:
+            bits = bitmap
+            bitmap_ptr = &bits[0]
+            n_bits = bitmap.shape[0] * 64
         with nogil:
-            rc = self._exchange_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0])
+            rc = self._exchange_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0],
+                                     bitmap_ptr, n_bits)
         self._check(rc)
 
     def remove_rows(self, const uint8_t[:, ::1] keys not None):

@@ -66,6 +66,17 @@ class Layer:
         layer._pending = (keys, values, present)
         return layer
 
+    def changes(self):
+        """``(keys, values, present)`` of an undo layer: what each key was before its merge."""
+        if self._pending is not None:
+            return self._pending
+        put_keys, put_values = self.puts.export_rows()
+        del_keys, _ = self.dels.export_rows()
+        present = np.concatenate([np.ones(put_keys.shape[0], bool), np.zeros(del_keys.shape[0], bool)])
+        return (np.concatenate([put_keys, del_keys]),
+                np.concatenate([put_values, np.zeros((del_keys.shape[0], put_values.shape[1]), np.uint8)]),
+                present)
+
     def _materialize(self):
         self._puts = RowTable(self.key_schema, self.value_schema)
         self._dels = RowTable(self.key_schema, EMPTY)
@@ -157,9 +168,10 @@ class State:
         self.num_keys = {version: num_keys}
         self.frozen = False
         self.merges = 0
+        self.pending = None  # a merged version whose delta is not durable yet
 
     def holds(self, version):
-        return version in self.commit_ids
+        return version in self.commit_ids and version != self.pending
 
     def oldest(self):
         return min(self.commit_ids)
@@ -263,7 +275,7 @@ class State:
         self.commit_ids[version] = commit_id
         self.num_keys[version] = n
 
-    def merge(self, put_keys, put_values, del_keys, commit_id):
+    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False):
         """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
         their undo: the prior value or absence of every key they change."""
         before = self.count(self.version)
@@ -281,6 +293,30 @@ class State:
             _cat(prior_put_found, prior_del_found))
         self.commit_ids[self.version] = commit_id
         self.num_keys[self.version] = (before + int((~prior_put_found).sum()) - int(prior_del_found.sum()))
+        self.merges += 1
+        if pending:
+            self.pending = self.version
+
+    def rollback(self):
+        """Undo the newest merge (its delta could not be written): the head returns to the
+        previous version, exactly, from the undo layer."""
+        undo = self.undo.pop(self.version)
+        keys, prior_values, prior_found = undo.changes()
+        if prior_found.any():
+            restored = take_rows(keys, prior_found)
+            self.head.puts.put_rows(restored, take_rows(prior_values, prior_found))
+            if len(self.head.dels):
+                self.head.dels.remove_rows(restored)
+        if not prior_found.all():
+            absent = take_rows(keys, ~prior_found)
+            if len(self.head.puts):
+                self.head.puts.remove_rows(absent)
+            if self.base is not None:
+                self.head.dels.put_rows(absent, no_values(absent.shape[0]))
+        del self.commit_ids[self.version]
+        del self.num_keys[self.version]
+        self.version -= 1
+        self.pending = None
         self.merges += 1
 
     def _put_and_get_prior(self, keys, values):

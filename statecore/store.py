@@ -500,18 +500,44 @@ class FileStateStoreProvider(StateStoreProvider):
             writer.put_rows(put_keys, put_values)
             writer.finish()
 
-        self._files.write_atomic(f"{new_version}.delta", write)
+        # The delta is encoded and made durable on a second thread while the merge runs here
+        # (lz4, checksums, fsync and the table loops all release the GIL). The new version is
+        # invisible until the file is in place; if writing fails, the merge is undone.
+        failure = []
+
+        def write_delta():
+            try:
+                self._files.write_atomic(f"{new_version}.delta", write)
+            except BaseException as e:  # re-raised on the committing thread
+                failure.append(e)
+
+        writer_thread = threading.Thread(target=write_delta, name="statecore-delta-writer")
+        writer_thread.start()
+        try:
+            with self._lock:
+                previous = self._latest
+                if (previous is not None and previous.version == version
+                        and previous.commit_ids[version] == parent_id):
+                    state = previous
+                else:
+                    # Re-execution from an older version (or a state loaded privately): the
+                    # new lineage continues from the store's own version, frozen underneath.
+                    view.state.frozen = True
+                    state = State(self._key_schema, self._value_schema, FrozenView(view.state, version),
+                                  version, parent_id, view.state.count(version))
+                state.merge(put_keys, put_values, del_keys, commit_id, pending=True)
+        except BaseException:
+            writer_thread.join()
+            with self._lock:
+                self._latest = None  # a half-applied merge: reload from files next time
+            raise
+        writer_thread.join()
         with self._lock:
-            latest = self._latest
-            if latest is not None and latest.version == version and latest.commit_ids[version] == parent_id:
-                state = latest
-            else:
-                # Re-execution from an older version (or a state loaded privately): the new
-                # lineage continues from the store's own version, frozen underneath.
-                view.state.frozen = True
-                state = State(self._key_schema, self._value_schema, FrozenView(view.state, version),
-                              version, parent_id, view.state.count(version))
-            state.merge(put_keys, put_values, del_keys, commit_id)
+            if failure:
+                if state is previous:
+                    state.rollback()
+                raise failure[0]
+            state.pending = None
             num_keys = state.num_keys[new_version]
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state

@@ -324,3 +324,37 @@ def test_cache_hits_and_misses(root):
     q.get_read_store(1)
     m = q.get_read_store(1).metrics.custom_metrics
     assert m["loadedMapCacheMissCount"] == 1 and m["loadedMapCacheHitCount"] == 1
+
+
+@pytest.mark.parametrize("step", ["write", "flush", "fsync", "rename"])
+def test_failed_delta_write_undoes_the_merge_in_the_same_provider(root, monkeypatch, step):
+    from statecore import files
+    injected = []
+
+    def faulty(location, storage_options=None, local_cache_dir=None):
+        f = files.FaultInjectingFiles(location, storage_options, local_cache_dir)
+        injected.append(f)
+        return f
+
+    monkeypatch.setattr(files, "open_store_files", faulty)
+    p = make(root)
+    commit_batch(p, 0, [(k, (k, 0.0)) for k in range(20)])
+    commit_batch(p, 1, [(k, (k, 1.0)) for k in range(10, 30)], removes=[0, 1])
+    before = contents(p.get_read_store(2))
+    injected[0].arm(step, "*.delta")
+    s = p.get_store(2)
+    s.put(5, (5, 9.0))
+    s.put(100, (100, 9.0))
+    s.remove(12)
+    with pytest.raises(OSError, match="injected"):
+        s.commit()
+    assert not s.has_committed
+    s.abort()
+    # the same provider still serves version 2 exactly, and version 3 does not exist
+    assert contents(p.get_read_store(2)) == before
+    assert p.get_read_store(2).metrics.num_keys == len(before)
+    with pytest.raises(VersionNotFoundError):
+        make(root).get_read_store(3)
+    assert not [f for f in store_files(root) if f.endswith(".tmp")]
+    assert commit_batch(p, 2, [(7, (7, 7.0))]) == 3
+    assert contents(make(root).get_read_store(3)) == {**before, 7: (7, 7.0)}
