@@ -30,7 +30,8 @@ def take_rows(rows, index):
     """``rows[index]`` for an (n, w) uint8 row array, as one memcpy per row (a void view)."""
     w = rows.shape[1]
     if w == 0:
-        return np.empty((len(index), 0), dtype=np.uint8)
+        index = np.asarray(index)
+        return no_values(int(index.sum()) if index.dtype == np.bool_ else index.size)
     return rows.view(f"V{w}").ravel()[index].view(np.uint8).reshape(-1, w)
 
 
