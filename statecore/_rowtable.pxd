@@ -92,6 +92,7 @@ cdef class RowTable:
 
     cdef uint32_t table_find(self, const uint8_t* key, uint32_t tag, uint64_t* slot_out) noexcept nogil
     cdef int table_put(self, const uint8_t* key, const uint8_t* value, uint32_t tag) noexcept nogil
+    cdef int table_insert_new(self, const uint8_t* key, const uint8_t* value, uint32_t tag) noexcept nogil
     cdef int table_remove(self, const uint8_t* key, uint32_t tag) noexcept nogil
     cdef void cursor_closed(self) noexcept nogil
 

@@ -362,13 +362,18 @@ cdef class RowTable:
         """1 if the key was new, 0 if its value was overwritten, < 0 on error (table unchanged)."""
         cdef uint64_t pos
         cdef uint32_t row = self.table_find(key, tag, &pos)
-        cdef uint8_t* dst
-        cdef int rc
         if row != 0:
             if self.value_width:
                 memcpy(self.rows + <uint64_t>(row - 1) * self.row_width + self.key_width,
                        value, self.value_width)
             return 0
+        return self.table_insert_new(key, value, tag)
+
+    cdef int table_insert_new(self, const uint8_t* key, const uint8_t* value, uint32_t tag) noexcept nogil:
+        """Insert a key known to be absent: 1, or < 0 on error (table unchanged)."""
+        cdef uint32_t row
+        cdef uint8_t* dst
+        cdef int rc
         rc = self.slots_reserve(self.count + 1)
         if rc < 0:
             return rc
@@ -543,7 +548,7 @@ cdef class RowTable:
                 continue
             if vw:
                 memset(prior + i * vw, 0, vw)
-            rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
+            rc = self.table_insert_new(keys + i * kw, values + i * vw if vw else NULL, tags[i])
             if rc < 0:
                 return rc
         return TABLE_OK
@@ -772,6 +777,16 @@ cdef class RowTable:
         """Yield ``(keys, values)`` structured-array copies covering each row live when
         iteration began exactly once."""
         return iter_batches(RowCursor(self), self.key_schema, self.value_schema, rows_per_batch)
+
+    def reset(self):
+        """Remove every row but keep the memory, for refilling with a batch of about the same
+        size (no page faults, no growth)."""
+        if self.open_cursors:
+            raise RuntimeError("cannot reset a RowTable while a cursor is open")
+        if self.n_slots:
+            memset(self.slots, 0, self.n_slots * sizeof(Slot))
+        self.count = self.rows_used = self.n_free = self.n_zombies = 0
+        self.max_displacement = 0
 
     def clear(self):
         """Remove every row and give the memory back."""

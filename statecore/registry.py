@@ -37,13 +37,25 @@ class _MaintenanceThread(threading.Thread):
         super().__init__(name="state-store-maintenance-task", daemon=True)
         self.interval_s = interval_s
         self.stopping = threading.Event()
+        self.wakeup = threading.Event()  # set by a provider whose snapshot is due early
 
     def run(self):
-        while not self.stopping.wait(self.interval_s):
+        while True:
+            self.wakeup.wait(self.interval_s)
+            self.wakeup.clear()
+            if self.stopping.is_set():
+                return
             try:
                 run_maintenance_now()
             except Exception:  # never let the thread die: providers are handled one by one
                 log.exception("State store maintenance pass failed")
+
+
+def _request_maintenance():
+    """Wake the maintenance thread now (a provider's head outgrew its snapshot)."""
+    thread = _maintenance
+    if thread is not None:
+        thread.wakeup.set()
 
 
 def _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal):
@@ -56,6 +68,8 @@ def _provider_for(provider_id, key_schema, value_schema, version, conf, key_inde
         if provider is None:
             provider = create_and_init_provider(provider_id.store_id, key_schema, value_schema, conf,
                                                 key_index_ordinal)
+            if hasattr(provider, "set_maintenance_hint"):
+                provider.set_maintenance_hint(_request_maintenance)
             _providers[provider_id] = provider
         others = [pid for pid in _providers if pid != provider_id]
         coordinator = _coordinator
@@ -174,6 +188,7 @@ def stop():
         unload(provider_id)
     if thread is not None:
         thread.stopping.set()
+        thread.wakeup.set()
         thread.join()
     with _lock:
         _passes = 0

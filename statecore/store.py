@@ -53,6 +53,11 @@ __all__ = ["ReadStateStore", "StateStore", "StateStoreProvider", "FileStateStore
 log = logging.getLogger(__name__)
 
 ROOT_COMMIT_ID = bytes(8)  # version 0: the empty state
+# Besides Spark's rule (more than min_deltas_for_snapshot deltas), a snapshot is due once the
+# head (every change since the last snapshot, held in hash tables) outgrows this share of the
+# state: it keeps resident memory near the raw rows whatever the maintenance period.
+HEAD_SNAPSHOT_RATIO = 0.5
+HEAD_SNAPSHOT_MIN_ROWS = 1 << 16
 SCHEMA_FILE = "_statecore.schema.json"  # three dot-parts: ignored by version listing
 DELTA_HEADER_BYTES = 72
 _LINEAGE_OFFSET = 48  # of the lineage field in a delta header (statecore._delta)
@@ -389,6 +394,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._latest = None
         self._pins = {}
         self._recommits = []  # versions committed again (re-executed batches), in order
+        self._maintenance_hint = None  # called when a snapshot is due before the next period
         self._hits = self._misses = 0
         self._schema_written = False
         self._closed = False
@@ -539,12 +545,15 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise failure[0]
             state.pending = None
             num_keys = state.num_keys[new_version]
+            head_due = self._head_outgrown(state)
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
                 self._retain(state)
             else:
                 self._latest = None
         log.info("Committed version %d for %s", new_version, self)
+        if head_due and self._maintenance_hint is not None:
+            self._maintenance_hint()
         return new_version, num_keys
 
     def _drop_later_lineage(self, new_version):
@@ -665,6 +674,18 @@ class FileStateStoreProvider(StateStoreProvider):
         self._schema_written = True
 
     # -- maintenance -----------------------------------------------------------------------
+    def set_maintenance_hint(self, hint):
+        """``hint()`` is called (from a committing task) when a snapshot is due early; the
+        registry passes a function that wakes its maintenance thread."""
+        self._maintenance_hint = hint
+
+    def _head_outgrown(self, state):
+        # REQUIRES: self._lock held
+        head_rows = len(state.head)
+        if head_rows <= HEAD_SNAPSHOT_MIN_ROWS:
+            return False
+        return state.base is None or head_rows > HEAD_SNAPSHOT_RATIO * state.count(state.version)
+
     def do_maintenance(self):
         """Write a snapshot once more than ``min_deltas_for_snapshot`` deltas piled up since
         the last one (of the newest version, if this provider holds it), then delete the
@@ -687,7 +708,8 @@ class FileStateStoreProvider(StateStoreProvider):
             if state is None or state.version != last:
                 return
             base = max((s for s in snapshots if s <= last), default=0)
-            if sum(1 for v in deltas if base < v <= last) <= self._conf.min_deltas_for_snapshot:
+            deltas_due = sum(1 for v in deltas if base < v <= last) > self._conf.min_deltas_for_snapshot
+            if not (deltas_due or (last > base and self._head_outgrown(state))):
                 return
             # Freeze the state at `last`: commits go on in a new state over it, while the
             # frozen one is written out without the lock.
