@@ -391,6 +391,7 @@ class FileStateStoreProvider(StateStoreProvider):
     def __init__(self):
         self._lock = threading.RLock()
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
+        self._committing = threading.Lock()  # commits of one provider run one at a time
         self._latest = None
         self._pins = {}
         self._recommits = []  # versions committed again (re-executed batches), in order
@@ -488,6 +489,10 @@ class FileStateStoreProvider(StateStoreProvider):
 
     # -- commit ----------------------------------------------------------------------------
     def _commit(self, view, update):
+        with self._committing:
+            return self._commit_serialized(view, update)
+
+    def _commit_serialized(self, view, update):
         version = view.version
         new_version = version + 1
         commit_id = os.urandom(8)
@@ -705,8 +710,8 @@ class FileStateStoreProvider(StateStoreProvider):
         last = max([*deltas, *snapshots])
         with self._lock:
             state = self._latest
-            if state is None or state.version != last:
-                return
+            if state is None or state.version != last or state.pending is not None:
+                return  # not the newest version, or its commit is still in flight
             base = max((s for s in snapshots if s <= last), default=0)
             deltas_due = sum(1 for v in deltas if base < v <= last) > self._conf.min_deltas_for_snapshot
             if not (deltas_due or (last > base and self._head_outgrown(state))):

@@ -358,3 +358,47 @@ def test_failed_delta_write_undoes_the_merge_in_the_same_provider(root, monkeypa
     assert not [f for f in store_files(root) if f.endswith(".tmp")]
     assert commit_batch(p, 2, [(7, (7, 7.0))]) == 3
     assert contents(make(root).get_read_store(3)) == {**before, 7: (7, 7.0)}
+
+
+def test_maintenance_racing_commits_keeps_every_version_exact(root):
+    # Regression: a snapshot pass that froze a state while its commit was still in flight
+    # let the commit re-install the frozen state; later commits then mutated the tables the
+    # snapshot writer was iterating (wrong row counts, and a crash).
+    import threading
+    p = make(root, min_deltas_for_snapshot=1, min_versions_to_retain=5)
+    stop = threading.Event()
+    errors = []
+
+    def maintain():
+        while not stop.is_set():
+            try:
+                p.do_maintenance()
+            except Exception as e:  # a failure here is the bug
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=maintain)
+    thread.start()
+    model = {}
+    rng = np.random.default_rng(11)
+    try:
+        for v in range(60):
+            s = p.get_store(v)
+            keys = rng.choice(5000, 400, replace=False)
+            values = np.zeros(300, VALUE)
+            values["count"] = v
+            s.put_batch(keys[:300].astype(KEY), values)
+            s.remove_batch(keys[300:].astype(KEY))
+            for k in keys[:300]:
+                model[int(k)] = (v, 0.0)
+            for k in keys[300:]:
+                model.pop(int(k), None)
+            assert s.commit() == v + 1
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert contents(p.get_read_store(60)) == model
+    assert p.get_read_store(60).metrics.num_keys == len(model)
+    p.do_maintenance()
+    assert contents(make(root).get_read_store(60)) == model
