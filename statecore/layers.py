@@ -16,6 +16,8 @@ Thread-safety: a State's owner (the provider) serializes merges and base swaps w
 lock; lookups read a consistent state as long as they hold the same lock or the state is
 frozen. A frozen State never changes again.
 """
+import threading
+
 import numpy as np
 
 from statecore._rowtable import RowTable
@@ -24,6 +26,7 @@ from statecore._snapshot import SnapshotReader
 __all__ = ["Layer", "State", "FrozenView", "take_rows"]
 
 EMPTY = np.dtype([])
+_MATERIALIZING = threading.Lock()
 
 
 def take_rows(rows, index):
@@ -79,16 +82,23 @@ class Layer:
                 present)
 
     def _materialize(self):
-        self._puts = RowTable(self.key_schema, self.value_schema)
-        self._dels = RowTable(self.key_schema, EMPTY)
-        if self._pending is not None:
-            keys, values, present = self._pending
+        # Readers of an old version may come from several threads: build the tables once, and
+        # publish them only when they are complete.
+        with _MATERIALIZING:
+            if self._puts is not None:
+                return
+            puts = RowTable(self.key_schema, self.value_schema)
+            dels = RowTable(self.key_schema, EMPTY)
+            if self._pending is not None:
+                keys, values, present = self._pending
+                if present.any():
+                    puts.put_rows(take_rows(keys, present), take_rows(values, present))
+                if not present.all():
+                    absent = take_rows(keys, ~present)
+                    dels.put_rows(absent, no_values(absent.shape[0]))
+            self._dels = dels
+            self._puts = puts
             self._pending = None
-            if present.any():
-                self._puts.put_rows(take_rows(keys, present), take_rows(values, present))
-            if not present.all():
-                absent = take_rows(keys, ~present)
-                self._dels.put_rows(absent, no_values(absent.shape[0]))
 
     @property
     def puts(self):
@@ -98,7 +108,7 @@ class Layer:
 
     @property
     def dels(self):
-        if self._dels is None:
+        if self._puts is None:  # _puts is published last
             self._materialize()
         return self._dels
 
