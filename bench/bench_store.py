@@ -76,6 +76,48 @@ def main():
     scratch = tempfile.mkdtemp(prefix="statecore-bench-")
     tables, extra = [], {}
     try:
+        # 3. the micro-batch loop with maintenance running (first: a fresh process heap)
+        registry.stop()
+        loop_conf = StateStoreConf(maintenance_interval_s=1.0)
+        pid = StateStoreProviderId(StateStoreId(f"{scratch}/loop", 0, 0), uuid.uuid4())
+        key_space = 1_000_000
+        batches = [batch(rng, args.batch_rows, key_space) for _ in range(args.batches)]
+        rss_before = rss_mib()
+        t0 = time.perf_counter()
+        per_batch = []
+        for v, (k, val) in enumerate(batches):
+            b0 = time.perf_counter()
+            s = registry.get(pid, KEY, VALUE, v, loop_conf)
+            s.put_batch(k, val)
+            s.commit()
+            per_batch.append(time.perf_counter() - b0)
+        elapsed = time.perf_counter() - t0
+        final = registry.get_read_only(pid, KEY, VALUE, args.batches, loop_conf)
+        live = final.metrics.num_keys
+        provider_bytes = final.metrics.memory_used_bytes
+        snapshots = [f for f in os.listdir(f"{scratch}/loop/0/0") if f.endswith(".snapshot")]
+        registry.stop()
+        upserts = args.batches * args.batch_rows
+        # the same batches on a provider nobody maintains: what the batches cost by themselves
+        bare = create_and_init_provider(StateStoreId(f"{scratch}/bare", 0, 0), KEY, VALUE, loop_conf)
+        t1 = time.perf_counter()
+        for v, (k, val) in enumerate(batches):
+            s = bare.get_store(v)
+            s.put_batch(k, val)
+            s.commit()
+        bare_elapsed = time.perf_counter() - t1
+        del bare
+        t = Table(f"micro-batch loop: {args.batches} x {args.batch_rows:,} upserts", upserts, unit="upserts")
+        t.add("get_store + put_batch + commit, maintenance on", [elapsed])
+        t.add("the same, no maintenance (head grows)", [bare_elapsed])
+        tables.append(t)
+        extra["loop"] = {
+            "upserts_per_s": upserts / elapsed, "batch_ms_median": float(np.median(per_batch) * 1e3),
+            "batch_ms_p99": float(np.percentile(per_batch, 99) * 1e3), "live_keys": live,
+            "raw_row_bytes": live * ROW_BYTES, "provider_table_bytes": provider_bytes,
+            "snapshots_written": sorted(snapshots), "peak_rss_mib_before": rss_before,
+            "peak_rss_mib_after": rss_mib(),
+        }
         # 1. commit of N updated rows
         n = args.rows
         provider = create_and_init_provider(StateStoreId(f"{scratch}/commit", 0, 0), KEY, VALUE,
@@ -145,38 +187,6 @@ def main():
         os.remove(f"{scratch}/big.pkl")
         shutil.rmtree(root)
 
-        # 3. the micro-batch loop with maintenance running
-        registry.stop()
-        loop_conf = StateStoreConf(maintenance_interval_s=1.0)
-        pid = StateStoreProviderId(StateStoreId(f"{scratch}/loop", 0, 0), uuid.uuid4())
-        key_space = 1_000_000
-        batches = [batch(rng, args.batch_rows, key_space) for _ in range(args.batches)]
-        rss_before = rss_mib()
-        t0 = time.perf_counter()
-        per_batch = []
-        for v, (k, val) in enumerate(batches):
-            b0 = time.perf_counter()
-            s = registry.get(pid, KEY, VALUE, v, loop_conf)
-            s.put_batch(k, val)
-            s.commit()
-            per_batch.append(time.perf_counter() - b0)
-        elapsed = time.perf_counter() - t0
-        final = registry.get_read_only(pid, KEY, VALUE, args.batches, loop_conf)
-        live = final.metrics.num_keys
-        provider_bytes = final.metrics.memory_used_bytes
-        snapshots = [f for f in os.listdir(f"{scratch}/loop/0/0") if f.endswith(".snapshot")]
-        registry.stop()
-        upserts = args.batches * args.batch_rows
-        t = Table(f"micro-batch loop: {args.batches} x {args.batch_rows:,} upserts", upserts, unit="upserts")
-        t.add("get_store + put_batch + commit, maintenance on", [elapsed])
-        tables.append(t)
-        extra["loop"] = {
-            "upserts_per_s": upserts / elapsed, "batch_ms_median": float(np.median(per_batch) * 1e3),
-            "batch_ms_p99": float(np.percentile(per_batch, 99) * 1e3), "live_keys": live,
-            "raw_row_bytes": live * ROW_BYTES, "provider_table_bytes": provider_bytes,
-            "snapshots_written": sorted(snapshots), "peak_rss_mib_before": rss_before,
-            "peak_rss_mib_after": rss_mib(),
-        }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
