@@ -574,9 +574,10 @@ cdef class RowTable:
             raise ValueError(f"{what} must be an (n, {width}) uint8 array, got shape {rows.shape}")
 
     def _growth_bitmap(self, Py_ssize_t n):
-        """Scratch bits for the distinct-key estimate, when a batch of n may outgrow the table."""
+        """Scratch bits for the distinct-key estimate when a batch of n may outgrow the table
+        (empty when it cannot)."""
         if self.count + n <= self.capacity or n < 1024:
-            return None
+            return np.zeros(0, dtype=np.uint64)
         cdef uint64_t n_bits = 1024
         while n_bits < <uint64_t>(2 * n) and n_bits < (<uint64_t>1 << 28):
             n_bits *= 2
@@ -612,14 +613,9 @@ cdef class RowTable:
         if n == 0:
             return
         cdef const uint8_t* value_ptr = _rows_ptr(values)
-        bitmap = self._growth_bitmap(n)
-        cdef uint64_t[::1] bits
-        cdef uint64_t* bitmap_ptr = NULL
-        cdef uint64_t n_bits = 0
-        if bitmap is not None:
-            bits = bitmap
-            bitmap_ptr = &bits[0]
-            n_bits = bitmap.shape[0] * 64
+        cdef uint64_t[::1] bits = self._growth_bitmap(n)
+        cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
+        cdef uint64_t n_bits = bits.shape[0] * 64
         with nogil:
             rc = self._put_many(&keys[0, 0], value_ptr, n, &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
@@ -642,14 +638,9 @@ cdef class RowTable:
             return
         cdef const uint8_t* value_ptr = _rows_ptr(values)
         cdef uint8_t* prior_ptr = <uint8_t*>_rows_ptr(prior)
-        bitmap = self._growth_bitmap(n)
-        cdef uint64_t[::1] bits
-        cdef uint64_t* bitmap_ptr = NULL
-        cdef uint64_t n_bits = 0
-        if bitmap is not None:
-            bits = bitmap
-            bitmap_ptr = &bits[0]
-            n_bits = bitmap.shape[0] * 64
+        cdef uint64_t[::1] bits = self._growth_bitmap(n)
+        cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
+        cdef uint64_t n_bits = bits.shape[0] * 64
         with nogil:
             rc = self._exchange_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0],
                                      bitmap_ptr, n_bits)
