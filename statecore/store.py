@@ -61,6 +61,7 @@ HEAD_SNAPSHOT_MIN_ROWS = 1 << 16
 SCHEMA_FILE = "_statecore.schema.json"  # three dot-parts: ignored by version listing
 DELTA_HEADER_BYTES = 72
 _LINEAGE_OFFSET = 48  # of the lineage field in a delta header (statecore._delta)
+_SNAPSHOT_LINEAGE_OFFSET = 116  # and in a snapshot header (statecore._snapshot)
 
 
 class ReadStateStore(abc.ABC):
@@ -395,6 +396,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._latest = None
         self._pins = {}
         self._recommits = []  # versions committed again (re-executed batches), in order
+        self._version_ids = {}  # version -> commit id, of the lineage this provider committed last
         self._maintenance_hint = None  # called when a snapshot is due before the next period
         self._hits = self._misses = 0
         self._schema_written = False
@@ -459,6 +461,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 self._latest is None or version >= self._latest.version)
             if keep:
                 self._latest = state
+                self._record_version_id(version, state.commit_ids[version])
             return _View(self, state, version)
 
     def _pin(self, state, version):
@@ -550,6 +553,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise failure[0]
             state.pending = None
             num_keys = state.num_keys[new_version]
+            self._record_version_id(new_version, commit_id)
             head_due = self._head_outgrown(state)
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
@@ -560,6 +564,12 @@ class FileStateStoreProvider(StateStoreProvider):
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()
         return new_version, num_keys
+
+    def _record_version_id(self, version, commit_id):
+        # REQUIRES: self._lock held
+        for v in [v for v in self._version_ids if v >= version or v < version - 256]:
+            del self._version_ids[v]
+        self._version_ids[version] = commit_id
 
     def _drop_later_lineage(self, new_version):
         """Before re-committing ``new_version``: delete files an abandoned run left at later
@@ -586,10 +596,26 @@ class FileStateStoreProvider(StateStoreProvider):
     def _load(self, version):
         """Version ``version`` from files: the newest good snapshot at or below it whose
         deltas after it are all there, then those deltas replayed (spec 4.6.1)."""
-        empty = State(self._key_schema, self._value_schema, None, 0, ROOT_COMMIT_ID, 0)
         if version == 0:
-            return empty
-        deltas, snapshots = self._files.list_versions()
+            return State(self._key_schema, self._value_schema, None, 0, ROOT_COMMIT_ID, 0)
+        listing = self._files.list_versions()
+        for attempt in range(3):
+            try:
+                return self._load_listed(version, *listing)
+            except (FileNotFoundError, VersionNotFoundError) as e:
+                # Another instance's cleanup may have deleted files we listed (a newer
+                # snapshot covers them now): list again and retry, unless nothing changed.
+                relisted = self._files.list_versions()
+                if relisted == listing or attempt == 2:
+                    if isinstance(e, FileNotFoundError):
+                        raise VersionNotFoundError(f"a file of version {version} of {self} vanished "
+                                                   f"while loading: {e}") from e
+                    raise
+                log.info("files of %s changed while loading version %d; listing again", self, version)
+                listing = relisted
+
+    def _load_listed(self, version, deltas, snapshots):
+        empty = State(self._key_schema, self._value_schema, None, 0, ROOT_COMMIT_ID, 0)
         missing_error = damage = None
         for s in [*sorted((s for s in snapshots if s <= version), reverse=True), 0]:
             missing = [u for u in range(s + 1, version + 1) if u not in deltas]
@@ -610,6 +636,15 @@ class FileStateStoreProvider(StateStoreProvider):
             if state is not None:
                 return self._replay(state, version)
         raise damage or missing_error
+
+    def _snapshot_matches_delta(self, s, deltas):
+        """Whether ``<s>.snapshot`` belongs to the same commit as ``<s>.delta`` (if that still
+        exists; a snapshot outliving its delta is trusted)."""
+        if s not in deltas:
+            return True
+        header = self._files.read_range(f"{s}.snapshot", 0, _SNAPSHOT_LINEAGE_OFFSET + 8)
+        own_id = header[_SNAPSHOT_LINEAGE_OFFSET:_SNAPSHOT_LINEAGE_OFFSET + 8]
+        return own_id == self._delta_lineage(f"{s}.delta")[0]
 
     def _open_snapshot_state(self, s, deltas):
         name = f"{s}.snapshot"
@@ -739,20 +774,30 @@ class FileStateStoreProvider(StateStoreProvider):
             writer.finish()
 
         self._files.write_atomic(name, write)
-        reader = SnapshotReader(self._files.local_path_for_mapping(name), self._key_schema, self._value_schema)
+        try:
+            reader = SnapshotReader(self._files.local_path_for_mapping(name), self._key_schema,
+                                    self._value_schema)
+        except FileNotFoundError:
+            # a batch re-executed meanwhile deleted it as the abandoned run's: nothing to swap
+            log.warning("snapshot %s of %s was deleted by a re-commit before it was mapped", name, self)
+            return
         with self._lock:
             current = self._latest
-            # a batch re-executed meanwhile at or below `last` makes this file another run's
-            stale = any(v <= last for v in self._recommits[recommits_seen:])
+            # a batch re-executed at or below `last` makes this file another run's
+            stale = (any(v <= last for v in self._recommits[recommits_seen:])
+                     or self._version_ids.get(last, commit_id) != commit_id)
             swapped = False
             if current is not None and not stale:
-                # Same data, now mapped: swap the base of the state built over the frozen one.
+                # Same data, now mapped: swap it in as the base of the state built over the
+                # frozen one at exactly `last` (a re-executed run may sit on it at another
+                # version: that one keeps its frozen base).
                 node = current
                 while node is not None and not swapped:
-                    if isinstance(node.base, FrozenView) and node.base.state is state:
+                    base = node.base
+                    if isinstance(base, FrozenView) and base.state is state and base.version == last:
                         node.base = reader
                         swapped = True
-                    node = node.base.state if isinstance(node.base, FrozenView) else None
+                    node = base.state if isinstance(base, FrozenView) else None
         if not swapped:
             reader.close()
         if stale:
@@ -770,6 +815,12 @@ class FileStateStoreProvider(StateStoreProvider):
         if earliest <= 0:
             return
         base = max((s for s in snapshots if s <= earliest), default=None)
+        if base is not None and not self._snapshot_matches_delta(base, deltas):
+            # another run's snapshot (a batch was re-executed while it was written): it is
+            # no base for anything, and nothing older may be deleted on its account
+            log.warning("deleting stale snapshot %s of %s", snapshots[base], self)
+            self._files.delete([snapshots[base]])
+            return
         if base is None:
             first_needed = min([*deltas, *snapshots])
         else:
