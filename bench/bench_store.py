@@ -85,13 +85,19 @@ def main():
         rss_before = rss_mib()
         t0 = time.perf_counter()
         per_batch = []
+        memory_samples = []  # (provider table bytes, live keys) after each commit, untimed
+        sampling = 0.0
         for v, (k, val) in enumerate(batches):
             b0 = time.perf_counter()
             s = registry.get(pid, KEY, VALUE, v, loop_conf)
             s.put_batch(k, val)
             s.commit()
-            per_batch.append(time.perf_counter() - b0)
-        elapsed = time.perf_counter() - t0
+            b1 = time.perf_counter()
+            per_batch.append(b1 - b0)
+            m = s.metrics
+            memory_samples.append(m.memory_used_bytes / max(m.num_keys * ROW_BYTES, 1))
+            sampling += time.perf_counter() - b1
+        elapsed = time.perf_counter() - t0 - sampling
         final = registry.get_read_only(pid, KEY, VALUE, args.batches, loop_conf)
         live = final.metrics.num_keys
         provider_bytes = final.metrics.memory_used_bytes
@@ -117,6 +123,8 @@ def main():
             "raw_row_bytes": live * ROW_BYTES, "provider_table_bytes": provider_bytes,
             "snapshots_written": sorted(snapshots), "peak_rss_mib_before": rss_before,
             "peak_rss_mib_after": rss_mib(),
+            "memory_ratio_median": float(np.median(memory_samples[10:])),
+            "memory_ratio_max": float(np.max(memory_samples[10:])),
         }
         # 1. commit of N updated rows
         n = args.rows
@@ -196,9 +204,10 @@ def main():
     print(f"\nloop: {loop['upserts_per_s'] / 1e6:.2f} M upserts/s; batch median {loop['batch_ms_median']:.1f} ms, "
           f"p99 {loop['batch_ms_p99']:.1f} ms; snapshots {loop['snapshots_written']}")
     print(f"memory: {loop['live_keys']:,} live keys = {loop['raw_row_bytes'] / 2**20:.1f} MiB of raw rows; "
-          f"provider tables {loop['provider_table_bytes'] / 2**20:.1f} MiB "
-          f"({loop['provider_table_bytes'] / max(loop['raw_row_bytes'], 1):.2f}x, snapshot pages not counted); "
-          f"peak RSS {loop['peak_rss_mib_before']:.0f} -> {loop['peak_rss_mib_after']:.0f} MiB")
+          f"provider tables after each commit (batches 11-100; snapshot pages not counted): median "
+          f"{loop['memory_ratio_median']:.2f}x, max {loop['memory_ratio_max']:.2f}x of the raw rows; at the end "
+          f"{loop['provider_table_bytes'] / 2**20:.1f} MiB; peak RSS {loop['peak_rss_mib_before']:.0f} -> "
+          f"{loop['peak_rss_mib_after']:.0f} MiB")
     print(f"reopen files: {extra['reopen_files']}")
     if args.json:
         write_json(args.json, header, tables, extra)
