@@ -30,7 +30,7 @@ from statecore._hash cimport key_hash, slot_tag
 
 import numpy as np
 
-from statecore.rowsource import iter_batches, iter_items, lookup_batch
+from statecore.rowsource import iter_batches, iter_items, lookup_batch, lookup_one
 from statecore.schema import key_value_schemas
 
 cdef extern from *:
@@ -718,8 +718,7 @@ cdef class RowTable:
     # -- the schema-level API -------------------------------------------------------------
     def get(self, key):
         """The value tuple of ``key`` (tuple, scalar, record or bytes), or None."""
-        value = self.get_row(self.key_schema.encode(key))
-        return None if value is None else self.value_schema.decode(value)
+        return lookup_one(self.get_row, self.key_schema, self.value_schema, key)
 
     def put(self, key, value):
         """Insert or overwrite; ``value`` is a tuple, scalar, record or bytes of the value schema."""

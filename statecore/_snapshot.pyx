@@ -97,7 +97,7 @@ import uuid
 import numpy as np
 
 from statecore.errors import SchemaMismatchError, StateCorruptionError
-from statecore.rowsource import iter_batches, iter_items, lookup_batch
+from statecore.rowsource import iter_batches, iter_items, lookup_batch, lookup_one
 from statecore.schema import RowSchema, as_schema, key_value_schemas
 
 cdef extern from *:
@@ -1077,8 +1077,7 @@ cdef class SnapshotReader:
     # -- the schema-level API -------------------------------------------------------------
     def get(self, key):
         """The value tuple of ``key`` (tuple, scalar, record or bytes), or None."""
-        value = self.get_row(self.key_schema.encode(key))
-        return None if value is None else self.value_schema.decode(value)
+        return lookup_one(self.get_row, self.key_schema, self.value_schema, key)
 
     def __contains__(self, key):
         return self.get_row(self.key_schema.encode(key)) is not None

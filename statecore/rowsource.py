@@ -5,10 +5,16 @@ returns an ``(m, row_width)`` uint8 copy, or None when done.
 """
 import numpy as np
 
-__all__ = ["lookup_batch", "iter_items", "iter_batches"]
+__all__ = ["lookup_one", "lookup_batch", "iter_items", "iter_batches"]
 
 # Rows decoded per cursor call when yielding tuples one by one.
 ITEM_CHUNK_ROWS = 1024
+
+
+def lookup_one(get_row, key_schema, value_schema, key):
+    """The value tuple of ``key`` (tuple, scalar, record or bytes) through ``get_row``, or None."""
+    value = get_row(key_schema.encode(key))
+    return None if value is None else value_schema.decode(value)
 
 
 def lookup_batch(get_rows, key_schema, value_schema, keys):
