@@ -195,6 +195,24 @@ class State:
         return self.head.sizeof() + sum(layer.sizeof() for layer in self.undo.values())
 
     # -- lookups --------------------------------------------------------------------------
+    def get_row(self, version, key, extra_layers=()):
+        """Value bytes of one key (bytes) at ``version``, or None: the per-row path, without
+        the batch machinery."""
+        for layer in (*extra_layers, *self.layers_for(version)):
+            if not len(layer):
+                continue
+            value = layer.puts.get_row(key)
+            if value is not None:
+                return value
+            if len(layer.dels) and layer.dels.get_row(key) is not None:
+                return None
+        base = self.base
+        if base is None:
+            return None
+        if isinstance(base, SnapshotReader):
+            return base.get_row(key)
+        return base.state.get_row(base.version, key)
+
     def lookup(self, version, key_rows, extra_layers=()):
         """``(value_rows, found)`` of ``key_rows`` at ``version`` (under ``extra_layers``)."""
         n = key_rows.shape[0]

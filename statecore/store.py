@@ -201,6 +201,10 @@ class _View:
         with self.provider._lock:
             return self.state.lookup(self.version, key_rows, extra_layers)
 
+    def get_row(self, key, extra_layers=()):
+        with self.provider._lock:
+            return self.state.get_row(self.version, key, extra_layers)
+
     def iter_rows(self, extra_layers=()):
         """Row chunks of the version; the state must not be merged into meanwhile."""
         with self.provider._lock:
@@ -238,9 +242,8 @@ class _FileReadStore(ReadStateStore):
         return ()
 
     def get(self, key):
-        rows = np.frombuffer(self._key_schema.encode(key), dtype=np.uint8).reshape(1, -1)
-        values, found = self._view.lookup(rows, self._layers())
-        return self._value_schema.decode(values[0].tobytes()) if found[0] else None
+        value = self._view.get_row(self._key_schema.encode(key), self._layers())
+        return None if value is None else self._value_schema.decode(value)
 
     def get_rows(self, key_rows, values_out, found_out):
         values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
