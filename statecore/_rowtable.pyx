@@ -333,7 +333,7 @@ cdef class RowTable:
         if self.rows_used == self.rows_capacity:
             if self.rows_capacity >= MAX_ROWS:
                 return TABLE_FULL
-            new_cap = self.rows_capacity + self.rows_capacity // 2
+            new_cap = self.rows_capacity + self.rows_capacity // 4  # cheap: big arenas grow by mremap
             if new_cap < MIN_ROWS:
                 new_cap = MIN_ROWS
             if new_cap > MAX_ROWS:
