@@ -184,9 +184,6 @@ class State:
     def holds(self, version):
         return version in self.commit_ids and version != self.pending
 
-    def oldest(self):
-        return min(self.commit_ids)
-
     def layers_for(self, version):
         # REQUIRES: self.holds(version)
         return [self.undo[u] for u in range(version + 1, self.version + 1)] + [self.head]
@@ -283,6 +280,7 @@ class State:
     def replay(self, kind_is_put, keys, values):
         """Apply one block of a delta to the head (loading from files: no undo, no lookups;
         the key count becomes unknown until asked for). REQUIRES: not frozen."""
+        self._check_not_frozen()
         if keys.shape[0] == 0:
             return
         self.num_keys[self.version] = None
@@ -307,6 +305,7 @@ class State:
     def merge(self, put_keys, put_values, del_keys, commit_id, pending=False):
         """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
         their undo: the prior value or absence of every key they change."""
+        self._check_not_frozen()
         before = self.count(self.version)
         prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
         prior_del, prior_del_found = self.lookup(self.version, del_keys)
@@ -329,6 +328,7 @@ class State:
     def rollback(self):
         """Undo the newest merge (its delta could not be written): the head returns to the
         previous version, exactly, from the undo layer."""
+        self._check_not_frozen()
         undo = self.undo.pop(self.version)
         keys, prior_values, prior_found = undo.changes()
         if prior_found.any():
@@ -370,6 +370,12 @@ class State:
             put_rows_at(prior, rest, base_values)
             found[rest] = base_found
         return prior, found
+
+    def _check_not_frozen(self):
+        # Someone may be reading this state without a lock (a snapshot being written, a
+        # newer state built over it): changing it now would be a bug, never a wrong value.
+        if self.frozen:
+            raise AssertionError("statecore bug: a change to a frozen in-memory state")
 
     def retain(self, keep_from):
         """Forget versions older than ``keep_from`` (and the undo layers only they need)."""

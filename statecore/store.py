@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 
 from statecore import files as files_module
-from statecore._delta import DeltaReader, DeltaWriter, read_delta, BLOCK_PUTS
+from statecore._delta import BLOCK_PUTS, DeltaReader, DeltaWriter
 from statecore._snapshot import SnapshotReader, SnapshotWriter
 from statecore.conf import StateStoreConf
 from statecore.errors import (IllegalStateError, SchemaMismatchError, StateCorruptionError,
