@@ -23,7 +23,7 @@ import numpy as np
 from statecore._rowtable import RowTable
 from statecore._snapshot import SnapshotReader
 
-__all__ = ["Layer", "State", "FrozenView", "take_rows"]
+__all__ = ["Layer", "State", "FrozenView", "take_rows", "no_values"]
 
 EMPTY = np.dtype([])
 _MATERIALIZING = threading.Lock()
@@ -121,6 +121,33 @@ class Layer:
         if self._pending is not None:
             return sum(a.nbytes for a in self._pending)
         return sum(t.sizeof() for t in (self._puts, self._dels) if t is not None)
+
+    # The one place that keeps a key out of puts and dels at once.
+    def put_rows(self, keys, values):
+        """These keys now have these values (row arrays)."""
+        self.puts.put_rows(keys, values)
+        if len(self.dels):
+            self.dels.remove_rows(keys)
+
+    def delete_rows(self, keys, tombstone=True):
+        """These keys are now absent. The tombstone hides them from whatever lies below the
+        layer; where nothing does, it is left out."""
+        if len(self.puts):
+            self.puts.remove_rows(keys)
+        if tombstone and keys.shape[0]:
+            self.dels.put_rows(keys, no_values(keys.shape[0]))
+
+    def put_row(self, key, value):
+        """One key (bytes) now has this value (bytes)."""
+        self.puts.put_row(key, value)
+        if len(self.dels):
+            self.dels.remove_row(key)
+
+    def delete_row(self, key):
+        """One key (bytes) is now absent, hidden from the layers below."""
+        if len(self.puts):
+            self.puts.remove_row(key)
+        self.dels.put_row(key, b"")
 
     def copy(self):
         """An independent Layer with the same contents."""
@@ -285,14 +312,9 @@ class State:
             return
         self.num_keys[self.version] = None
         if kind_is_put:
-            self.head.puts.put_rows(keys, values)
-            if len(self.head.dels):
-                self.head.dels.remove_rows(keys)
+            self.head.put_rows(keys, values)
         else:
-            if len(self.head.puts):
-                self.head.puts.remove_rows(keys)
-            if self.base is not None:
-                self.head.dels.put_rows(keys, no_values(keys.shape[0]))
+            self.head.delete_rows(keys, tombstone=self.base is not None)
 
     def advance(self, version, commit_id):
         """Make the head (just replayed) the given version."""
@@ -310,10 +332,7 @@ class State:
         prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
         prior_del, prior_del_found = self.lookup(self.version, del_keys)
         if del_keys.shape[0]:
-            if len(self.head.puts):
-                self.head.puts.remove_rows(del_keys)
-            if self.base is not None:
-                self.head.dels.put_rows(del_keys, no_values(del_keys.shape[0]))
+            self.head.delete_rows(del_keys, tombstone=self.base is not None)
         old = self.version
         self.version = old + 1
         self.undo[self.version] = Layer.from_changes(
@@ -332,16 +351,9 @@ class State:
         undo = self.undo.pop(self.version)
         keys, prior_values, prior_found = undo.changes()
         if prior_found.any():
-            restored = take_rows(keys, prior_found)
-            self.head.puts.put_rows(restored, take_rows(prior_values, prior_found))
-            if len(self.head.dels):
-                self.head.dels.remove_rows(restored)
+            self.head.put_rows(take_rows(keys, prior_found), take_rows(prior_values, prior_found))
         if not prior_found.all():
-            absent = take_rows(keys, ~prior_found)
-            if len(self.head.puts):
-                self.head.puts.remove_rows(absent)
-            if self.base is not None:
-                self.head.dels.put_rows(absent, no_values(absent.shape[0]))
+            self.head.delete_rows(take_rows(keys, ~prior_found), tombstone=self.base is not None)
         del self.commit_ids[self.version]
         del self.num_keys[self.version]
         self.version -= 1

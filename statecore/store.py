@@ -42,7 +42,7 @@ from statecore.conf import StateStoreConf
 from statecore.errors import (IllegalStateError, SchemaMismatchError, StateCorruptionError,
                               VersionNotFoundError)
 from statecore.ids import StateStoreId
-from statecore.layers import FrozenView, Layer, State
+from statecore.layers import FrozenView, Layer, State, no_values
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.rowsource import iter_batches, iter_items
 from statecore.schema import RowSchema, key_value_schemas
@@ -325,37 +325,25 @@ class _FileStore(_FileReadStore, StateStore):
         if value is None:
             raise ValueError("Cannot put a null value")
         self._check_updating("put")
-        key_row = self._key_schema.encode(key)
-        self._update.puts.put_row(key_row, self._value_schema.encode(value))
-        if len(self._update.dels):
-            self._update.dels.remove_row(key_row)
+        self._update.put_row(self._key_schema.encode(key), self._value_schema.encode(value))
 
     def remove(self, key):
         self._check_updating("remove")
-        key_row = self._key_schema.encode(key)
-        if len(self._update.puts):
-            self._update.puts.remove_row(key_row)
-        self._update.dels.put_row(key_row, b"")
+        self._update.delete_row(self._key_schema.encode(key))
 
     def put_batch(self, keys, values):
         if values is None and self._value_schema.width:
             raise ValueError("Cannot put a null value")
         self._check_updating("put")
         key_rows = self._key_schema.rows(keys)
-        value_rows = (self._value_schema.rows(values) if values is not None
-                      else np.empty((key_rows.shape[0], 0), dtype=np.uint8))
+        value_rows = self._value_schema.rows(values) if values is not None else no_values(key_rows.shape[0])
         if value_rows.shape[0] != key_rows.shape[0]:
             raise ValueError(f"{key_rows.shape[0]} keys but {value_rows.shape[0]} values")
-        self._update.puts.put_rows(key_rows, value_rows)
-        if len(self._update.dels):
-            self._update.dels.remove_rows(key_rows)
+        self._update.put_rows(key_rows, value_rows)
 
     def remove_batch(self, keys):
         self._check_updating("remove")
-        key_rows = self._key_schema.rows(keys)
-        if len(self._update.puts):
-            self._update.puts.remove_rows(key_rows)
-        self._update.dels.put_rows(key_rows, np.empty((key_rows.shape[0], 0), dtype=np.uint8))
+        self._update.delete_rows(self._key_schema.rows(keys))
 
     def commit(self):
         self._check_updating("commit")
