@@ -748,6 +748,28 @@ cdef int snapshot_get_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t 
     return SNAP_OK
 
 
+# REQUIRES: keys holds n rows of key_width bytes, tags n entries, mask row_count entries:
+# checked by SnapshotReader.mark_rows; tests/test_snapshot.py covers hits, misses and
+# batches longer than the prefetch distance.
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* mask,
+                            uint32_t* tags, SnapError* err) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef uint64_t row
+    cdef size_t kw = s.key_width
+    cdef int rc
+    for i in range(n):
+        tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
+    for i in range(n):
+        snapshot_prefetch(s, tags, i, n)
+        rc = snapshot_find(s, keys + <size_t>i * kw, tags[i], &row, err)
+        if rc < 0:
+            return rc
+        if row != 0:
+            mask[row - 1] = 1
+    return SNAP_OK
+
 cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noexcept nogil:
     """Every block, then the index: each slot names a row in range, within max_displacement
     of its home, no row twice, and row_count rows in all. ``seen``: row_count bits, zeroed."""
@@ -1055,6 +1077,28 @@ cdef class SnapshotReader:
         if rc < 0:
             self._raise_for(&err)
 
+    def mark_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[::1] mask not None):
+        """Set ``mask[i] = 1`` for the file-order row index ``i`` of every key found: which
+        rows a set of changed keys overrides, found by probing the changed keys rather than
+        by probing every row of the snapshot elsewhere (writing a newer snapshot)."""
+        cdef const uint8_t[::1] view = self._acquire()
+        cdef Py_ssize_t n = keys.shape[0]
+        if keys.shape[1] != self.key_width:
+            raise ValueError(f"keys must be (n, {self.key_width}) rows, got {keys.shape[1]} bytes")
+        if <uint64_t>mask.shape[0] != self.row_count:
+            raise ValueError(f"the mask needs {self.row_count} entries (one per row), got {mask.shape[0]}")
+        if n == 0 or self.row_count == 0:
+            return
+        cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
+        cdef SnapLayout lay = self.layout
+        cdef SnapError err
+        cdef int rc
+        lay.base = &view[0]
+        with nogil:
+            rc = snapshot_mark_many(&lay, &keys[0, 0], n, &mask[0], &tags[0], &err)
+        if rc < 0:
+            self._raise_for(&err)
+
     def get_row(self, const uint8_t[::1] key not None):
         """Value bytes of key bytes, or None."""
         cdef const uint8_t[::1] view = self._acquire()
@@ -1156,6 +1200,21 @@ cdef class SnapshotReader:
         return f"SnapshotReader('{self.path}', version {self.store_version}, {state})"
 
 
+# REQUIRES: src holds m rows of w bytes, skip m entries, dst room for the unskipped rows:
+# checked by SnapshotCursor.next_rows (tests/test_snapshot.py covers skips at the ends).
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void copy_unskipped(const uint8_t* src, const uint8_t* skip, uint64_t m, uint64_t w,
+                         uint8_t* dst) noexcept nogil:
+    cdef uint64_t i, run_start = 0, out = 0
+    # copy maximal runs of kept rows with one memcpy each
+    for i in range(m + 1):
+        if i == m or skip[i]:
+            if i > run_start:
+                memcpy(dst + out * w, src + run_start * w, (i - run_start) * w)
+                out += i - run_start
+            run_start = i + 1
+
 @cython.final
 cdef class SnapshotCursor:
     """Walks a snapshot's rows in file order, in chunks; each chunk is a copy."""
@@ -1165,13 +1224,20 @@ cdef class SnapshotCursor:
         self.pos = 0
         self.end = reader.row_count
 
-    def next_rows(self, Py_ssize_t max_rows):
-        """A copy of up to ``max_rows`` next rows as an (m, row_width) uint8 array, or None
-        when done. Raises StateCorruptionError if a block they lie in is damaged."""
+    def next_rows(self, Py_ssize_t max_rows, skip=None):
+        """A copy of the next rows (up to ``max_rows`` of them) as an (m, row_width) uint8
+        array, or None when done. With ``skip`` (a uint8 array, one entry per row of the
+        file), rows whose entry is nonzero are left out of the copy, so a chunk may hold
+        fewer rows, or none. Raises StateCorruptionError if a block they lie in is damaged."""
         if max_rows <= 0:
             raise ValueError(f"max_rows must be > 0, got {max_rows}")
         cdef SnapshotReader r = self.reader
         cdef const uint8_t[::1] view = r._acquire()
+        cdef const uint8_t[::1] skip_view
+        if skip is not None:
+            skip_view = skip
+            if <uint64_t>skip_view.shape[0] != r.row_count:
+                raise ValueError(f"skip needs {r.row_count} entries (one per row), got {skip_view.shape[0]}")
         if self.pos >= self.end:
             return None
         cdef uint64_t m = min(<uint64_t>max_rows, self.end - self.pos)
@@ -1181,12 +1247,19 @@ cdef class SnapshotCursor:
         lay.base = &view[0]
         cdef uint64_t start = lay.rows_offset + self.pos * lay.row_width
         cdef uint64_t length = m * lay.row_width
-        out = np.empty((m, lay.row_width), dtype=np.uint8)
-        cdef uint8_t[:, ::1] dst = out
+        cdef uint64_t kept = m
+        if skip is not None:
+            kept = m - <uint64_t>np.count_nonzero(skip[self.pos:self.pos + m])
+        out = np.empty((kept, lay.row_width), dtype=np.uint8)
+        cdef uint8_t* dst = <uint8_t*>_rows_ptr(out)
         with nogil:
             rc = snapshot_touch(&lay, start, length, &err)
             if rc == SNAP_OK:
-                memcpy(&dst[0, 0], lay.base + start, length)
+                if kept == m:
+                    if m:
+                        memcpy(dst, lay.base + start, length)
+                else:
+                    copy_unskipped(lay.base + start, &skip_view[self.pos], m, lay.row_width, dst)
         if rc < 0:
             r._raise_for(&err)
         self.pos += m

@@ -308,7 +308,7 @@ class StoreFiles:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def write_atomic(self, name, write, overwrite=True):
+    def write_atomic(self, name, write, overwrite=True, on_flushed=None):
         """Write ``name`` so that it appears whole or not at all.
 
         ``write(fileobj)`` writes the content into a temporary file
@@ -328,6 +328,10 @@ class StoreFiles:
         overwrite : bool, default True
             Replace an existing file of that name. With False an existing file is left
             alone and ``FileExistsError`` raised (the schema file uses this).
+        on_flushed : callable, optional
+            Local filesystem only: called with the temporary file's path once its bytes
+            are written and flushed, before the fsync and the rename, so that a reader can
+            map the new file while it is made durable (a mapping outlives the rename).
 
         Returns
         -------
@@ -349,10 +353,10 @@ class StoreFiles:
         if not overwrite and self.exists(name):
             raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
         if self.is_local:
-            return self._write_local(name, full, tmp, write, overwrite)
+            return self._write_local(name, full, tmp, write, overwrite, on_flushed)
         return self._write_remote(name, full, tmp, write, overwrite)
 
-    def _write_local(self, name, full, tmp, write, overwrite):
+    def _write_local(self, name, full, tmp, write, overwrite, on_flushed):
         os.makedirs(os.path.dirname(full), exist_ok=True)
         renamed = False
         f = open(tmp, "xb")
@@ -361,6 +365,8 @@ class StoreFiles:
                 write(self._writer(f, name))
                 self._step("flush", name)
                 f.flush()
+                if on_flushed is not None:
+                    on_flushed(tmp)
                 self._step("fsync", name)
                 os.fsync(f.fileno())
                 size = os.fstat(f.fileno()).st_size

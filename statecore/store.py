@@ -760,38 +760,22 @@ class FileStateStoreProvider(StateStoreProvider):
         def write(f):
             writer = SnapshotWriter(f, self._key_schema, self._value_schema, row_count, last,
                                     lineage=commit_id + bytes(8))
-            for chunk in state.iter_rows(last):
+            for chunk in state.snapshot_rows(last):
                 writer.write_rows(chunk)
             writer.finish()
 
-        self._files.write_atomic(name, write)
+        swap = _SnapshotSwap(self, state, last, commit_id, recommits_seen)
         try:
-            reader = SnapshotReader(self._files.local_path_for_mapping(name), self._key_schema,
-                                    self._value_schema)
+            # On local disks the new file is mapped and swapped in as soon as it is written,
+            # while it is fsynced: the frozen state is let go that much sooner.
+            self._files.write_atomic(name, write, on_flushed=swap.map_and_swap)
+            if not swap.tried:
+                swap.map_and_swap(self._files.local_path_for_mapping(name))
         except FileNotFoundError:
             # a batch re-executed meanwhile deleted it as the abandoned run's: nothing to swap
             log.warning("snapshot %s of %s was deleted by a re-commit before it was mapped", name, self)
             return
-        with self._lock:
-            current = self._latest
-            # a batch re-executed at or below `last` makes this file another run's
-            stale = (any(v <= last for v in self._recommits[recommits_seen:])
-                     or self._version_ids.get(last, commit_id) != commit_id)
-            swapped = False
-            if current is not None and not stale:
-                # Same data, now mapped: swap it in as the base of the state built over the
-                # frozen one at exactly `last` (a re-executed run may sit on it at another
-                # version: that one keeps its frozen base).
-                node = current
-                while node is not None and not swapped:
-                    base = node.base
-                    if isinstance(base, FrozenView) and base.state is state and base.version == last:
-                        node.base = reader
-                        swapped = True
-                    node = base.state if isinstance(base, FrozenView) else None
-        if not swapped:
-            reader.close()
-        if stale:
+        if swap.stale or swap.is_stale():  # again: a re-commit may have come before the rename
             log.warning("snapshot %s of %s belongs to a run that was re-executed; deleting it", name, self)
             self._files.delete([name])
         else:
@@ -841,3 +825,51 @@ class FileStateStoreProvider(StateStoreProvider):
                 "loadedMapCacheHitCount": self._hits,
                 "loadedMapCacheMissCount": self._misses,
             })
+
+
+class _SnapshotSwap:
+    """Maps a snapshot just written of a frozen state at ``version`` and swaps it in as the
+    base of the state built over that frozen one, unless a re-execution made it stale."""
+
+    def __init__(self, provider, frozen_state, version, commit_id, recommits_seen):
+        self.provider = provider
+        self.frozen_state = frozen_state
+        self.version = version
+        self.commit_id = commit_id
+        self.recommits_seen = recommits_seen
+        self.tried = False
+        self.stale = False
+
+    def map_and_swap(self, path):
+        self.tried = True
+        p = self.provider
+        reader = SnapshotReader(path, p._key_schema, p._value_schema)
+        try:
+            # Check every block (and fault its pages in) here, on the maintenance thread,
+            # not in the first batches that look keys up in the new base.
+            reader.verify()
+        except BaseException:
+            reader.close()
+            raise
+        swapped = False
+        with p._lock:
+            self.stale = self.is_stale()
+            node = None if self.stale else p._latest
+            # Same data, now mapped: the base of the state built over the frozen one at
+            # exactly `version` (a re-executed run may sit on it at another version: that
+            # one keeps its frozen base).
+            while node is not None and not swapped:
+                base = node.base
+                if isinstance(base, FrozenView) and base.state is self.frozen_state and base.version == self.version:
+                    node.base = reader
+                    swapped = True
+                node = base.state if isinstance(base, FrozenView) else None
+        if not swapped:
+            reader.close()
+
+    def is_stale(self):
+        """Whether a batch re-executed at or below the version made this file another run's."""
+        p = self.provider
+        with p._lock:
+            return (any(v <= self.version for v in p._recommits[self.recommits_seen:])
+                    or p._version_ids.get(self.version, self.commit_id) != self.commit_id)

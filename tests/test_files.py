@@ -133,6 +133,20 @@ def test_write_atomic_writes_and_returns_the_size(location):
     assert raw_names(files) == ["1.delta"]
 
 
+def test_on_flushed_sees_the_whole_temporary_file_before_the_rename(location):
+    files = StoreFiles(location)
+    seen = []
+
+    def on_flushed(path):
+        assert not files.exists("5.snapshot")  # not renamed yet
+        seen.append(content(path))
+
+    files.write_atomic("5.snapshot", writer(b"whole content"), on_flushed=on_flushed)
+    assert files.read_bytes("5.snapshot") == b"whole content"
+    # local only: a remote temporary file has no local path to map
+    assert seen == ([b"whole content"] if files.is_local else [])
+
+
 def test_write_atomic_creates_missing_parents(location):
     files = StoreFiles(location)
     assert files.write_atomic("_metadata/schema", writer(b"{}")) == 2

@@ -624,6 +624,38 @@ def test_get_rows_checks_shapes(small_snapshot):
         reader.get_rows(np.zeros((0, 8), np.uint8), np.zeros((0, 16), np.uint8), np.zeros(0, np.uint8))
 
 
+@pytest.mark.parametrize("n", [0, 1, 12, 100_000])
+def test_mark_rows_marks_the_file_order_index_of_each_found_key(tmp_path, n):
+    rng = np.random.default_rng([n, 3])
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, misses = make_rows(rng, key_schema, value_schema, n)
+    path = tmp_path / "s.snapshot"
+    write_file(path, key_schema, value_schema, rows, chunks=split_randomly(rng, rows))
+    kw = key_schema.width
+    with SnapshotReader(path, key_schema, value_schema) as reader:
+        chosen = rng.permutation(n)[: n // 3 + 1]  # rows are written in file order
+        probe = np.concatenate([rows[chosen, :kw], misses[:50, :kw]])
+        probe = np.ascontiguousarray(probe[rng.permutation(probe.shape[0])])
+        mask = np.zeros(n, np.uint8)
+        reader.mark_rows(probe, mask)
+        expected = np.zeros(n, np.uint8)
+        expected[chosen] = 1
+        assert (mask == expected).all()
+        with pytest.raises(ValueError, match="one per row"):
+            reader.mark_rows(probe, np.zeros(n + 1, np.uint8))
+        # the cursor leaves the marked rows out (runs at both ends and in between included)
+        if n:
+            mask[0] = mask[-1] = 1
+        cursor, chunks = reader.cursor(), []
+        while (chunk := cursor.next_rows(5, skip=mask)) is not None:
+            chunks.append(chunk)
+        assert np.concatenate(chunks).tobytes() == rows[mask == 0].tobytes() if n else not chunks
+        with pytest.raises(ValueError, match="one per row"):
+            reader.cursor().next_rows(5, skip=np.zeros(n + 1, np.uint8))
+        with pytest.raises(ValueError):
+            reader.mark_rows(np.zeros((2, kw + 1), np.uint8), mask)
+
+
 # -- corruption fuzz, in subprocesses -----------------------------------------------------------
 DRIVER = r'''
 import json, sys

@@ -556,8 +556,8 @@ def test_maintenance_while_a_commit_finishes(tmp_path, monkeypatch):
     provider = {}
 
     class Files(statecore.files.StoreFiles):
-        def write_atomic(self, name, write, overwrite=True):
-            size = super().write_atomic(name, write, overwrite)
+        def write_atomic(self, name, write, overwrite=True, on_flushed=None):
+            size = super().write_atomic(name, write, overwrite, on_flushed)
             if name == armed["on"]:
                 armed["on"] = None
                 time.sleep(0.2)  # the committing thread's merge is done by now
@@ -766,8 +766,8 @@ class OrchestratedFiles(statecore.files.StoreFiles):
             hook(name)
         return f
 
-    def write_atomic(self, name, write, overwrite=True):
-        size = super().write_atomic(name, write, overwrite)
+    def write_atomic(self, name, write, overwrite=True, on_flushed=None):
+        size = super().write_atomic(name, write, overwrite, on_flushed)
         hook = self.hooks.get("written")
         if hook:
             hook(name)
