@@ -772,7 +772,8 @@ cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t
 
 cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noexcept nogil:
     """Every block, then the index: each slot names a row in range, within max_displacement
-    of its home, no row twice, and row_count rows in all. ``seen``: row_count bits, zeroed."""
+    of its home, no row twice, and row_count rows in all. ``seen``: row_count bits, zeroed;
+    NULL checks the blocks only."""
     cdef uint64_t b, pos, r, d, count = 0, mask = s.n_slots - 1, offset
     cdef uint64_t window = (<uint64_t>VERIFY_WINDOW_BYTES) >> s.block_shift
     cdef SnapSlot slot
@@ -786,6 +787,8 @@ cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noe
             rc = snapshot_verify_block(s, b, err)
             if rc < 0:
                 return rc
+    if seen == NULL:
+        return SNAP_OK
     for pos in range(s.n_slots):
         offset = s.slots_offset + pos * 8
         memcpy(&slot, s.base + offset, 8)
@@ -1147,8 +1150,11 @@ cdef class SnapshotReader:
         return iter_batches(self.cursor(), self.key_schema, self.value_schema, rows_per_batch)
 
     # -- checks ---------------------------------------------------------------------------
-    def verify(self):
-        """Check every checksum and the slot index now; raises StateCorruptionError."""
+    def verify(self, bint index=True):
+        """Check every checksum (they cover the rows and the slots) and, unless ``index`` is
+        false, that the slot index is consistent with the header; raises
+        StateCorruptionError. ``index=False`` is what lookups would check lazily, done at
+        once (a snapshot just written, made ready before it is used)."""
         cdef const uint8_t[::1] view = self._acquire()
         seen_arr = np.zeros(self.row_count // 8 + 1, dtype=np.uint8)
         cdef uint8_t[::1] seen = seen_arr
@@ -1157,7 +1163,7 @@ cdef class SnapshotReader:
         cdef int rc
         lay.base = &view[0]
         with nogil:
-            rc = snapshot_verify(&lay, &seen[0], &err)
+            rc = snapshot_verify(&lay, &seen[0] if index else NULL, &err)
         if rc < 0:
             self._raise_for(&err)
 

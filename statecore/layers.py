@@ -215,9 +215,6 @@ class State:
         # REQUIRES: self.holds(version)
         return [self.undo[u] for u in range(version + 1, self.version + 1)] + [self.head]
 
-    def sizeof(self):
-        return self.head.sizeof() + sum(layer.sizeof() for layer in self.undo.values())
-
     # -- lookups --------------------------------------------------------------------------
     def get_row(self, version, key, extra_layers=()):
         """Value bytes of one key (bytes) at ``version``, or None: the per-row path, without

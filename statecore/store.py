@@ -810,11 +810,12 @@ class FileStateStoreProvider(StateStoreProvider):
     def _memory_bytes(self):
         with self._lock:
             state = self._latest
-            total = 0
+            layers = {}  # a state built over a frozen one shares its undo layers: count each once
             while state is not None:
-                total += state.sizeof()
+                for layer in (state.head, *state.undo.values()):
+                    layers[id(layer)] = layer
                 state = state.base.state if isinstance(state.base, FrozenView) else None
-            return total
+            return sum(layer.sizeof() for layer in layers.values())
 
     def _metrics(self, num_keys, update_bytes=0):
         return StateStoreMetrics(
@@ -847,7 +848,7 @@ class _SnapshotSwap:
         try:
             # Check every block (and fault its pages in) here, on the maintenance thread,
             # not in the first batches that look keys up in the new base.
-            reader.verify()
+            reader.verify(index=False)
         except BaseException:
             reader.close()
             raise

@@ -480,6 +480,16 @@ def test_a_flipped_row_byte_is_found_by_the_lookup_that_reads_it(small_snapshot)
             list(reader.items())
         with pytest.raises(StateCorruptionError):
             reader.verify()
+        with pytest.raises(StateCorruptionError):
+            reader.verify(index=False)
+
+
+def test_verifying_the_blocks_alone_checks_every_block(small_snapshot):
+    path = small_snapshot[0]
+    with SnapshotReader(path) as reader:
+        assert reader.verified_blocks() == 0
+        reader.verify(index=False)
+        assert reader.verified_blocks() == reader.n_blocks
 
 
 def test_a_damaged_checksum_table_is_found_on_first_use(small_snapshot):
