@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 
 import fsspec
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 # A version is ASCII digits only: Python's int() would also take "+5", " 5", "5_0" and
 # non-ASCII digits, none of which Spark (Long.parseLong) or a human would call a version.
 _VERSION = re.compile(r"[0-9]+")
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # write_atomic's temporary names
 _MAX_VERSION = 2**63 - 1  # a Java long, as Spark parses it
 _KINDS = ("delta", "snapshot")
 
@@ -462,6 +464,36 @@ class StoreFiles:
             if not self.is_local and self.local_cache_dir is not None:
                 self._drop_cached(full, keep=None)
         return deleted
+
+    def temporary_files(self, older_than_s):
+        """Temporary files (``.<name>.<uuid>.tmp``) last modified more than ``older_than_s``
+        seconds ago: what a writer killed in mid-write left behind (a live writer touches
+        its file as it writes). Filesystems that report no modification time keep theirs."""
+        now = time.time()
+        stale = []
+        for name, is_dir in self._list_names():
+            if is_dir or not _TEMPORARY.fullmatch(name):
+                continue
+            mtime = self._mtime(name)
+            if mtime is not None and now - mtime > older_than_s:
+                stale.append(name)
+        return sorted(stale)
+
+    def _mtime(self, name):
+        full = self._full(name)
+        try:
+            if self.is_local:
+                return os.stat(full).st_mtime
+            info = self.fs.info(full)
+        except FileNotFoundError:
+            return None
+        for key in ("mtime", "LastModified", "last_modified", "created"):
+            value = info.get(key)
+            if isinstance(value, (int, float)):
+                return float(value)
+            if hasattr(value, "timestamp"):
+                return value.timestamp()
+        return None
 
     # -- mapping ----------------------------------------------------------------------------
 

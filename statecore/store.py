@@ -58,6 +58,8 @@ ROOT_COMMIT_ID = bytes(8)  # version 0: the empty state
 # state: it keeps resident memory near the raw rows whatever the maintenance period.
 HEAD_SNAPSHOT_RATIO = 0.5
 HEAD_SNAPSHOT_MIN_ROWS = 1 << 16
+# Temporary files older than this are a killed writer's leftovers; maintenance deletes them.
+TEMPORARY_FILE_MAX_AGE_S = 3600.0
 SCHEMA_FILE = "_statecore.schema.json"  # three dot-parts: ignored by version listing
 DELTA_HEADER_BYTES = 72
 _LINEAGE_OFFSET = 48  # of the lineage field in a delta header (statecore._delta)
@@ -782,6 +784,10 @@ class FileStateStoreProvider(StateStoreProvider):
             log.info("wrote snapshot %s for %s", self._files.path(name), self)
 
     def _cleanup(self):
+        leftovers = self._files.temporary_files(TEMPORARY_FILE_MAX_AGE_S)
+        if leftovers:
+            log.info("Deleting temporary files a killed writer left in %s: %s", self, leftovers)
+            self._files.delete(leftovers)
         deltas, snapshots = self._files.list_versions()
         if not deltas and not snapshots:
             return

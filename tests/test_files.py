@@ -2,6 +2,7 @@
 import logging
 import os
 import threading
+import time
 import uuid
 
 import fsspec
@@ -304,6 +305,20 @@ def test_delete_is_best_effort(location, caplog):
     assert any("Could not delete file" in r.getMessage() and files.path("2.delta") in r.getMessage()
                for r in caplog.records)
     assert files.delete([]) == [] and files.delete(["2.delta"]) == ["2.delta"]
+
+
+def test_old_temporary_files_are_found_young_ones_and_others_are_not(location, monkeypatch):
+    files = StoreFiles(location)
+    files.write_atomic("1.delta", writer(b"x"))
+    leftover = ".2.delta." + "ab" * 16 + ".tmp"
+    put_raw(files, leftover)
+    put_raw(files, ".notes.txt")  # hidden, but not a name write_atomic makes
+    assert files.temporary_files(older_than_s=3600) == []  # just written: maybe a live writer
+    later = time.time() + 7200
+    monkeypatch.setattr(statecore.files.time, "time", lambda: later)
+    assert files.temporary_files(older_than_s=3600) == [leftover]
+    assert files.delete([leftover]) == [leftover]
+    assert raw_names(files) == [".notes.txt", "1.delta"]
 
 
 # -- local paths for mapping --------------------------------------------------------------------

@@ -916,3 +916,21 @@ def test_load_racing_another_instances_cleanup(tmp_path, orchestrated):
     thread.join(10)
     orchestrated.clear()
     assert result == [expected[6]], result
+
+
+def test_maintenance_deletes_the_temporary_files_a_killed_writer_left(tmp_path):
+    p = make(tmp_path, min_deltas_for_snapshot=100)
+    commit(p, 0, [(1, (1, 1.0))])
+    directory = store_dir(tmp_path)
+    old = os.path.join(directory, ".2.delta." + "0f" * 16 + ".tmp")
+    young = os.path.join(directory, ".2.snapshot." + "1e" * 16 + ".tmp")
+    for path in (old, young):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    p.do_maintenance()
+    assert not os.path.exists(old)
+    assert os.path.exists(young)  # it may belong to a writer still at work
+    assert_version(make(tmp_path), 1, {1: (1, 1.0)})
+
