@@ -1,0 +1,1383 @@
+"""A small authenticated RPC over TCP: what the driver's coordinators and the executors say
+to each other (Spark's RpcEnv, reduced to what the StateStoreCoordinator and the
+EpochCoordinator need).
+
+An :class:`RpcEnv` listens on one TCP port and hosts named :class:`RpcEndpoint` objects. An
+:class:`RpcEndpointRef` (``address``, ``name``, ``authkey``: exactly what pickles and
+travels inside tasks) sends to one of them: :meth:`~RpcEndpointRef.send` is one-way,
+:meth:`~RpcEndpointRef.ask` waits for the reply. A process without an RpcEnv (an executor,
+a Python worker) gets refs from the module-level :func:`endpoint_ref`.
+
+Semantics
+    An endpoint handles one message at a time, in arrival order. A connection's reader
+    thread runs the handler itself when the endpoint is idle (no thread hop: the common
+    case); a message that finds the endpoint busy is queued for the endpoint's own
+    dispatcher thread. The refs of one process to one endpoint share one connection (per
+    :class:`RpcEnv`, or per process for module-level refs), so messages of one ref are
+    handled in the order the ref sent them, and an ``ask`` is answered only after every
+    earlier ``send`` of that ref was handled (the coordinators' tests use an ask as a
+    flush); a slow handler holds up no other endpoint. Asks from any number of threads are
+    matched to their replies by request id. Callers take turns at the socket: a thread that
+    finds another one writing leaves its frame to that writer, and asking threads take turns
+    reading replies for everyone, so no client thread is ever started and concurrent callers
+    share system calls. Likewise the server answers asks that arrived together with one
+    write, once the last of them was handled.
+
+    While a handler runs on a connection's reader, that connection is not read: a client
+    that keeps writing to it meanwhile waits once the socket buffers are full, and gives
+    up (a connection error) after ``io_timeout_s``. Handlers are meant to be quick, as in
+    Spark.
+
+    ``send`` is at most once: a send written into a connection that the server has just
+    closed is lost without an error. A connection the server has already hung up on is
+    noticed before writing (a zero-timeout ``poll``), and a write that fails is retried
+    once on a new connection (a frame whose write failed was never complete at the server,
+    so it cannot be handled twice). ``ask`` retries the connect once the same way; a
+    connection lost *after* an ask was written is an :class:`RpcConnectionError`, not
+    retried, since the message may have been handled. So after a server restarts on the
+    same address (same port, same authkey), refs carry on with their next message. After
+    ``os.fork`` a child never uses its parent's connections: it opens its own.
+
+    Stopping an endpoint (:meth:`RpcEnv.stop_endpoint`, also from inside its own handler)
+    unregisters its name at once; messages already queued are still handled, then
+    ``on_stop`` runs. Later asks to the name get an :class:`RpcError` naming it, later
+    sends are dropped and logged.
+
+Security
+    Both sides prove knowledge of the shared ``authkey`` (HMAC-SHA256 over fresh random
+    nonces in both directions, compared in constant time) before a single message is
+    decoded. Traffic is neither encrypted nor integrity-protected after the handshake (as
+    with ``multiprocessing.connection``): a trusted network is assumed. Nothing from the
+    network is unpickled: values use the tagged encoding below, whose decoder only builds
+    plain data. The authkey travels (pickled) with every ref, as Spark's tasks carry it.
+
+Wire format (every integer big-endian)
+    Handshake, before anything else (``MAGIC`` is ``b"SCRPC\\0\\0\\1"``, the last byte the
+    protocol version; ``limit`` is the sender's frame-size limit as u32)::
+
+        server -> client  MAGIC | server_nonce[32]
+        client -> server  MAGIC | client_nonce[32] | limit | HMAC(key, b"statecore-rpc client"
+                                                  + server_nonce + client_nonce + limit)
+        server -> client  0x00 (rejected, then closes)
+                        | 0x01 | limit | HMAC(key, b"statecore-rpc server"
+                                               + client_nonce + server_nonce + limit)
+
+    The server allows ``handshake_timeout_s`` for all of it. Then frames, both ways::
+
+        frame    = length u32 (of the rest; at most the receiver's limit) | envelope
+        envelope = kind u8 | request_id u64 | name_length u16 | name (utf-8) | payload (one value)
+
+    ``kind`` is 1 send, 2 ask, 3 reply, 4 error. A reply or error carries the ask's request
+    id and an empty name; an error's payload is ``(remote_type, message, traceback)``
+    (``remote_type`` is ``""`` when the RPC layer itself refused the ask, for example an
+    unknown endpoint name). A frame whose body has not fully arrived ``io_timeout_s``
+    after its first byte drops the connection, as does an oversize frame or one that does
+    not decode.
+
+    A value is one tag byte (ASCII), then::
+
+        N None      F False      T True
+        i int       8 bytes, signed two's complement (ints outside [-2**63, 2**63) refuse to encode)
+        f float     8 bytes, IEEE 754 binary64
+        s str       u32 byte length | utf-8
+        b bytes     u32 length | bytes
+        t tuple     u32 count | values
+        l list      u32 count | values
+        d dict      u32 count | (key value) pairs; a key is N, F, T, i, f, s or b; no duplicates
+
+    Containers nest at most :data:`MAX_DEPTH` deep. Only these exact types encode (a
+    subclass, a set or a bytearray is a :class:`TypeError` naming its type, raised before
+    anything is sent); tuples decode as tuples and lists as lists. Decoding is strict: an
+    unknown tag, truncated data, trailing bytes, bad utf-8, a non-scalar or duplicate dict
+    key or excess depth is an :class:`RpcProtocolError`.
+"""
+import collections
+import hmac
+import itertools
+import logging
+import os
+import secrets
+import select
+import selectors
+import socket
+import struct
+import threading
+import time
+import traceback
+import weakref
+
+from statecore.errors import AuthenticationError, StateStoreError
+
+__all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "endpoint_ref", "close_connections", "RpcError",
+           "RpcTimeoutError", "RpcConnectionError", "RpcProtocolError", "encode_value", "decode_value",
+           "MAX_DEPTH", "DEFAULT_MAX_FRAME_BYTES"]
+
+log = logging.getLogger(__name__)
+
+MAX_DEPTH = 64
+DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
+DEFAULT_IO_TIMEOUT_S = 30.0
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_MIN_FRAME_BYTES = 1024  # a limit below this could not carry an error reply
+_MAX_U32 = 2**32 - 1
+
+_MAGIC = b"SCRPC\x00\x00\x01"
+_NONCE_BYTES = 32
+_CLIENT_LABEL = b"statecore-rpc client"
+_SERVER_LABEL = b"statecore-rpc server"
+
+_SEND, _ASK, _REPLY, _ERROR = 1, 2, 3, 4
+
+_U32 = struct.Struct(">I")
+_HEADER = struct.Struct(">IBQH")  # frame length, kind, request id, name length
+_ENVELOPE = struct.Struct(">BQH")  # the header less the frame length
+_ENVELOPE_BYTES = _ENVELOPE.size
+
+_request_ids = itertools.count(1)  # next() is atomic under the GIL: one sequence per process
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+class RpcError(StateStoreError):
+    """A message could not be delivered or answered. When the remote handler raised,
+    ``remote_type`` names its exception type and ``remote_traceback`` holds its traceback."""
+
+    remote_type = None
+    remote_traceback = None
+
+
+class RpcTimeoutError(RpcError, TimeoutError):
+    """No reply within the ask's ``timeout_s``."""
+
+
+class RpcConnectionError(RpcError, ConnectionError):
+    """The server could not be reached, or the connection broke; the message names the address."""
+
+
+class RpcProtocolError(RpcError):
+    """Bytes that do not follow the wire format (bad frame, undecodable value)."""
+
+
+class _NotSent(Exception):
+    """Internal: the frame was not (completely) written, so it is safe to retry elsewhere."""
+
+
+# -- values ------------------------------------------------------------------------------------
+
+_pack_tag_u32 = struct.Struct(">BI").pack
+_pack_int = struct.Struct(">Bq").pack
+_pack_float = struct.Struct(">Bd").pack
+_unpack_u32 = _U32.unpack_from
+_unpack_int = struct.Struct(">q").unpack_from
+_unpack_float = struct.Struct(">d").unpack_from
+
+_T_NONE, _T_FALSE, _T_TRUE, _T_INT, _T_FLOAT = b"N", b"F", b"T", ord("i"), ord("f")
+_T_STR, _T_BYTES, _T_TUPLE, _T_LIST, _T_DICT = ord("s"), ord("b"), ord("t"), ord("l"), ord("d")
+_SCALAR_TYPES = frozenset([type(None), bool, int, float, str, bytes])
+_SCALAR_TAGS = frozenset(b"NFTifsb")
+_INT_MIN, _INT_MAX = -2**63, 2**63 - 1
+
+
+def _encode(value, out, depth):
+    """Append the encoding of ``value`` to the list ``out``. The common scalars inside a
+    tuple or list are written inline: a call per item is most of the cost in CPython."""
+    t = type(value)
+    if t is tuple or t is list:
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"cannot encode a value nested deeper than {MAX_DEPTH} containers for RPC")
+        append = out.append
+        append(_pack_tag_u32(_T_TUPLE if t is tuple else _T_LIST, len(value)))
+        for item in value:
+            t = type(item)
+            if t is str:
+                data = item.encode()
+                append(_pack_tag_u32(_T_STR, len(data)))
+                append(data)
+            elif t is int and _INT_MIN <= item <= _INT_MAX:
+                append(_pack_int(_T_INT, item))
+            elif item is None:
+                append(_T_NONE)
+            else:
+                _encode(item, out, depth + 1)
+    elif t is str:
+        data = value.encode()
+        out.append(_pack_tag_u32(_T_STR, len(data)))
+        out.append(data)
+    elif t is int:
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise ValueError(f"cannot encode int {value} for RPC: outside the signed 64-bit range")
+        out.append(_pack_int(_T_INT, value))
+    elif value is None:
+        out.append(_T_NONE)
+    elif t is bool:
+        out.append(_T_TRUE if value else _T_FALSE)
+    elif t is float:
+        out.append(_pack_float(_T_FLOAT, value))
+    elif t is bytes:
+        out.append(_pack_tag_u32(_T_BYTES, len(value)))
+        out.append(value)
+    elif t is dict:
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"cannot encode a value nested deeper than {MAX_DEPTH} containers for RPC")
+        out.append(_pack_tag_u32(_T_DICT, len(value)))
+        for key, item in value.items():
+            if type(key) not in _SCALAR_TYPES:
+                raise TypeError(f"cannot encode a dict key of type {_type_name(type(key))} for RPC: keys must "
+                                f"be None, bool, int, float, str or bytes")
+            _encode(key, out, depth + 1)
+            _encode(item, out, depth + 1)
+    else:
+        raise TypeError(f"cannot encode a value of type {_type_name(t)} for RPC: supported are None, bool, int, "
+                        f"float, str, bytes, tuple, list and dict")
+
+
+def _decode(buf, pos, depth):
+    """The value encoded at ``buf[pos]`` and the position after it. Truncation shows as
+    IndexError or struct.error, bad utf-8 as UnicodeDecodeError (the caller turns them into
+    RpcProtocolError). Strings and ints inside a tuple or list are read inline."""
+    tag = buf[pos]
+    if tag == _T_TUPLE or tag == _T_LIST:
+        if depth >= MAX_DEPTH:
+            raise RpcProtocolError(f"value nested deeper than {MAX_DEPTH} containers")
+        n = _unpack_u32(buf, pos + 1)[0]
+        pos += 5
+        size = len(buf)
+        if n > size - pos:  # every item takes at least one byte: refuse before allocating
+            raise IndexError
+        items = []
+        append = items.append
+        for _ in range(n):
+            tag_i = buf[pos]
+            if tag_i == _T_STR:
+                start = pos + 5
+                pos = start + _unpack_u32(buf, pos + 1)[0]
+                if pos > size:
+                    raise IndexError
+                append(buf[start:pos].decode())
+            elif tag_i == _T_INT:
+                append(_unpack_int(buf, pos + 1)[0])
+                pos += 9
+            else:
+                item, pos = _decode(buf, pos, depth + 1)
+                append(item)
+        return (tuple(items) if tag == _T_TUPLE else items), pos
+    pos += 1
+    if tag == _T_STR or tag == _T_BYTES:
+        start = pos + 4
+        end = start + _unpack_u32(buf, pos)[0]
+        if end > len(buf):
+            raise IndexError
+        return (buf[start:end].decode() if tag == _T_STR else bytes(buf[start:end])), end
+    if tag == _T_INT:
+        return _unpack_int(buf, pos)[0], pos + 8
+    if tag == 78:  # N
+        return None, pos
+    if tag == 84:  # T
+        return True, pos
+    if tag == 70:  # F
+        return False, pos
+    if tag == _T_FLOAT:
+        return _unpack_float(buf, pos)[0], pos + 8
+    if tag == _T_DICT:
+        if depth >= MAX_DEPTH:
+            raise RpcProtocolError(f"value nested deeper than {MAX_DEPTH} containers")
+        n = _unpack_u32(buf, pos)[0]
+        pos += 4
+        if n > len(buf) - pos:
+            raise IndexError
+        d = {}
+        for i in range(n):
+            if buf[pos] not in _SCALAR_TAGS:
+                raise RpcProtocolError(f"dict key with tag {buf[pos]:#04x} at byte {pos}: keys must be scalars")
+            key, pos = _decode(buf, pos, depth + 1)
+            d[key], pos = _decode(buf, pos, depth + 1)
+            if len(d) != i + 1:
+                raise RpcProtocolError(f"duplicate dict key {key!r}")
+        return d, pos
+    raise RpcProtocolError(f"unknown value tag {tag:#04x} at byte {pos - 1}")
+
+
+def _decode_exactly(buf, pos):
+    """The one value in ``buf[pos:]``; anything else is an RpcProtocolError."""
+    try:
+        value, end = _decode(buf, pos, 0)
+    except (IndexError, struct.error):
+        raise RpcProtocolError(f"truncated value ({len(buf) - pos} bytes)") from None
+    except UnicodeDecodeError as e:
+        raise RpcProtocolError(f"invalid utf-8 in a string: {e.reason}") from None
+    if end != len(buf):
+        raise RpcProtocolError(f"{len(buf) - end} trailing bytes after the value")
+    return value
+
+
+def encode_value(value):
+    """The wire encoding of ``value`` (see the module docstring); TypeError for an unsupported type."""
+    out = []
+    _encode(value, out, 0)
+    return b"".join(out)
+
+
+def decode_value(data):
+    """The value of ``encode_value``'s bytes; RpcProtocolError for anything malformed."""
+    return _decode_exactly(bytes(data), 0)
+
+
+def _type_name(t):
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _frame(kind, request_id, name_bytes, value):
+    """One complete frame, ready for a single ``sendall``."""
+    parts = []
+    _encode(value, parts, 0)
+    payload = b"".join(parts)
+    size = _ENVELOPE_BYTES + len(name_bytes) + len(payload)
+    if size > _MAX_U32:
+        raise ValueError(f"message of {size} bytes is too large for one RPC frame")
+    return _HEADER.pack(size, kind, request_id, len(name_bytes)) + name_bytes + payload
+
+
+def _parse(body):
+    """(kind, request id, name, value) of one frame body."""
+    if len(body) < _ENVELOPE_BYTES:
+        raise RpcProtocolError(f"frame of {len(body)} bytes is shorter than an envelope")
+    kind, request_id, name_len = _ENVELOPE.unpack_from(body)
+    pos = _ENVELOPE_BYTES + name_len
+    if kind not in (_SEND, _ASK, _REPLY, _ERROR):
+        raise RpcProtocolError(f"unknown message kind {kind}")
+    if pos > len(body):
+        raise RpcProtocolError("truncated endpoint name")
+    try:
+        name = str(body[_ENVELOPE_BYTES:pos], "utf-8") if name_len else ""
+    except UnicodeDecodeError:
+        raise RpcProtocolError("endpoint name is not utf-8") from None
+    return kind, request_id, name, _decode_exactly(body, pos)
+
+
+def _encode_name(name):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an endpoint name must be a non-empty str, got {name!r}")
+    data = name.encode("utf-8")
+    if len(data) > 0xFFFF:
+        raise ValueError("an endpoint name must be at most 65535 bytes of utf-8")
+    return data
+
+
+def _normalize_authkey(authkey):
+    if isinstance(authkey, str):
+        authkey = authkey.encode("utf-8")
+    if not isinstance(authkey, (bytes, bytearray)):
+        raise TypeError(f"authkey must be bytes or str, got {type(authkey).__name__}")
+    if not authkey:
+        raise ValueError("authkey must not be empty")
+    return bytes(authkey)
+
+
+def _normalize_address(address):
+    host, port = address
+    return (str(host), int(port))
+
+
+def _where(address):
+    return f"{address[0]}:{address[1]}"
+
+
+# -- sockets -----------------------------------------------------------------------------------
+
+def _tune(sock, io_timeout_s):
+    """Blocking mode, no Nagle delay (one frame = one write), and writes that give up after
+    ``io_timeout_s`` (a peer that stops reading cannot hold a writer for ever)."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    seconds = int(io_timeout_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", seconds, int((io_timeout_s - seconds) * 1e6)))
+
+
+def _recv_exact(sock, n, deadline):
+    """Exactly ``n`` bytes, all of them before ``deadline`` (handshakes only)."""
+    data = b""
+    while len(data) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("timed out")
+        sock.settimeout(remaining)
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError(f"connection closed after {len(data)} of {n} handshake bytes")
+        data += chunk
+    return data
+
+
+def _send_before(sock, data, deadline):
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise socket.timeout("timed out")
+    sock.settimeout(remaining)
+    sock.sendall(data)
+
+
+def _client_handshake(sock, authkey, max_frame_bytes, deadline):
+    """Prove the authkey to the server and check its proof; returns the server's frame limit."""
+    hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES, deadline)
+    if hello[:len(_MAGIC)] != _MAGIC:
+        raise RpcProtocolError("not a statecore RPC server (unexpected greeting)")
+    server_nonce = hello[len(_MAGIC):]
+    client_nonce = secrets.token_bytes(_NONCE_BYTES)
+    limit = _U32.pack(max_frame_bytes)
+    proof = hmac.digest(authkey, _CLIENT_LABEL + server_nonce + client_nonce + limit, "sha256")
+    _send_before(sock, _MAGIC + client_nonce + limit + proof, deadline)
+    if _recv_exact(sock, 1, deadline) != b"\x01":
+        raise AuthenticationError("the server rejected our authkey")
+    answer = _recv_exact(sock, 4 + 32, deadline)
+    server_limit, server_proof = answer[:4], answer[4:]
+    expected = hmac.digest(authkey, _SERVER_LABEL + client_nonce + server_nonce + server_limit, "sha256")
+    if not hmac.compare_digest(server_proof, expected):
+        raise AuthenticationError("the server failed to prove that it knows the authkey")
+    return _U32.unpack(server_limit)[0]
+
+
+def _server_handshake(sock, authkey, max_frame_bytes, deadline):
+    """Check the client's proof and prove ours; returns the client's frame limit."""
+    server_nonce = secrets.token_bytes(_NONCE_BYTES)
+    _send_before(sock, _MAGIC + server_nonce, deadline)
+    if _recv_exact(sock, len(_MAGIC), deadline) != _MAGIC:  # garbage is refused at once
+        raise RpcProtocolError("not a statecore RPC client (unexpected greeting)")
+    rest = _recv_exact(sock, _NONCE_BYTES + 4 + 32, deadline)
+    client_nonce, limit, proof = rest[:_NONCE_BYTES], rest[_NONCE_BYTES:_NONCE_BYTES + 4], rest[_NONCE_BYTES + 4:]
+    expected = hmac.digest(authkey, _CLIENT_LABEL + server_nonce + client_nonce + limit, "sha256")
+    if not hmac.compare_digest(proof, expected):
+        try:
+            _send_before(sock, b"\x00", deadline)
+        except OSError:
+            pass
+        raise AuthenticationError("the client failed to prove that it knows the authkey")
+    own_limit = _U32.pack(max_frame_bytes)
+    _send_before(sock, b"\x01" + own_limit + hmac.digest(
+        authkey, _SERVER_LABEL + client_nonce + server_nonce + own_limit, "sha256"), deadline)
+    sock.settimeout(None)
+    return _U32.unpack(limit)[0]
+
+
+class _Stalled(Exception):
+    """A frame began but did not complete within the io timeout."""
+
+
+class _FrameReader:
+    """Reads frames from a blocking socket. A frame cut short by a caller's deadline stays
+    buffered for the next call; one not complete ``io_timeout_s`` after its first byte
+    raises :class:`_Stalled`."""
+
+    def __init__(self, sock, max_frame_bytes, io_timeout_s):
+        self._sock = sock
+        self._max = max_frame_bytes
+        self._io_timeout = io_timeout_s
+        self._buf = b""  # received bytes from _pos on are unread (bytes, or a bytearray while a frame spans reads)
+        self._pos = 0
+        self._started = None  # monotonic time of the first byte of the frame being read
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._recv_timeout = 0.0  # the socket's SO_RCVTIMEO (0: none)
+
+    def _wait_at_most(self, seconds):
+        """Make a blocking recv give up after about ``seconds`` (0: never). Changed only when
+        off by more than 1% (or 2 ms), so asks with the usual timeout cost no extra call."""
+        current = self._recv_timeout
+        if seconds == 0.0:
+            if current == 0.0:
+                return
+        elif current != 0.0 and seconds * 0.5 <= current <= seconds + max(0.002, seconds * 0.01):
+            return
+        seconds = max(seconds, 0.001) if seconds else 0.0  # a zero timeval would mean "no timeout"
+        whole = int(seconds)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                              struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+        self._recv_timeout = seconds
+
+    def has_frame(self):
+        """Whether a whole frame is already buffered (read() would not wait)."""
+        buf, pos = self._buf, self._pos
+        have = len(buf) - pos
+        return have >= 4 and have >= 4 + _unpack_u32(buf, pos)[0]
+
+    def read(self, deadline=None):
+        """The next frame's body, or None once ``deadline`` (monotonic; None: none) passed.
+        EOFError at the end of the stream. Frames that came in one ``recv`` are sliced out
+        of it one by one (one copy each); only a frame spread over several reads is gathered."""
+        while True:
+            buf, pos = self._buf, self._pos
+            have = len(buf) - pos
+            if have >= 4:
+                size = _unpack_u32(buf, pos)[0]
+                if size > self._max:
+                    raise RpcProtocolError(f"frame of {size} bytes exceeds the limit of {self._max} bytes")
+                end = pos + 4 + size
+                if have >= 4 + size:
+                    if end < len(buf):
+                        self._pos, self._started = end, time.monotonic()
+                    else:  # all read: let go of the buffer (it may be a large one)
+                        self._buf, self._pos, self._started = b"", 0, None
+                    return buf[pos + 4:end]
+                need = 4 + size - have
+            else:
+                need = 4 - have
+            if have:  # in the middle of a frame: it must complete within the io timeout
+                if self._started is None:
+                    self._started = time.monotonic()
+                until, stalling = self._started + self._io_timeout, True
+                if deadline is not None and deadline < until:
+                    until, stalling = deadline, False
+                remaining = until - time.monotonic()
+                if remaining <= 0 or not self._poll.poll(int(remaining * 1000) + 1):
+                    if time.monotonic() < until:
+                        continue  # poll rounds down on some kernels; wait out the rest
+                    if stalling:
+                        raise _Stalled(f"frame incomplete {self._io_timeout:g} s after its first byte "
+                                       f"({have} bytes received)")
+                    return None
+            elif deadline is not None:  # between frames, an asker waits in recv itself (one call, not two)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._wait_at_most(remaining)
+            elif self._recv_timeout:
+                self._wait_at_most(0.0)
+            try:
+                data = self._sock.recv(max(need, 65536))
+            except BlockingIOError:  # SO_RCVTIMEO ran out: look at the deadline again
+                continue
+            if not data:
+                raise EOFError("connection closed" + (f" in the middle of a frame ({have} bytes)" if have else ""))
+            if not have:
+                self._buf = data  # no copy
+            else:
+                rest = buf[pos:] if pos else buf
+                if type(rest) is not bytearray:
+                    rest = bytearray(rest)
+                rest += data
+                self._buf = rest
+            self._pos = 0
+
+
+# -- client side -------------------------------------------------------------------------------
+
+class _Call:
+    """An ask waiting while another thread reads the connection. ``waiter`` is held until
+    the call is woken: its reply arrived, the connection broke, or it is its turn to read."""
+
+    __slots__ = ("waiter", "done", "ok", "value")
+
+    def __init__(self):
+        self.waiter = threading.Lock()
+        self.waiter.acquire()
+        self.done = False
+        self.ok = False
+        self.value = None
+
+
+# The server closed its end (Linux reports it as POLLRDHUP; elsewhere only a full hang-up shows).
+_HANGUP_EVENTS = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
+class _ClientConnection:
+    """One authenticated connection to one endpoint of a server, shared by every ref of a
+    pool to it.
+
+    Writes: one thread writes at a time (``_writing``); a frame that comes while another
+    thread is writing is left in ``_outbox``, and the writer sends everything left there
+    with its next ``sendall`` before it lets go, so concurrent callers share system calls
+    and frames keep the order in which they were handed over. Reads: asking threads take
+    turns as the reader (``_reading``): the reader hands each reply to its call and wakes
+    that thread, and when its own reply arrives (or its deadline passes) it wakes another
+    waiting call to take over. A lone asker is its own reader and never waits on a lock.
+    ``_lock`` guards all of this. The socket is closed only when nobody writes or reads it
+    (never under a running system call).
+    """
+
+    def __init__(self, sock, address, peer_max_frame, max_frame_bytes, io_timeout_s):
+        self.address = address
+        self.peer_max_frame = peer_max_frame
+        self._sock = sock
+        self._reader = _FrameReader(sock, max_frame_bytes, io_timeout_s)
+        self._hangup = select.poll()  # only used by the writer
+        self._hangup.register(sock, _HANGUP_EVENTS)
+        self._lock = threading.Lock()
+        self._outbox = []  # frames waiting for the current writer
+        self._writing = False
+        self._calls = {}  # request id -> _Call, for asks waiting while another thread reads
+        self._reading = False
+        self._error = None  # why the connection is unusable, once it is
+        self._closed = False
+
+    @classmethod
+    def open(cls, address, authkey, max_frame_bytes, io_timeout_s, connect_timeout_s, handshake_timeout_s):
+        where = _where(address)
+        try:
+            sock = socket.create_connection(address, timeout=connect_timeout_s)
+        except OSError as e:
+            raise RpcConnectionError(f"cannot connect to the RPC server at {where}: {e}") from e
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer_max = _client_handshake(sock, authkey, max_frame_bytes, time.monotonic() + handshake_timeout_s)
+            _tune(sock, io_timeout_s)
+        except AuthenticationError as e:
+            sock.close()
+            raise AuthenticationError(f"RPC handshake with {where} failed: {e}") from None
+        except RpcProtocolError as e:
+            sock.close()
+            raise RpcConnectionError(f"RPC handshake with {where} failed: {e}") from None
+        except (OSError, EOFError) as e:
+            sock.close()
+            raise RpcConnectionError(f"RPC handshake with {where} failed: {e or type(e).__name__}") from None
+        return cls(sock, address, peer_max, max_frame_bytes, io_timeout_s)
+
+    @property
+    def usable(self):
+        return self._error is None
+
+    def send(self, frame):
+        """Write one frame, or hand it to the thread that is writing. _NotSent if it was not
+        written (safe to retry elsewhere)."""
+        with self._lock:
+            if self._error is not None:
+                raise _NotSent(self._error)
+            if self._writing:
+                self._outbox.append(frame)
+                return
+            self._writing = True
+        data, own = frame, True
+        try:
+            if self._hangup.poll(0):  # the server hung up (it restarted, say): do not write into the void
+                raise _NotSent("the server closed the connection")
+            while True:
+                self._sock.sendall(data)
+                own = False
+                with self._lock:
+                    if not self._outbox:
+                        self._writing = False
+                        return
+                    data = b"".join(self._outbox)
+                    self._outbox.clear()
+        except _NotSent as e:
+            self._fail(str(e.args[0]), writer=True)
+            raise
+        except OSError as e:
+            self._fail(f"write failed: {e}", writer=True)
+            if own:  # our frame did not get out whole: the caller may retry it
+                raise _NotSent(e) from e
+            # frames handed to us are lost with the connection: their asks see it while waiting
+        except BaseException:  # interrupted mid-write: the stream may hold half a frame
+            self._fail("interrupted while writing", writer=True)
+            raise
+
+    def ask(self, request_id, frame, deadline):
+        """Send an ask and wait for its reply: (ok, value), or None if ``deadline`` passed.
+        _NotSent if it could not be written; RpcConnectionError if the connection broke after."""
+        with self._lock:
+            if self._error is not None:
+                raise _NotSent(self._error)
+            if self._reading:
+                call = self._calls[request_id] = _Call()
+            else:
+                self._reading = True  # a lone asker: read for ourselves, no _Call needed
+                call = None
+        try:
+            self.send(frame)
+        except _NotSent:
+            self._finish(request_id, call, call is None)
+            raise
+        if call is None:
+            return self._lead(request_id, None, deadline)
+        return self._follow(request_id, call, deadline)
+
+    def _follow(self, request_id, call, deadline):
+        """Wait for a reply read by another thread, or for our turn to read."""
+        lead = False
+        try:
+            while True:
+                with self._lock:
+                    if call.done:
+                        return call.ok, call.value
+                    if self._error is not None:
+                        raise self._lost()
+                    if not self._reading:
+                        self._reading = lead = True
+                        break
+                if deadline is None:
+                    call.waiter.acquire()
+                else:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    call.waiter.acquire(timeout=remaining)
+        finally:
+            if not lead:
+                self._finish(request_id, call, False)
+        return self._lead(request_id, call, deadline)
+
+    def _lead(self, request_id, call, deadline):
+        """As the reader: hand out replies until ours is in or ``deadline`` passes."""
+        reader, calls, lock = self._reader, self._calls, self._lock
+        try:
+            if call is not None and call.done:  # the previous reader got ours before handing over
+                return call.ok, call.value
+            while True:
+                body = reader.read(deadline)
+                if body is None:
+                    return None
+                kind, rid, _name, value = _parse(body)
+                if kind != _REPLY and kind != _ERROR:
+                    raise RpcProtocolError(f"unexpected message kind {kind} from the server")
+                if rid == request_id:
+                    return kind == _REPLY, value
+                with lock:
+                    target = calls.get(rid)
+                    if target is None:
+                        log.debug("dropped a late reply from %s (the ask had timed out)", _where(self.address))
+                        continue
+                    target.done, target.ok, target.value = True, kind == _REPLY, value
+                    if target.waiter.locked():
+                        target.waiter.release()
+        except (OSError, EOFError, RpcProtocolError, _Stalled) as e:
+            self._fail(str(e) or type(e).__name__)
+            raise self._lost() from None
+        finally:
+            self._finish(request_id, call, True)
+
+    def _finish(self, request_id, call, was_reading):
+        """Leave: unregister the call; a reader hands the socket to a waiting call."""
+        with self._lock:
+            if call is not None:
+                self._calls.pop(request_id, None)
+            if was_reading:
+                self._reading = False
+                for other in self._calls.values():
+                    if not other.done:
+                        if other.waiter.locked():
+                            other.waiter.release()
+                        break
+        if was_reading and self._error is not None:
+            self._close_if_idle()
+
+    def _lost(self):
+        return RpcConnectionError(f"connection to {_where(self.address)} lost while waiting for a reply "
+                                  f"({self._error}); the message may or may not have been handled")
+
+    def _fail(self, reason, writer=False):
+        """Mark the connection broken, wake every waiting call, and stop all traffic
+        (``writer``: called by the writing thread, which lets go of the socket)."""
+        with self._lock:
+            if self._error is None:
+                self._error = reason
+                log.debug("RPC connection to %s is unusable: %s", _where(self.address), reason)
+            if writer:
+                self._writing = False
+            self._outbox.clear()
+            for call in self._calls.values():
+                if call.waiter.locked():
+                    call.waiter.release()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in recv, a writer blocked in send
+        except OSError:
+            pass
+        self._close_if_idle()
+
+    def _close_if_idle(self):
+        with self._lock:
+            if self._error is not None and not self._reading and not self._writing and not self._closed:
+                self._closed = True
+                self._sock.close()
+
+    def close(self):
+        self._fail("closed")
+
+
+class _Slot:
+    __slots__ = ("lock", "conn")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.conn = None
+
+
+class _ConnectionPool:
+    """The client connections of one RpcEnv (or of the process): one per (address, authkey,
+    endpoint name), so that a slow handler never holds up messages to another endpoint."""
+
+    def __init__(self, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES, io_timeout_s=DEFAULT_IO_TIMEOUT_S,
+                 connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S,
+                 owner=None):
+        self.max_frame_bytes = max_frame_bytes
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.owner = owner  # what shut it down, for the error message
+        self._lock = threading.Lock()
+        self._slots = {}
+        self._closed = False
+        _pools.add(self)
+
+    def get(self, address, authkey, name, deadline):
+        key = (address, authkey, name)
+        slot = self._slots.get(key)
+        if slot is not None:
+            conn = slot.conn
+            if conn is not None and conn.usable:
+                return conn
+        with self._lock:
+            if self._closed:
+                raise RpcError(f"{self.owner} was shut down; its refs cannot be used any more")
+            slot = self._slots.setdefault(key, _Slot())
+        with slot.lock:  # one connect per server at a time; other servers are not held up
+            conn = slot.conn
+            if conn is not None and conn.usable:
+                return conn
+            if conn is not None:
+                conn.close()
+            timeout = self.connect_timeout_s
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise RpcTimeoutError(f"no connection to {_where(address)} before the ask's deadline")
+            conn = _ClientConnection.open(address, authkey, self.max_frame_bytes, self.io_timeout_s, timeout,
+                                          min(timeout, self.handshake_timeout_s))
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    raise RpcError(f"{self.owner} was shut down; its refs cannot be used any more")
+                slot.conn = conn
+            return conn
+
+    def close(self):
+        with self._lock:
+            self._closed = True
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            if slot.conn is not None:
+                slot.conn.close()
+
+    def reset(self):
+        """Close every connection; the pool stays usable and reconnects on demand."""
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            if slot.conn is not None:
+                slot.conn.close()
+
+
+_pools = weakref.WeakSet()  # every pool, for the fork handler
+_default_pool = _ConnectionPool(owner="the process's connection pool")
+
+
+def _forget_connections_after_fork():
+    """In a forked child: every inherited connection is the parent's. Close our copy of each
+    descriptor (never shut the connection down) and mark it dead, so that no ref writes
+    into it, or into whatever reuses the descriptor number; refs reconnect on next use.
+    Locks may be held by threads that do not exist here: everything is replaced, not taken."""
+    for pool in list(_pools):
+        slots, pool._slots, pool._lock = pool._slots, {}, threading.Lock()
+        for slot in slots.values():
+            conn = slot.conn
+            if conn is not None:
+                conn._error, conn._closed, conn._lock = "inherited across fork", True, threading.Lock()
+                conn._sock.close()
+
+
+os.register_at_fork(after_in_child=_forget_connections_after_fork)
+
+
+def close_connections():
+    """Close this process's shared client connections (those of module-level refs); refs
+    reconnect on their next message."""
+    _default_pool.reset()
+
+
+class RpcEndpointRef:
+    """A handle on a named endpoint of a server: ``address``, ``name`` and ``authkey``.
+
+    Thread-safe; pickles as those three attributes only and connects lazily where it is
+    unpickled (through the process's shared connections)."""
+
+    def __init__(self, address, name, authkey, _pool=None):
+        self.address = _normalize_address(address)
+        self._name_bytes = _encode_name(name)
+        self.name = name
+        self.authkey = _normalize_authkey(authkey)
+        self._pool = _pool
+        self._conn = None  # the pool's connection, kept while it works (saves a look-up per message)
+
+    def __reduce__(self):
+        return (RpcEndpointRef, (self.address, self.name, self.authkey))
+
+    def __repr__(self):
+        return f"RpcEndpointRef({self.name!r} at {_where(self.address)})"  # never the authkey
+
+    def __eq__(self, other):
+        return (isinstance(other, RpcEndpointRef) and (self.address, self.name, self.authkey) ==
+                (other.address, other.name, other.authkey))
+
+    def __hash__(self):
+        return hash((self.address, self.name))
+
+    def send(self, message):
+        """Deliver ``message`` to the endpoint's ``receive``; returns once it is written.
+
+        At most once: see the module docstring for the case where a send is lost."""
+        frame = _frame(_SEND, 0, self._name_bytes, message)
+        for attempt in (0, 1):
+            conn = self._connection(frame, None, attempt)
+            if conn is None:
+                continue
+            try:
+                conn.send(frame)
+                return
+            except _NotSent as e:
+                if attempt:
+                    raise RpcConnectionError(f"cannot send to {self!r}: {e}") from None
+
+    def ask(self, message, timeout_s=30.0):
+        """The endpoint's ``receive_and_reply(message)``; RpcError if it raised (naming its
+        exception), RpcTimeoutError after ``timeout_s`` (None: wait for ever)."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        request_id = next(_request_ids)
+        frame = _frame(_ASK, request_id, self._name_bytes, message)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for attempt in (0, 1):
+            conn = self._connection(frame, deadline, attempt)
+            if conn is None:
+                continue
+            try:
+                result = conn.ask(request_id, frame, deadline)
+                break
+            except _NotSent as e:  # not written: safe to try a new connection
+                if attempt:
+                    raise RpcConnectionError(f"cannot ask {self!r}: {e}") from None
+        if result is None:
+            raise RpcTimeoutError(f"no reply from {self!r} within {timeout_s:g} s")
+        ok, value = result
+        if ok:
+            return value
+        raise _remote_error(self, value)
+
+    def _connection(self, frame, deadline, attempt):
+        """The pooled connection; None if the first attempt to connect failed (one retry)."""
+        conn = self._conn
+        if conn is None or conn._error is not None:
+            pool = self._pool or _default_pool
+            try:
+                conn = self._conn = pool.get(self.address, self.authkey, self.name, deadline)
+            except RpcConnectionError:
+                if attempt:
+                    raise
+                return None
+        if len(frame) - 4 > conn.peer_max_frame:
+            raise ValueError(f"message of {len(frame) - 4} bytes exceeds the frame limit of {conn.peer_max_frame} "
+                             f"bytes of the server at {_where(self.address)}")
+        return conn
+
+
+def _remote_error(ref, payload):
+    try:
+        remote_type, text, remote_traceback = payload
+    except (TypeError, ValueError):
+        remote_type, text, remote_traceback = "", repr(payload), ""
+    if remote_type:
+        err = RpcError(f"{ref!r} raised {remote_type}: {text}")
+        err.remote_type, err.remote_traceback = remote_type, remote_traceback
+    else:
+        err = RpcError(str(text))
+    return err
+
+
+def endpoint_ref(address, name, authkey):
+    """A ref to endpoint ``name`` of the server at ``address`` (a ``(host, port)`` pair), for a
+    process that runs no RpcEnv; its connection is shared with the process's other refs."""
+    return RpcEndpointRef(address, name, authkey)
+
+
+# -- server side -------------------------------------------------------------------------------
+
+class RpcEndpoint:
+    """Base class of what an RpcEnv hosts. One message at a time, in each sender's order."""
+
+    def receive(self, message):
+        """A one-way message (``send``)."""
+        log.warning("%s ignored a one-way message of type %s", type(self).__name__, type(message).__name__)
+
+    def receive_and_reply(self, message):
+        """An ``ask``: return the reply value; an exception goes back to the asker as RpcError."""
+        raise NotImplementedError(f"{type(self).__name__} does not answer asks")
+
+    def on_stop(self):
+        """Called once the endpoint is stopped, after the messages queued before that."""
+
+
+class _ServerConnection:
+    """A client's connection as the server sees it. Replies made by the connection's own
+    reader are held until it has no further frame in hand, then written together: frames
+    that arrived together are answered with one write."""
+
+    __slots__ = ("sock", "peer", "peer_max_frame", "send_lock", "closed", "reader_ident", "pending")
+
+    def __init__(self, sock, peer, peer_max_frame):
+        self.sock, self.peer, self.peer_max_frame = sock, peer, peer_max_frame
+        self.send_lock = threading.Lock()
+        self.closed = False
+        self.reader_ident = threading.get_ident()
+        self.pending = []
+
+    def reply(self, frame):
+        if self.reader_ident == threading.get_ident():
+            self.pending.append(frame)
+            if len(self.pending) >= 64:
+                self.flush()
+        else:
+            self.send(frame)
+
+    def flush(self):
+        frames, self.pending = self.pending, []
+        self.send(frames[0] if len(frames) == 1 else b"".join(frames))
+
+    def send(self, frame):
+        with self.send_lock:
+            if self.closed:
+                raise OSError("connection closed")
+            self.sock.sendall(frame)
+
+    def close(self):
+        with self.send_lock:  # never while a dispatcher writes to it
+            if not self.closed:
+                self.closed = True
+                self.sock.close()
+
+
+_INLINE_DRAIN = 16  # queued messages a reader handles after its own before leaving the rest to the thread
+
+
+class _Dispatcher:
+    """An endpoint and what runs its handlers: one message at a time, in arrival order.
+
+    A connection's reader hands its message straight to the handler when the endpoint is
+    idle and nothing is queued (no thread hop: the common case), then handles up to
+    ``_INLINE_DRAIN`` messages that were queued meanwhile. A message that finds the
+    endpoint busy is queued, and the endpoint's own thread works through whatever a reader
+    leaves. Since a reader only goes straight in when the queue is empty, messages are
+    handled in the order they arrived, so in each connection's order.
+    """
+
+    def __init__(self, name, endpoint, where):
+        self.name, self.endpoint, self.where = name, endpoint, where
+        self.lock = threading.Lock()
+        self.wakeup = threading.Condition(self.lock)
+        self.queue = collections.deque()
+        self.busy = False  # a thread is handling a message
+        self.stopped = False
+        self.handler_ident = None  # the thread running a handler now
+        self.thread = threading.Thread(target=self._run, name=f"statecore-rpc-endpoint-{name}", daemon=True)
+
+    def deliver(self, conn, request_id, message):
+        """Handle (or queue) one message; ``request_id`` None for a one-way one. False once
+        the endpoint is stopped."""
+        with self.lock:
+            if self.stopped:
+                return False
+            if self.busy or self.queue:
+                self.queue.append((conn, request_id, message))
+                if not self.busy:
+                    self.wakeup.notify()
+                return True
+            self.busy = True
+        item, drained = (conn, request_id, message), 0
+        try:
+            while True:
+                self._handle(*item)
+                with self.lock:
+                    if not self.queue or drained == _INLINE_DRAIN:
+                        self.busy = False
+                        if self.queue or self.stopped:
+                            self.wakeup.notify()
+                        return True
+                    item = self.queue.popleft()
+                drained += 1
+        except BaseException:
+            with self.lock:
+                self.busy = False
+                self.wakeup.notify()
+            raise
+
+    def stop(self):
+        """Refuse new messages; the thread handles the queued ones, then calls ``on_stop``."""
+        with self.lock:
+            self.stopped = True
+            self.wakeup.notify()
+
+    def in_handler(self):
+        return self.handler_ident == threading.get_ident() or self.thread is threading.current_thread()
+
+    def _run(self):
+        with self.lock:
+            while True:
+                if self.queue and not self.busy:
+                    item = self.queue.popleft()
+                    self.busy = True
+                    self.lock.release()
+                    try:
+                        self._handle(*item)
+                    finally:
+                        self.lock.acquire()
+                        self.busy = False
+                elif self.stopped and not self.busy:
+                    break
+                else:
+                    self.wakeup.wait()
+        on_stop = getattr(self.endpoint, "on_stop", None)
+        if on_stop is not None:
+            try:
+                on_stop()
+            except Exception:
+                log.exception("on_stop of endpoint %r at %s failed", self.name, self.where)
+
+    def _handle(self, conn, request_id, message):
+        self.handler_ident = threading.get_ident()
+        try:
+            if request_id is None:
+                try:
+                    self.endpoint.receive(message)
+                except Exception:
+                    log.exception("endpoint %r at %s failed to handle a one-way message", self.name, self.where)
+                return
+            try:
+                frame = _frame(_REPLY, request_id, b"", self.endpoint.receive_and_reply(message))
+                if len(frame) - 4 > conn.peer_max_frame:
+                    raise ValueError(f"reply of {len(frame) - 4} bytes exceeds the asker's frame limit of "
+                                     f"{conn.peer_max_frame} bytes")
+            except Exception as e:
+                log.debug("endpoint %r at %s raised for an ask", self.name, self.where, exc_info=True)
+                frame = _error_frame(request_id, _type_name(type(e)), str(e), traceback.format_exc(),
+                                     conn.peer_max_frame)
+            try:
+                conn.reply(frame)
+            except OSError as e:
+                log.debug("could not reply to %s (%s): the asker is gone", _where(conn.peer), e)
+        finally:
+            self.handler_ident = None
+
+
+def _error_frame(request_id, remote_type, text, remote_traceback="", limit=_MIN_FRAME_BYTES):
+    """An error reply, shortened until it fits the asker's frame ``limit``."""
+    frame = _frame(_ERROR, request_id, b"", (remote_type, text[:16384], remote_traceback[-32768:]))
+    if len(frame) - 4 > limit:
+        frame = _frame(_ERROR, request_id, b"", (remote_type[:200], text[:500], ""))
+    return frame
+
+
+class RpcEnv:
+    """A TCP server hosting named endpoints, and the client connections of the refs it makes.
+
+    Threads: one accepts connections, one per connection reads it (and runs handlers when
+    their endpoint is idle), one per endpoint works through messages that found it busy.
+
+    ``max_frame_bytes`` bounds a frame either way, ``io_timeout_s`` how long a started frame
+    (or a blocked write) may take, ``handshake_timeout_s`` how long a new peer may take to
+    authenticate; a peer breaking any of them is disconnected and logged, others go on.
+    ``shutdown()`` (or leaving a ``with`` block) stops everything and joins every thread.
+    """
+
+    def __init__(self, host="127.0.0.1", port=0, authkey=None, *, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+                 io_timeout_s=DEFAULT_IO_TIMEOUT_S, handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S,
+                 connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S):
+        if not _MIN_FRAME_BYTES <= max_frame_bytes <= _MAX_U32:
+            raise ValueError(f"max_frame_bytes must be in [{_MIN_FRAME_BYTES}, {_MAX_U32}], got {max_frame_bytes}")
+        for arg, value in (("io_timeout_s", io_timeout_s), ("handshake_timeout_s", handshake_timeout_s),
+                           ("connect_timeout_s", connect_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{arg} must be > 0, got {value!r}")
+        self.authkey = secrets.token_bytes(32) if authkey is None else _normalize_authkey(authkey)
+        self.max_frame_bytes = max_frame_bytes
+        self.io_timeout_s = io_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        advertised = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
+        self.address = (advertised, self._listener.getsockname()[1])
+        self._where = _where(self.address)
+        self._pool = _ConnectionPool(max_frame_bytes, io_timeout_s, connect_timeout_s, handshake_timeout_s,
+                                     owner=f"RpcEnv({self._where})")
+        self._lock = threading.Lock()
+        self._endpoints = {}  # name -> _Dispatcher
+        self._connections = {}  # accepted socket -> its reader thread
+        self._stopped = False
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"statecore-rpc-accept-{self.address[1]}",
+                                          daemon=True)
+        self._acceptor.start()
+        log.info("RpcEnv listening on %s", self._where)
+
+    def __repr__(self):
+        return f"RpcEnv({self._where})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # endpoints
+
+    def setup_endpoint(self, name, endpoint):
+        """Register ``endpoint`` under ``name`` and return a ref to it. ValueError ("already
+        registered") if the name is taken."""
+        _encode_name(name)
+        with self._lock:
+            if self._stopped:
+                raise RpcError(f"{self!r} was shut down")
+            if name in self._endpoints:
+                raise ValueError(f"an endpoint named {name!r} is already registered at {self._where}")
+            dispatcher = _Dispatcher(name, endpoint, self._where)
+            self._endpoints[name] = dispatcher
+            dispatcher.thread.start()
+        return RpcEndpointRef(self.address, name, self.authkey, _pool=self._pool)
+
+    def endpoint_ref(self, address, name, authkey=None):
+        """A ref to endpoint ``name`` at ``address`` (this env's authkey unless given),
+        using this env's connections."""
+        return RpcEndpointRef(address, name, self.authkey if authkey is None else authkey, _pool=self._pool)
+
+    def stop_endpoint(self, name):
+        """Unregister ``name`` at once; the messages queued before are handled, then
+        ``on_stop`` runs. Waits for that unless called from the endpoint's own handler.
+        Unknown names are ignored."""
+        with self._lock:
+            dispatcher = self._endpoints.pop(name, None)
+        if dispatcher is not None:
+            dispatcher.stop()
+            if not dispatcher.in_handler():
+                _join(dispatcher.thread, f"endpoint {name!r} to finish its messages")
+
+    def shutdown(self):
+        """Stop accepting, close every connection, stop every endpoint (queued messages are
+        still handled, then ``on_stop``), close this env's client connections; joins every
+        thread it started (but the calling one, if a handler calls it)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            dispatchers = list(self._endpoints.values())
+            self._endpoints.clear()
+        self._wake_w.send(b"x")
+        _join(self._acceptor, "the accept thread")
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        with self._lock:
+            connections = list(self._connections.items())
+        for sock, _thread in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end and closes it
+            except OSError:
+                pass
+        for _sock, thread in connections:
+            _join(thread, "a connection's reader")
+        for dispatcher in dispatchers:
+            dispatcher.stop()
+        for dispatcher in dispatchers:
+            if not dispatcher.in_handler():
+                _join(dispatcher.thread, f"endpoint {dispatcher.name!r} to finish its messages")
+        self._pool.close()
+        log.info("RpcEnv on %s shut down", self._where)
+
+    # serving
+
+    def _accept_loop(self):
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _events in selector.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    try:
+                        sock, peer = self._listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as e:  # out of descriptors, say: keep serving the others
+                        log.warning("RPC server on %s could not accept a connection: %s", self._where, e)
+                        continue
+                    thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                                              name=f"statecore-rpc-conn-{self.address[1]}-{_where(peer)}")
+                    with self._lock:
+                        self._connections[sock] = thread
+                    thread.start()
+
+    def _serve(self, sock, peer):
+        """A connection's reader: handshake, then each frame to its endpoint (see _Dispatcher)."""
+        where = _where(peer)
+        conn = None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                peer_max = _server_handshake(sock, self.authkey, self.max_frame_bytes,
+                                             time.monotonic() + self.handshake_timeout_s)
+                _tune(sock, self.io_timeout_s)
+            except AuthenticationError as e:
+                log.warning("RPC server on %s refused %s: %s", self._where, where, e)
+                return
+            except socket.timeout:
+                log.warning("RPC server on %s dropped %s: handshake not done within %g s", self._where, where,
+                            self.handshake_timeout_s)
+                return
+            except (OSError, EOFError, RpcProtocolError) as e:
+                if not self._stopped:
+                    log.warning("RPC server on %s dropped %s during the handshake: %s", self._where, where, e)
+                return
+            conn = _ServerConnection(sock, peer, peer_max)
+            reader = _FrameReader(sock, self.max_frame_bytes, self.io_timeout_s)
+            endpoints = self._endpoints
+            while True:
+                if conn.pending and not reader.has_frame():
+                    conn.flush()
+                try:
+                    body = reader.read()
+                except EOFError as e:
+                    if str(e) != "connection closed":
+                        log.warning("RPC server on %s: %s %s", self._where, where, e)
+                    return
+                kind, request_id, name, message = _parse(body)
+                if kind == _SEND:
+                    dispatcher = endpoints.get(name)
+                    if dispatcher is None or not dispatcher.deliver(conn, None, message):
+                        log.warning("RPC server on %s dropped a one-way message from %s to unknown endpoint %r",
+                                    self._where, where, name)
+                elif kind == _ASK:
+                    dispatcher = endpoints.get(name)
+                    if dispatcher is None or not dispatcher.deliver(conn, request_id, message):
+                        conn.reply(_error_frame(request_id, "", f"no endpoint named {name!r} at {self._where}",
+                                                limit=peer_max))
+                else:
+                    raise RpcProtocolError(f"unexpected message kind {kind} from a client")
+        except (RpcProtocolError, _Stalled) as e:
+            log.warning("RPC server on %s dropped %s: %s", self._where, where, e)
+        except OSError as e:
+            if not self._stopped:
+                log.info("RPC server on %s lost %s: %s", self._where, where, e)
+        finally:
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
+            with self._lock:
+                self._connections.pop(sock, None)
+
+
+def _join(thread, what):
+    """Join ``thread`` (not the current one), saying every 10 s what is still awaited."""
+    if thread is threading.current_thread() or not thread.ident:
+        return
+    while True:
+        thread.join(10.0)
+        if not thread.is_alive():
+            return
+        log.warning("still waiting for %s (thread %s)", what, thread.name)

@@ -1,0 +1,310 @@
+"""StateStoreCoordinator (spec section 7): the endpoint as a plain object, then over RPC, then
+with the executor registry (spec 6.3/6.4)."""
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+import statecore
+from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, registry, rpc
+from statecore.coordinator import (StateStoreCoordinator, StateStoreCoordinatorRef, provider_id_from_message,
+                                   provider_id_to_message)
+
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("v", "<i8")])
+CONF = StateStoreConf(maintenance_interval_s=3600)  # passes run only when a test asks
+SUBPROCESS_TIMEOUT_S = 60
+
+
+def pid(root="/ckpt", partition=0, run=None, store_name="default"):
+    return StateStoreProviderId(StateStoreId(str(root), 0, partition, store_name), run or uuid.uuid4())
+
+
+class FakeEnv:
+    """Records the names the endpoint unregisters itself from."""
+
+    def __init__(self):
+        self.stopped = []
+
+    def stop_endpoint(self, name):
+        self.stopped.append(name)
+
+
+@pytest.fixture
+def coordinator():
+    return StateStoreCoordinator(FakeEnv())
+
+
+def ask(coordinator, *message):
+    return coordinator.receive_and_reply(message)
+
+
+def report(coordinator, provider_id, host, executor_id, to_check=()):
+    reply = ask(coordinator, "ReportActiveInstance", provider_id_to_message(provider_id), host, executor_id,
+                [provider_id_to_message(p) for p in to_check])
+    return [provider_id_from_message(p) for p in reply]
+
+
+def location(coordinator, provider_id):
+    return ask(coordinator, "GetLocation", provider_id_to_message(provider_id))
+
+
+def verify(coordinator, provider_id, executor_id):
+    return ask(coordinator, "VerifyIfInstanceActive", provider_id_to_message(provider_id), executor_id)
+
+
+# The endpoint, called directly.
+
+def test_provider_id_round_trips_as_rpc_values():
+    p = pid("s3://bucket/ckpt/state", partition=3, store_name="left-keyToNumValues")
+    message = provider_id_to_message(p)
+    assert message == ("s3://bucket/ckpt/state", 0, 3, "left-keyToNumValues", str(p.query_run_id))
+    assert provider_id_from_message(message) == p
+    assert provider_id_from_message(list(message)) == p
+    with pytest.raises(ValueError, match="5-tuple"):
+        provider_id_from_message(message[:4])
+    with pytest.raises(TypeError, match="StateStoreProviderId"):
+        provider_id_to_message(p.store_id)
+
+
+def test_report_records_the_owner_and_a_later_report_overwrites_it(coordinator):
+    a = pid()
+    assert location(coordinator, a) is None
+    assert report(coordinator, a, "host1", "1") == []
+    assert location(coordinator, a) == "executor_host1_1"
+    report(coordinator, a, "host2", "2")
+    assert location(coordinator, a) == "executor_host2_2"
+
+
+def test_report_replies_the_ids_registered_elsewhere(coordinator):
+    mine, on_other_executor, on_other_host, unknown, reported = pid(), pid(), pid(), pid(), pid()
+    report(coordinator, mine, "host1", "1")
+    report(coordinator, on_other_executor, "host1", "2")
+    report(coordinator, on_other_host, "host2", "1")  # same executor id, other host: another location
+    to_check = [mine, on_other_executor, on_other_host, unknown]
+    assert report(coordinator, reported, "host1", "1", to_check) == [on_other_executor, on_other_host]
+
+
+def test_verify_compares_the_executor_id_only(coordinator):
+    a = pid()
+    assert verify(coordinator, a, "1") is False  # not registered
+    report(coordinator, a, "host1", "1")
+    assert verify(coordinator, a, "1") is True
+    assert verify(coordinator, a, "2") is False
+    report(coordinator, a, "host2", "1")
+    assert verify(coordinator, a, "1") is True  # the host is not compared (Spark)
+
+
+def test_deactivate_removes_the_instances_of_one_run(coordinator):
+    run, other_run = uuid.uuid4(), uuid.uuid4()
+    ids = [pid(partition=p, run=run) for p in range(3)]
+    kept = pid(run=other_run)
+    for p in ids + [kept]:
+        report(coordinator, p, "host1", "1")
+    assert ask(coordinator, "DeactivateInstances", str(run)) is True
+    assert [location(coordinator, p) for p in ids] == [None, None, None]
+    assert not any(verify(coordinator, p, "1") for p in ids)
+    assert location(coordinator, kept) == "executor_host1_1"
+
+
+def test_stop_unregisters_before_replying(coordinator, caplog):
+    with caplog.at_level(logging.INFO, logger="statecore.coordinator"):
+        assert ask(coordinator, "StopCoordinator") is True
+    assert coordinator.rpc_env.stopped == ["StateStoreCoordinator"]
+    assert "StateStoreCoordinator stopped" in caplog.messages
+
+
+def test_host_with_underscore_is_refused(coordinator):
+    with pytest.raises(ValueError, match="contains '_'"):
+        report(coordinator, pid(), "my_host", "1")
+    assert coordinator.instances == {}
+    # The executor id may contain '_': Spark splits on the first '_' after the prefix.
+    report(coordinator, pid(), "host1", "exec_1")
+
+
+def test_unknown_malformed_and_one_way_messages_are_errors(coordinator):
+    with pytest.raises(ValueError, match="unknown StateStoreCoordinator message 'GetLocations'"):
+        ask(coordinator, "GetLocations", provider_id_to_message(pid()))
+    with pytest.raises(ValueError, match="takes 1 arguments, got 2"):
+        ask(coordinator, "GetLocation", provider_id_to_message(pid()), "extra")
+    with pytest.raises(ValueError, match="first item is its name"):
+        coordinator.receive_and_reply(["GetLocation"])
+    with pytest.raises(ValueError, match="asks only"):
+        coordinator.receive(("GetLocation", provider_id_to_message(pid())))
+
+
+# Over RPC.
+
+@pytest.fixture
+def env():
+    rpc_env = rpc.RpcEnv("127.0.0.1")
+    yield rpc_env
+    rpc_env.shutdown()
+
+
+def test_every_message_over_rpc(env):
+    driver = StateStoreCoordinatorRef.for_driver(env)
+    executor = StateStoreCoordinatorRef.for_executor(env.address, env.authkey)
+    assert executor.address == driver.address == env.address and executor.authkey == env.authkey
+    run = uuid.uuid4()
+    a, b = pid(partition=0, run=run), pid(partition=1, run=run)
+    assert executor.report_active_instance(a, "127.0.0.1", "1") == []
+    assert driver.report_active_instance(b, "127.0.0.1", "2", [a]) == [a]
+    assert executor.verify_if_instance_active(a, "1") is True
+    assert executor.verify_if_instance_active(a, "2") is False
+    assert driver.get_location(a) == "executor_127.0.0.1_1"
+    assert driver.deactivate_instances(run) is True
+    assert driver.get_location(a) is None and driver.get_location(b) is None
+    driver.stop()
+    with pytest.raises(rpc.RpcError):
+        executor.get_location(a)
+    # The name is free again: a new, empty coordinator.
+    fresh = StateStoreCoordinatorRef.for_driver(env)
+    assert fresh.get_location(a) is None
+
+
+def test_for_driver_twice_shares_one_coordinator(env):
+    first = StateStoreCoordinatorRef.for_driver(env)
+    second = StateStoreCoordinatorRef.for_driver(env)
+    a = pid()
+    first.report_active_instance(a, "127.0.0.1", "1")
+    assert second.get_location(a) == "executor_127.0.0.1_1"
+
+
+def test_ref_pickles(env):
+    ref = pickle.loads(pickle.dumps(StateStoreCoordinatorRef.for_driver(env)))
+    a = pid()
+    ref.report_active_instance(a, "127.0.0.1", "1")
+    assert StateStoreCoordinatorRef.for_driver(env).get_location(a) == "executor_127.0.0.1_1"
+
+
+def test_ref_refuses_bad_arguments_before_sending(env):
+    ref = StateStoreCoordinatorRef.for_driver(env)
+    with pytest.raises(ValueError, match="contains '_'"):
+        ref.report_active_instance(pid(), "my_host", "1")
+    with pytest.raises(TypeError, match="must be str"):
+        ref.report_active_instance(pid(), "127.0.0.1", 1)
+    with pytest.raises(TypeError, match="uuid.UUID"):
+        ref.deactivate_instances(str(uuid.uuid4()))
+
+
+def test_remote_errors_name_the_remote_error(env):
+    StateStoreCoordinatorRef.for_driver(env)
+    raw = env.endpoint_ref(env.address, "StateStoreCoordinator", env.authkey)
+    with pytest.raises(rpc.RpcError, match="unknown StateStoreCoordinator message 'Nope'"):
+        raw.ask(("Nope",))
+    with pytest.raises(rpc.RpcError, match="contains '_'"):
+        raw.ask(("ReportActiveInstance", provider_id_to_message(pid()), "my_host", "1", []))
+
+
+EXECUTOR_SCRIPT = """
+import json, sys, uuid
+from statecore import StateStoreId, StateStoreProviderId
+from statecore.coordinator import StateStoreCoordinatorRef
+
+args = json.load(sys.stdin)
+ref = StateStoreCoordinatorRef.for_executor(tuple(args["address"]), bytes.fromhex(args["authkey"]))
+run = uuid.UUID(args["run"])
+mine = StateStoreProviderId(StateStoreId(args["root"], 0, 1), run)
+other = StateStoreProviderId(StateStoreId(args["root"], 0, 0), run)
+reply = ref.report_active_instance(mine, "127.0.0.1", "2", [other])
+print(json.dumps([p.store_id.partition_id for p in reply]))
+"""
+
+
+def run_script(script, args):
+    """Run ``script`` in a fresh interpreter that imports this checkout; its stdout."""
+    child_env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(statecore.__file__)))
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(args), capture_output=True, text=True,
+                          env=child_env, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_for_executor_from_another_process(env):
+    driver = StateStoreCoordinatorRef.for_driver(env)
+    run = uuid.uuid4()
+    other = StateStoreProviderId(StateStoreId("/ckpt", 0, 0), run)
+    driver.report_active_instance(other, "127.0.0.1", "1")
+    out = run_script(EXECUTOR_SCRIPT, {"address": list(env.address), "authkey": env.authkey.hex(),
+                                       "run": str(run), "root": "/ckpt"})
+    assert json.loads(out) == [0]
+    assert driver.get_location(StateStoreProviderId(StateStoreId("/ckpt", 0, 1), run)) == "executor_127.0.0.1_2"
+
+
+# With the executor registry (spec 6.3, 6.4).
+
+@pytest.fixture(autouse=True)
+def clean_registry():
+    registry.stop()
+    yield
+    registry.stop()
+
+
+def commit(provider_id, version, key=1):
+    store = registry.get(provider_id, KEY, VALUE, version, CONF)
+    store.put(key, (version,))
+    return store.commit()
+
+
+@pytest.fixture
+def driver(env):
+    """The driver's ref, with this process's registry reporting to it as executor "1"."""
+    ref = StateStoreCoordinatorRef.for_driver(env)
+    registry.set_coordinator(StateStoreCoordinatorRef.for_executor(env.address, env.authkey), "127.0.0.1", "1")
+    return ref
+
+
+def test_registry_reports_every_load(driver, tmp_path):
+    a = pid(tmp_path)
+    commit(a, 0)
+    assert driver.get_location(a) == "executor_127.0.0.1_1"
+    registry.run_maintenance_now()
+    assert registry.is_loaded(a)  # still the active instance
+
+
+def test_maintenance_unloads_a_deactivated_run(driver, tmp_path):
+    stopped, running = pid(tmp_path / "q1"), pid(tmp_path / "q2")
+    commit(stopped, 0)
+    commit(running, 0)
+    driver.deactivate_instances(stopped.query_run_id)
+    assert registry.is_loaded(stopped)  # unloaded lazily, by the next pass
+    registry.run_maintenance_now()
+    assert not registry.is_loaded(stopped) and registry.is_loaded(running)
+
+
+def test_maintenance_unloads_an_instance_another_executor_took_over(driver, tmp_path):
+    a, b = pid(tmp_path, 0), pid(tmp_path, 1)
+    commit(a, 0)
+    commit(b, 0)
+    driver.report_active_instance(a, "127.0.0.1", "2")
+    registry.run_maintenance_now()
+    assert not registry.is_loaded(a) and registry.is_loaded(b)
+    assert driver.get_location(a) == "executor_127.0.0.1_2"
+
+
+def test_get_unloads_at_once_what_the_report_reply_names(driver, tmp_path):
+    a, b = pid(tmp_path, 0), pid(tmp_path, 1)
+    commit(a, 0)
+    driver.report_active_instance(a, "127.0.0.1", "2")
+    commit(b, 0)  # its report checks a, which is now active on executor 2
+    assert not registry.is_loaded(a) and registry.is_loaded(b)
+
+
+def test_unreachable_coordinator_is_logged_and_stores_keep_working(driver, env, tmp_path, caplog):
+    a = pid(tmp_path)
+    assert commit(a, 0) == 1
+    env.shutdown()
+    with caplog.at_level(logging.WARNING, logger="statecore.registry"):
+        assert commit(a, 1) == 2
+        registry.run_maintenance_now()
+    assert registry.is_loaded(a)
+    assert registry.get_read_only(a, KEY, VALUE, 2, CONF).get(1) == (1,)
+    assert any("could not report" in m for m in caplog.messages)
+    assert any("could not verify" in m for m in caplog.messages)

@@ -1,0 +1,836 @@
+"""statecore.rpc: the value codec, ordering, errors, authentication, hostile peers, restarts
+and a clean shutdown. Every server listens on 127.0.0.1; waits are on conditions with deadlines."""
+import enum
+import hmac
+import logging
+import math
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+import statecore
+from statecore import rpc
+from statecore.errors import AuthenticationError, StateStoreError
+from statecore.rpc import (RpcConnectionError, RpcEndpoint, RpcEnv, RpcError, RpcProtocolError, RpcTimeoutError,
+                           decode_value, encode_value)
+
+DEADLINE_S = 30
+MAGIC = b"SCRPC\x00\x00\x01"
+SEND, ASK, REPLY, ERROR = 1, 2, 3, 4
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(statecore.__file__)))
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+class LogWatcher(logging.Handler):
+    """Collects statecore.rpc's records and lets a test wait for one."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+        self.changed = threading.Condition()
+
+    def emit(self, record):
+        with self.changed:
+            self.records.append(record)
+            self.changed.notify_all()
+
+    def wait_for(self, *fragments, level=logging.WARNING):
+        def match():
+            return next((r for r in self.records if r.levelno >= level
+                         and all(f in r.getMessage() for f in fragments)), None)
+        with self.changed:
+            record = self.changed.wait_for(match, DEADLINE_S)
+        assert record is not None, f"no log record with {fragments}: {[r.getMessage() for r in self.records]}"
+        return record
+
+
+@pytest.fixture
+def logs():
+    logger = logging.getLogger("statecore.rpc")
+    watcher, level = LogWatcher(), logger.level
+    logger.addHandler(watcher)
+    logger.setLevel(logging.INFO)
+    yield watcher
+    logger.removeHandler(watcher)
+    logger.setLevel(level)
+
+
+def rpc_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("statecore-rpc")]
+
+
+@pytest.fixture
+def make_env():
+    """RpcEnv factory; every env is shut down afterwards, and no RPC thread may be left."""
+    envs = []
+
+    def make(**kwargs):
+        env = RpcEnv(**kwargs)
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.shutdown()
+    rpc.close_connections()
+    assert rpc_threads() == []
+
+
+class Recorder(RpcEndpoint):
+    """Records one-way ("add", sender, seq) messages; answers asks about them."""
+
+    def __init__(self):
+        self.seen = {}
+        self.total = 0
+        self.stopped = threading.Event()
+
+    def receive(self, message):
+        if message[0] == "raise":
+            raise ValueError(message[1])
+        _, sender, seq = message
+        self.seen.setdefault(sender, []).append(seq)
+        self.total += 1
+
+    def receive_and_reply(self, message):
+        op = message[0]
+        if op == "echo":
+            return message[1]
+        if op == "seen":
+            return self.seen.get(message[1], [])
+        if op == "total":
+            return self.total
+        if op == "raise":
+            raise KeyError(message[1])
+        if op == "custom":
+            raise CustomError("custom failure")
+        if op == "unencodable":
+            return {1, 2}
+        if op == "big":
+            return b"x" * message[1]
+        raise AssertionError(f"unexpected {message!r}")
+
+    def on_stop(self):
+        self.stopped.set()
+
+
+class CustomError(Exception):
+    pass
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, f"connection closed after {len(data)} of {n} bytes"
+        data += chunk
+    return data
+
+
+def raw_connect(env):
+    return socket.create_connection(env.address, timeout=DEADLINE_S)
+
+
+def raw_handshake(sock, authkey, limit=1 << 20):
+    """The documented handshake, written out here independently of the module."""
+    hello = recv_exact(sock, 40)
+    assert hello[:8] == MAGIC
+    server_nonce, client_nonce, own_limit = hello[8:], os.urandom(32), struct.pack(">I", limit)
+    proof = hmac.digest(authkey, b"statecore-rpc client" + server_nonce + client_nonce + own_limit, "sha256")
+    sock.sendall(MAGIC + client_nonce + own_limit + proof)
+    assert recv_exact(sock, 1) == b"\x01"
+    answer = recv_exact(sock, 36)
+    expected = hmac.digest(authkey, b"statecore-rpc server" + client_nonce + server_nonce + answer[:4], "sha256")
+    assert hmac.compare_digest(answer[4:], expected)
+    return struct.unpack(">I", answer[:4])[0]
+
+
+def raw_frame(kind, request_id, name, payload):
+    body = struct.pack(">BQH", kind, request_id, len(name)) + name + payload
+    return struct.pack(">I", len(body)) + body
+
+
+def assert_closed_by_server(sock):
+    """Reads until the server closes the connection (within the deadline)."""
+    sock.settimeout(DEADLINE_S)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+
+
+def assert_still_open(sock):
+    sock.setblocking(False)
+    try:
+        with pytest.raises(BlockingIOError):
+            sock.recv(1)
+    finally:
+        sock.setblocking(True)
+
+
+def same(a, b):
+    """Equal, with the same types all the way down (tuples stay tuples), NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return (list(a) == list(b) or a.keys() == b.keys()) and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def nested(depth):
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+VALUES = [
+    None, True, False, 0, 1, -1, 2**63 - 1, -2**63, 0.0, -0.0, 1.5, -1e308, float("inf"), float("-inf"),
+    float("nan"), "", "ascii", "héllo wörld ✓ 🎉 \x00 \U0010ffff", b"", b"\x00\xff" * 3, b"y" * (1 << 20),
+    (), (1,), ("a", (None, ("b",))), [], [1, "a", b"b", None], [[[]]], {}, {"a": 1},
+    {None: (), True: [1], 7: {}, 2.5: "f", "s": None, b"k": (1, [2, {"x": b"y"}])},
+    (0, [1, (2, [3, {"k": (4,)}])]), nested(64),
+]
+
+
+# -- the value codec -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", VALUES, ids=lambda v: type(v).__name__)
+def test_codec_round_trips_every_type_exactly(value):
+    assert same(decode_value(encode_value(value)), value)
+
+
+def test_int_outside_64_bits_is_a_clear_error():
+    for value in (2**63, -2**63 - 1, 10**30, [1, (2, 2**64)]):
+        with pytest.raises(ValueError, match="signed 64-bit"):
+            encode_value(value)
+
+
+def test_unsupported_types_raise_type_error_naming_the_type():
+    Point = namedtuple("Point", "x y")
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    cases = [(object(), "object"), ({1, 2}, "set"), (frozenset(), "frozenset"), (bytearray(b"x"), "bytearray"),
+             (Point(1, 2), "Point"), (Color.RED, "Color"), (1j, "complex"), (np.int64(3), "numpy.int64"),
+             ([1, (2, object())], "object"), ({(1, 2): 3}, "dict key of type tuple"), ({"k": {7}}, "set")]
+    for value, name in cases:
+        with pytest.raises(TypeError, match=name):
+            encode_value(value)
+
+
+def test_depth_is_bounded_both_ways():
+    encode_value(nested(64))
+    with pytest.raises(ValueError, match="deeper than 64"):
+        encode_value(nested(65))
+    deep = b"l\x00\x00\x00\x01" * 64 + b"l\x00\x00\x00\x00"  # 65 lists, made by hand
+    with pytest.raises(RpcProtocolError, match="deeper than 64"):
+        decode_value(deep)
+    cyclic = []
+    cyclic.append(cyclic)
+    with pytest.raises(ValueError, match="deeper than 64"):
+        encode_value(cyclic)
+
+
+def test_decoding_is_strict():
+    good = encode_value({"k": [1, 2.5, "s", b"b", (None, True)]})
+    for cut in range(len(good)):
+        with pytest.raises(RpcProtocolError, match="truncated"):
+            decode_value(good[:cut])
+    bad = {
+        "trailing": good + b"N",
+        "unknown value tag 0x5a": b"Z",
+        "utf-8": b"s\x00\x00\x00\x02\xff\xfe",
+        "keys must be scalars": b"d\x00\x00\x00\x01l\x00\x00\x00\x00N",
+        "duplicate dict key": b"d\x00\x00\x00\x02" + (b"i" + struct.pack(">q", 1) + b"N") * 2,
+        "truncated": b"l\xff\xff\xff\xff",  # a huge count is refused before allocating anything
+    }
+    for what, data in bad.items():
+        with pytest.raises(RpcProtocolError, match=what):
+            decode_value(data)
+
+
+# -- messages over the wire ----------------------------------------------------------------------
+
+def test_every_value_round_trips_over_the_wire(make_env):
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    for value in VALUES[:-1] + [nested(63)]:  # the ("echo", ...) tuple is one more level
+        assert same(ref.ask(("echo", value)), value)
+    assert same(ref.ask(("echo", VALUES[:-1])), VALUES[:-1])
+    with pytest.raises(ValueError, match="deeper than 64"):
+        ref.ask(("echo", nested(64)))
+    with pytest.raises(ValueError, match="signed 64-bit"):
+        ref.ask(("echo", 2**63))
+
+
+def test_unsupported_type_fails_at_the_caller_before_anything_is_sent(make_env):
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    with pytest.raises(TypeError, match="object"):
+        ref.send(("add", "a", object()))
+    with pytest.raises(TypeError, match="set"):
+        ref.ask(("echo", {1}))
+    assert ref.ask(("total",)) == 0
+    nowhere = rpc.endpoint_ref(("127.0.0.1", free_port()), "rec", b"key")  # no connect is even tried
+    with pytest.raises(TypeError, match="object"):
+        nowhere.send(object())
+
+
+def test_the_documented_wire_format(make_env):
+    """A client written from the module docstring alone: handshake, ask, reply, error."""
+    env = make_env()
+    env.setup_endpoint("rec", Recorder())
+    with raw_connect(env) as sock:
+        assert raw_handshake(sock, env.authkey) == rpc.DEFAULT_MAX_FRAME_BYTES
+        sock.sendall(raw_frame(ASK, 77, b"rec", b"t\x00\x00\x00\x02s\x00\x00\x00\x04echoi" + struct.pack(">q", -5)))
+        size = struct.unpack(">I", recv_exact(sock, 4))[0]
+        body = recv_exact(sock, size)
+        assert struct.unpack_from(">BQH", body) == (REPLY, 77, 0)
+        assert decode_value(body[11:]) == -5
+        sock.sendall(raw_frame(ASK, 78, b"gone", encode_value(None)))
+        body = recv_exact(sock, struct.unpack(">I", recv_exact(sock, 4))[0])
+        assert struct.unpack_from(">BQH", body) == (ERROR, 78, 0)
+        remote_type, text, _tb = decode_value(body[11:])
+        assert remote_type == "" and "no endpoint named 'gone'" in text
+
+
+def test_ask_after_sends_sees_them_all_in_order_many_threads(make_env):
+    env = make_env()
+    env.setup_endpoint("rec", Recorder())
+    n_threads, n_sends = 8, 300
+    failures = []
+
+    def sender(i):
+        try:
+            ref = rpc.endpoint_ref(env.address, "rec", env.authkey)  # each thread its own ref
+            for seq in range(n_sends):
+                ref.send(("add", f"t{i}", seq))
+                if seq % 100 == 99:  # an ask is a flush: everything sent before it was handled
+                    assert ref.ask(("seen", f"t{i}")) == list(range(seq + 1))
+        except BaseException as e:  # reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not failures, failures
+    check = env.endpoint_ref(env.address, "rec")
+    assert check.ask(("total",)) == n_threads * n_sends
+
+
+CHILD = """
+import pickle, sys
+from statecore import rpc
+address, key = (sys.argv[1], int(sys.argv[2])), bytes.fromhex(sys.argv[3])
+sender, n = sys.argv[4], int(sys.argv[5])
+ref = rpc.endpoint_ref(address, "rec", key) if sys.argv[6] == "-" else pickle.loads(bytes.fromhex(sys.argv[6]))
+for seq in range(n):
+    ref.send(("add", sender, seq))
+seen = ref.ask(("seen", sender))
+assert seen == list(range(n)), seen[:20]
+print("ok", len(seen))
+"""
+
+
+def test_sends_from_other_processes_are_handled_in_order(make_env):
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    n = 500
+    children = []
+    for i in range(3):
+        pickled = "-" if i == 0 else pickle.dumps(ref).hex()  # two children get a pickled ref, as tasks do
+        children.append(subprocess.Popen(
+            [sys.executable, "-c", CHILD, env.address[0], str(env.address[1]), env.authkey.hex(), f"p{i}", str(n),
+             pickled], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": REPO_ROOT}))
+    for child in children:
+        out, err = child.communicate(timeout=DEADLINE_S)
+        assert child.returncode == 0, err
+        assert out.split() == ["ok", str(n)]
+    assert ref.ask(("total",)) == 3 * n
+    for i in range(3):
+        assert ref.ask(("seen", f"p{i}")) == list(range(n))
+
+
+def test_concurrent_asks_on_one_ref_get_their_own_replies(make_env):
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    shared = rpc.endpoint_ref(env.address, "rec", env.authkey)
+    failures = []
+
+    def asker(i):
+        try:
+            for j in range(200):
+                payload = (i, j, os.urandom(j % 7))
+                assert (ref if j % 2 else shared).ask(("echo", payload)) == payload
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=asker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not failures, failures
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+def test_handler_exception_comes_back_as_rpc_error_and_the_endpoint_goes_on(make_env, logs):
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    with pytest.raises(RpcError, match="KeyError: 'missing thing'") as info:
+        ref.ask(("raise", "missing thing"))
+    assert isinstance(info.value, StateStoreError)
+    assert info.value.remote_type == "KeyError" and "receive_and_reply" in info.value.remote_traceback
+    with pytest.raises(RpcError, match=r"CustomError: custom failure") as info:
+        ref.ask(("custom",))
+    assert info.value.remote_type.endswith("test_rpc.CustomError")
+    with pytest.raises(RpcError, match="TypeError: cannot encode a value of type set"):
+        ref.ask(("unencodable",))
+    ref.send(("raise", "one-way failure"))
+    assert ref.ask(("echo", "still here")) == "still here"
+    record = logs.wait_for("failed to handle a one-way message", level=logging.ERROR)
+    assert "one-way failure" in str(record.exc_info[1])
+    ref.send(("add", "a", 1))
+    assert ref.ask(("seen", "a")) == [1]
+    restored = pickle.loads(pickle.dumps(info.value))
+    assert str(restored) == str(info.value) and restored.remote_type == info.value.remote_type
+
+
+class Blocker(RpcEndpoint):
+    def __init__(self):
+        self.release = threading.Event()
+
+    def receive_and_reply(self, message):
+        if message == "block":
+            assert self.release.wait(DEADLINE_S)
+            return "late"
+        return message
+
+
+def test_ask_timeout_then_the_late_reply_is_not_mistaken_for_another(make_env):
+    env = make_env()
+    blocker = Blocker()
+    ref = env.setup_endpoint("blocker", blocker)
+    with pytest.raises(RpcTimeoutError, match="within 0.2 s") as info:
+        ref.ask("block", timeout_s=0.2)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, RpcError)
+    blocker.release.set()
+    assert ref.ask("next") == "next"  # not "late": replies are matched by request id
+    with pytest.raises(ValueError, match="timeout_s"):
+        ref.ask("x", timeout_s=0)
+    assert ref.ask("no deadline", timeout_s=None) == "no deadline"
+
+
+class Gate(RpcEndpoint):
+    """Answers "wait" asks only once ``release`` is set; says when the first one arrived."""
+
+    def __init__(self):
+        self.arrived, self.release = threading.Event(), threading.Event()
+
+    def receive_and_reply(self, message):
+        self.arrived.set()
+        assert self.release.wait(DEADLINE_S)
+        return message
+
+
+def test_a_waiting_ask_takes_over_reading_when_the_reader_gives_up(make_env):
+    """Two threads share a connection; the one reading it times out while the other still
+    waits: the reading passes to the other, which gets its reply."""
+    env = make_env()
+    gate = Gate()
+    env.setup_endpoint("gate", gate)
+    ref = rpc.endpoint_ref(env.address, "gate", env.authkey)
+    outcome = {}
+
+    def impatient():
+        try:
+            ref.ask("first", timeout_s=0.3)
+        except RpcTimeoutError as e:
+            outcome["first"] = e
+
+    thread = threading.Thread(target=impatient)
+    thread.start()
+    assert gate.arrived.wait(DEADLINE_S)  # the impatient ask is out and being read for
+    second = threading.Thread(target=lambda: outcome.setdefault("second", ref.ask("second", timeout_s=DEADLINE_S)))
+    second.start()
+    thread.join(DEADLINE_S)
+    assert isinstance(outcome.get("first"), RpcTimeoutError)
+    gate.release.set()
+    second.join(DEADLINE_S)
+    assert outcome.get("second") == "second"
+
+
+def test_a_blocked_handler_holds_up_no_other_endpoint(make_env):
+    env = make_env()
+    gate = Gate()
+    env.setup_endpoint("gate", gate)
+    env.setup_endpoint("rec", Recorder())
+    blocked = threading.Thread(target=lambda: rpc.endpoint_ref(env.address, "gate", env.authkey).ask("wait"))
+    blocked.start()
+    try:
+        assert gate.arrived.wait(DEADLINE_S)
+        other = rpc.endpoint_ref(env.address, "rec", env.authkey)  # same process, same server
+        other.send(("add", "a", 1))
+        assert other.ask(("seen", "a")) == [1]
+    finally:
+        gate.release.set()
+        blocked.join(DEADLINE_S)
+
+
+class Journal(Gate):
+    """A Gate that also journals one-way messages and its stop."""
+
+    def __init__(self):
+        super().__init__()
+        self.journal = []
+
+    def receive(self, message):
+        self.journal.append(message)
+
+    def on_stop(self):
+        self.journal.append("stopped")
+
+
+def wait_until(predicate):
+    """Polls ``predicate`` (state with no event to wait on) until true, within the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def test_messages_queued_before_stop_are_handled_then_on_stop(make_env):
+    env = make_env()
+    journal = Journal()
+    env.setup_endpoint("journal", journal)
+    blocked = threading.Thread(target=lambda: rpc.endpoint_ref(env.address, "journal", env.authkey).ask("wait"))
+    blocked.start()
+    assert journal.arrived.wait(DEADLINE_S)  # the endpoint is busy: what comes now is queued
+    sender = make_env().endpoint_ref(env.address, "journal", env.authkey)  # another connection
+    for i in range(5):
+        sender.send(i)
+    wait_until(lambda: len(env._endpoints["journal"].queue) == 5)  # white box: all five are queued
+    stopper = threading.Thread(target=env.stop_endpoint, args=("journal",))
+    stopper.start()
+    wait_until(lambda: "journal" not in env._endpoints)
+    with pytest.raises(RpcError, match="no endpoint named 'journal'"):
+        sender.ask("too late")
+    journal.release.set()
+    stopper.join(DEADLINE_S)
+    blocked.join(DEADLINE_S)
+    assert not stopper.is_alive() and journal.journal == [0, 1, 2, 3, 4, "stopped"]
+
+
+def test_unknown_endpoint_name(make_env, logs):
+    env = make_env()
+    env.setup_endpoint("rec", Recorder())
+    missing = env.endpoint_ref(env.address, "missing")
+    with pytest.raises(RpcError, match=f"no endpoint named 'missing' at 127.0.0.1:{env.address[1]}"):
+        missing.ask(("echo", 1))
+    missing.send(("add", "a", 1))
+    logs.wait_for("unknown endpoint 'missing'")
+
+
+def test_setup_endpoint_twice_and_reuse_after_stop(make_env):
+    env = make_env()
+    first = Recorder()
+    env.setup_endpoint("rec", first)
+    with pytest.raises(ValueError, match="already registered"):
+        env.setup_endpoint("rec", Recorder())
+    env.stop_endpoint("rec")
+    assert first.stopped.is_set()  # stop_endpoint from outside waits for on_stop
+    ref = env.setup_endpoint("rec", Recorder())
+    assert ref.ask(("total",)) == 0
+    env.stop_endpoint("never registered")
+
+
+class SelfStopping(Recorder):
+    def __init__(self, env):
+        super().__init__()
+        self.env = env
+
+    def receive_and_reply(self, message):
+        if message == "stop":
+            self.env.stop_endpoint("selfstop")
+            return "stopping"
+        return super().receive_and_reply(message)
+
+
+def test_stop_endpoint_from_inside_its_own_handler(make_env, logs):
+    env = make_env()
+    endpoint = SelfStopping(env)
+    ref = env.setup_endpoint("selfstop", endpoint)
+    for seq in range(50):
+        ref.send(("add", "a", seq))
+    assert ref.ask("stop") == "stopping"
+    assert endpoint.stopped.wait(DEADLINE_S)
+    assert endpoint.seen["a"] == list(range(50))
+    with pytest.raises(RpcError, match="no endpoint named 'selfstop'"):
+        ref.ask(("total",))
+    ref.send(("add", "a", 50))
+    logs.wait_for("unknown endpoint 'selfstop'")
+    assert endpoint.total == 50
+    for t in rpc_threads():
+        if t.name == "statecore-rpc-endpoint-selfstop":
+            t.join(DEADLINE_S)
+            assert not t.is_alive()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connection_refused_names_the_address():
+    port = free_port()
+    ref = rpc.endpoint_ref(("127.0.0.1", port), "rec", b"key")
+    with pytest.raises(RpcConnectionError, match=f"127.0.0.1:{port}") as info:
+        ref.ask(("echo", 1))
+    assert isinstance(info.value, ConnectionError)
+    with pytest.raises(RpcConnectionError, match=f"127.0.0.1:{port}"):
+        ref.send(("add", "a", 1))
+
+
+def test_authkey_forms():
+    with RpcEnv(authkey="sécret") as env:
+        assert env.authkey == "sécret".encode()
+    with RpcEnv() as a, RpcEnv() as b:
+        assert len(a.authkey) == 32 and isinstance(a.authkey, bytes) and a.authkey != b.authkey
+    with pytest.raises(ValueError, match="empty"):
+        RpcEnv(authkey=b"")
+    with pytest.raises(TypeError, match="bytes or str"):
+        RpcEnv(authkey=42)
+    assert rpc_threads() == []
+
+
+# -- authentication and hostile peers ------------------------------------------------------------
+
+def test_wrong_authkey_is_refused_and_logged_while_good_clients_go_on(make_env, logs):
+    env = make_env(authkey=b"the right key")
+    env.setup_endpoint("rec", Recorder())
+    bad = rpc.endpoint_ref(env.address, "rec", b"a wrong key")
+    with pytest.raises(AuthenticationError, match="rejected our authkey"):
+        bad.ask(("echo", 1))
+    with pytest.raises(AuthenticationError):
+        bad.send(("add", "x", 1))
+    logs.wait_for("refused", "failed to prove that it knows the authkey")
+    good = rpc.endpoint_ref(env.address, "rec", "the right key")
+    assert good.ask(("echo", 1)) == 1
+    assert good.ask(("seen", "x")) == []
+
+
+def test_client_refuses_a_server_that_does_not_know_the_key():
+    """Mutual authentication: a fake server that accepts anything cannot prove the key."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = listener.getsockname()
+
+        def fake_server():
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(MAGIC + os.urandom(32))
+                recv_exact(conn, 76)
+                conn.sendall(b"\x01" + struct.pack(">I", 1 << 20) + os.urandom(32))
+                conn.recv(1)  # until the client hangs up
+
+        thread = threading.Thread(target=fake_server, name="test-fake-server")
+        thread.start()
+        try:
+            with pytest.raises(AuthenticationError, match="failed to prove"):
+                rpc.endpoint_ref(address, "rec", b"key").ask(("echo", 1))
+        finally:
+            thread.join(DEADLINE_S)
+    assert not thread.is_alive()
+
+
+def test_garbage_is_dropped_and_logged(make_env, logs):
+    env = make_env()
+    good = env.setup_endpoint("rec", Recorder())
+    with raw_connect(env) as sock:  # before the handshake
+        recv_exact(sock, 40)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert_closed_by_server(sock)
+    logs.wait_for("unexpected greeting")
+    garbage = {
+        "unknown value tag": raw_frame(SEND, 0, b"rec", b"\xfe"),
+        "trailing bytes": raw_frame(SEND, 0, b"rec", b"NN"),
+        "truncated value": raw_frame(ASK, 1, b"rec", b"s\x00\x00\x00\x09abc"),
+        "unknown message kind": raw_frame(9, 0, b"rec", b"N"),
+        "unexpected message kind 3": raw_frame(REPLY, 1, b"", b"N"),
+        "shorter than an envelope": struct.pack(">I", 3) + b"abc",
+        "deeper than 64": raw_frame(SEND, 0, b"rec", b"l\x00\x00\x00\x01" * 65 + b"N"),
+    }
+    for what, frame in garbage.items():  # after a good handshake
+        with raw_connect(env) as sock:
+            raw_handshake(sock, env.authkey)
+            sock.sendall(frame)
+            assert_closed_by_server(sock)
+        logs.wait_for("dropped", what)
+        assert good.ask(("echo", what)) == what
+    assert good.ask(("total",)) == 0
+
+
+def test_oversize_frames(make_env, logs):
+    env = make_env(max_frame_bytes=4096)
+    ref = env.setup_endpoint("rec", Recorder())
+    with raw_connect(env) as sock:
+        assert raw_handshake(sock, env.authkey) == 4096
+        sock.sendall(struct.pack(">I", 4097))  # the header alone is enough to refuse it
+        assert_closed_by_server(sock)
+    logs.wait_for("frame of 4097 bytes exceeds the limit of 4096 bytes")
+    assert len(ref.ask(("echo", b"x" * 4000))) == 4000
+    with pytest.raises(ValueError, match="exceeds the frame limit of 4096"):  # refused before sending
+        ref.ask(("echo", b"x" * 4096))
+    with pytest.raises(ValueError, match="exceeds the frame limit"):
+        ref.send(("add", "a", b"x" * 5000))
+    # a reply larger than the asker's limit becomes an error reply
+    small_client = make_env(max_frame_bytes=2048)
+    with pytest.raises(RpcError, match="exceeds the asker's frame limit of 2048"):
+        small_client.endpoint_ref(env.address, "rec", env.authkey).ask(("big", 3000))
+    assert ref.ask(("total",)) == 0
+
+
+def test_stalled_peers_block_no_one(make_env):
+    # timeouts far beyond the test: the good client is served while the stallers hang on
+    env = make_env(handshake_timeout_s=600, io_timeout_s=600)
+    env.setup_endpoint("rec", Recorder())
+    with raw_connect(env) as silent, raw_connect(env) as mid_frame:
+        recv_exact(silent, 40)  # never answers the greeting
+        raw_handshake(mid_frame, env.authkey)
+        mid_frame.sendall(struct.pack(">I", 100) + b"\x02" * 10)  # a header and a tenth of the body
+        good = rpc.endpoint_ref(env.address, "rec", env.authkey)
+        for i in range(20):
+            assert good.ask(("echo", i)) == i
+        fresh = make_env().endpoint_ref(env.address, "rec", env.authkey)  # and a new connection
+        assert fresh.ask(("echo", "new")) == "new"
+        assert_still_open(silent)
+        assert_still_open(mid_frame)
+
+
+def test_stalled_peers_are_dropped_after_the_deadlines(make_env, logs):
+    env = make_env(handshake_timeout_s=0.2, io_timeout_s=0.2)
+    env.setup_endpoint("rec", Recorder())
+    good = rpc.endpoint_ref(env.address, "rec", env.authkey)
+    with raw_connect(env) as silent, raw_connect(env) as mid_frame:
+        recv_exact(silent, 40)
+        raw_handshake(mid_frame, env.authkey)
+        mid_frame.sendall(struct.pack(">I", 100) + b"\x02" * 10)
+        assert good.ask(("echo", 1)) == 1
+        assert_closed_by_server(silent)
+        assert_closed_by_server(mid_frame)
+    logs.wait_for("handshake not done within 0.2 s")
+    logs.wait_for("frame incomplete 0.2 s after its first byte")
+    assert good.ask(("echo", 2)) == 2
+
+
+# -- restarts, shutdown, pickling ----------------------------------------------------------------
+
+def test_ref_reconnects_after_the_server_restarts_on_the_same_port(make_env):
+    key = b"restart key"
+    first = make_env(authkey=key)
+    first.setup_endpoint("rec", Recorder())
+    port = first.address[1]
+    ref = rpc.endpoint_ref(first.address, "rec", key)
+    ref.send(("add", "a", 0))
+    assert ref.ask(("seen", "a")) == [0]
+    first.shutdown()
+    with pytest.raises(RpcConnectionError, match=f"127.0.0.1:{port}"):
+        ref.ask(("seen", "a"))
+    second = make_env(port=port, authkey=key)
+    second.setup_endpoint("rec", Recorder())
+    ref.send(("add", "a", 1))
+    assert ref.ask(("seen", "a")) == [1]
+    second.shutdown()  # and straight away a third: the first message after it goes through
+    third = make_env(port=port, authkey=key)
+    third.setup_endpoint("rec", Recorder())
+    assert ref.ask(("seen", "a")) == []
+    ref.send(("add", "a", 2))
+    assert ref.ask(("seen", "a")) == [2]
+
+
+def test_shutdown_leaves_no_thread_and_no_socket(logs):
+    before = set(threading.enumerate())
+    env = RpcEnv()
+    address = env.address
+    endpoints = [Recorder(), Recorder()]
+    own = env.setup_endpoint("a", endpoints[0])
+    env.setup_endpoint("b", endpoints[1])
+    outside = rpc.endpoint_ref(address, "b", env.authkey)
+    assert own.ask(("echo", 1)) == 1 and outside.ask(("echo", 2)) == 2
+    with raw_connect(env) as staller:
+        recv_exact(staller, 40)
+        assert len(rpc_threads()) >= 5  # acceptor, two endpoints, three connections
+        env.shutdown()
+        assert_closed_by_server(staller)
+    assert rpc_threads() == [] and set(threading.enumerate()) <= before
+    assert all(e.stopped.is_set() for e in endpoints)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(address, timeout=DEADLINE_S).close()
+    with pytest.raises(RpcError, match="shut down"):
+        own.ask(("echo", 1))
+    with pytest.raises(RpcConnectionError, match=f"{address[0]}:{address[1]}"):
+        outside.ask(("echo", 1))
+    with pytest.raises(RpcError, match="shut down"):
+        env.setup_endpoint("c", Recorder())
+    env.shutdown()  # twice is fine
+    rpc.close_connections()
+
+
+def test_a_forked_child_gets_its_own_connection(make_env):
+    """A ref inherited across fork must not write into the parent's connection (nor into
+    whatever reuses its descriptor number in the child): the child reconnects."""
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    shared = rpc.endpoint_ref(env.address, "rec", env.authkey)
+    assert ref.ask(("echo", "before")) == "before" and shared.ask(("echo", 0)) == 0
+    parents = shared._conn._sock.getsockname()  # white box: the local end of the parent's connection
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: only os._exit, whatever happens
+        code = 1
+        try:
+            with open(os.devnull, "wb") as reuses_a_descriptor:
+                shared.send(("add", "child", 1))
+                code = 0 if (shared.ask(("seen", "child")) == [1] and ref.ask(("echo", "child")) == "child"
+                             and shared._conn._sock.getsockname() != parents
+                             and reuses_a_descriptor.tell() == 0) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ref.ask(("echo", "after")) == "after" and shared.ask(("seen", "child")) == [1]
+
+
+def test_pickled_ref_works_after_unpickling(make_env):
+    env = make_env()
+    ref = env.setup_endpoint("rec", Recorder())
+    data = pickle.dumps(ref)
+    restored = pickle.loads(data)
+    assert restored == ref and hash(restored) == hash(ref)
+    assert (restored.address, restored.name, restored.authkey) == (env.address, "rec", env.authkey)
+    assert env.authkey.hex() not in repr(restored)
+    restored.send(("add", "p", 1))
+    assert restored.ask(("seen", "p")) == [1]
+    assert ref.ask(("total",)) == 1
