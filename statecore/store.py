@@ -438,13 +438,20 @@ class FileStateStoreProvider(StateStoreProvider):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         if version < 0:
             raise ValueError(f"Version cannot be less than 0, got {version}")
+        on_disk = self._version_id_on_disk(version) if version > 0 else ROOT_COMMIT_ID
         with self._lock:
             if self._closed:
                 raise IllegalStateError(f"{self} is closed")
             latest = self._latest
             if latest is not None and latest.holds(version):
-                self._hits += 1
-                return _View(self, latest, version)
+                if latest.commit_ids[version] == on_disk:
+                    self._hits += 1
+                    return _View(self, latest, version)
+                # Another process committed this version again (a re-executed batch): what
+                # this one holds is the abandoned run's. Forget it and load the files' version.
+                log.warning("version %d of %s in memory is not the one on disk (re-committed "
+                            "elsewhere); loading it from files", version, self)
+                self._latest = None
             if version > 0:  # version 0 is the empty state: nothing to load (as in Spark)
                 self._misses += 1
         log.info("version %d of %s is not in memory; loading it from files", version, self)
@@ -578,6 +585,19 @@ class FileStateStoreProvider(StateStoreProvider):
         return bool(stale) or new_version in deltas
 
     # -- loading ---------------------------------------------------------------------------
+    def _version_id_on_disk(self, version):
+        """The commit id of ``version`` as its files record it (its delta's header, else its
+        snapshot's), or None if neither is there: one small read."""
+        try:
+            return self._delta_lineage(f"{version}.delta")[0]
+        except (FileNotFoundError, StateCorruptionError):
+            pass  # a damaged header: a load from files decides (an older snapshot may rebuild it)
+        try:
+            header = self._files.read_range(f"{version}.snapshot", 0, _SNAPSHOT_LINEAGE_OFFSET + 8)
+        except FileNotFoundError:
+            return None
+        return header[_SNAPSHOT_LINEAGE_OFFSET:_SNAPSHOT_LINEAGE_OFFSET + 8]
+
     def _delta_lineage(self, name):
         """``(own_id, parent_id)`` from a delta's header (checked by a full read later)."""
         header = self._files.read_range(name, 0, DELTA_HEADER_BYTES)

@@ -934,3 +934,18 @@ def test_maintenance_deletes_the_temporary_files_a_killed_writer_left(tmp_path):
     assert os.path.exists(young)  # it may belong to a writer still at work
     assert_version(make(tmp_path), 1, {1: (1, 1.0)})
 
+
+def test_a_version_re_committed_by_another_process_is_not_served_from_memory(tmp_path):
+    """Worker processes come and go: one holds version 2 in memory while another, after
+    re-executing batch 2 from version 1, committed a different version 2. The first must
+    not serve (or build on) its own, abandoned, version 2."""
+    first = make(tmp_path)
+    commit(first, 0, [(1, (1, 1.0))])
+    commit(first, 1, [(2, (2, 2.0))])
+    assert_version(first, 2, {1: (1, 1.0), 2: (2, 2.0)})  # held in memory
+    second = make(tmp_path)  # another process
+    commit(second, 1, [(3, (3, 3.0))])  # batch 2 re-executed there
+    assert_version(first, 2, {1: (1, 1.0), 3: (3, 3.0)})
+    commit(first, 2, [(4, (4, 4.0))])
+    assert_version(make(tmp_path), 3, {1: (1, 1.0), 3: (3, 3.0), 4: (4, 4.0)})
+
