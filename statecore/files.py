@@ -41,6 +41,9 @@ _VERSION = re.compile(r"[0-9]+")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # write_atomic's temporary names
 _MAX_VERSION = 2**63 - 1  # a Java long, as Spark parses it
 _KINDS = ("delta", "snapshot")
+# One copy at a time per cached file in this process (striped locks, a fixed number):
+# threads mapping the same snapshot wait for the first copy instead of each downloading it.
+_COPYING = tuple(threading.Lock() for _ in range(64))
 
 # Keys of fsspec's info() that change when a file is re-written (which of them a
 # filesystem gives varies: local and memory give mtime/created, S3 ETag and LastModified,
@@ -542,30 +545,36 @@ class StoreFiles:
                 [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))
             cached = os.path.join(self.local_cache_dir,
                                   f"{self._source_id(full)}-{identity[:16]}-{base}")
-            try:
-                if os.path.getsize(cached) == size:
+            with _COPYING[hash(cached) % len(_COPYING)]:
+                if self._copy_to_cache(full, cached, size):
                     return cached
-            except FileNotFoundError:
-                pass
-            tmp = os.path.join(self.local_cache_dir,
-                               f".{os.path.basename(cached)}.{uuid.uuid4().hex}.tmp")
-            try:
-                self.fs.get_file(full, tmp)
-                if os.path.getsize(tmp) != size:
-                    os.unlink(tmp)
-                    continue
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)  # a copy torn by a power loss would read as corrupt
-                finally:
-                    os.close(fd)
-                os.replace(tmp, cached)
-            except BaseException:
-                _quietly(os.unlink, tmp)
-                raise
-            self._drop_cached(full, keep=cached)
-            return cached
         raise OSError(errno.EAGAIN, "file kept changing while it was copied", self.path(name))
+
+    def _copy_to_cache(self, full, cached, size):
+        """Make ``cached`` a whole copy of ``full`` (``size`` bytes), unless it is one already;
+        False if the source did not have that size while it was copied."""
+        try:
+            if os.path.getsize(cached) == size:
+                return True
+        except FileNotFoundError:
+            pass
+        tmp = os.path.join(self.local_cache_dir, f".{os.path.basename(cached)}.{uuid.uuid4().hex}.tmp")
+        try:
+            self.fs.get_file(full, tmp)
+            if os.path.getsize(tmp) != size:
+                os.unlink(tmp)
+                return False
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # a copy torn by a power loss would read as corrupt
+            finally:
+                os.close(fd)
+            os.replace(tmp, cached)
+        except BaseException:
+            _quietly(os.unlink, tmp)
+            raise
+        self._drop_cached(full, keep=cached)
+        return True
 
     def _source_id(self, full):
         """Names one source file across filesystems and endpoints (part of cache names)."""
