@@ -1,6 +1,33 @@
 """PySpark glue: the only package that imports pyspark.
 
-It is empty for now: the partition hooks, the Structured Streaming operator, preferred
-locations and ``read_state`` arrive with the PySpark glue issue, on top of the store and
-the coordinators.
+- RDD level (:mod:`pyspark_glue.rdd`): :class:`StatefulOperatorStateInfo` and
+  :func:`map_partitions_with_state_store` (Spark's ``mapPartitionsWithStateStore``).
+- DataFrame / Structured Streaming level (:mod:`pyspark_glue.operator`):
+  :class:`StatefulOperator` for ``foreachBatch``, :class:`RunningAggregate`, and the Arrow
+  <-> numpy helpers user functions are written with (:func:`keys_from_arrow`,
+  :func:`columns_from_arrow`, :func:`to_record_batch`).
+- Reading state back (:mod:`pyspark_glue.read`): :func:`read_state`.
+- Workers and the driver (:mod:`pyspark_glue.executor`, :mod:`pyspark_glue.driver`):
+  executor identity, the worker registry's coordinator, the driver's coordinator.
+- The main job: ``python -m pyspark_glue.demo``.
 """
+from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
+                              map_partitions_with_state_store)
+from pyspark_glue.operator import (RunningAggregate, StatefulOperator, column_to_numpy, columns_from_arrow,
+                                   keys_from_arrow, spark_schema_of, spark_type_of, to_record_batch)
+from pyspark_glue.read import read_state
+
+__all__ = [
+    "StatefulOperatorStateInfo",
+    "map_partitions_with_state_store",
+    "map_partitions_with_read_state_store",
+    "StatefulOperator",
+    "RunningAggregate",
+    "keys_from_arrow",
+    "columns_from_arrow",
+    "column_to_numpy",
+    "to_record_batch",
+    "spark_type_of",
+    "spark_schema_of",
+    "read_state",
+]

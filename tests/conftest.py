@@ -17,3 +17,36 @@ class Rand(np.random.Generator):
 @pytest.fixture(params=[0, 1, 2], ids=lambda s: f"seed{s}")
 def rand(request):
     return Rand(request.param)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession for every Spark test of the run, stopped at the end.
+
+    Workers run this interpreter (PYSPARK_PYTHON) and import statecore and pyspark_glue from
+    the project root (PYTHONPATH, made absolute so it holds whatever the workers' cwd)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [os.path.abspath(p) for p in paths]
+    if root not in paths:
+        paths.insert(0, root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[2]").appName("statecore-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", "4")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

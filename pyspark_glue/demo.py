@@ -1,0 +1,173 @@
+"""The main job: a Structured Streaming query on local Spark keeping its state in statecore.
+
+``python -m pyspark_glue.demo [--rows N] [--keys K] [--batches B] [--partitions P] [--dir D] [--keep]``
+
+A real Structured Streaming query on local Spark (``local[2]``) with local files, no server:
+
+1. writes ``B`` parquet files of events (``user_id``, ``amount``) into ``<dir>/input``;
+2. streams them with the file source, one file per micro-batch (``maxFilesPerTrigger=1``,
+   ``Trigger.AvailableNow``), through ``foreachBatch`` and a :class:`StatefulOperator`
+   running a count and sum per ``user_id`` (:class:`RunningAggregate`), state in
+   ``<dir>/state``;
+3. writes each batch's updated rows to a parquet sink, ``<dir>/sink/batch_id=<b>``
+   (overwritten if a batch runs again, so the sink is exactly once too);
+4. prints per batch the rows, the time, the state's keys, memory and size, and how many
+   partitions found their store already loaded in their Python worker (local[2] runs two
+   workers and a partition's task lands in either, so about half do);
+5. at the end prints the throughput, a sample of the state read back with
+   :func:`read_state`, and checks the state against Spark's own ``groupBy().agg()`` over
+   the input (exit status 1 if they differ).
+
+``<dir>`` defaults to a temporary directory, deleted at the end unless ``--keep``; a
+``--dir`` given is kept, and must be empty or absent.
+"""
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+KEY = np.dtype([("user_id", "<i8")])
+INPUT_DDL = "user_id long, amount long"
+
+
+def write_input(directory, rows, keys, batches, seed=42):
+    """``batches`` parquet files of ``rows`` events in total; returns their count of rows."""
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    sizes = np.full(batches, rows // batches)
+    sizes[: rows % batches] += 1
+    for i, n in enumerate(sizes):
+        table = pa.table({"user_id": pa.array(rng.integers(0, keys, n) * 7919, pa.int64()),
+                          "amount": pa.array(rng.integers(1, 101, n), pa.int64())})
+        tmp = os.path.join(directory, f".events-{i:05d}.parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, os.path.join(directory, f"events-{i:05d}.parquet"))
+    return int(sizes.sum())
+
+
+def start_spark(partitions):
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # The Python workers import statecore and pyspark_glue as this process does.
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in [os.path.abspath(p) for p in paths]:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("statecore-demo")
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", str(partitions))
+             .config("spark.sql.execution.arrow.maxRecordsPerBatch", "50000")
+             .config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def mib(n):
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="events in total (default %(default)s)")
+    parser.add_argument("--keys", type=int, default=100_000, help="distinct user ids (default %(default)s)")
+    parser.add_argument("--batches", type=int, default=10, help="input files = micro-batches (default %(default)s)")
+    parser.add_argument("--partitions", type=int, default=4, help="state partitions (default %(default)s)")
+    parser.add_argument("--dir", help="working directory (default: a temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = parser.parse_args(argv)
+    if args.rows < 1 or args.keys < 1 or args.batches < 1 or args.partitions < 1:
+        parser.error("--rows, --keys, --batches and --partitions must be >= 1")
+    if args.dir:
+        if os.path.exists(args.dir) and os.listdir(args.dir):
+            parser.error(f"--dir {args.dir} is not empty")
+        directory, remove = os.path.abspath(args.dir), False
+    else:
+        directory, remove = tempfile.mkdtemp(prefix="statecore-demo-"), not args.keep
+    try:
+        return run(args, directory)
+    finally:
+        if remove:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            print(f"kept {directory}")
+
+
+def run(args, directory):
+    started = time.perf_counter()
+    source, state_root = os.path.join(directory, "input"), os.path.join(directory, "state")
+    sink, checkpoint = os.path.join(directory, "sink"), os.path.join(directory, "checkpoint")
+    t0 = time.perf_counter()
+    total = write_input(source, args.rows, args.keys, args.batches)
+    print(f"wrote {args.batches} input files, {total:,} events over up to {args.keys:,} keys, "
+          f"in {time.perf_counter() - t0:.1f} s ({source})")
+
+    t0 = time.perf_counter()
+    spark = start_spark(args.partitions)
+    print(f"Spark {spark.version} local[2] started in {time.perf_counter() - t0:.1f} s")
+    from pyspark.sql import functions as F
+
+    from pyspark_glue import RunningAggregate, StatefulOperator, read_state
+
+    aggregate = RunningAggregate(KEY, "amount")
+    operator = StatefulOperator(state_root, 0, args.partitions, ["user_id"], KEY, aggregate.value_schema,
+                                aggregate, aggregate.output_schema)
+    batches = []
+
+    def handle(df, batch_id):
+        t_start = time.perf_counter()
+        out = operator.process(df, batch_id)
+        t_processed = time.perf_counter()
+        out.write.mode("overwrite").parquet(os.path.join(sink, f"batch_id={batch_id}"))
+        t_end = time.perf_counter()
+        p = operator.last_progress
+        batches.append((p["rows_in"], t_end - t_start))
+        custom = p["custom_metrics"]
+        print(f"batch {batch_id:>3}: {p['rows_in']:>9,} rows {t_end - t_start:5.2f} s "
+              f"(operator {t_processed - t_start:4.2f}, sink {t_end - t_processed:4.2f}) | "
+              f"{p['rows_out']:>8,} keys updated | state {p['state_keys']:>9,} keys, {mib(p['memory_used_bytes'])} "
+              f"in memory ({mib(custom.get('stateOnCurrentVersionSizeBytes', 0))} of rows) | "
+              f"stores already loaded {p['stores_already_loaded']}/{p['num_partitions']}", flush=True)
+
+    t0 = time.perf_counter()
+    query = (spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
+             .writeStream.queryName("statecore_demo").foreachBatch(handle)
+             .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
+    query.awaitTermination()
+    streaming_s = time.perf_counter() - t0
+    operator.close()
+    rows = sum(n for n, _ in batches)
+    batch_s = sum(s for _, s in batches)
+    print(f"\nstreamed {rows:,} rows in {len(batches)} batches: {streaming_s:.1f} s wall "
+          f"({rows / streaming_s:,.0f} rows/s), {batch_s:.1f} s in foreachBatch ({rows / batch_s:,.0f} rows/s)")
+
+    t0 = time.perf_counter()
+    state = read_state(spark, state_root, 0)
+    keys = state.count()
+    print(f"state read back with read_state: {keys:,} keys in {args.partitions} partitions "
+          f"({time.perf_counter() - t0:.1f} s); the 5 biggest:")
+    for r in state.orderBy(F.desc("count"), "user_id").limit(5).collect():
+        print(f"  user_id {r['user_id']:>12}  count {r['count']:>4}  sum {r['sum']:>7}  partition {r['partition_id']}")
+    expected = (spark.read.schema(INPUT_DDL).parquet(source).groupBy("user_id")
+                .agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum")))
+    ours = state.select("user_id", "count", "sum")
+    differences = ours.exceptAll(expected).count() + expected.exceptAll(ours).count()
+    ok = differences == 0 and rows == total
+    print(f"state equals Spark's groupBy().agg() over the input: {'yes' if ok else f'NO ({differences} rows differ)'}")
+    spark.stop()
+    print(f"total {time.perf_counter() - started:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

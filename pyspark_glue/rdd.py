@@ -1,0 +1,412 @@
+"""Stateful partitions: Spark's ``mapPartitionsWithStateStore`` for Python RDDs.
+
+``map_partitions_with_state_store(rdd, fn, state_info, key_schema, value_schema)`` runs
+``fn(store, rows)`` for every partition ``p`` of ``rdd``, with the store of
+``(state_info.operator_id, p)`` at ``state_info.store_version`` from the worker's
+:mod:`statecore.registry`; ``fn`` returns an iterator, which becomes the partition's output.
+
+Ending the store (Spark's task-completion listener)
+    ``fn`` commits the store if it wants a new version; otherwise it is aborted when the task
+    is done with it. PySpark has no task-completion listener, so the partition's output is a
+    generator whose ``finally`` aborts the store: it runs when the output is exhausted, when
+    ``fn`` or a downstream consumer raises, and when the output is dropped unfinished
+    (``take``: the generator is closed). As a backstop for an output that is never closed
+    (kept alive by a reference cycle, say), the first store opened by a later task in the
+    same worker aborts every store still open from an earlier task attempt. The read variant
+    always aborts.
+
+Keeping the worker
+    PySpark reuses a Python worker only if its task read all its input; otherwise the worker
+    exits and the stores loaded in it are gone. So once the output ends (or is closed
+    early), the rest of the task's input is read and dropped: a read ``fn`` that ignores its
+    rows, or a ``take``, does not cost the worker. Not after ``fn`` raised: PySpark ends the
+    worker then anyway.
+
+Re-execution
+    A second action on the result, or a retried task, runs ``fn`` again on the same version:
+    the store supports re-reading version ``v`` after ``v + 1`` was committed and committing
+    ``v + 1`` again, so a deterministic ``fn`` gives the same output and the same state.
+
+Preferred locations (with ``coordinator=``)
+    PySpark cannot override ``getPreferredLocations``; instead a one-element-per-partition
+    "pilot" RDD is built on the JVM with ``SparkContext.makeRDD(Seq[(marker, locations)])``
+    and zipped **on the left** of the parent's partitions (PYSPARK_NOTES section 1). The
+    Python stage then has a narrow dependency chain to the pilot, whose partition ``p``
+    prefers ``executor_<host>_<spark executor id>`` of the worker that last reported the
+    store of ``p`` (``coordinator.get_location``, with the worker's ``.<pid>`` stripped: see
+    :mod:`pyspark_glue.executor`). The zip happens on the JVM, on the parent's serialized
+    frames (``pilot.zip(frames.glom()).values()``, pickled for Python by
+    ``SerDeUtil.javaToPython``), and the parent's own pipelined Python function, if any, runs
+    inside our task: a task still uses **one** Python worker, as without the pilot, which
+    matters because the registry lives in that worker (zipping Python RDDs would use three
+    workers per task and move ``fn`` between them). The cost: each partition's serialized
+    rows are held as one list on the JVM and sent to Python as one frame (a partition must
+    stay under 2 GiB serialized). Reaching under the parent's pipelined function uses PySpark
+    internals (``PipelinedRDD._prev_jrdd``, ``.func``, ``_prev_jrdd_deserializer``); a
+    parent that is cached, checkpointed, in a barrier stage or not pickled (a text file) is
+    zipped as it is, its own Python stage, if any, then running in a second worker. The
+    locations are looked up when this function is called
+    (build a new RDD per micro-batch, as Spark does). When the coordinator knows no location
+    (the first batch) or is unreachable, there is no pilot and rows stream as usual. The
+    preference is soft (``spark.locality.wait``): a task may still run elsewhere, and then
+    loads its store from the checkpoint files.
+
+Functions defined anywhere
+    ``fn`` is pickled with PySpark's cloudpickle. If its module could not be imported on the
+    workers (it is not ``__main__``, not under ``site-packages`` or the standard library,
+    and not statecore or pyspark: a test module, a script beside the driver, a notebook's
+    helper module), the module's top-level package is registered with
+    ``cloudpickle.register_pickle_by_value``, so that ``fn`` and what it uses from that
+    module travel by value; their module globals are then fresh in every task.
+"""
+import dataclasses
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import uuid
+import weakref
+
+from pyspark.accumulators import AccumulatorParam
+
+from statecore.conf import StateStoreConf
+from statecore.ids import StateStoreId, StateStoreProviderId
+
+from pyspark_glue import executor
+
+__all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
+           "preferred_locations", "load_count_accumulator", "ship_function_module"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatefulOperatorStateInfo:
+    """Where a stateful operator keeps its stores and which version a batch reads (Spark's
+    ``StatefulOperatorStateInfo``). ``checkpoint_location`` is the state root (kept exactly
+    as given); ``store_version`` is the version the batch's stores start from (the batch id
+    in a streaming query); ``num_partitions`` is the operator's fixed number of partitions."""
+
+    checkpoint_location: str
+    query_run_id: uuid.UUID
+    operator_id: int
+    store_version: int
+    num_partitions: int
+
+    def __post_init__(self):
+        if not isinstance(self.checkpoint_location, str) or not self.checkpoint_location:
+            raise ValueError(f"checkpoint_location must be a non-empty str, got {self.checkpoint_location!r}")
+        if not isinstance(self.query_run_id, uuid.UUID):
+            raise TypeError(f"query_run_id must be a uuid.UUID, got {type(self.query_run_id).__name__}")
+        for name in ("operator_id", "store_version", "num_partitions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.num_partitions == 0:
+            raise ValueError("num_partitions must be >= 1")
+
+    def provider_id(self, partition_id, store_name=StateStoreId.DEFAULT_STORE_NAME):
+        """The :class:`~statecore.StateStoreProviderId` of partition ``partition_id``."""
+        return StateStoreProviderId(StateStoreId(self.checkpoint_location, self.operator_id, partition_id, store_name),
+                                    self.query_run_id)
+
+    def __str__(self):
+        return (f"state info [ checkpoint = {self.checkpoint_location}, runId = {self.query_run_id}, "
+                f"opId = {self.operator_id}, ver = {self.store_version}, numPartitions = {self.num_partitions}]")
+
+
+# -- worker side -------------------------------------------------------------------------------
+
+_open_lock = threading.Lock()
+_open_stores = {}  # id(store) -> (task attempt id, weakref to store) of stores opened by tasks, not yet ended
+
+
+def _task_attempt_id():
+    from pyspark.taskcontext import TaskContext  # imported in workers only (pyspark is there)
+    ctx = TaskContext.get()
+    return None if ctx is None else ctx.taskAttemptId()
+
+
+def _abort_leftovers(attempt):
+    """Abort stores still open from other task attempts of this process (their outputs were
+    never closed); a worker runs one task at a time, so they are abandoned."""
+    with _open_lock:
+        stale = [(key, ref) for key, (owner, ref) in _open_stores.items() if owner != attempt]
+        for key, _ref in stale:
+            del _open_stores[key]
+    for _key, ref in stale:
+        store = ref()
+        if store is not None and not getattr(store, "has_committed", False):
+            log.warning("aborting %s left open by an earlier task", getattr(store, "id", store))
+            store.abort()
+
+
+def _run_partition(partition_id, rows, fn, state_info, key_schema, value_schema, conf, coordinator_address,
+                   authkey, read_only, load_accumulator, drain=None):
+    """The partition's output: ``fn(store, rows)``, then the store's end (module docstring).
+
+    ``drain``: the task's input iterator, read to its end once the output ends or is closed
+    (not when ``fn`` raised): PySpark reuses a Python worker only if the task read all its
+    input, and a worker that is not reused takes its loaded stores with it (a read ``fn``
+    that ignores its rows would otherwise cost every store on every task)."""
+    attempt = _task_attempt_id()
+    _abort_leftovers(attempt)
+    executor.ensure_worker_registry(coordinator_address, authkey)
+    provider_id = state_info.provider_id(partition_id)
+    store, already_loaded = executor.open_store(provider_id, key_schema, value_schema, state_info.store_version,
+                                                conf, read_only=read_only)
+    if load_accumulator is not None:
+        load_accumulator.add((1, 0) if already_loaded else (0, 1))
+    key = id(store)
+    with _open_lock:
+        _open_stores[key] = (attempt, weakref.ref(store))
+    try:
+        output = fn(store, rows)
+        if output is None:
+            raise TypeError(f"fn must return an iterator (or iterable) of output rows, got None for partition "
+                            f"{partition_id}")
+        yield from output
+    except GeneratorExit:  # the consumer stopped early (take): this task is over all the same
+        _drain(drain)
+        raise
+    else:
+        _drain(drain)
+    finally:
+        with _open_lock:
+            _open_stores.pop(key, None)
+        if read_only or not store.has_committed:
+            store.abort()
+
+
+def _drain(iterator):
+    if iterator is not None:
+        for _ in iterator:
+            pass
+
+
+def _decode_frames(frames, deserializer):
+    """The rows of a partition's serialized frames (pickled batches, or pickled rows), as the
+    parent RDD's ``deserializer`` would have read them."""
+    from pyspark.serializers import BatchedSerializer
+
+    if isinstance(deserializer, BatchedSerializer):
+        loads = deserializer.serializer.loads
+        for frame in frames:
+            yield from loads(frame)
+    else:
+        loads = deserializer.loads
+        for frame in frames:
+            yield loads(frame)
+
+
+def _partition_function(fn, state_info, key_schema, value_schema, conf, coordinator_address, authkey, read_only,
+                        piloted, load_accumulator):
+    """The function shipped to the workers: references only this module (importable there)
+    and ``fn``. ``piloted``: None, or ``(deserializer, parent_func)`` when the partition is one
+    list of the parent's serialized frames (the pilot route; ``parent_func`` is the parent's
+    own pipelined Python function, or None)."""
+
+    def run(partition_id, iterator):
+        drain = None
+        if piloted is None:
+            rows = drain = iterator
+        else:
+            deserializer, parent_func = piloted
+            elements = list(iterator)
+            if len(elements) != 1:
+                raise RuntimeError(f"partition {partition_id}: expected one list of frames, got {len(elements)} "
+                                   f"elements")
+            rows = _decode_frames(elements[0], deserializer)
+            if parent_func is not None:
+                rows = parent_func(partition_id, rows)
+        return _run_partition(partition_id, rows, fn, state_info, key_schema, value_schema, conf,
+                              coordinator_address, authkey, read_only, load_accumulator, drain)
+
+    return run
+
+
+# -- driver side -------------------------------------------------------------------------------
+
+def preferred_locations(state_info, coordinator):
+    """Per partition, the Spark location strings (``[]`` or ``["executor_<host>_<id>"]``)
+    where its store was last loaded, according to ``coordinator``; None if it knows none or
+    cannot be reached (logged)."""
+    try:
+        locations = [executor.spark_location(coordinator.get_location(state_info.provider_id(p)))
+                     for p in range(state_info.num_partitions)]
+    except Exception as e:
+        log.warning("state store coordinator at %s unreachable (%s: %s): no preferred locations",
+                    getattr(coordinator, "address", "?"), type(e).__name__, e)
+        return None
+    if all(loc is None for loc in locations):
+        return None
+    return [[] if loc is None else [loc] for loc in locations]
+
+
+def _pilot_jrdd(sc, locations):
+    """A JVM RDD of one marker string per partition, partition ``p`` preferring
+    ``locations[p]`` (``makeRDD`` through py4j: PYSPARK_NOTES section 1)."""
+    jvm = sc._jvm
+    converters = jvm.scala.jdk.javaapi.CollectionConverters
+    pairs = jvm.java.util.ArrayList()
+    for p, locs in enumerate(locations):
+        jlocs = jvm.java.util.ArrayList()
+        for loc in locs:
+            jlocs.add(loc)
+        pairs.add(jvm.scala.Tuple2(f"p{p}", converters.asScala(jlocs).toList()))
+    class_tag = jvm.scala.reflect.ClassTag.apply(jvm.java.lang.Class.forName("java.lang.String"))
+    return sc._jsc.sc().makeRDD(converters.asScala(pairs).toList(), class_tag).toJavaRDD()
+
+
+def _is_pickle_frames(deserializer):
+    from pyspark.serializers import BatchedSerializer, CPickleSerializer
+
+    inner = deserializer.serializer if isinstance(deserializer, BatchedSerializer) else deserializer
+    return isinstance(inner, CPickleSerializer)  # CloudPickleSerializer is one too
+
+
+def _with_pilot(rdd, locations):
+    """``(base, deserializer, parent_func)``: ``base`` has one element per partition, the list
+    of the parent's serialized frames, with a narrow dependency chain whose first parent is
+    the pilot (so the scheduler finds its preferences).
+
+    All on the JVM, so that a task still runs one Python worker: ``pilot.zip(frames.glom())
+    .values()`` pickled for Python by ``SerDeUtil.javaToPython``. ``frames`` is the JVM RDD
+    under ``rdd``'s pipelined Python function, if it has one (that function then runs in our
+    task, as PySpark would have pipelined it), else ``rdd``'s own. (Zipping Python RDDs,
+    ``pilot.zip(rdd.glom())``, would run the pilot, the parent and ``fn`` in three Python
+    workers per task, and which of them runs ``fn`` would change from task to task: the
+    store would rarely be found loaded.)"""
+    from pyspark.core.rdd import RDD, PipelinedRDD
+    from pyspark.serializers import AutoBatchedSerializer, CPickleSerializer
+
+    sc = rdd.context
+    if (isinstance(rdd, PipelinedRDD) and rdd._is_pipelinable() and not rdd._is_barrier()
+            and _is_pickle_frames(rdd._prev_jrdd_deserializer)):
+        jrdd, deserializer, parent_func = rdd._prev_jrdd, rdd._prev_jrdd_deserializer, rdd.func
+    else:
+        if not _is_pickle_frames(rdd._jrdd_deserializer):
+            rdd = rdd._reserialize(AutoBatchedSerializer(CPickleSerializer()))  # a text file, say
+        jrdd, deserializer, parent_func = rdd._jrdd, rdd._jrdd_deserializer, None
+    frames = _pilot_jrdd(sc, locations).zip(jrdd.glom()).values()
+    base = RDD(sc._jvm.org.apache.spark.api.python.SerDeUtil.javaToPython(frames), sc,
+               AutoBatchedSerializer(CPickleSerializer()))
+    return base, deserializer, parent_func
+
+
+def load_count_accumulator(sc):
+    """A Spark accumulator of ``(already_loaded, loaded_from_files)`` task counts, to pass as
+    ``load_accumulator=``; ``.value`` on the driver after the job."""
+    return sc.accumulator((0, 0), _PairParam())
+
+
+class _PairParam(AccumulatorParam):  # module level: pickles by reference
+    def zero(self, value):
+        return (0, 0)
+
+    def addInPlace(self, a, b):
+        return (a[0] + b[0], a[1] + b[1])
+
+
+_STATIC_PACKAGES = {"statecore", "pyspark_glue", "pyspark", "py4j", "numpy", "pyarrow", "pandas"}
+
+
+def _library_dirs():
+    dirs = set()
+    for name in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(name)
+        if path:
+            dirs.add(os.path.realpath(path))
+    try:
+        import site
+        dirs.update(os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()])
+    except (AttributeError, TypeError):
+        pass
+    return dirs
+
+
+def ship_function_module(fn):
+    """Make ``fn`` picklable for workers that cannot import its module: register the
+    module's top-level package with cloudpickle's ``register_pickle_by_value`` unless it is
+    ``__main__`` (pickled by value anyway), installed (site-packages, standard library) or
+    one of the packages every worker has. Returns the name registered, or None."""
+    module_name = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", None)
+    if module_name is None and hasattr(fn, "func"):  # functools.partial
+        module_name = getattr(fn.func, "__module__", None)
+    if not module_name or module_name == "__main__" or module_name not in sys.modules:
+        return None  # cloudpickle pickles functions of unknown modules by value
+    top = module_name.split(".", 1)[0]
+    if top in _STATIC_PACKAGES or top in sys.builtin_module_names:
+        return None
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None)
+    if module is None or path is None:
+        return None  # a namespace package or a built-in: leave it to cloudpickle
+    path = os.path.realpath(path)
+    if any(path.startswith(d + os.sep) for d in _library_dirs()):
+        return None
+    from pyspark import cloudpickle
+
+    if top not in cloudpickle.list_registry_pickle_by_value():
+        cloudpickle.register_pickle_by_value(module)
+        log.info("pickling module %s by value for the workers (it is not installed: %s)", top, path)
+    return top
+
+
+def _map(rdd, fn, state_info, key_schema, value_schema, conf, coordinator, read_only, load_accumulator):
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(state_info, StatefulOperatorStateInfo):
+        raise TypeError(f"state_info must be a StatefulOperatorStateInfo, got {type(state_info).__name__}")
+    num_partitions = rdd.getNumPartitions()
+    if num_partitions != state_info.num_partitions:
+        raise ValueError(f"the RDD has {num_partitions} partitions but {state_info} says "
+                         f"{state_info.num_partitions}: the number of partitions of a stateful operator is fixed")
+    conf = StateStoreConf() if conf is None else conf
+    ship_function_module(fn)
+    address = authkey = locations = None
+    if coordinator is not None:
+        address, authkey = tuple(coordinator.address), coordinator.authkey
+        locations = preferred_locations(state_info, coordinator)
+    if locations is None:
+        data, piloted = rdd, None
+    else:
+        data, deserializer, parent_func = _with_pilot(rdd, locations)
+        piloted = (deserializer, parent_func)
+    run = _partition_function(fn, state_info, key_schema, value_schema, conf, address, authkey, read_only, piloted,
+                              load_accumulator)
+    return data.mapPartitionsWithIndex(run)
+
+
+def map_partitions_with_state_store(rdd, fn, state_info, key_schema, value_schema, conf=None, coordinator=None, *,
+                                    load_accumulator=None):
+    """Spark's ``rdd.mapPartitionsWithStateStore``: an RDD whose partition ``p`` is
+    ``fn(store, rows)``, ``store`` being the writable store of partition ``p`` at
+    ``state_info.store_version`` (see the module docstring).
+
+    Parameters
+    ----------
+    rdd : pyspark.RDD
+        Its number of partitions must equal ``state_info.num_partitions``.
+    fn : callable ``(StateStore, iterator of rows) -> iterable``
+        Commits the store to write version ``store_version + 1``; otherwise it is aborted.
+    state_info : StatefulOperatorStateInfo
+    key_schema, value_schema : numpy structured dtypes
+    conf : StateStoreConf, optional
+        Default ``StateStoreConf()``.
+    coordinator : StateStoreCoordinatorRef, optional
+        The driver's coordinator (:func:`pyspark_glue.driver.coordinator_for`): workers report
+        the stores they load to it, and tasks prefer the executor that has their store.
+    load_accumulator : accumulator, optional
+        From :func:`load_count_accumulator`: counts tasks whose store was already loaded in
+        their worker versus loaded from files.
+    """
+    return _map(rdd, fn, state_info, key_schema, value_schema, conf, coordinator, False, load_accumulator)
+
+
+def map_partitions_with_read_state_store(rdd, fn, state_info, key_schema, value_schema, conf=None, coordinator=None,
+                                         *, load_accumulator=None):
+    """Like :func:`map_partitions_with_state_store` with a read-only store, always aborted
+    at the end of the task (Spark's ``mapPartitionsWithReadStateStore``)."""
+    return _map(rdd, fn, state_info, key_schema, value_schema, conf, coordinator, True, load_accumulator)

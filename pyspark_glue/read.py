@@ -1,0 +1,192 @@
+"""Reading state back: :func:`read_state`, a DataFrame of every key and value of an
+operator's stores at one version (what Spark's ``statestore`` data source does for its own
+checkpoints, for statecore's).
+
+No schemas from the caller: every store records its key and value schemas (field names and
+numpy dtypes) in ``_statecore.schema.json`` with its first commit, and the partitions are the
+numbered directories under ``<checkpoint_root>/<operator_id>/`` (plus, if the operator wrote
+one, the partition count of its ``_operator.json``).
+
+Columns: the key fields, then the value fields, then ``partition_id`` (int), flat, named
+after the fields. Types follow :mod:`pyspark_glue.operator`: bool -> boolean, int8/16/32/64
+-> byte/short/int/long, float32/64 -> float/double, ``S<n>`` -> binary without trailing NULs;
+Spark has no unsigned integers, so uint8 -> short, uint16 -> int, uint32 -> long (each the
+next wider signed type, every value exact) and uint64 -> decimal(20,0) (exact up to
+2**64 - 1; cast it to long yourself if you know the values fit).
+
+The read runs on the executors, one task per partition, each opening its own read-only
+provider from the files (no registry, so no maintenance thread and nothing written), and
+streaming Arrow batches of ``rows_per_batch`` rows. The DataFrame is lazy: every action
+reads the files again, at the same version.
+"""
+import json
+import logging
+
+import fsspec
+
+from statecore.conf import StateStoreConf
+from statecore.errors import StateCorruptionError, VersionNotFoundError
+from statecore.files import open_store_files
+from statecore.ids import StateStoreId
+from statecore.schema import RowSchema
+from statecore.store import SCHEMA_FILE, create_and_init_provider
+
+from pyspark_glue.operator import OPERATOR_METADATA_FILE, spark_schema_of, to_record_batch
+
+__all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN"]
+
+log = logging.getLogger(__name__)
+
+PARTITION_ID_COLUMN = "partition_id"
+
+
+def _operator_dir(checkpoint_root, operator_id):
+    return f"{checkpoint_root.rstrip('/')}/{operator_id}"
+
+
+def _partition_ids(checkpoint_root, operator_id, storage_options):
+    """The partitions of an operator: its numbered directories, and those its metadata names."""
+    location = _operator_dir(checkpoint_root, operator_id)
+    fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        entries = []
+    ids = {int(name) for name, kind in
+           ((e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("type")) for e in entries)
+           if kind == "directory" and name.isdigit()}
+    files = open_store_files(location, storage_options)
+    try:
+        recorded = json.loads(files.read_bytes(OPERATOR_METADATA_FILE))
+        ids.update(range(int(recorded["num_partitions"])))
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable %s: %s", files.path(OPERATOR_METADATA_FILE), e)
+    return sorted(ids)
+
+
+def state_partitions(checkpoint_root, operator_id, store_name="default", conf=None):
+    """What :func:`read_state` reads, found on the driver: ``(key_schema, value_schema,
+    {partition_id: newest version})`` (RowSchemas; a partition that never committed has
+    newest version 0).
+
+    Raises
+    ------
+    FileNotFoundError
+        No store of that operator (and store name) recorded a schema.
+    StateCorruptionError
+        A schema file is unreadable, or partitions disagree on the schemas.
+    """
+    conf = conf or StateStoreConf()
+    found = {}
+    schemas = {}
+    for p in _partition_ids(checkpoint_root, operator_id, conf.storage_options):
+        location = StateStoreId(checkpoint_root, operator_id, p, store_name).store_checkpoint_location()
+        files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
+        deltas, snapshots = files.list_versions()
+        found[p] = max([0, *deltas, *snapshots])
+        try:
+            raw = files.read_bytes(SCHEMA_FILE)
+        except FileNotFoundError:
+            continue
+        try:
+            record = json.loads(raw)
+            key = RowSchema.from_description(record["key"])
+            value = RowSchema.from_description(record["value"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise StateCorruptionError(files.path(SCHEMA_FILE), None, f"unreadable schema file: {e}") from None
+        schemas[p] = (key, value, files.path(SCHEMA_FILE))
+    if not schemas:
+        raise FileNotFoundError(f"no state of operator {operator_id} (store {store_name!r}) under {checkpoint_root}: "
+                                f"no store directory there has a {SCHEMA_FILE}")
+    (key, value, first), *rest = schemas.values()
+    for other_key, other_value, where in rest:
+        if other_key != key or other_value != value:
+            raise StateCorruptionError(where, None, f"schemas {other_key.describe()} / {other_value.describe()} "
+                                                    f"differ from {key.describe()} / {value.describe()} of {first}")
+    return key, value, found
+
+
+def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, version, conf,
+                     rows_per_batch):
+    """The task body: for each index in the ids it is given, the rows of that partition."""
+    def run(batches):
+        for batch in batches:
+            for index in batch.column(0).to_pylist():
+                p = partitions[index]
+                store_id = StateStoreId(checkpoint_root, operator_id, p, store_name)
+                provider = create_and_init_provider(store_id, key_dtype, value_dtype, conf)
+                try:
+                    store = provider.get_read_store(version)
+                    try:
+                        for keys, values in store.iter_batches(rows_per_batch):
+                            yield to_record_batch(keys, values, **{PARTITION_ID_COLUMN: p})
+                    finally:
+                        store.abort()
+                finally:
+                    provider.close()
+    return run
+
+
+def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, conf=None,
+               rows_per_batch=65536):
+    """The state of operator ``operator_id`` at ``version`` as a DataFrame (see the module
+    docstring for columns and types).
+
+    Parameters
+    ----------
+    spark : SparkSession
+    checkpoint_root : str
+        The state root the stores were written under (as given to the operator).
+    operator_id : int
+    store_name : str, default "default"
+    version : int, optional
+        Default: the latest version every partition has (the newest complete batch: a
+        batch that failed half-way has committed only some partitions).
+    conf : StateStoreConf or dict, optional
+        For the storage options of a remote checkpoint.
+    rows_per_batch : int, default 65536
+
+    Raises
+    ------
+    FileNotFoundError
+        No state there.
+    VersionNotFoundError
+        ``version`` is newer than some partition's newest version (or its files are gone,
+        found when the read runs).
+    ValueError
+        A field name repeats across key and value, or is ``partition_id``.
+    """
+    if conf is None:
+        conf = StateStoreConf()
+    elif not isinstance(conf, StateStoreConf):
+        conf = StateStoreConf.from_spark_conf(conf)
+    if not isinstance(operator_id, int) or operator_id < 0:
+        raise ValueError(f"operator_id must be an int >= 0, got {operator_id!r}")
+    key, value, latest = state_partitions(checkpoint_root, operator_id, store_name, conf)
+    names = [*key.names, *value.names, PARTITION_ID_COLUMN]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"the state of operator {operator_id} cannot be flattened: field name(s) {duplicates} "
+                         f"repeat across the key fields {key.names}, the value fields {value.names} and "
+                         f"'{PARTITION_ID_COLUMN}'")
+    newest_common = min(latest.values())
+    if version is None:
+        version = newest_common
+    elif not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version must be an int >= 0, got {version!r}")
+    elif version > newest_common:
+        behind = sorted(p for p, v in latest.items() if v < version)
+        raise VersionNotFoundError(
+            f"version {version} of operator {operator_id} under {checkpoint_root} does not exist in partition(s) "
+            f"{behind} (their newest: {sorted({latest[p] for p in behind})}); the newest version every "
+            f"partition has is {newest_common}")
+    from pyspark.sql import types as T
+
+    schema = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())])
+    partitions = sorted(latest)
+    run = _read_partitions(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, version,
+                           conf, rows_per_batch)
+    n = len(partitions)
+    return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)

@@ -1,0 +1,331 @@
+"""StatefulOperator on real Spark (local[2]): a streaming job over files with a stop and a
+restart checked against Spark's own groupBy().agg(), exactly-once re-execution, an output
+computed once, aborts, empty partitions, the fixed partition count; and the Arrow/numpy
+helpers and RunningAggregate without Spark."""
+import os
+import time
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider
+from statecore.errors import SchemaMismatchError
+
+KEY = np.dtype([("user", "<i8"), ("region", "S4")])
+REGIONS = np.array(["eu", "us", "apac", "latm"])
+INPUT_DDL = "user long, region string, amount long"
+
+
+def events(seed, n, users=40):
+    """A deterministic table of n events: user, region (a string), amount."""
+    rng = np.random.default_rng(seed)
+    return pa.table({"user": pa.array(rng.integers(0, users, n), pa.int64()),
+                     "region": pa.array(REGIONS[rng.integers(0, len(REGIONS), n)]),
+                     "amount": pa.array(rng.integers(-5, 100, n), pa.int64())})
+
+
+def write_events(directory, name, table):
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, os.path.join(directory, name))  # the file source must never see a partial file
+
+
+def expected_state(tables):
+    """{(user, region bytes): (count, sum)} over every event, in numpy."""
+    out = {}
+    for t in tables:
+        for user, region, amount in zip(*(t.column(c).to_pylist() for c in ("user", "region", "amount"))):
+            count, total = out.get((user, region.encode()), (0, 0))
+            out[(user, region.encode())] = (count + 1, total + amount)
+    return out
+
+
+def state_dict(df):
+    return {(r["user"], bytes(r["region"])): (r["count"], r["sum"]) for r in df.collect()}
+
+
+def delta_exists(root, partition, version, operator_id=0):
+    return os.path.exists(os.path.join(root, str(operator_id), str(partition), f"{version}.delta"))
+
+
+def make_operator(state_root, fn=None, num_partitions=4, **kwargs):
+    from pyspark_glue import RunningAggregate, StatefulOperator
+
+    agg = RunningAggregate(KEY, "amount")
+    fn = agg if fn is None else fn
+    return StatefulOperator(state_root, 0, num_partitions, ["user", "region"], KEY, agg.value_schema, fn,
+                            agg.output_schema, **kwargs)
+
+
+# -- the Arrow/numpy helpers and RunningAggregate, without Spark -----------------------------------
+
+def test_keys_from_arrow_strings_and_casts():
+    from pyspark_glue import column_to_numpy, keys_from_arrow
+
+    batch = pa.RecordBatch.from_pydict({"user": pa.array([3, 1], pa.int32()),
+                                        "region": pa.array(["", "abcd"]).slice(0, 2)})
+    keys = keys_from_arrow(batch, KEY)
+    assert keys.dtype == KEY and keys.tolist() == [(3, b""), (1, b"abcd")]
+    sliced = pa.array(["zz", "ab", "c", "def"]).slice(1, 2)
+    assert column_to_numpy(sliced, np.dtype("S2"), "s").tolist() == [b"ab", b"c"]
+    with pytest.raises(ValueError, match="column 'region' holds a 5-byte value"):
+        keys_from_arrow(pa.RecordBatch.from_pydict({"user": [1], "region": ["abcde"]}), KEY)
+    with pytest.raises(ValueError, match="column 'user' has 1 null"):
+        keys_from_arrow(pa.RecordBatch.from_pydict({"user": [None, 1], "region": ["a", "b"]}), KEY)
+    with pytest.raises(ValueError, match="column 'x'.*uint8"):
+        column_to_numpy(pa.array([300]), np.dtype("u1"), "x")
+    with pytest.raises(TypeError, match="column 'r' is string"):
+        column_to_numpy(pa.array(["7"]), np.dtype("<i8"), "r")
+    with pytest.raises(KeyError, match="column 'nope'"):
+        keys_from_arrow(batch, np.dtype([("nope", "<i8")]))
+
+
+def test_to_record_batch_round_trip_with_unsigned_and_bytes():
+    from pyspark_glue import columns_from_arrow, to_record_batch
+
+    rows = np.zeros(3, [("a", "u1"), ("b", "<u2"), ("c", "<u4"), ("d", "<u8"), ("s", "S3"), ("f", "?")])
+    rows["a"], rows["b"], rows["c"] = [0, 255, 1], [0, 65535, 2], [0, 2**32 - 1, 3]
+    rows["d"], rows["s"], rows["f"] = [0, 2**64 - 1, 4], [b"", b"abc", b"a\0b"], [True, False, True]
+    batch = to_record_batch(rows, partition_id=7)
+    assert [str(t) for t in batch.schema.types] == ["int16", "int32", "int64", "decimal128(20, 0)", "binary",
+                                                    "bool", "int32"]
+    assert batch.column(4).to_pylist() == [b"", b"abc", b"a\0b"]
+    assert batch.column(6).to_pylist() == [7, 7, 7]
+    back = columns_from_arrow(batch, rows.dtype)
+    assert back.tolist() == rows.tolist()
+
+
+def test_running_aggregate_groups_within_and_across_batches(tmp_path):
+    from pyspark_glue import RunningAggregate
+
+    agg = RunningAggregate(KEY, "amount")
+    provider = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), KEY, agg.value_schema, StateStoreConf())
+    first = events(1, 500)
+    second = events(2, 300)
+    store = provider.get_store(0)
+    assert agg(store, first.to_batches()[0]) is None
+    assert agg(store, second.to_batches()[0]) is None
+    out = agg.finish(store)
+    store.commit()
+    emitted = {(u, r): (c, s) for u, r, c, s in zip(*(out.column(i).to_pylist() for i in range(4)))}
+    assert emitted == expected_state([first, second])  # each key once, with its final totals
+    provider.close()
+
+
+# -- on Spark --------------------------------------------------------------------------------------
+
+def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=False):
+    """One run of the streaming query (one file per micro-batch), stopped once the files
+    present are processed. Returns (run id, [(batch id, run id the operator used)], operator)."""
+    op = make_operator(state_root)
+    seen = []
+
+    def handle(df, batch_id):
+        out = op.process(df, batch_id)
+        out.write.mode("overwrite").parquet(f"{sink}/batch={batch_id}")
+        seen.append((batch_id, op.last_progress["query_run_id"]))
+
+    query = (spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
+             .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint).start())
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    run_id = uuid.UUID(query.runId)
+    if wait_for_deactivation:
+        provider_id = StateStoreProviderId(StateStoreId(state_root, 0, 0), run_id)
+        deadline = time.monotonic() + 20
+        while op.coordinator.get_location(provider_id) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert op.coordinator.get_location(provider_id) is None, "the stopped run's instances are still active"
+    op.close()
+    return run_id, seen, op
+
+
+@pytest.mark.spark
+def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path):
+    from pyspark.sql import functions as F
+
+    from pyspark_glue import read_state
+
+    source, state_root, sink = str(tmp_path / "in"), str(tmp_path / "state"), str(tmp_path / "sink")
+    checkpoint = str(tmp_path / "checkpoint")
+    tables = [events(seed, 400) for seed in range(3)]
+    for i in range(2):
+        write_events(source, f"events-{i}.parquet", tables[i])
+    run1, seen1, _ = run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=True)
+    assert [b for b, _ in seen1] == [0, 1]
+    assert {r for _, r in seen1} == {str(run1)}  # the run id is the query's
+    write_events(source, "events-2.parquet", tables[2])
+    run2, seen2, _ = run_stream(spark, source, checkpoint, state_root, sink)  # a restart: new query and run
+    assert [b for b, _ in seen2] == [2] and {r for _, r in seen2} == {str(run2)} and run2 != run1
+
+    state = state_dict(read_state(spark, state_root, 0))
+    spark_agg = (spark.read.schema(INPUT_DDL).parquet(source).groupBy("user", "region")
+                 .agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum")))
+    expected = {(r["user"], r["region"].encode()): (r["count"], r["sum"]) for r in spark_agg.collect()}
+    assert state == expected == expected_state(tables)
+
+    # The sink holds one row per key updated per batch; the newest row of each key is its state.
+    sunk = spark.read.parquet(sink).toPandas().sort_values("batch")
+    newest = sunk.groupby(["user", "region"]).last()
+    assert {(u, bytes(r)): (int(row["count"]), int(row["sum"])) for (u, r), row in newest.iterrows()} == state
+    assert sunk.groupby("batch").apply(lambda g: not g.duplicated(["user", "region"]).any(),
+                                       include_groups=False).all()
+
+
+@pytest.mark.spark
+def test_same_batch_twice_gives_same_state_and_output(spark, tmp_path):
+    from pyspark_glue import read_state
+
+    state_root = str(tmp_path / "state")
+    tables = [events(10 + i, 300) for i in range(3)]
+    dfs = [spark.createDataFrame(t.to_pandas(), INPUT_DDL) for t in tables]
+    op = make_operator(state_root)
+    op.process(dfs[0], 0)
+    first = sorted(op.process(dfs[1], 1).collect())
+    state_first = state_dict(read_state(spark, state_root, 0))
+    assert not op.last_progress["re_execution"]
+
+    again = sorted(op.process(dfs[1], 1).collect())  # foreachBatch re-run after a failure
+    assert op.last_progress["re_execution"]
+    assert again == first
+    assert state_dict(read_state(spark, state_root, 0)) == state_first == expected_state(tables[:2])
+
+    op.process(dfs[2], 2)  # the next batch builds on the re-executed version, from any worker
+    assert state_dict(read_state(spark, state_root, 0)) == expected_state(tables)
+    assert state_dict(read_state(spark, state_root, 0, version=2)) == state_first
+    op.close()
+
+    restarted = make_operator(state_root)  # a restart (new run id) re-running the last batch
+    restarted.process(dfs[2], 2)
+    assert restarted.last_progress["query_run_id"] != op.last_progress["query_run_id"]
+    assert state_dict(read_state(spark, state_root, 0)) == expected_state(tables)
+    restarted.close()
+
+
+class CountingAggregate:
+    """A RunningAggregate that counts its calls in files (the workers are other processes).
+    Defined here on purpose: the operator must ship it by value."""
+
+    def __init__(self, directory):
+        from pyspark_glue import RunningAggregate
+
+        self.inner = RunningAggregate(KEY, "amount")
+        self.directory = directory
+
+    def _count(self, what):
+        with open(os.path.join(self.directory, what), "a") as f:
+            f.write("x\n")
+
+    def __call__(self, store, batch):
+        self._count("calls")
+        return self.inner(store, batch)
+
+    def finish(self, store):
+        self._count("finishes")
+        return self.inner.finish(store)
+
+
+def count_lines(path):
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return len(f.readlines())
+
+
+@pytest.mark.spark
+def test_output_is_computed_once(spark, tmp_path):
+    counters = tmp_path / "counters"
+    counters.mkdir()
+    op = make_operator(str(tmp_path / "state"), fn=CountingAggregate(str(counters)), coordinator=False)
+    table = events(20, 500)
+    out = op.process(spark.createDataFrame(table.to_pandas(), INPUT_DDL), 0)
+    assert count_lines(counters / "finishes") == 4  # once per partition
+    calls = count_lines(counters / "calls")
+    assert calls >= 1
+    rows = out.count()
+    collected = out.collect()
+    assert rows == len(collected) == len(expected_state([table])) == op.last_progress["rows_out"]
+    assert count_lines(counters / "finishes") == 4 and count_lines(counters / "calls") == calls
+    op.close()
+
+
+class Exploding:
+    """Updates the store, then fails: in every batch and at the end of every partition."""
+
+    def __call__(self, store, batch):
+        from pyspark_glue import keys_from_arrow
+
+        keys = keys_from_arrow(batch, KEY)
+        store.put_batch(keys, np.zeros(len(keys), [("count", "<i8"), ("sum", "<i8")]))
+        raise RuntimeError("boom in fn")
+
+    def finish(self, store):
+        raise RuntimeError("boom in finish")
+
+
+@pytest.mark.spark
+def test_failing_fn_aborts_the_store(spark, tmp_path):
+    from pyspark_glue import read_state
+
+    state_root = str(tmp_path / "state")
+    table = events(30, 200)
+    df = spark.createDataFrame(table.to_pandas(), INPUT_DDL)
+    op = make_operator(state_root, fn=Exploding())
+    with pytest.raises(Exception, match="boom in"):
+        op.process(df, 0)
+    op.close()
+    assert not any(delta_exists(state_root, p, 1) for p in range(4))
+
+    good = make_operator(state_root)  # the same batch again, now succeeding
+    good.process(df, 0)
+    assert all(delta_exists(state_root, p, 1) for p in range(4))
+    assert state_dict(read_state(spark, state_root, 0)) == expected_state([table])
+    good.close()
+
+
+@pytest.mark.spark
+def test_empty_partitions_and_empty_batches_commit(spark, tmp_path):
+    from pyspark_glue import read_state
+
+    state_root = str(tmp_path / "state")
+    op = make_operator(state_root, coordinator=False)
+    one = spark.createDataFrame([(7, "eu", 5)], INPUT_DDL)
+    out = op.process(one, 0)
+    assert out.collect()[0].asDict() == {"user": 7, "region": b"eu", "count": 1, "sum": 5}
+    assert sorted(p["rows_in"] for p in op.last_progress["partitions"]) == [0, 0, 0, 1]
+    assert all(delta_exists(state_root, p, 1) for p in range(4))
+    empty = spark.createDataFrame([], INPUT_DDL)
+    assert op.process(empty, 1).count() == 0
+    assert all(delta_exists(state_root, p, 2) for p in range(4))
+    assert state_dict(read_state(spark, state_root, 0)) == {(7, b"eu"): (1, 5)}
+    op.close()
+
+
+@pytest.mark.spark
+def test_num_partitions_and_schemas_are_fixed_for_a_checkpoint(spark, tmp_path):
+    from pyspark_glue import RunningAggregate, StatefulOperator
+
+    state_root = str(tmp_path / "state")
+    df = spark.createDataFrame([(1, "eu", 5)], INPUT_DDL)
+    op = make_operator(state_root, num_partitions=2, coordinator=False)
+    op.process(df, 0)
+    op.close()
+    with pytest.raises(ValueError, match=r"num_partitions=2.*num_partitions=3"):
+        make_operator(state_root, num_partitions=3, coordinator=False).process(df, 1)
+    agg = RunningAggregate(KEY, "amount", sum_dtype="<f8")
+    other = StatefulOperator(state_root, 0, 2, ["user", "region"], KEY, agg.value_schema, agg,
+                             agg.output_schema, coordinator=False)
+    with pytest.raises(SchemaMismatchError, match="value schema"):
+        other.process(df, 1)
+    with pytest.raises(ValueError, match="key columns"):
+        StatefulOperator(state_root, 0, 2, ["user"], KEY, agg.value_schema, agg, agg.output_schema,
+                         coordinator=False).process(df, 1)
+    with pytest.raises(ValueError, match="key column 'nope' is not in the DataFrame"):
+        StatefulOperator(str(tmp_path / "other"), 0, 2, ["nope"], KEY, agg.value_schema, agg,
+                         agg.output_schema, coordinator=False).process(df, 0)

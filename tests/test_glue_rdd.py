@@ -1,0 +1,436 @@
+"""pyspark_glue's stateful partitions (spec section 8), worker identity and the driver's coordinator.
+
+The Spark tests share the session-scoped ``spark`` fixture (local[2]): both task slots are
+executor "driver", each served by its own Python worker process. The functions handed to
+Spark are defined in this module, which the workers cannot import (pytest put its folder on
+the driver's sys.path only): that they work at all checks that their module travels by value.
+"""
+import os
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from statecore import IllegalStateError, StateStoreConf, registry
+from statecore.coordinator import StateStoreCoordinatorRef
+from statecore.rpc import RpcEnv, RpcError
+
+from pyspark_glue import driver, executor
+from pyspark_glue import rdd as glue
+from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
+                              map_partitions_with_state_store)
+
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("count", "<i8")])
+PARTS = 4
+CONF = StateStoreConf(maintenance_interval_s=3600)  # no maintenance thread work during tests
+
+
+# -- functions run in the workers (pickled by value: this module is not importable there) ---------
+
+def bump_counts(store, rows):
+    """Count each key's rows into the store, commit, and yield (key, new count, worker pid)."""
+    batch = {}
+    for row in rows:
+        k = int(row)
+        batch[k] = batch.get(k, 0) + 1
+    out = []
+    for k, n in sorted(batch.items()):
+        old = store.get(k)
+        new = (old[0] if old else 0) + n
+        store.put(k, (new,))
+        out.append((k, new, os.getpid()))
+    store.commit()
+    return iter(out)
+
+
+def bump_counts_no_commit(store, rows):
+    """Gets only: what the counts would become, never committed."""
+    for row in rows:
+        old = store.get(int(row))
+        yield int(row), (old[0] if old else 0) + 1
+
+
+def dump_state(store, rows):
+    for key, value in store.iterator():
+        yield key[0], value[0]
+
+
+def worker_pid(store, rows):
+    yield os.getpid(), executor.executor_identity(), executor.worker_executor_id()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def info(root, run, version, num_partitions=PARTS):
+    return StatefulOperatorStateInfo(str(root), run, 0, version, num_partitions)
+
+
+def keys_rdd(sc, keys):
+    """Keys hash-partitioned into PARTS partitions (a key's rows all go to its store), read
+    through a pipelined Python map: the common shape of a micro-batch's input."""
+    return sc.parallelize([(k, None) for k in keys], 2).partitionBy(PARTS).keys()
+
+
+def state_at(sc, root, run, version):
+    rdd = map_partitions_with_read_state_store(sc.parallelize([], PARTS), dump_state, info(root, run, version), KEY,
+                                               VALUE, CONF)
+    return dict(rdd.collect())
+
+
+def files_of(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def expected_counts(*batches):
+    counts = {}
+    for batch in batches:
+        for k in batch:
+            counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+BATCHES = [list(range(0, 40)) + [3, 3, 17], list(range(20, 60)) + [3], list(range(50, 70)) * 2]
+
+
+# -- no Spark: identity, locations, state info, ending stores ----------------------------------------
+
+def test_state_info_is_a_frozen_value():
+    run = uuid.uuid4()
+    a = StatefulOperatorStateInfo("/ckpt", run, 2, 5, 4)
+    assert a == StatefulOperatorStateInfo("/ckpt", run, 2, 5, 4) and hash(a) == hash(StatefulOperatorStateInfo(
+        "/ckpt", run, 2, 5, 4))
+    with pytest.raises(AttributeError):
+        a.store_version = 6
+    assert a.provider_id(3).store_id.store_checkpoint_location() == "/ckpt/2/3"
+    assert a.provider_id(3).query_run_id == run
+    with pytest.raises(TypeError, match="uuid"):
+        StatefulOperatorStateInfo("/ckpt", str(run), 2, 5, 4)
+    with pytest.raises(ValueError, match="store_version"):
+        StatefulOperatorStateInfo("/ckpt", run, 2, -1, 4)
+    with pytest.raises(ValueError, match="num_partitions"):
+        StatefulOperatorStateInfo("/ckpt", run, 2, 0, 0)
+
+
+def test_spark_location_strips_the_worker_pid():
+    assert executor.spark_location("executor_127.0.0.1_1.4242") == "executor_127.0.0.1_1"
+    assert executor.spark_location("executor_10.0.0.7_driver.17") == "executor_10.0.0.7_driver"
+    assert executor.spark_location("executor_host-a_3") == "executor_host-a_3"
+    assert executor.spark_location(None) is None
+    with pytest.raises(ValueError):
+        executor.spark_location("127.0.0.1")
+
+
+def test_executor_identity_sources(monkeypatch):
+    monkeypatch.setattr(executor, "_identity", None)
+    monkeypatch.setenv("SPARK_LOG_URL_STDERR",
+                       "http://127.0.0.1:18081/logPage/?appId=app-2026-0001&executorId=7&logType=stderr")
+    monkeypatch.setenv("SPARK_LOCAL_IP", "10.1.2.3")
+    assert executor.executor_identity() == ("10.1.2.3", "7")
+    assert executor.worker_executor_id() == f"7.{os.getpid()}"
+    monkeypatch.setattr(executor, "_identity", None)
+    monkeypatch.delenv("SPARK_LOG_URL_STDERR")
+    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
+    # This process descends from no executor JVM: the local-mode answer.
+    assert executor.executor_identity() == ("127.0.0.1", "driver")
+    monkeypatch.setattr(executor, "_identity", None)
+
+
+@pytest.fixture
+def clean_registry():
+    registry.stop()
+    executor.ensure_worker_registry(None, None)
+    yield
+    registry.stop()
+
+
+def _task(root, run, version, fn, rows, read_only=False):
+    """One partition's generator, run in this process as a worker would run it."""
+    return glue._run_partition(0, iter(rows), fn, info(root, run, version, 1), KEY, VALUE, CONF, None, None, read_only,
+                               None)
+
+
+def _capture_store(holder, fn):
+    def wrapped(store, rows):
+        holder.append(store)
+        return fn(store, rows)
+    return wrapped
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_store_is_aborted_when_the_output_ends_fails_or_is_dropped(tmp_path):
+    run = uuid.uuid4()
+    stores = []
+    # Exhausted without a commit: aborted, nothing written.
+    assert list(_task(tmp_path, run, 0, _capture_store(stores, bump_counts_no_commit), [1, 2])) == [(1, 1), (2, 1)]
+    with pytest.raises(IllegalStateError):
+        stores[-1].put(1, (1,))
+    assert not os.path.exists(tmp_path / "0" / "0" / "1.delta")
+    # fn raises half way: aborted, the error propagates.
+    def failing(store, rows):
+        store.put(1, (5,))
+        yield 1
+        raise RuntimeError("boom")
+    out = _task(tmp_path, run, 0, _capture_store(stores, failing), [])
+    assert next(out) == 1
+    with pytest.raises(RuntimeError, match="boom"):
+        next(out)
+    with pytest.raises(IllegalStateError):
+        stores[-1].put(1, (1,))
+    # The consumer stops early (take(1)): closing the output aborts.
+    out = _task(tmp_path, run, 0, _capture_store(stores, bump_counts_no_commit), [1, 2, 3])
+    assert next(out) == (1, 1)
+    out.close()
+    with pytest.raises(IllegalStateError):
+        stores[-1].put(1, (1,))
+    # Committed: left alone; the read variant always aborts.
+    assert [k for k, _, _ in _task(tmp_path, run, 0, _capture_store(stores, bump_counts), [4, 4])] == [4]
+    assert stores[-1].has_committed
+    assert list(_task(tmp_path, run, 1, dump_state, [], read_only=True)) == [(4, 2)]
+    assert files_of(tmp_path / "0" / "0") == ["1.delta", "_statecore.schema.json"]
+    # fn must return something iterable.
+    with pytest.raises(TypeError, match="iterator"):
+        list(_task(tmp_path, run, 1, lambda store, rows: None, []))
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_later_task_aborts_stores_left_open_by_an_earlier_one(tmp_path, monkeypatch):
+    run = uuid.uuid4()
+    stores = []
+    monkeypatch.setattr(glue, "_task_attempt_id", lambda: 1)
+    left_open = _task(tmp_path, run, 0, _capture_store(stores, bump_counts_no_commit), [1, 2])
+    next(left_open)  # started, never finished nor closed (as if a reference cycle kept it)
+    stores[-1].put(9, (9,))  # still open
+    monkeypatch.setattr(glue, "_task_attempt_id", lambda: 2)
+    assert list(_task(tmp_path, run, 0, dump_state, [], read_only=True)) == []
+    with pytest.raises(IllegalStateError):
+        stores[0].put(9, (9,))
+    left_open.close()
+
+
+def test_functions_of_modules_the_workers_cannot_import_travel_by_value(tmp_path, monkeypatch):
+    from pyspark import cloudpickle
+
+    assert glue.ship_function_module(np.add) is None  # installed: by reference
+    assert glue.ship_function_module(executor.open_store) is None  # on every worker
+    (tmp_path / "cell_helpers_x1.py").write_text("def f(store, rows):\n    return iter(rows)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import cell_helpers_x1
+
+    try:
+        assert glue.ship_function_module(cell_helpers_x1.f) == "cell_helpers_x1"
+        assert "cell_helpers_x1" in cloudpickle.list_registry_pickle_by_value()
+    finally:
+        cloudpickle.unregister_pickle_by_value(cell_helpers_x1)
+        del sys.modules["cell_helpers_x1"]
+
+
+class _FakeContext:
+    """Enough of a SparkContext for pyspark_glue.driver (its activity is monkeypatched)."""
+
+    applicationId = "app-fake"
+    _jsc = object()
+
+    def getConf(self):
+        return {"spark.driver.host": "127.0.0.1"}
+
+
+def test_the_driver_coordinator_lives_as_long_as_its_context(monkeypatch):
+    active = {"yes"}
+    monkeypatch.setattr(driver, "_is_active", lambda sc: "yes" in active)
+    monkeypatch.setattr(driver, "_WATCH_INTERVAL_S", 0.05)
+    sc = _FakeContext()
+    ref = driver.coordinator_for(sc)
+    try:
+        assert driver.coordinator_for(sc) is ref and driver.active_coordinator(sc) is ref
+        run = uuid.uuid4()
+        pid = info("/ckpt", run, 0).provider_id(1)
+        ref.report_active_instance(pid, "127.0.0.1", "3.77")
+        assert executor.spark_location(ref.get_location(pid)) == "executor_127.0.0.1_3"
+        driver.deactivate(sc, run)
+        assert ref.get_location(pid) is None
+        active.clear()  # the context stopped: the watcher stops the coordinator
+
+        def service_gone():
+            return driver.active_coordinator(sc) is None
+
+        deadline = time.monotonic() + 10
+        while not service_gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service_gone()
+        with pytest.raises(RpcError):
+            ref.get_location(pid)
+        with pytest.raises(RuntimeError, match="stopped"):
+            driver.coordinator_for(sc)
+    finally:
+        driver.stop(sc)
+
+
+# -- Spark ---------------------------------------------------------------------------------------------
+
+@pytest.mark.spark
+def test_versions_advance_and_earlier_ones_stay_unchanged(spark, tmp_path):
+    sc = spark.sparkContext
+    run = uuid.uuid4()
+    assert state_at(sc, tmp_path, run, 0) == {}
+    states = []
+    for version, batch in enumerate(BATCHES):
+        out = map_partitions_with_state_store(keys_rdd(sc, batch), bump_counts, info(tmp_path, run, version), KEY,
+                                              VALUE, CONF).collect()
+        want = expected_counts(*BATCHES[:version + 1])
+        assert sorted((k, n) for k, n, _ in out) == sorted((k, want[k]) for k in set(batch))
+        states.append(want)
+    for version, want in enumerate(states, start=1):  # every version readable, as it was
+        assert state_at(sc, tmp_path, run, version) == want
+    assert state_at(sc, tmp_path, run, 0) == {}
+    for p in range(PARTS):
+        assert {"1.delta", "2.delta", "3.delta"} <= set(os.listdir(tmp_path / "0" / str(p)))
+
+
+@pytest.mark.spark
+def test_recomputing_a_partition_gives_the_same_result(spark, tmp_path):
+    sc = spark.sparkContext
+    run = uuid.uuid4()
+    map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE,
+                                    CONF).collect()
+    rdd = map_partitions_with_state_store(keys_rdd(sc, BATCHES[1]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,
+                                          CONF)
+    first = sorted((k, n) for k, n, _ in rdd.collect())
+    assert sorted((k, n) for k, n, _ in rdd.collect()) == first  # a second action re-runs every task
+    assert rdd.map(lambda t: t[:2]).take(1)[0] in first  # a partial one, too
+    assert state_at(sc, tmp_path, run, 2) == expected_counts(*BATCHES[:2])  # version 2 committed again, same
+    assert state_at(sc, tmp_path, run, 1) == expected_counts(BATCHES[0])
+
+
+@pytest.mark.spark
+def test_workers_survive_tasks_that_ignore_or_stop_reading_their_rows(spark, tmp_path):
+    """PySpark reuses a worker only if its task read all its input; the output wrapper reads
+    the rest, so the stores loaded in a worker stay there."""
+    sc = spark.sparkContext
+    run = uuid.uuid4()
+    pids = set()
+    for version in range(3):
+        rdd = map_partitions_with_read_state_store(keys_rdd(sc, range(100)), worker_pid, info(tmp_path, run, 0),
+                                                   KEY, VALUE, CONF)
+        pids |= {pid for pid, _, _ in (rdd.collect() if version % 2 == 0 else rdd.take(1))}
+    assert len(pids) <= 2  # local[2]: the two workers of the pool, never a replacement
+
+
+@pytest.mark.spark
+def test_gets_only_tasks_abort_and_write_nothing(spark, tmp_path):
+    sc = spark.sparkContext
+    run = uuid.uuid4()
+    map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE,
+                                    CONF).collect()
+    before = files_of(tmp_path)
+    out = map_partitions_with_state_store(keys_rdd(sc, [3, 17, 99]), bump_counts_no_commit, info(tmp_path, run, 1),
+                                          KEY, VALUE, CONF).collect()
+    assert sorted(out) == [(3, 4), (17, 3), (99, 1)]
+    assert files_of(tmp_path) == before
+    assert not any(name.endswith("2.delta") for name in before)
+    assert state_at(sc, tmp_path, run, 1) == expected_counts(BATCHES[0])
+    # Version 1 is still the one to build on.
+    out = map_partitions_with_state_store(keys_rdd(sc, [3]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,
+                                          CONF).collect()
+    assert [(k, n) for k, n, _ in out] == [(3, 4)]
+
+
+@pytest.mark.spark
+def test_recovery_in_new_worker_processes_loads_from_files(spark, tmp_path):
+    """A new session, for statecore, is new Python workers: the registry lives in them, not in
+    the JVM. PySpark keys its worker pools by the tasks' environment variables, so a job
+    built with another value in ``sc.environment`` runs in a brand-new daemon and workers
+    with empty registries; same checkpoint, same run id (as Spark's "recovering from files")."""
+    sc = spark.sparkContext
+    run = uuid.uuid4()
+    old_pids = set()
+    for version, batch in enumerate(BATCHES[:2]):
+        out = map_partitions_with_state_store(keys_rdd(sc, batch), bump_counts, info(tmp_path, run, version), KEY,
+                                              VALUE, CONF).collect()
+        old_pids |= {pid for _, _, pid in out}
+    sc.environment["STATECORE_TEST_FRESH_WORKERS"] = uuid.uuid4().hex
+    try:
+        loads = glue.load_count_accumulator(sc)
+        out = map_partitions_with_state_store(keys_rdd(sc, BATCHES[2]), bump_counts, info(tmp_path, run, 2), KEY,
+                                              VALUE, CONF, load_accumulator=loads).collect()
+        new_pids = {pid for _, _, pid in out}
+        recovered = state_at(sc, tmp_path, run, 3)  # also fresh workers: built while the variable is set
+    finally:
+        del sc.environment["STATECORE_TEST_FRESH_WORKERS"]
+    assert new_pids and not new_pids & old_pids
+    assert loads.value == (0, PARTS)  # every store came from files
+    want = expected_counts(*BATCHES)
+    assert sorted((k, n) for k, n, _ in out) == sorted((k, want[k]) for k in set(BATCHES[2]))
+    assert recovered == want
+
+
+@pytest.mark.spark
+def test_locations_reach_the_coordinator_and_become_preferences(spark, tmp_path):
+    sc = spark.sparkContext
+    coordinator = driver.coordinator_for(spark)
+    assert driver.coordinator_for(sc).address == coordinator.address  # one per SparkContext
+    run = uuid.uuid4()
+    plain = map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE,
+                                            CONF, coordinator)
+    jsc = sc._jsc.sc()
+    assert [str(jsc.getPreferredLocs(plain._jrdd.rdd(), p)) for p in range(PARTS)] == ["List()"] * PARTS
+    pids = {pid for _, _, pid in plain.collect()}
+    locations = [coordinator.get_location(info(tmp_path, run, 0).provider_id(p)) for p in range(PARTS)]
+    assert {loc.rsplit(".", 1)[0] for loc in locations} == {"executor_127.0.0.1_driver"}
+    assert {int(loc.rsplit(".", 1)[1]) for loc in locations} <= pids
+
+    # The next batches' tasks prefer where their stores are: a pipelined parent, a text file, a DataFrame.
+    loads = glue.load_count_accumulator(sc)
+    piloted = map_partitions_with_state_store(keys_rdd(sc, BATCHES[1]), bump_counts, info(tmp_path, run, 1), KEY,
+                                              VALUE, CONF, coordinator, load_accumulator=loads)
+    assert [str(jsc.getPreferredLocs(piloted._jrdd.rdd(), p)) for p in range(PARTS)] == [
+        "List(executor_127.0.0.1_driver)"] * PARTS
+    want = expected_counts(*BATCHES[:2])
+    assert sorted((k, n) for k, n, _ in piloted.collect()) == sorted((k, want[k]) for k in set(BATCHES[1]))
+    assert sum(loads.value) == PARTS
+    text = tmp_path / "keys.txt"  # new keys, once each: whichever partition a line lands in is right
+    text.write_text("".join(f"{k}\n" for k in range(1000, 1040)))
+    lines = sc.textFile(str(text), PARTS).coalesce(PARTS)
+    assert lines.getNumPartitions() == PARTS
+    out = map_partitions_with_state_store(lines, bump_counts, info(tmp_path, run, 2), KEY, VALUE, CONF,
+                                          coordinator).collect()
+    assert sorted((k, n) for k, n, _ in out) == [(k, 1) for k in range(1000, 1040)]
+    rows = spark.range(2000, 2040, numPartitions=PARTS).rdd.map(lambda row: row.id)  # DataFrame rows
+    out = map_partitions_with_state_store(rows, bump_counts, info(tmp_path, run, 3), KEY, VALUE, CONF,
+                                          coordinator).collect()
+    assert sorted((k, n) for k, n, _ in out) == [(k, 1) for k in range(2000, 2040)]
+
+    # Stopping the query forgets its instances: no preferences any more.
+    driver.deactivate(spark, run)
+    assert all(coordinator.get_location(info(tmp_path, run, 0).provider_id(p)) is None for p in range(PARTS))
+    again = map_partitions_with_state_store(keys_rdd(sc, []), worker_pid, info(tmp_path, run, 4), KEY, VALUE, CONF,
+                                            coordinator)
+    assert [str(jsc.getPreferredLocs(again._jrdd.rdd(), p)) for p in range(PARTS)] == ["List()"] * PARTS
+    identities = again.collect()
+    assert {ident for _, ident, _ in identities} == {("127.0.0.1", "driver")}
+    assert all(wid == f"driver.{pid}" for pid, _, wid in identities)
+
+
+@pytest.mark.spark
+def test_a_coordinator_that_went_away_is_not_fatal(spark, tmp_path):
+    sc = spark.sparkContext
+    env = RpcEnv()
+    coordinator = StateStoreCoordinatorRef.for_driver(env)
+    run = uuid.uuid4()
+    map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE, CONF,
+                                    coordinator).collect()
+    assert coordinator.get_location(info(tmp_path, run, 0).provider_id(0)) is not None
+    env.shutdown()
+    out = map_partitions_with_state_store(keys_rdd(sc, BATCHES[1]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,
+                                          CONF, coordinator).collect()  # driver and workers cannot reach it
+    want = expected_counts(*BATCHES[:2])
+    assert sorted((k, n) for k, n, _ in out) == sorted((k, want[k]) for k in set(BATCHES[1]))
+
+
+@pytest.mark.spark
+def test_the_partition_count_is_checked(spark, tmp_path):
+    with pytest.raises(ValueError, match="partitions"):
+        map_partitions_with_state_store(spark.sparkContext.parallelize([1], 2), bump_counts,
+                                        info(tmp_path, uuid.uuid4(), 0), KEY, VALUE)

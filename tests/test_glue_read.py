@@ -1,0 +1,121 @@
+"""read_state on real Spark (local[2]) over stores written with the engine directly: column
+names and Spark types (S<n> as binary without trailing NULs, unsigned integers widened),
+values, partition ids, a given version, the default version, and the errors."""
+import decimal
+
+import numpy as np
+import pytest
+
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from statecore.errors import VersionNotFoundError
+
+KEY = np.dtype([("name", "S6"), ("id", "<u2")])
+VALUE = np.dtype([("u8", "u1"), ("u32", "<u4"), ("u64", "<u8"), ("i8", "i1"), ("i16", "<i2"), ("i32", "<i4"),
+                  ("f32", "<f4"), ("f64", "<f8"), ("flag", "?")])
+
+
+def rows(partition, version, n=5):
+    """Deterministic keys and values of one partition at one version (extremes included)."""
+    keys = np.zeros(n, KEY)
+    keys["name"] = [f"p{partition}k{i}".encode()[:6] for i in range(n)]
+    keys["name"][0] = b""  # the empty name
+    keys["id"] = np.arange(n) + [0, 65535 - n, 0, 0, 0][:n]
+    values = np.zeros(n, VALUE)
+    values["u8"] = 255 - np.arange(n)
+    values["u32"] = 2**32 - 1 - version
+    values["u64"] = 2**64 - 1 - np.arange(n, dtype=np.uint64) - np.uint64(version)
+    values["i8"], values["i16"], values["i32"] = -128 + version, -(2**15), 2**31 - 1
+    values["f32"], values["f64"] = 0.5 * version, -1.25 * version
+    values["flag"] = np.arange(n) % 2 == 0
+    return keys, values
+
+
+def write_versions(root, newest):
+    """Partition p of operator 3 gets versions 1..newest[p], version v holding rows(p, v)."""
+    conf = StateStoreConf()
+    for p, last in enumerate(newest):
+        provider = create_and_init_provider(StateStoreId(root, 3, p), KEY, VALUE, conf)
+        for v in range(last):
+            store = provider.get_store(v)
+            keys, values = rows(p, v + 1)
+            store.put_batch(keys, values)
+            store.commit()
+        provider.close()
+
+
+def expected(partitions, version):
+    out = {}
+    for p in partitions:
+        keys, values = rows(p, version)
+        for k, v in zip(keys.tolist(), values.tolist()):
+            out[(k[0], k[1])] = (*v, p)
+    return out
+
+
+def as_dict(df):
+    out = {}
+    for r in df.collect():
+        d = r.asDict()
+        key = (bytes(d.pop("name")), d.pop("id"))
+        out[key] = tuple(d.values())
+    return out
+
+
+def normalize(expected_rows):
+    """Expected tuples as Spark returns them: uint64 as Decimal, float32 rounded as float32."""
+    out = {}
+    for key, v in expected_rows.items():
+        v = list(v)
+        v[2] = decimal.Decimal(int(v[2]))
+        v[6] = float(np.float32(v[6]))
+        out[key] = tuple(v)
+    return out
+
+
+@pytest.mark.spark
+def test_read_state_columns_types_and_values(spark, tmp_path):
+    from pyspark_glue import read_state
+
+    root = str(tmp_path / "state")
+    write_versions(root, [2, 2])
+    df = read_state(spark, root, 3)
+    assert df.columns == ["name", "id", "u8", "u32", "u64", "i8", "i16", "i32", "f32", "f64", "flag",
+                          "partition_id"]
+    assert [f.dataType.simpleString() for f in df.schema.fields] == [
+        "binary", "int", "smallint", "bigint", "decimal(20,0)", "tinyint", "smallint", "int", "float", "double",
+        "boolean", "int"]
+    got = as_dict(df)
+    assert got == normalize(expected([0, 1], 2))
+    assert (b"", 0) in got  # S<n> comes back without trailing NULs: the empty name is b""
+    assert got[(b"p0k1", 65531)][2] == decimal.Decimal(2**64 - 4)  # uint64 near its maximum, exact
+    assert df.rdd.getNumPartitions() == 2  # one task per partition
+
+
+@pytest.mark.spark
+def test_read_state_versions(spark, tmp_path):
+    from pyspark_glue import read_state
+
+    root = str(tmp_path / "state")
+    write_versions(root, [3, 2])  # partition 0 is one version ahead (a batch that failed half-way)
+    assert as_dict(read_state(spark, root, 3)) == normalize(expected([0, 1], 2))  # newest common version
+    assert as_dict(read_state(spark, root, 3, version=1)) == normalize(expected([0, 1], 1))
+    assert read_state(spark, root, 3, version=0).count() == 0
+    with pytest.raises(VersionNotFoundError, match=r"version 3 .*partition\(s\) \[1\]"):
+        read_state(spark, root, 3, version=3)
+
+
+@pytest.mark.spark
+def test_read_state_errors(spark, tmp_path):
+    from pyspark_glue import read_state
+
+    with pytest.raises(FileNotFoundError, match="no state of operator 3"):
+        read_state(spark, str(tmp_path / "nothing"), 3)
+    root = str(tmp_path / "dup")
+    provider = create_and_init_provider(StateStoreId(root, 0, 0), np.dtype([("k", "<i8")]),
+                                        np.dtype([("k", "<i8"), ("partition_id", "<i4")]), StateStoreConf())
+    store = provider.get_store(0)
+    store.put((1,), (2, 3))
+    store.commit()
+    provider.close()
+    with pytest.raises(ValueError, match=r"\['k', 'partition_id'\] repeat"):
+        read_state(spark, root, 0)
