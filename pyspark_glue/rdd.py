@@ -45,11 +45,12 @@ Preferred locations (with ``coordinator=``)
     internals (``PipelinedRDD._prev_jrdd``, ``.func``, ``_prev_jrdd_deserializer``); a
     parent that is cached, checkpointed, in a barrier stage or not pickled (a text file) is
     zipped as it is, its own Python stage, if any, then running in a second worker. The
-    locations are looked up when this function is called
-    (build a new RDD per micro-batch, as Spark does). When the coordinator knows no location
-    (the first batch) or is unreachable, there is no pilot and rows stream as usual. The
-    preference is soft (``spark.locality.wait``): a task may still run elsewhere, and then
-    loads its store from the checkpoint files.
+    locations are looked up when this function is called (one coordinator ask per partition,
+    and about 0.4 ms of py4j calls per partition to build the pilot: 0.1 s for 200
+    partitions on this machine): build a new RDD per micro-batch, as Spark does. When the
+    coordinator knows no location (the first batch) or is unreachable, there is no pilot and
+    rows stream as usual. The preference is soft (``spark.locality.wait``): a task may still
+    run elsewhere, and then loads its store from the checkpoint files.
 
 Functions defined anywhere
     ``fn`` is pickled with PySpark's cloudpickle. If its module could not be imported on the
@@ -246,15 +247,23 @@ def preferred_locations(state_info, coordinator):
 
 def _pilot_jrdd(sc, locations):
     """A JVM RDD of one marker string per partition, partition ``p`` preferring
-    ``locations[p]`` (``makeRDD`` through py4j: PYSPARK_NOTES section 1)."""
+    ``locations[p]`` (``makeRDD`` through py4j: PYSPARK_NOTES section 1). Every py4j call is
+    a round trip, so class handles are looked up once and partitions with the same locations
+    share one Scala list: about two calls per partition."""
     jvm = sc._jvm
     converters = jvm.scala.jdk.javaapi.CollectionConverters
-    pairs = jvm.java.util.ArrayList()
+    array_list, tuple2 = jvm.java.util.ArrayList, jvm.scala.Tuple2
+    scala_lists = {}
+    pairs = array_list(len(locations))
     for p, locs in enumerate(locations):
-        jlocs = jvm.java.util.ArrayList()
-        for loc in locs:
-            jlocs.add(loc)
-        pairs.add(jvm.scala.Tuple2(f"p{p}", converters.asScala(jlocs).toList()))
+        key = tuple(locs)
+        scala_list = scala_lists.get(key)
+        if scala_list is None:
+            jlocs = array_list(len(key))
+            for loc in key:
+                jlocs.add(loc)
+            scala_list = scala_lists[key] = converters.asScala(jlocs).toList()
+        pairs.add(tuple2(f"p{p}", scala_list))
     class_tag = jvm.scala.reflect.ClassTag.apply(jvm.java.lang.Class.forName("java.lang.String"))
     return sc._jsc.sc().makeRDD(converters.asScala(pairs).toList(), class_tag).toJavaRDD()
 

@@ -163,6 +163,7 @@ def _capture_store(holder, fn):
 def test_store_is_aborted_when_the_output_ends_fails_or_is_dropped(tmp_path):
     run = uuid.uuid4()
     stores = []
+    executor.reset_load_counts()
     # Exhausted without a commit: aborted, nothing written.
     assert list(_task(tmp_path, run, 0, _capture_store(stores, bump_counts_no_commit), [1, 2])) == [(1, 1), (2, 1)]
     with pytest.raises(IllegalStateError):
@@ -190,6 +191,7 @@ def test_store_is_aborted_when_the_output_ends_fails_or_is_dropped(tmp_path):
     assert stores[-1].has_committed
     assert list(_task(tmp_path, run, 1, dump_state, [], read_only=True)) == [(4, 2)]
     assert files_of(tmp_path / "0" / "0") == ["1.delta", "_statecore.schema.json"]
+    assert executor.load_counts() == {"already_loaded": 4, "loaded_from_files": 1}  # one provider, 5 opens
     # fn must return something iterable.
     with pytest.raises(TypeError, match="iterator"):
         list(_task(tmp_path, run, 1, lambda store, rows: None, []))
