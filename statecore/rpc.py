@@ -106,6 +106,8 @@ import time
 import traceback
 import weakref
 
+from statecore._rpccodec import (MAX_DEPTH, decode_envelope as _decode_envelope, decode_value,
+                                 encode_frame as _encode_frame, encode_value, type_name as _type_name)
 from statecore.errors import AuthenticationError, StateStoreError
 
 __all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "endpoint_ref", "close_connections", "RpcError",
@@ -114,7 +116,6 @@ __all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "endpoint_ref", "close_con
 
 log = logging.getLogger(__name__)
 
-MAX_DEPTH = 64
 DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
 DEFAULT_IO_TIMEOUT_S = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
@@ -130,9 +131,7 @@ _SERVER_LABEL = b"statecore-rpc server"
 _SEND, _ASK, _REPLY, _ERROR = 1, 2, 3, 4
 
 _U32 = struct.Struct(">I")
-_HEADER = struct.Struct(">IBQH")  # frame length, kind, request id, name length
-_ENVELOPE = struct.Struct(">BQH")  # the header less the frame length
-_ENVELOPE_BYTES = _ENVELOPE.size
+_unpack_u32 = _U32.unpack_from
 
 _request_ids = itertools.count(1)  # next() is atomic under the GIL: one sequence per process
 
@@ -164,195 +163,9 @@ class _NotSent(Exception):
 
 
 # -- values ------------------------------------------------------------------------------------
-
-_pack_tag_u32 = struct.Struct(">BI").pack
-_pack_int = struct.Struct(">Bq").pack
-_pack_float = struct.Struct(">Bd").pack
-_unpack_u32 = _U32.unpack_from
-_unpack_int = struct.Struct(">q").unpack_from
-_unpack_float = struct.Struct(">d").unpack_from
-
-_T_NONE, _T_FALSE, _T_TRUE, _T_INT, _T_FLOAT = b"N", b"F", b"T", ord("i"), ord("f")
-_T_STR, _T_BYTES, _T_TUPLE, _T_LIST, _T_DICT = ord("s"), ord("b"), ord("t"), ord("l"), ord("d")
-_SCALAR_TYPES = frozenset([type(None), bool, int, float, str, bytes])
-_SCALAR_TAGS = frozenset(b"NFTifsb")
-_INT_MIN, _INT_MAX = -2**63, 2**63 - 1
-
-
-def _encode(value, out, depth):
-    """Append the encoding of ``value`` to the list ``out``. The common scalars inside a
-    tuple or list are written inline: a call per item is most of the cost in CPython."""
-    t = type(value)
-    if t is tuple or t is list:
-        if depth >= MAX_DEPTH:
-            raise ValueError(f"cannot encode a value nested deeper than {MAX_DEPTH} containers for RPC")
-        append = out.append
-        append(_pack_tag_u32(_T_TUPLE if t is tuple else _T_LIST, len(value)))
-        for item in value:
-            t = type(item)
-            if t is str:
-                data = item.encode()
-                append(_pack_tag_u32(_T_STR, len(data)))
-                append(data)
-            elif t is int and _INT_MIN <= item <= _INT_MAX:
-                append(_pack_int(_T_INT, item))
-            elif item is None:
-                append(_T_NONE)
-            else:
-                _encode(item, out, depth + 1)
-    elif t is str:
-        data = value.encode()
-        out.append(_pack_tag_u32(_T_STR, len(data)))
-        out.append(data)
-    elif t is int:
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise ValueError(f"cannot encode int {value} for RPC: outside the signed 64-bit range")
-        out.append(_pack_int(_T_INT, value))
-    elif value is None:
-        out.append(_T_NONE)
-    elif t is bool:
-        out.append(_T_TRUE if value else _T_FALSE)
-    elif t is float:
-        out.append(_pack_float(_T_FLOAT, value))
-    elif t is bytes:
-        out.append(_pack_tag_u32(_T_BYTES, len(value)))
-        out.append(value)
-    elif t is dict:
-        if depth >= MAX_DEPTH:
-            raise ValueError(f"cannot encode a value nested deeper than {MAX_DEPTH} containers for RPC")
-        out.append(_pack_tag_u32(_T_DICT, len(value)))
-        for key, item in value.items():
-            if type(key) not in _SCALAR_TYPES:
-                raise TypeError(f"cannot encode a dict key of type {_type_name(type(key))} for RPC: keys must "
-                                f"be None, bool, int, float, str or bytes")
-            _encode(key, out, depth + 1)
-            _encode(item, out, depth + 1)
-    else:
-        raise TypeError(f"cannot encode a value of type {_type_name(t)} for RPC: supported are None, bool, int, "
-                        f"float, str, bytes, tuple, list and dict")
-
-
-def _decode(buf, pos, depth):
-    """The value encoded at ``buf[pos]`` and the position after it. Truncation shows as
-    IndexError or struct.error, bad utf-8 as UnicodeDecodeError (the caller turns them into
-    RpcProtocolError). Strings and ints inside a tuple or list are read inline."""
-    tag = buf[pos]
-    if tag == _T_TUPLE or tag == _T_LIST:
-        if depth >= MAX_DEPTH:
-            raise RpcProtocolError(f"value nested deeper than {MAX_DEPTH} containers")
-        n = _unpack_u32(buf, pos + 1)[0]
-        pos += 5
-        size = len(buf)
-        if n > size - pos:  # every item takes at least one byte: refuse before allocating
-            raise IndexError
-        items = []
-        append = items.append
-        for _ in range(n):
-            tag_i = buf[pos]
-            if tag_i == _T_STR:
-                start = pos + 5
-                pos = start + _unpack_u32(buf, pos + 1)[0]
-                if pos > size:
-                    raise IndexError
-                append(buf[start:pos].decode())
-            elif tag_i == _T_INT:
-                append(_unpack_int(buf, pos + 1)[0])
-                pos += 9
-            else:
-                item, pos = _decode(buf, pos, depth + 1)
-                append(item)
-        return (tuple(items) if tag == _T_TUPLE else items), pos
-    pos += 1
-    if tag == _T_STR or tag == _T_BYTES:
-        start = pos + 4
-        end = start + _unpack_u32(buf, pos)[0]
-        if end > len(buf):
-            raise IndexError
-        return (buf[start:end].decode() if tag == _T_STR else bytes(buf[start:end])), end
-    if tag == _T_INT:
-        return _unpack_int(buf, pos)[0], pos + 8
-    if tag == 78:  # N
-        return None, pos
-    if tag == 84:  # T
-        return True, pos
-    if tag == 70:  # F
-        return False, pos
-    if tag == _T_FLOAT:
-        return _unpack_float(buf, pos)[0], pos + 8
-    if tag == _T_DICT:
-        if depth >= MAX_DEPTH:
-            raise RpcProtocolError(f"value nested deeper than {MAX_DEPTH} containers")
-        n = _unpack_u32(buf, pos)[0]
-        pos += 4
-        if n > len(buf) - pos:
-            raise IndexError
-        d = {}
-        for i in range(n):
-            if buf[pos] not in _SCALAR_TAGS:
-                raise RpcProtocolError(f"dict key with tag {buf[pos]:#04x} at byte {pos}: keys must be scalars")
-            key, pos = _decode(buf, pos, depth + 1)
-            d[key], pos = _decode(buf, pos, depth + 1)
-            if len(d) != i + 1:
-                raise RpcProtocolError(f"duplicate dict key {key!r}")
-        return d, pos
-    raise RpcProtocolError(f"unknown value tag {tag:#04x} at byte {pos - 1}")
-
-
-def _decode_exactly(buf, pos):
-    """The one value in ``buf[pos:]``; anything else is an RpcProtocolError."""
-    try:
-        value, end = _decode(buf, pos, 0)
-    except (IndexError, struct.error):
-        raise RpcProtocolError(f"truncated value ({len(buf) - pos} bytes)") from None
-    except UnicodeDecodeError as e:
-        raise RpcProtocolError(f"invalid utf-8 in a string: {e.reason}") from None
-    if end != len(buf):
-        raise RpcProtocolError(f"{len(buf) - end} trailing bytes after the value")
-    return value
-
-
-def encode_value(value):
-    """The wire encoding of ``value`` (see the module docstring); TypeError for an unsupported type."""
-    out = []
-    _encode(value, out, 0)
-    return b"".join(out)
-
-
-def decode_value(data):
-    """The value of ``encode_value``'s bytes; RpcProtocolError for anything malformed."""
-    return _decode_exactly(bytes(data), 0)
-
-
-def _type_name(t):
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
-def _frame(kind, request_id, name_bytes, value):
-    """One complete frame, ready for a single ``sendall``."""
-    parts = []
-    _encode(value, parts, 0)
-    payload = b"".join(parts)
-    size = _ENVELOPE_BYTES + len(name_bytes) + len(payload)
-    if size > _MAX_U32:
-        raise ValueError(f"message of {size} bytes is too large for one RPC frame")
-    return _HEADER.pack(size, kind, request_id, len(name_bytes)) + name_bytes + payload
-
-
-def _parse(body):
-    """(kind, request id, name, value) of one frame body."""
-    if len(body) < _ENVELOPE_BYTES:
-        raise RpcProtocolError(f"frame of {len(body)} bytes is shorter than an envelope")
-    kind, request_id, name_len = _ENVELOPE.unpack_from(body)
-    pos = _ENVELOPE_BYTES + name_len
-    if kind not in (_SEND, _ASK, _REPLY, _ERROR):
-        raise RpcProtocolError(f"unknown message kind {kind}")
-    if pos > len(body):
-        raise RpcProtocolError("truncated endpoint name")
-    try:
-        name = str(body[_ENVELOPE_BYTES:pos], "utf-8") if name_len else ""
-    except UnicodeDecodeError:
-        raise RpcProtocolError("endpoint name is not utf-8") from None
-    return kind, request_id, name, _decode_exactly(body, pos)
+# The codec and the envelope are compiled (statecore/_rpccodec.pyx): encode_value,
+# decode_value, _encode_frame(kind, request_id, name_bytes, value) -> one complete frame, and
+# _decode_envelope(body) -> (kind, request id, name, value), RpcProtocolError if malformed.
 
 
 def _encode_name(name):
@@ -726,7 +539,7 @@ class _ClientConnection:
                 body = reader.read(deadline)
                 if body is None:
                     return None
-                kind, rid, _name, value = _parse(body)
+                kind, rid, _name, value = _decode_envelope(body)
                 if kind != _REPLY and kind != _ERROR:
                     raise RpcProtocolError(f"unexpected message kind {kind} from the server")
                 if rid == request_id:
@@ -924,7 +737,7 @@ class RpcEndpointRef:
         """Deliver ``message`` to the endpoint's ``receive``; returns once it is written.
 
         At most once: see the module docstring for the case where a send is lost."""
-        frame = _frame(_SEND, 0, self._name_bytes, message)
+        frame = _encode_frame(_SEND, 0, self._name_bytes, message)
         for attempt in (0, 1):
             conn = self._connection(frame, None, attempt)
             if conn is None:
@@ -942,7 +755,7 @@ class RpcEndpointRef:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
         request_id = next(_request_ids)
-        frame = _frame(_ASK, request_id, self._name_bytes, message)
+        frame = _encode_frame(_ASK, request_id, self._name_bytes, message)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for attempt in (0, 1):
             conn = self._connection(frame, deadline, attempt)
@@ -1149,7 +962,7 @@ class _Dispatcher:
                     log.exception("endpoint %r at %s failed to handle a one-way message", self.name, self.where)
                 return
             try:
-                frame = _frame(_REPLY, request_id, b"", self.endpoint.receive_and_reply(message))
+                frame = _encode_frame(_REPLY, request_id, b"", self.endpoint.receive_and_reply(message))
                 if len(frame) - 4 > conn.peer_max_frame:
                     raise ValueError(f"reply of {len(frame) - 4} bytes exceeds the asker's frame limit of "
                                      f"{conn.peer_max_frame} bytes")
@@ -1167,9 +980,9 @@ class _Dispatcher:
 
 def _error_frame(request_id, remote_type, text, remote_traceback="", limit=_MIN_FRAME_BYTES):
     """An error reply, shortened until it fits the asker's frame ``limit``."""
-    frame = _frame(_ERROR, request_id, b"", (remote_type, text[:16384], remote_traceback[-32768:]))
+    frame = _encode_frame(_ERROR, request_id, b"", (remote_type, text[:16384], remote_traceback[-32768:]))
     if len(frame) - 4 > limit:
-        frame = _frame(_ERROR, request_id, b"", (remote_type[:200], text[:500], ""))
+        frame = _encode_frame(_ERROR, request_id, b"", (remote_type[:200], text[:500], ""))
     return frame
 
 
@@ -1345,7 +1158,7 @@ class RpcEnv:
                     if str(e) != "connection closed":
                         log.warning("RPC server on %s: %s %s", self._where, where, e)
                     return
-                kind, request_id, name, message = _parse(body)
+                kind, request_id, name, message = _decode_envelope(body)
                 if kind == _SEND:
                     dispatcher = endpoints.get(name)
                     if dispatcher is None or not dispatcher.deliver(conn, None, message):

@@ -6,7 +6,7 @@ import pytest
 
 import statecore
 
-COMPILED = ["statecore._hash", "statecore._rowtable", "statecore._snapshot", "statecore._delta"]
+COMPILED = ["statecore._hash", "statecore._rowtable", "statecore._snapshot", "statecore._delta", "statecore._rpccodec"]
 
 
 @pytest.mark.parametrize("name", COMPILED)
