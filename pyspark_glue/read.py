@@ -28,8 +28,7 @@ from statecore.conf import StateStoreConf
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId
-from statecore.schema import RowSchema
-from statecore.store import SCHEMA_FILE, create_and_init_provider
+from statecore.store import SCHEMA_FILE, create_and_init_provider, read_store_schemas
 
 from pyspark_glue.operator import OPERATOR_METADATA_FILE, spark_schema_of, to_record_batch
 
@@ -86,17 +85,10 @@ def state_partitions(checkpoint_root, operator_id, store_name="default", conf=No
         files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
         deltas, snapshots = files.list_versions()
         found[p] = max([0, *deltas, *snapshots])
-        try:
-            raw = files.read_bytes(SCHEMA_FILE)
-        except FileNotFoundError:
+        recorded = read_store_schemas(files)
+        if recorded is None:
             continue
-        try:
-            record = json.loads(raw)
-            key = RowSchema.from_description(record["key"])
-            value = RowSchema.from_description(record["value"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise StateCorruptionError(files.path(SCHEMA_FILE), None, f"unreadable schema file: {e}") from None
-        schemas[p] = (key, value, files.path(SCHEMA_FILE))
+        schemas[p] = (*recorded, files.path(SCHEMA_FILE))
     if not schemas:
         raise FileNotFoundError(f"no state of operator {operator_id} (store {store_name!r}) under {checkpoint_root}: "
                                 f"no store directory there has a {SCHEMA_FILE}")

@@ -698,16 +698,10 @@ class FileStateStoreProvider(StateStoreProvider):
                 "value": self._value_schema.describe()}
 
     def _check_schema_file(self):
-        try:
-            raw = self._files.read_bytes(SCHEMA_FILE)
-        except FileNotFoundError:
+        stored = read_store_schemas(self._files)
+        if stored is None:
             return
-        try:
-            recorded = json.loads(raw)
-            stored_key = RowSchema.from_description(recorded["key"])
-            stored_value = RowSchema.from_description(recorded["value"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise StateCorruptionError(self._files.path(SCHEMA_FILE), None, f"unreadable schema file: {e}") from None
+        stored_key, stored_value = stored
         for part, stored, given in (("key", stored_key, self._key_schema),
                                     ("value", stored_value, self._value_schema)):
             if stored != given:
@@ -853,6 +847,19 @@ class FileStateStoreProvider(StateStoreProvider):
                 "loadedMapCacheMissCount": self._misses,
             })
 
+
+def read_store_schemas(files):
+    """``(key_schema, value_schema)`` a store directory recorded with its first commit, or
+    None if it has none yet; StateCorruptionError if the schema file is unreadable."""
+    try:
+        raw = files.read_bytes(SCHEMA_FILE)
+    except FileNotFoundError:
+        return None
+    try:
+        recorded = json.loads(raw)
+        return RowSchema.from_description(recorded["key"]), RowSchema.from_description(recorded["value"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise StateCorruptionError(files.path(SCHEMA_FILE), None, f"unreadable schema file: {e}") from None
 
 class _SnapshotSwap:
     """Maps a snapshot just written of a frozen state at ``version`` and swaps it in as the
