@@ -357,13 +357,15 @@ def ref_decode(data):
             raw, pos = take(pos, 4)
             items = []
             for _ in range(int.from_bytes(raw, "big")):
-                if tag == b"d" and data[pos:pos + 1] not in (b"N", b"F", b"T", b"i", b"f", b"s", b"b"):
-                    raise RefMalformed("key")
-                item, pos = value(pos, depth + 1)
                 if tag == b"d":
-                    item = (item, *value(pos, depth + 1))
-                    item, pos = item[:2], item[2]
-                items.append(item)
+                    if data[pos:pos + 1] not in (b"N", b"F", b"T", b"i", b"f", b"s", b"b"):
+                        raise RefMalformed("key")
+                    key, pos = value(pos, depth + 1)
+                    item, pos = value(pos, depth + 1)
+                    items.append((key, item))
+                else:
+                    item, pos = value(pos, depth + 1)
+                    items.append(item)
             if tag == b"d":
                 d = dict(items)
                 if len(d) != len(items):
