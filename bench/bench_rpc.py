@@ -8,7 +8,9 @@ For each (client processes x threads per process):
    (aggregate) and the p50/p99 latency of one ask;
 2. send: every thread sends one-way messages for ``--seconds``, then asks for the number
    the server counted from it (the ask is a flush); sends/s up to that answer, and a check
-   that nothing was lost.
+   that nothing was lost. Also, for statecore: ``flush s`` (from the end of sending to the
+   last flush answer: the backlog the senders left), ``queue`` (the endpoint's longest
+   queue, sampled every 5 ms) and ``RSS MiB`` (the server process's peak resident size).
 The message is a coordinator-sized tuple (a provider id, a host, an executor id). The
 server is this process: for statecore one endpoint, which handles one message at a time
 as the coordinators' endpoints do; for multiprocessing.connection a thread per
@@ -150,13 +152,42 @@ def _client_process(system, mode, address, authkey, threads, tag, start_at, seco
 
 # -- one measurement ---------------------------------------------------------------------------
 
+def _reset_peak_rss():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets VmHWM to the current size
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mib():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _sample_queue(dispatcher, stop, peak):
+    """The longest the endpoint's queue gets (white box, so it works on older statecore too)."""
+    while not stop.wait(0.005):
+        peak[0] = max(peak[0], len(dispatcher.queue))
+
+
 def run(ctx, system, mode, procs, threads, seconds):
     """{ops_per_s, p50_us, p99_us, ops} of one (system, mode, procs, threads) run."""
     authkey = b"bench-" + bytes(26)
+    _reset_peak_rss()
     if system == "statecore":
         env = rpc.RpcEnv(authkey=authkey)
         env.setup_endpoint("bench", Counter())
         address = env.address
+        sampling, queue_peak = threading.Event(), [0]
+        sampler = threading.Thread(target=_sample_queue, args=(env._endpoints["bench"], sampling, queue_peak))
+        sampler.start()
     else:
         listener = Listener(("127.0.0.1", 0), backlog=128, authkey=authkey)  # the default backlog of 1 drops clients
         address, stop, counts = listener.address, threading.Event(), {}
@@ -182,6 +213,8 @@ def run(ctx, system, mode, procs, threads, seconds):
         raise
     finally:
         if system == "statecore":
+            sampling.set()
+            sampler.join()
             env.shutdown()
         else:
             stop.set()
@@ -194,7 +227,11 @@ def run(ctx, system, mode, procs, threads, seconds):
     elapsed = max(end for _, end, _ in rows) - start_at
     latencies = sorted(x for _, _, lat in rows for x in lat)
     result = {"system": system, "mode": mode, "procs": procs, "threads": threads, "ops": ops,
-              "ops_per_s": ops / elapsed, "elapsed_s": elapsed}
+              "ops_per_s": ops / elapsed, "elapsed_s": elapsed, "server_peak_rss_mib": _peak_rss_mib()}
+    if mode == "send":
+        result["flush_s"] = max(end for _, end, _ in rows) - (start_at + seconds)
+    if system == "statecore":
+        result["queue_peak"] = queue_peak[0]
     if latencies:
         result["p50_us"] = latencies[len(latencies) // 2] * 1e6
         result["p99_us"] = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6
@@ -222,13 +259,17 @@ class ResultTable:
 
     def print(self):
         print(f"\n{self.title}", flush=True)
-        print(f"{'clients':<16} {'system':<26} {'ops/s':>9} {'p50 us':>8} {'p99 us':>8} {'relative':>8}")
+        print(f"{'clients':<16} {'system':<26} {'ops/s':>9} {'p50 us':>8} {'p99 us':>8} {'relative':>8} "
+              f"{'flush s':>8} {'queue':>8} {'RSS MiB':>8}")
         for r in self.summary():
             clients = f"{r['procs']} proc x {r['threads']} thr"
             p50 = f"{r['p50_us']:.0f}" if "p50_us" in r else "-"
             p99 = f"{r['p99_us']:.0f}" if "p99_us" in r else "-"
+            flush = f"{r['flush_s']:.2f}" if "flush_s" in r else "-"
+            queue = f"{r['queue_peak']:,}" if "queue_peak" in r else "-"
             name = "statecore.rpc" if r["system"] == "statecore" else "multiprocessing.connection"
-            print(f"{clients:<16} {name:<26} {r['ops_per_s']:>9,.0f} {p50:>8} {p99:>8} {r['relative']:>7.2f}X")
+            print(f"{clients:<16} {name:<26} {r['ops_per_s']:>9,.0f} {p50:>8} {p99:>8} {r['relative']:>7.2f}X "
+                  f"{flush:>8} {queue:>8} {r['server_peak_rss_mib']:>8.0f}")
 
 
 def main():

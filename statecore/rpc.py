@@ -23,10 +23,22 @@ Semantics
     share system calls. Likewise the server answers asks that arrived together with one
     write, once the last of them was handled.
 
-    While a handler runs on a connection's reader, that connection is not read: a client
-    that keeps writing to it meanwhile waits once the socket buffers are full, and gives
-    up (a connection error) after ``io_timeout_s``. Handlers are meant to be quick, as in
-    Spark.
+    Flow control: senders cannot run ahead of an endpoint without bound. A client
+    connection's outbox (frames handed to the thread that is writing) holds about
+    ``max_outbox_bytes`` (default 1 MiB, some 7000 coordinator messages: enough to batch
+    writes, a few ms of the endpoint's work); a ``send`` that finds it full waits for room,
+    and raises :class:`RpcTimeoutError` (naming the endpoint and the bound; that message
+    was not sent) if none comes within ``io_timeout_s``. Asks never wait for room (one per
+    asking thread at most), so an ask still follows every earlier send. On the server, at
+    most ``max_queued_messages`` (default 1000) messages *per connection* wait for a busy
+    endpoint; past that the connection's reader stops reading until half of them are
+    handled, the socket buffers fill and TCP holds the client back. Per connection rather
+    than in total, so one flooding client cannot take the whole queue: any other client's
+    ask waits behind at most that many messages of each connection. Likewise, while a
+    handler runs on a connection's reader, that connection is not read. A client whose
+    writes make no progress for ``io_timeout_s`` (the endpoint is stuck) drops the
+    connection: the sends still waiting in it are lost, and the callers still waiting get
+    :class:`RpcTimeoutError`. Handlers are meant to be quick, as in Spark.
 
     ``send`` is at most once: a send written into a connection that the server has just
     closed is lost without an error. A connection the server has already hung up on is
@@ -120,6 +132,8 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 2**20
 DEFAULT_IO_TIMEOUT_S = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_MAX_OUTBOX_BYTES = 2**20
+DEFAULT_MAX_QUEUED_MESSAGES = 1000
 _MIN_FRAME_BYTES = 1024  # a limit below this could not carry an error reply
 _MAX_U32 = 2**32 - 1
 
@@ -160,6 +174,12 @@ class RpcProtocolError(RpcError):
 
 class _NotSent(Exception):
     """Internal: the frame was not (completely) written, so it is safe to retry elsewhere."""
+
+
+class _Backlogged(Exception):
+    """Internal: the frame was not sent because the server did not take earlier ones (the
+    outbox stayed full, or the writer stalled); not retried, since earlier frames are ahead
+    of it (or lost)."""
 
 
 # -- values ------------------------------------------------------------------------------------
@@ -406,25 +426,40 @@ class _ClientConnection:
     waiting call to take over. A lone asker is its own reader and never waits on a lock.
     ``_lock`` guards all of this. The socket is closed only when nobody writes or reads it
     (never under a running system call).
+
+    Flow control: a send that finds ``max_outbox_bytes`` or more in the outbox waits
+    (``_room``) until the writer takes the outbox, at most ``io_timeout_s``; so a server that
+    falls behind slows its senders down instead of letting the outbox grow. Asks do not
+    wait for room (each asking thread adds one frame at most, and its own timeout applies).
+    A writer that finds senders waiting for room when it is done with a batch leaves the
+    writing to one of them, so no caller writes for the others for ever.
     """
 
-    def __init__(self, sock, address, peer_max_frame, max_frame_bytes, io_timeout_s):
+    def __init__(self, sock, address, peer_max_frame, max_frame_bytes, io_timeout_s,
+                 max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES):
         self.address = address
         self.peer_max_frame = peer_max_frame
         self._sock = sock
         self._reader = _FrameReader(sock, max_frame_bytes, io_timeout_s)
         self._hangup = select.poll()  # only used by the writer
         self._hangup.register(sock, _HANGUP_EVENTS)
+        self._io_timeout = io_timeout_s
+        self._max_outbox = max_outbox_bytes
         self._lock = threading.Lock()
         self._outbox = []  # frames waiting for the current writer
+        self._outbox_bytes = 0
+        self._room = threading.Condition(self._lock)  # senders waiting for the outbox to have room
+        self._room_waiters = 0
         self._writing = False
+        self._stalled = False  # the connection broke because the server read nothing for io_timeout_s
         self._calls = {}  # request id -> _Call, for asks waiting while another thread reads
         self._reading = False
         self._error = None  # why the connection is unusable, once it is
         self._closed = False
 
     @classmethod
-    def open(cls, address, authkey, max_frame_bytes, io_timeout_s, connect_timeout_s, handshake_timeout_s):
+    def open(cls, address, authkey, max_frame_bytes, io_timeout_s, connect_timeout_s, handshake_timeout_s,
+             max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES):
         where = _where(address)
         try:
             sock = socket.create_connection(address, timeout=connect_timeout_s)
@@ -443,23 +478,50 @@ class _ClientConnection:
         except (OSError, EOFError) as e:
             sock.close()
             raise RpcConnectionError(f"RPC handshake with {where} failed: {e or type(e).__name__}") from None
-        return cls(sock, address, peer_max, max_frame_bytes, io_timeout_s)
+        return cls(sock, address, peer_max, max_frame_bytes, io_timeout_s, max_outbox_bytes)
 
     @property
     def usable(self):
         return self._error is None
 
-    def send(self, frame):
-        """Write one frame, or hand it to the thread that is writing. _NotSent if it was not
-        written (safe to retry elsewhere)."""
+    def send(self, frame, wait_for_room=True):
+        """Write one frame, or hand it to the thread that is writing; with ``wait_for_room``
+        (sends; not asks) first wait while the outbox is full. _NotSent if it was not
+        written (safe to retry elsewhere); _Backlogged if the server did not take earlier
+        frames in time."""
+        waited_since = None
         with self._lock:
-            if self._error is not None:
-                raise _NotSent(self._error)
-            if self._writing:
-                self._outbox.append(frame)
-                return
-            self._writing = True
-        data, own = frame, True
+            while True:
+                if self._error is not None:
+                    if waited_since is not None and self._stalled:
+                        raise _Backlogged(self._stall_message())
+                    raise _NotSent(self._error)
+                if not self._writing:
+                    self._writing = True
+                    if self._outbox:  # left by a writer that handed the writing over: those go first
+                        self._outbox.append(frame)
+                        data = self._take_outbox()
+                    else:
+                        data = frame
+                    break
+                if not wait_for_room or self._outbox_bytes < self._max_outbox:
+                    self._outbox.append(frame)
+                    self._outbox_bytes += len(frame)
+                    return
+                now = time.monotonic()
+                if waited_since is None:
+                    waited_since = now
+                elif now - waited_since >= self._io_timeout:
+                    raise _Backlogged(
+                        f"the connection's outbox still held {self._outbox_bytes} bytes of earlier messages "
+                        f"(bound: {self._max_outbox} bytes) after {self._io_timeout:g} s: the server is not "
+                        f"taking messages as fast as they are sent; this one was not sent")
+                self._room_waiters += 1
+                try:
+                    self._room.wait(waited_since + self._io_timeout - now)
+                finally:
+                    self._room_waiters -= 1
+        own = True
         try:
             if self._hangup.poll(0):  # the server hung up (it restarted, say): do not write into the void
                 raise _NotSent("the server closed the connection")
@@ -467,22 +529,41 @@ class _ClientConnection:
                 self._sock.sendall(data)
                 own = False
                 with self._lock:
-                    if not self._outbox:
+                    if not self._outbox or self._room_waiters:
                         self._writing = False
-                        return
-                    data = b"".join(self._outbox)
-                    self._outbox.clear()
+                        if self._outbox:  # a sender waiting for room takes over (it writes these first)
+                            self._room.notify()
+                        break
+                    data = self._take_outbox()
+            if self._error is not None:  # broken (closed, say) while we wrote: nobody else closes it
+                self._close_if_idle()
         except _NotSent as e:
             self._fail(str(e.args[0]), writer=True)
             raise
         except OSError as e:
-            self._fail(f"write failed: {e}", writer=True)
-            if own:  # our frame did not get out whole: the caller may retry it
-                raise _NotSent(e) from e
+            stalled = isinstance(e, (BlockingIOError, socket.timeout))  # SO_SNDTIMEO ran out
+            self._fail(f"write failed: {e}", writer=True, stalled=stalled)
+            if own:  # our frame did not get out whole
+                if stalled:  # not retried: frames ahead of it are lost
+                    raise _Backlogged(self._stall_message()) from None
+                raise _NotSent(e) from e  # the caller may retry it
             # frames handed to us are lost with the connection: their asks see it while waiting
         except BaseException:  # interrupted mid-write: the stream may hold half a frame
             self._fail("interrupted while writing", writer=True)
             raise
+
+    def _take_outbox(self):
+        """The outbox's frames as one buffer (lock held); senders waiting for room may go on."""
+        data = b"".join(self._outbox)
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        if self._room_waiters:
+            self._room.notify_all()
+        return data
+
+    def _stall_message(self):
+        return (f"the server read nothing for {self._io_timeout:g} s (outbox bound: {self._max_outbox} bytes); "
+                f"the connection was dropped and the messages still in it are lost")
 
     def ask(self, request_id, frame, deadline):
         """Send an ask and wait for its reply: (ok, value), or None if ``deadline`` passed.
@@ -496,8 +577,8 @@ class _ClientConnection:
                 self._reading = True  # a lone asker: read for ourselves, no _Call needed
                 call = None
         try:
-            self.send(frame)
-        except _NotSent:
+            self.send(frame, wait_for_room=False)
+        except (_NotSent, _Backlogged):
             self._finish(request_id, call, call is None)
             raise
         if call is None:
@@ -577,16 +658,19 @@ class _ClientConnection:
         return RpcConnectionError(f"connection to {_where(self.address)} lost while waiting for a reply "
                                   f"({self._error}); the message may or may not have been handled")
 
-    def _fail(self, reason, writer=False):
-        """Mark the connection broken, wake every waiting call, and stop all traffic
-        (``writer``: called by the writing thread, which lets go of the socket)."""
+    def _fail(self, reason, writer=False, stalled=False):
+        """Mark the connection broken, wake every waiting call and sender, and stop all
+        traffic (``writer``: called by the writing thread, which lets go of the socket;
+        ``stalled``: the server read nothing for io_timeout_s)."""
         with self._lock:
             if self._error is None:
-                self._error = reason
+                self._error, self._stalled = reason, stalled
                 log.debug("RPC connection to %s is unusable: %s", _where(self.address), reason)
             if writer:
                 self._writing = False
             self._outbox.clear()
+            self._outbox_bytes = 0
+            self._room.notify_all()
             for call in self._calls.values():
                 if call.waiter.locked():
                     call.waiter.release()
@@ -620,8 +704,9 @@ class _ConnectionPool:
 
     def __init__(self, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES, io_timeout_s=DEFAULT_IO_TIMEOUT_S,
                  connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S,
-                 owner=None):
+                 owner=None, max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES):
         self.max_frame_bytes = max_frame_bytes
+        self.max_outbox_bytes = max_outbox_bytes
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -654,7 +739,7 @@ class _ConnectionPool:
                 if timeout <= 0:
                     raise RpcTimeoutError(f"no connection to {_where(address)} before the ask's deadline")
             conn = _ClientConnection.open(address, authkey, self.max_frame_bytes, self.io_timeout_s, timeout,
-                                          min(timeout, self.handshake_timeout_s))
+                                          min(timeout, self.handshake_timeout_s), self.max_outbox_bytes)
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -694,6 +779,7 @@ def _forget_connections_after_fork():
             conn = slot.conn
             if conn is not None:
                 conn._error, conn._closed, conn._lock = "inherited across fork", True, threading.Lock()
+                conn._room = threading.Condition(conn._lock)
                 conn._sock.close()
 
 
@@ -734,7 +820,9 @@ class RpcEndpointRef:
         return hash((self.address, self.name))
 
     def send(self, message):
-        """Deliver ``message`` to the endpoint's ``receive``; returns once it is written.
+        """Deliver ``message`` to the endpoint's ``receive``; returns once it is written, or
+        handed to the connection's writer. Waits while the connection's outbox is full (see
+        "Flow control" in the module docstring); RpcTimeoutError if it stays full.
 
         At most once: see the module docstring for the case where a send is lost."""
         frame = _encode_frame(_SEND, 0, self._name_bytes, message)
@@ -748,6 +836,8 @@ class RpcEndpointRef:
             except _NotSent as e:
                 if attempt:
                     raise RpcConnectionError(f"cannot send to {self!r}: {e}") from None
+            except _Backlogged as e:
+                raise RpcTimeoutError(f"cannot send to {self!r}: {e}") from None
 
     def ask(self, message, timeout_s=30.0):
         """The endpoint's ``receive_and_reply(message)``; RpcError if it raised (naming its
@@ -767,6 +857,8 @@ class RpcEndpointRef:
             except _NotSent as e:  # not written: safe to try a new connection
                 if attempt:
                     raise RpcConnectionError(f"cannot ask {self!r}: {e}") from None
+            except _Backlogged as e:
+                raise RpcTimeoutError(f"cannot ask {self!r}: {e}") from None
         if result is None:
             raise RpcTimeoutError(f"no reply from {self!r} within {timeout_s:g} s")
         ok, value = result
@@ -857,7 +949,14 @@ class _ServerConnection:
         with self.send_lock:
             if self.closed:
                 raise OSError("connection closed")
-            self.sock.sendall(frame)
+            try:
+                self.sock.sendall(frame)
+            except OSError:  # the stream may end in half a frame: nothing may follow it
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end and closes it
+                except OSError:
+                    pass
+                raise
 
     def close(self):
         with self.send_lock:  # never while a dispatcher writes to it
@@ -878,30 +977,63 @@ class _Dispatcher:
     endpoint busy is queued, and the endpoint's own thread works through whatever a reader
     leaves. Since a reader only goes straight in when the queue is empty, messages are
     handled in the order they arrived, so in each connection's order.
+
+    At most ``max_queued`` messages of one connection are queued: a reader whose connection
+    has that many waits (``room``) until they are down to half, reading nothing meanwhile,
+    so its client is held back by TCP. The bound is per connection, not in total, so a
+    flooding client fills only its own share: another client's ask waits behind at most
+    ``max_queued`` messages of each connection, never for ever. Waiting until half are
+    handled (not just one) lets the reader come back for a batch, not for every message.
     """
 
-    def __init__(self, name, endpoint, where):
+    def __init__(self, name, endpoint, where, max_queued=DEFAULT_MAX_QUEUED_MESSAGES):
         self.name, self.endpoint, self.where = name, endpoint, where
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
+        self.room = threading.Condition(self.lock)  # readers waiting for their connection's share to drain
+        self.room_waiters = 0
         self.queue = collections.deque()
+        self.queued_from = {}  # connection -> its messages in the queue
+        self.max_queued = max_queued
+        self.resume_at = max_queued // 2
+        self.queue_peak = 0  # the longest the queue has been (for tests and benchmarks)
         self.busy = False  # a thread is handling a message
         self.stopped = False
         self.handler_ident = None  # the thread running a handler now
         self.thread = threading.Thread(target=self._run, name=f"statecore-rpc-endpoint-{name}", daemon=True)
 
     def deliver(self, conn, request_id, message):
-        """Handle (or queue) one message; ``request_id`` None for a one-way one. False once
-        the endpoint is stopped."""
+        """Handle (or queue) one message; ``request_id`` None for a one-way one. Waits while
+        ``conn`` has ``max_queued`` messages queued here. False once the endpoint is stopped."""
         with self.lock:
-            if self.stopped:
-                return False
-            if self.busy or self.queue:
-                self.queue.append((conn, request_id, message))
-                if not self.busy:
-                    self.wakeup.notify()
-                return True
-            self.busy = True
+            while True:
+                if self.stopped:
+                    return False
+                if not (self.busy or self.queue):
+                    self.busy = True
+                    break
+                queued = self.queued_from.get(conn, 0)
+                if queued < self.max_queued:
+                    queue = self.queue
+                    queue.append((conn, request_id, message))
+                    self.queued_from[conn] = queued + 1
+                    if len(queue) > self.queue_peak:
+                        self.queue_peak = len(queue)
+                    if not self.busy:
+                        self.wakeup.notify()
+                    return True
+                if conn.pending:  # replies the reader holds go out before it waits
+                    self.lock.release()
+                    try:
+                        conn.flush()
+                    finally:
+                        self.lock.acquire()
+                    continue
+                self.room_waiters += 1
+                try:
+                    self.room.wait_for(lambda: self.queued_from.get(conn, 0) <= self.resume_at or self.stopped)
+                finally:
+                    self.room_waiters -= 1
         item, drained = (conn, request_id, message), 0
         try:
             while True:
@@ -912,7 +1044,7 @@ class _Dispatcher:
                         if self.queue or self.stopped:
                             self.wakeup.notify()
                         return True
-                    item = self.queue.popleft()
+                    item = self._pop()
                 drained += 1
         except BaseException:
             with self.lock:
@@ -921,10 +1053,26 @@ class _Dispatcher:
             raise
 
     def stop(self):
-        """Refuse new messages; the thread handles the queued ones, then calls ``on_stop``."""
+        """Refuse new messages (readers waiting for room give theirs up); the thread handles
+        the queued ones, then calls ``on_stop``."""
         with self.lock:
             self.stopped = True
             self.wakeup.notify()
+            self.room.notify_all()
+
+    def _pop(self):
+        """The oldest queued message (lock held); wakes its connection's reader if it waits
+        and its share is down to ``resume_at``."""
+        item = self.queue.popleft()
+        conn = item[0]
+        left = self.queued_from[conn] - 1
+        if left:
+            self.queued_from[conn] = left
+        else:
+            del self.queued_from[conn]
+        if left == self.resume_at and self.room_waiters:
+            self.room.notify_all()
+        return item
 
     def in_handler(self):
         return self.handler_ident == threading.get_ident() or self.thread is threading.current_thread()
@@ -933,7 +1081,7 @@ class _Dispatcher:
         with self.lock:
             while True:
                 if self.queue and not self.busy:
-                    item = self.queue.popleft()
+                    item = self._pop()
                     self.busy = True
                     self.lock.release()
                     try:
@@ -993,20 +1141,29 @@ class RpcEnv:
     their endpoint is idle), one per endpoint works through messages that found it busy.
 
     ``max_frame_bytes`` bounds a frame either way, ``io_timeout_s`` how long a started frame
-    (or a blocked write) may take, ``handshake_timeout_s`` how long a new peer may take to
-    authenticate; a peer breaking any of them is disconnected and logged, others go on.
+    (or a blocked write, or a send waiting for room in a full outbox) may take,
+    ``handshake_timeout_s`` how long a new peer may take to authenticate; a peer breaking
+    any of them is disconnected and logged, others go on. Flow control (see the module
+    docstring): ``max_queued_messages`` bounds the messages of one client connection queued
+    for one of this env's endpoints, ``max_outbox_bytes`` the bytes waiting to be written on
+    one of this env's own client connections.
     ``shutdown()`` (or leaving a ``with`` block) stops everything and joins every thread.
     """
 
     def __init__(self, host="127.0.0.1", port=0, authkey=None, *, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
                  io_timeout_s=DEFAULT_IO_TIMEOUT_S, handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S,
-                 connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S):
+                 connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, max_queued_messages=DEFAULT_MAX_QUEUED_MESSAGES,
+                 max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES):
         if not _MIN_FRAME_BYTES <= max_frame_bytes <= _MAX_U32:
             raise ValueError(f"max_frame_bytes must be in [{_MIN_FRAME_BYTES}, {_MAX_U32}], got {max_frame_bytes}")
         for arg, value in (("io_timeout_s", io_timeout_s), ("handshake_timeout_s", handshake_timeout_s),
                            ("connect_timeout_s", connect_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{arg} must be > 0, got {value!r}")
+        for arg, value in (("max_queued_messages", max_queued_messages), ("max_outbox_bytes", max_outbox_bytes)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+        self.max_queued_messages = max_queued_messages
         self.authkey = secrets.token_bytes(32) if authkey is None else _normalize_authkey(authkey)
         self.max_frame_bytes = max_frame_bytes
         self.io_timeout_s = io_timeout_s
@@ -1017,7 +1174,7 @@ class RpcEnv:
         self.address = (advertised, self._listener.getsockname()[1])
         self._where = _where(self.address)
         self._pool = _ConnectionPool(max_frame_bytes, io_timeout_s, connect_timeout_s, handshake_timeout_s,
-                                     owner=f"RpcEnv({self._where})")
+                                     owner=f"RpcEnv({self._where})", max_outbox_bytes=max_outbox_bytes)
         self._lock = threading.Lock()
         self._endpoints = {}  # name -> _Dispatcher
         self._connections = {}  # accepted socket -> its reader thread
@@ -1049,7 +1206,7 @@ class RpcEnv:
                 raise RpcError(f"{self!r} was shut down")
             if name in self._endpoints:
                 raise ValueError(f"an endpoint named {name!r} is already registered at {self._where}")
-            dispatcher = _Dispatcher(name, endpoint, self._where)
+            dispatcher = _Dispatcher(name, endpoint, self._where, self.max_queued_messages)
             self._endpoints[name] = dispatcher
             dispatcher.thread.start()
         return RpcEndpointRef(self.address, name, self.authkey, _pool=self._pool)
@@ -1058,6 +1215,14 @@ class RpcEnv:
         """A ref to endpoint ``name`` at ``address`` (this env's authkey unless given),
         using this env's connections."""
         return RpcEndpointRef(address, name, self.authkey if authkey is None else authkey, _pool=self._pool)
+
+    def queue_length(self, name):
+        """(messages queued for endpoint ``name`` now, the most ever queued at once): for
+        tests and benchmarks. Messages handled straight by a reader are never queued."""
+        with self._lock:
+            dispatcher = self._endpoints[name]
+        with dispatcher.lock:
+            return len(dispatcher.queue), dispatcher.queue_peak
 
     def stop_endpoint(self, name):
         """Unregister ``name`` at once; the messages queued before are handled, then
@@ -1092,10 +1257,10 @@ class RpcEnv:
                 sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end and closes it
             except OSError:
                 pass
+        for dispatcher in dispatchers:
+            dispatcher.stop()  # also lets go of readers waiting for room in its queue
         for _sock, thread in connections:
             _join(thread, "a connection's reader")
-        for dispatcher in dispatchers:
-            dispatcher.stop()
         for dispatcher in dispatchers:
             if not dispatcher.in_handler():
                 _join(dispatcher.thread, f"endpoint {dispatcher.name!r} to finish its messages")

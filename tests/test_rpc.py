@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import socket
 import struct
 import subprocess
@@ -1046,6 +1047,170 @@ def test_authkey_forms():
         RpcEnv(authkey=42)
     assert rpc_threads() == []
 
+
+
+# -- flow control --------------------------------------------------------------------------------
+
+PAD = b"x" * 1000  # 1 kB messages: a few thousand fill the loopback socket buffers (~4 MB)
+
+
+def flood(ref, sender, n, sent, errors):
+    """Sends ("add", sender, seq, PAD) for seq in range(n); records progress and the error that stopped it."""
+    try:
+        for seq in range(n):
+            ref.send(("add", sender, seq, PAD))
+            sent[sender] = seq + 1
+    except BaseException as e:  # reported by the test
+        errors[sender] = e
+
+
+def block_endpoint(env, gate):
+    """An ask that keeps ``gate`` busy (handled on its own connection's reader) until released."""
+    thread = threading.Thread(target=lambda: rpc.endpoint_ref(env.address, gate.name, env.authkey).ask("wait"))
+    thread.start()
+    assert gate.arrived.wait(DEADLINE_S)
+    return thread
+
+
+def start_flood(ref, n, threads=2):
+    sent, errors = {}, {}
+    senders = [threading.Thread(target=flood, args=(ref, f"t{i}", n, sent, errors)) for i in range(threads)]
+    for t in senders:
+        t.start()
+    return senders, sent, errors
+
+
+def test_a_flood_to_a_busy_endpoint_is_held_back_at_both_ends(make_env):
+    """The endpoint is stuck: the server queues at most max_queued_messages of the flooding
+    connection and stops reading it, TCP fills, the client's outbox fills and its senders
+    wait. Another client's ask still gets in. Once released, everything is handled in order."""
+    server = make_env(max_queued_messages=20)
+    journal = Journal()
+    journal.name = "journal"
+    server.setup_endpoint("journal", journal)
+    blocked = block_endpoint(server, journal)
+    client = make_env(max_outbox_bytes=16384)
+    ref = client.endpoint_ref(server.address, "journal", server.authkey)
+    n = 10000
+    senders, sent, errors = start_flood(ref, n)
+    other = threading.Thread(target=lambda: errors.setdefault(
+        "other", make_env().endpoint_ref(server.address, "journal", server.authkey).ask("other")))
+    try:
+        # white box: the server's reader waits for room, and so does a sender, the outbox full
+        dispatcher = server._endpoints["journal"]
+        wait_until(lambda: dispatcher.room_waiters == 1 and ref._conn is not None and ref._conn._room_waiters >= 1
+                   and ref._conn._outbox_bytes >= 16384)
+        assert server.queue_length("journal") == (20, 20)  # stopped at the bound, not one more
+        assert ref._conn._outbox_bytes < 16384 + 2 * len(PAD)
+        assert all(t.is_alive() for t in senders) and sum(sent.values()) < 2 * n and not errors
+        other.start()  # another client is not held back by the flooding one's share
+        wait_until(lambda: server.queue_length("journal")[0] == 21)
+    finally:
+        journal.release.set()
+    for t in [*senders, other, blocked]:
+        t.join(DEADLINE_S)
+        assert not t.is_alive()
+    assert errors == {"other": "other"}
+    assert ref.ask("flush") == "flush"
+    for sender in ("t0", "t1"):
+        assert [m[2] for m in journal.journal if m[1] == sender] == list(range(n))
+    assert server.queue_length("journal")[1] <= 21
+
+
+def test_a_send_held_back_too_long_raises_naming_the_endpoint_and_the_bound(make_env):
+    server = make_env(max_queued_messages=20)
+    journal = Journal()
+    journal.name = "journal"
+    server.setup_endpoint("journal", journal)
+    blocked = block_endpoint(server, journal)
+    client = make_env(max_outbox_bytes=16384, io_timeout_s=0.3)
+    ref = client.endpoint_ref(server.address, "journal", server.authkey)
+    senders, _sent, errors = start_flood(ref, 10**6)  # until refused
+    try:
+        for t in senders:
+            t.join(DEADLINE_S)
+            assert not t.is_alive()
+    finally:
+        journal.release.set()
+    blocked.join(DEADLINE_S)
+    assert sorted(errors) == ["t0", "t1"]
+    for e in errors.values():
+        assert isinstance(e, RpcTimeoutError), repr(e)
+        text = str(e)  # the outbox stayed full, or the writer stalled (whichever saw it first)
+        assert re.match(r"cannot send to RpcEndpointRef\('journal' at 127\.0\.0\.1:\d+\): ", text), text
+        assert "bound: 16384 bytes" in text and " 0.3 s" in text, text
+    assert ref.ask("after") == "after"  # the endpoint caught up; the ref goes on
+
+
+def test_a_send_waiting_for_room_notices_its_env_shutting_down(make_env):
+    server = make_env(max_queued_messages=20)
+    journal = Journal()
+    journal.name = "journal"
+    server.setup_endpoint("journal", journal)
+    blocked = block_endpoint(server, journal)
+    client = make_env(max_outbox_bytes=16384)
+    ref = client.endpoint_ref(server.address, "journal", server.authkey)
+    senders, _sent, errors = start_flood(ref, 10**6)
+    try:
+        wait_until(lambda: ref._conn is not None and ref._conn._room_waiters >= 1)
+        client.shutdown()
+        for t in senders:
+            t.join(DEADLINE_S)
+            assert not t.is_alive()
+    finally:
+        journal.release.set()
+    blocked.join(DEADLINE_S)
+    assert sorted(errors) == ["t0", "t1"]
+    assert all(isinstance(e, RpcError) and "was shut down" in str(e) for e in errors.values()), errors
+
+
+FLOOD_CHILD = """
+import sys, threading
+from statecore import rpc
+address, key, tag, n = (sys.argv[1], int(sys.argv[2])), bytes.fromhex(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+with rpc.RpcEnv(max_outbox_bytes=4096) as env:  # a small outbox: the threads take turns waiting for room
+    ref = env.endpoint_ref(address, "rec", key)
+    failures = []
+    def flood(sender):
+        try:
+            for seq in range(n):
+                ref.send(("add", sender, seq))
+            seen = ref.ask(("seen", sender))
+            assert seen == list(range(n)), seen[:20]
+        except BaseException as e:
+            failures.append(repr(e))
+    threads = [threading.Thread(target=flood, args=(f"{tag}-{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+print("ok" if not failures else failures)
+"""
+
+
+def test_a_flood_from_processes_and_threads_completes_in_order(make_env):
+    server = make_env(max_queued_messages=50)
+    ref = server.setup_endpoint("rec", Recorder())
+    n, procs = 5000, 3
+    children = [subprocess.Popen(
+        [sys.executable, "-c", FLOOD_CHILD, server.address[0], str(server.address[1]), server.authkey.hex(),
+         f"p{p}", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT}) for p in range(procs)]
+    for child in children:
+        out, err = child.communicate(timeout=DEADLINE_S * 2)
+        assert child.returncode == 0, err
+        assert out.split() == ["ok"], out
+    assert ref.ask(("total",)) == procs * 4 * n
+    assert server.queue_length("rec")[1] <= procs * 50  # one connection per child process
+
+
+def test_flow_control_arguments_are_checked():
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(ValueError, match="max_queued_messages must be an int >= 1"):
+            RpcEnv(max_queued_messages=bad)
+        with pytest.raises(ValueError, match="max_outbox_bytes must be an int >= 1"):
+            RpcEnv(max_outbox_bytes=bad)
+    assert rpc_threads() == []
 
 # -- authentication and hostile peers ------------------------------------------------------------
 
