@@ -131,9 +131,9 @@ def run(args, directory):
         out.write.mode("overwrite").parquet(os.path.join(sink, f"batch_id={batch_id}"))
         t_end = time.perf_counter()
         p = operator.last_progress
-        batches.append((p["rows_in"], t_end - t_start))
+        batches.append(t_end - t_start)
         custom = p["custom_metrics"]
-        print(f"batch {batch_id:>3}: {p['rows_in']:>9,} rows {t_end - t_start:5.2f} s "
+        print(f"batch {batch_id:>3}: {t_end - t_start:5.2f} s "
               f"(operator {t_processed - t_start:4.2f}, sink {t_end - t_processed:4.2f}) | "
               f"{p['rows_out']:>8,} keys updated | state {p['state_keys']:>9,} keys, {mib(p['memory_used_bytes'])} "
               f"in memory ({mib(custom.get('stateOnCurrentVersionSizeBytes', 0))} of rows) | "
@@ -146,8 +146,8 @@ def run(args, directory):
     query.awaitTermination()
     streaming_s = time.perf_counter() - t0
     operator.close()
-    rows = sum(n for n, _ in batches)
-    batch_s = sum(s for _, s in batches)
+    rows = sum(p.numInputRows for p in query.recentProgress)
+    batch_s = sum(batches)
     print(f"\nstreamed {rows:,} rows in {len(batches)} batches: {streaming_s:.1f} s wall "
           f"({rows / streaming_s:,.0f} rows/s), {batch_s:.1f} s in foreachBatch ({rows / batch_s:,.0f} rows/s)")
 

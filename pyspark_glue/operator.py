@@ -12,7 +12,18 @@ How a micro-batch runs (``StatefulOperator.process(df, batch_id)``)
     2. ``df.repartition(num_partitions, *key_columns).mapInArrow(...)``: Spark's hash
        partitioning (murmur3 of the key columns, the same in every batch and after a
        restart) sends a key to the same partition ``p`` every time; ``p`` is
-       ``TaskContext.partitionId()`` inside the task.
+       ``TaskContext.partitionId()`` inside the task. If ``fn`` has a callable
+       ``prepare(df, key_columns)``, its DataFrame is repartitioned instead: a function
+       that merges per-key partial results lets Spark aggregate the batch first
+       (:meth:`RunningAggregate.prepare`). The job runs with ``spark.sql.shuffle.partitions``
+       set to ``num_partitions`` (so an aggregation in ``prepare`` shuffles once, straight
+       into the operator's partitions, as a streaming query runs every shuffle with its
+       checkpoint's number) and adaptive execution off (Spark runs its own stateful
+       operators without it: it would merge small partitions, or drop the tasks of a batch
+       it finds empty); both are restored after the job. Every row also carries the
+       partition its key hashes to (:data:`PARTITION_COLUMN`, computed by Spark), and the
+       task checks it before ``fn`` sees the batch (without that column): a row routed to
+       the wrong task fails the task instead of updating another partition's keys.
     3. In the task of partition ``p``: the store of ``(operator, p)`` at version
        ``batch_id`` comes from the worker's registry (loaded once per Python worker and kept
        across batches); ``fn(store, batch)`` runs for every ``pyarrow.RecordBatch`` of the
@@ -89,6 +100,7 @@ Types (numpy field -> Spark)
     range check (a value out of range is a ``ValueError`` naming the column); strings and
     binaries fill ``S<n>`` fields and must fit in ``n`` bytes; null keys are refused.
 """
+import contextlib
 import dataclasses
 import json
 import logging
@@ -115,12 +127,18 @@ from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
 
 __all__ = ["StatefulOperator", "RunningAggregate", "columns_from_arrow", "keys_from_arrow", "column_to_numpy",
            "to_record_batch", "numpy_to_arrow", "arrow_type_of", "spark_type_of", "spark_schema_of",
-           "group_rows", "OPERATOR_METADATA_FILE", "OUTPUT_DIR"]
+           "group_rows", "conform_output", "OPERATOR_METADATA_FILE", "OUTPUT_DIR", "PARTITION_COLUMN"]
 
 log = logging.getLogger(__name__)
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
+# The partition each row's key hashes to, computed by Spark after the operator's repartition
+# and checked in the task (then dropped): a wrong routing fails the task instead of updating
+# another partition's keys.
+PARTITION_COLUMN = "__statecore_partition"
+# Columns of the per-batch partial aggregate RunningAggregate.prepare hands to its tasks.
+PARTIAL_COUNT, PARTIAL_SUM = "__statecore_count", "__statecore_sum"
 _METADATA_FORMAT = "statecore-operator-1"
 _PROVIDER_CLASS_KEY = "spark.sql.streaming.stateStore.providerClass"
 
@@ -365,10 +383,12 @@ class RunningAggregate:
     """``fn`` for a running count and sum per key (Spark's ``groupBy(keys).agg(count, sum)``
     in update mode): one row per key updated in the micro-batch, with its new totals.
 
-    Per Arrow batch: the batch's keys are grouped with one sort (:func:`group_rows`), counts
-    and sums computed with ``np.add.reduceat`` (exact for integer sums), then one
-    ``get_batch`` and one ``put_batch`` of the distinct keys. The output is emitted by
-    :meth:`finish`, once per key per micro-batch.
+    In a :class:`StatefulOperator`, :meth:`prepare` has Spark count and sum each micro-batch
+    per key first, so a task merges one row per key: one ``get_batch`` and one ``put_batch``
+    per Arrow batch. Given raw rows instead (other runners call it that way), a batch's keys
+    are grouped with one sort (:func:`group_rows`) and counted and summed with
+    ``np.add.reduceat`` (exact for integer sums). The output is emitted by :meth:`finish`,
+    once per key per micro-batch.
 
     Parameters
     ----------
@@ -378,7 +398,8 @@ class RunningAggregate:
     value_column : str
         The column summed. Nulls count as rows and add nothing to the sum.
     sum_dtype : dtype, default int64
-        The sum's dtype (an int64 sum wraps on overflow, as numpy's does).
+        The sum's dtype (the state's int64 sum wraps on overflow, as numpy's does; Spark's
+        per-batch sum in :meth:`prepare` fails on overflow when ANSI mode is on).
     count_field, sum_field : str
         Names of the value fields (and output columns).
     emit : bool, default True
@@ -412,31 +433,58 @@ class RunningAggregate:
         state["_pending"] = {}
         return state
 
+    def prepare(self, df, key_columns):
+        """The micro-batch aggregated per key in Spark (count and sum), before the operator's
+        shuffle: Spark aggregates each input partition first and merges after the shuffle, as
+        its own streaming aggregation does, so only one row per key and batch reaches Python.
+        The operator calls this on the driver; the tasks then see :data:`PARTIAL_COUNT` and
+        :data:`PARTIAL_SUM` columns, each key once per partition."""
+        from pyspark.sql import functions as F
+
+        names = self.key_columns or self.key_dtype.names
+        value = F.col(f"`{self.value_column}`")
+        if self.sum_dtype.kind == "f":
+            value = value.cast("double")
+        return df.groupBy(*names).agg(F.count(F.lit(1)).alias(PARTIAL_COUNT),
+                                      F.coalesce(F.sum(value), F.lit(0)).alias(PARTIAL_SUM))
+
     def __call__(self, store, batch):
         keys = columns_from_arrow(batch, self.key_dtype, self.key_columns)
-        amounts = column_to_numpy(batch.column(_column_index(batch, self.value_column)), self.sum_dtype,
-                                  self.value_column, null_value=0)
-        order, starts = group_rows(keys)
-        if not len(starts):
+        partial = batch.schema.get_field_index(PARTIAL_COUNT) >= 0
+        if partial:  # from prepare(): the keys are distinct in the whole partition
+            distinct = keys
+            counts = column_to_numpy(batch.column(_column_index(batch, PARTIAL_COUNT)), np.int64, PARTIAL_COUNT)
+            sums = column_to_numpy(batch.column(_column_index(batch, PARTIAL_SUM)), self.sum_dtype, PARTIAL_SUM,
+                                   null_value=0)
+        else:
+            amounts = column_to_numpy(batch.column(_column_index(batch, self.value_column)), self.sum_dtype,
+                                      self.value_column, null_value=0)
+            order, starts = group_rows(keys)
+            distinct = keys[order[starts]]
+            counts = np.diff(np.append(starts, len(keys)))
+            sums = np.add.reduceat(amounts[order], starts) if len(starts) else amounts[:0]
+        if not len(distinct):
             return None
-        distinct = keys[order[starts]]
-        counts = np.diff(np.append(starts, len(keys)))
-        sums = np.add.reduceat(amounts[order], starts)
         old, found = store.get_batch(distinct)
         new = np.empty(len(distinct), dtype=self.value_schema)
         new[self.count_field] = np.where(found, old[self.count_field], 0) + counts
         new[self.sum_field] = np.where(found, old[self.sum_field], 0) + sums
         store.put_batch(distinct, new)
         if self.emit:
-            self._pending.setdefault(id(store), []).append((distinct, new))
+            pending = self._pending.setdefault(id(store), [[], True])
+            pending[0].append((distinct, new))
+            pending[1] = pending[1] and partial
         return None
 
     def finish(self, store):
-        parts = self._pending.pop(id(store), [])
+        parts, distinct = self._pending.pop(id(store), [[], True])
         if not self.emit or not parts:
             return None
         if len(parts) == 1:
             keys, values = parts[0]
+        elif distinct:  # partial aggregates: every key came once
+            keys = np.concatenate([k for k, _ in parts])
+            values = np.concatenate([v for _, v in parts])
         else:  # a key may be in several Arrow batches: emit it once, with its final totals
             everything = np.concatenate([k for k, _ in parts])
             order, starts = group_rows(everything)
@@ -502,8 +550,9 @@ def _retire_stale_instances(task, provider_id, coordinator):
         registry.unload(provider_id)
 
 
-def _conform(out, schema, where):
-    """``out`` (a RecordBatch or Table) as batches of exactly ``schema``."""
+def conform_output(out, schema, where):
+    """``out`` (a RecordBatch or Table that ``fn`` returned) as batches of exactly ``schema``, cast
+    safely; ``where`` names the function in errors. Every runner of ``fn`` shares it."""
     if isinstance(out, pa.Table):
         return _conform_batches(out.to_batches(), schema, where)
     if not isinstance(out, pa.RecordBatch):
@@ -546,6 +595,22 @@ def _write_output(task, partition_id, batches):
     files.write_atomic(f"part-{partition_id:05d}.parquet", write)
 
 
+def _checked_partition(batch, partition_id):
+    """``batch`` without :data:`PARTITION_COLUMN`, after checking that every row's key hashes to
+    ``partition_id``: a row in another partition's task would update the wrong store."""
+    i = batch.schema.get_field_index(PARTITION_COLUMN)
+    if i < 0:
+        raise RuntimeError(f"the operator's column {PARTITION_COLUMN} is missing from the task's rows")
+    routed = batch.column(i).to_numpy(zero_copy_only=False)
+    if len(routed) and (routed.min() != partition_id or routed.max() != partition_id):
+        other = int(routed[routed != partition_id][0])
+        raise RuntimeError(
+            f"rows of state partition {other} reached the task of partition {partition_id}: the job's partitioning "
+            f"was changed after the operator's repartition (by adaptive execution or a rule that merges or splits "
+            f"shuffle partitions); no store was changed")
+    return batch.remove_column(i)
+
+
 def _run_partition(task, batches):
     """The body of partition ``p``'s task (see the module docstring, step 3)."""
     from pyspark import TaskContext
@@ -562,16 +627,17 @@ def _run_partition(task, batches):
     outputs, rows_in, batches_in = [], 0, 0
     try:
         for batch in batches:
+            batch = _checked_partition(batch, partition_id)
             rows_in += batch.num_rows
             batches_in += 1
             out = fn(store, batch)
             if out is not None:
-                outputs += _conform(out, task.arrow_schema, "fn")
+                outputs += conform_output(out, task.arrow_schema, "fn")
         finish = getattr(fn, "finish", None)
         if callable(finish):
             out = finish(store)
             if out is not None:
-                outputs += _conform(out, task.arrow_schema, "fn.finish")
+                outputs += conform_output(out, task.arrow_schema, "fn.finish")
         ran = time.perf_counter()
         if task.output_dir is not None:
             _write_output(task, partition_id, outputs)
@@ -598,6 +664,27 @@ def _partition_function(task):
     def run_partition(batches):
         return _run_partition(task, batches)
     return run_partition
+
+
+_SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+_ADAPTIVE = "spark.sql.adaptive.enabled"
+
+
+@contextlib.contextmanager
+def _job_settings(spark, settings):
+    """SQL settings of ``spark`` changed for one job and restored afterwards."""
+    conf = spark.conf
+    before = {key: conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                conf.unset(key)
+            else:
+                conf.set(key, value)
 
 
 _THREAD_RUN_ID = re.compile(r"runId = ([0-9a-fA-F-]{36})")
@@ -950,6 +1037,7 @@ class StatefulOperator:
             raise RuntimeError("this StatefulOperator was closed")
         if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
             raise ValueError(f"batch_id must be an int >= 0, got {batch_id!r}")
+        begun = time.perf_counter()
         spark = df.sparkSession
         self._resolve(spark)
         self._check_metadata(df)
@@ -969,8 +1057,8 @@ class StatefulOperator:
         description = sc.getLocalProperty("spark.job.description")  # streaming sets one per batch
         sc.setJobDescription(f"statecore operator {self.operator_id} batch {batch_id}")
         try:
-            rows = (df.repartition(self.num_partitions, *self.key_columns)
-                    .mapInArrow(_partition_function(task), _STATUS_DDL).collect())
+            with _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
+                rows = self._routed(df).mapInArrow(_partition_function(task), _STATUS_DDL).collect()
         finally:
             sc.setJobDescription(description)
         seconds = time.perf_counter() - started
@@ -983,8 +1071,28 @@ class StatefulOperator:
         self._clean_outputs(batch_id)
         if output_dir is None:
             from pyspark.sql.types import StructType
-            return spark.createDataFrame([], StructType([]))
-        return spark.read.schema(self.output_schema).parquet(self._spark_path(output_dir))
+            out = spark.createDataFrame([], StructType([]))
+        else:
+            out = spark.read.schema(self.output_schema).parquet(self._spark_path(output_dir))
+        self.last_progress["driver_s"] = {"before_job": started - begun, "job": seconds,
+                                          "after_job": time.perf_counter() - started - seconds}
+        return out
+
+    def _routed(self, df):
+        """``df`` (after ``fn.prepare``, if any) hash-partitioned by the key columns into the
+        operator's partitions, each row tagged with the partition its key belongs to."""
+        from pyspark.sql import functions as F
+
+        prepare = getattr(self.fn, "prepare", None)
+        if callable(prepare):
+            df = prepare(df, self.key_columns)
+            missing = [c for c in self.key_columns if c not in df.columns]
+            if missing:
+                raise ValueError(f"fn.prepare returned a DataFrame without the key column '{missing[0]}' "
+                                 f"(columns: {df.columns})")
+        keys = ", ".join(f"`{c}`" for c in self.key_columns)
+        return (df.repartition(self.num_partitions, *self.key_columns)
+                .withColumn(PARTITION_COLUMN, F.expr(f"pmod(hash({keys}), {self.num_partitions})")))
 
     def _record_progress(self, batch_id, run_id, statuses, re_execution, seconds):
         metrics = StateStoreMetrics.combine(

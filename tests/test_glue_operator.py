@@ -116,6 +116,57 @@ def test_running_aggregate_groups_within_and_across_batches(tmp_path):
     provider.close()
 
 
+def partial_batch(table):
+    """What RunningAggregate.prepare gives a task: one row per (user, region) with count and sum."""
+    from pyspark_glue.operator import PARTIAL_COUNT, PARTIAL_SUM
+
+    totals = expected_state([table])
+    keys = sorted(totals)
+    return pa.RecordBatch.from_pydict({
+        "user": pa.array([k[0] for k in keys], pa.int64()), "region": pa.array([k[1] for k in keys], pa.binary()),
+        PARTIAL_COUNT: pa.array([totals[k][0] for k in keys], pa.int64()),
+        PARTIAL_SUM: pa.array([totals[k][1] for k in keys], pa.int64())})
+
+
+def test_running_aggregate_merges_partial_aggregates_like_raw_rows(tmp_path):
+    from pyspark_glue import RunningAggregate
+
+    agg = RunningAggregate(KEY, "amount")
+    provider = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), KEY, agg.value_schema, StateStoreConf())
+    store = provider.get_store(0)
+    agg(store, events(1, 500).to_batches()[0])  # an earlier batch, as raw rows
+    store.commit()
+    store = provider.get_store(1)
+    second, third = events(2, 300, users=20), events(3, 200, users=30)  # disjoint users: each key in one batch
+    third = third.set_column(0, "user", pa.compute.add(third.column("user"), 1000))
+    agg(store, partial_batch(second))
+    agg(store, partial_batch(third))
+    out = agg.finish(store)
+    store.commit()
+    emitted = {(u, r): (c, s) for u, r, c, s in zip(*(out.column(i).to_pylist() for i in range(4)))}
+    everything = expected_state([events(1, 500), second, third])
+    assert emitted == {k: everything[k] for k in expected_state([second, third])}
+    keys = np.array(sorted(everything), dtype=KEY)
+    values, found = provider.get_read_store(2).get_batch(keys)
+    assert found.all()
+    assert dict(zip(keys.tolist(), values.tolist())) == everything
+    provider.close()
+
+
+def test_rows_of_another_partition_fail_the_task_before_fn():
+    from pyspark_glue.operator import PARTITION_COLUMN, _checked_partition
+
+    batch = pa.RecordBatch.from_pydict({"user": [1, 2], PARTITION_COLUMN: pa.array([3, 3], pa.int32())})
+    assert _checked_partition(batch, 3).schema.names == ["user"]
+    empty = batch.slice(0, 0)
+    assert _checked_partition(empty, 0).num_rows == 0
+    wrong = pa.RecordBatch.from_pydict({"user": [1, 2], PARTITION_COLUMN: pa.array([3, 1], pa.int32())})
+    with pytest.raises(RuntimeError, match="rows of state partition 1 reached the task of partition 3"):
+        _checked_partition(wrong, 3)
+    with pytest.raises(RuntimeError, match=f"column {PARTITION_COLUMN} is missing"):
+        _checked_partition(pa.RecordBatch.from_pydict({"user": [1]}), 0)
+
+
 # -- on Spark --------------------------------------------------------------------------------------
 
 def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=False):
@@ -329,3 +380,32 @@ def test_num_partitions_and_schemas_are_fixed_for_a_checkpoint(spark, tmp_path):
     with pytest.raises(ValueError, match="key column 'nope' is not in the DataFrame"):
         StatefulOperator(str(tmp_path / "other"), 0, 2, ["nope"], KEY, agg.value_schema, agg,
                          agg.output_schema, coordinator=False).process(df, 0)
+
+
+@pytest.mark.spark
+def test_batches_are_aggregated_in_spark_and_session_settings_restored(spark, tmp_path):
+    """RunningAggregate.prepare: one row per key reaches Python; the job's shuffle partitions
+    and adaptive execution are the operator's during the job only, also when it fails."""
+    from pyspark_glue import read_state
+
+    state_root = str(tmp_path / "state")
+    conf = spark.conf
+    settings = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.enabled")
+    before = {key: conf.get(key) for key in settings}
+    conf.set("spark.sql.adaptive.enabled", "true")  # would coalesce these small partitions
+    try:
+        op = make_operator(state_root, num_partitions=3, coordinator=False)
+        tables = [events(11, 3000), events(12, 2000)]
+        for batch_id, table in enumerate(tables):
+            op.process(spark.createDataFrame(table.to_pandas()), batch_id)
+            assert op.last_progress["rows_in"] == len(expected_state([table]))  # distinct keys, not rows
+            assert {key: conf.get(key) for key in settings} == {**before, "spark.sql.adaptive.enabled": "true"}
+        assert state_dict(read_state(spark, state_root, 0)) == expected_state(tables)
+        op.close()
+        with pytest.raises(Exception, match="column 'user' has 1 null"):
+            bad = make_operator(str(tmp_path / "other"), num_partitions=3, coordinator=False)
+            bad.process(spark.createDataFrame([(None, "eu", 1)], INPUT_DDL), 0)
+        assert {key: conf.get(key) for key in settings} == {**before, "spark.sql.adaptive.enabled": "true"}
+    finally:
+        for key, value in before.items():
+            conf.set(key, value)
