@@ -29,7 +29,7 @@ import threading
 from statecore.coordinator import StateStoreCoordinatorRef
 from statecore.rpc import RpcEnv
 
-__all__ = ["CoordinatorService", "coordinator_for", "active_coordinator", "deactivate", "stop"]
+__all__ = ["CoordinatorService", "coordinator_for", "active_coordinator", "rpc_env_for", "deactivate", "stop"]
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +143,16 @@ def stop(spark=None):
 
 
 atexit.register(stop)
+
+
+def rpc_env_for(spark):
+    """The driver's :class:`~statecore.rpc.RpcEnv` of ``spark``'s context (started with its
+    coordinator on first use), for other driver-side endpoints: the EpochCoordinators of
+    continuous queries (:mod:`pyspark_glue.continuous`) live there, so tasks reach every
+    driver endpoint at one address."""
+    coordinator_for(spark)
+    with _lock:
+        service = _services.get(id(_context(spark)))
+    if service is None:
+        raise RuntimeError("the SparkContext stopped: no driver RpcEnv for it")
+    return service.env

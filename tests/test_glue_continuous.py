@@ -1,0 +1,292 @@
+"""Continuous execution (pyspark_glue.continuous): the sources, the epoch-keyed sink and the
+logs without Spark; then on real Spark (local[2]) a running aggregation over the generator
+with a forced failure, a manual restart, a stop and a resume, and an automatic restart,
+each checked for exactly-once state and output; the refusal when partitions exceed the
+cores; and the coordinator's backlog limit stopping the query with Spark's message."""
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+
+from pyspark_glue.continuous import (COMMITS_DIR, OFFSETS_DIR, ContinuousQueryException, EpochLog, EpochSink,
+                                     FileSource, GeneratorSource)
+
+KEY = np.dtype([("key", "<i8")])
+VALUE = np.dtype([("count", "<i8"), ("sum", "<i8")])
+OUTPUT_DDL = "partition int, offset long, key long"
+DEADLINE_S = 120  # generous: the machine may be shared with other Spark jobs
+
+
+def read_all(reader):
+    batches = []
+    while (batch := reader.next_batch()) is not None:
+        batches.append(batch)
+    return pa.Table.from_batches(batches) if batches else None
+
+
+# -- without Spark -----------------------------------------------------------------------------
+
+def test_generator_source_is_a_function_of_partition_and_offset():
+    source = GeneratorSource(3, max_offset=1000, batch_rows=128, keys_per_partition=50)
+    for p in range(3):
+        reader = source.reader(p, source.initial_offset(p))
+        everything = read_all(reader)
+        assert reader.offset() == 1000 and reader.next_batch() is None  # idle at the end
+        assert everything.column("offset").to_pylist() == list(range(1000))
+        keys = everything.column("key").to_numpy()
+        assert (keys % 3 == p).all() and len(np.unique(keys)) == 50  # every key in one partition
+        tail = read_all(source.reader(p, 613))  # a reader seeks to any offset it reported
+        assert tail.equals(everything.slice(613))
+    assert max(b.num_rows for b in read_all(source.reader(0, 0)).to_batches()) <= 128
+    with pytest.raises(ValueError, match="GeneratorSource offset is an int"):
+        source.reader(0, ["", 0])
+    with pytest.raises(ValueError, match="partition 3 is not in 0..2"):
+        source.rows(3, 0, 10)
+
+
+def write_parquet(directory, name, table):
+    os.makedirs(directory, exist_ok=True)
+    pq.write_table(table, os.path.join(directory, f".{name}.tmp"))
+    os.replace(os.path.join(directory, f".{name}.tmp"), os.path.join(directory, name))
+
+
+def test_file_source_reads_files_as_they_appear_and_seeks(tmp_path):
+    source = FileSource(str(tmp_path), 2, batch_rows=4, discovery_interval_ms=0)
+    write_parquet(tmp_path / "0", "0001.parquet", pa.table({"x": list(range(10))}))
+    (tmp_path / "0" / ".0002.parquet.tmp").write_bytes(b"half-written")  # ignored: a hidden name
+    reader = source.reader(0, source.initial_offset(0))
+    assert read_all(reader).column("x").to_pylist() == list(range(10))
+    assert reader.offset() == ["0001.parquet", 10]
+    assert read_all(source.reader(1, source.initial_offset(1))) is None  # no folder yet: idle, not an error
+
+    write_parquet(tmp_path / "0", "0002.parquet", pa.table({"x": list(range(10, 16))}))
+    assert read_all(reader).column("x").to_pylist() == list(range(10, 16))  # the same reader finds the new file
+    assert reader.offset() == ["0002.parquet", 6]
+    reader.close()
+
+    assert read_all(source.reader(0, ["0001.parquet", 7])).column("x").to_pylist() == list(range(7, 16))
+    assert read_all(source.reader(0, ["0001.parquet", 10])).column("x").to_pylist() == list(range(10, 16))
+    assert read_all(source.reader(0, ["0002.parquet", 6])) is None
+    with pytest.raises(ValueError, match=r"FileSource offset is \[file name, rows read\]"):
+        source.reader(0, 5)
+
+
+def test_epoch_sink_rewrites_an_epoch_and_reads_committed_epochs_only(tmp_path):
+    schema = pa.schema([("v", pa.int64())])
+    sink = EpochSink(str(tmp_path / "sink"))
+
+    def batch(values):
+        return pa.RecordBatch.from_arrays([pa.array(values, pa.int64())], schema=schema)
+
+    messages = [sink.write(1, 0, [batch([1, 2])], schema), sink.write(1, 1, [], schema)]
+    assert messages == [{"file": "epoch=1/part-00000.parquet", "rows": 2}, {"file": None, "rows": 0}]
+    sink.commit(1, messages)
+    sink.write(2, 0, [batch([3])], schema)  # an epoch of a run that failed before committing it
+    sink.write(2, 1, [batch([4])], schema)
+    assert sink.committed_epochs() == [1]
+    assert sink.read().to_pydict() == {"v": [1, 2], "epoch": [1, 1]}
+
+    # The next run runs epoch 2 again: partition 0 now has other rows, partition 1 none.
+    sink.discard_after(1)
+    assert not (tmp_path / "sink" / "epoch=2").exists()
+    sink.write(2, 1, [batch([9])], schema)
+    second = [sink.write(2, 0, [batch([5]), batch([6])], schema), sink.write(2, 1, [], schema)]
+    assert not (tmp_path / "sink" / "epoch=2" / "part-00001.parquet").exists()  # the stale file is gone
+    sink.commit(2, second)
+    assert sink.read().to_pydict() == {"v": [1, 2, 5, 6], "epoch": [1, 1, 2, 2]}
+    assert sink.commits.read(2) == {"epoch": 2, "files": ["epoch=2/part-00000.parquet"], "rows": 2}
+
+
+def test_epoch_log(tmp_path):
+    log = EpochLog(str(tmp_path / "commits"))
+    assert log.epochs() == [] and log.latest() is None
+    for e in (1, 2, 3, 10):
+        log.write(e, {"epoch": e, "offsets": [e, ["f", e]]})
+    (tmp_path / "commits" / ".11.0123456789abcdef0123456789abcdef.tmp").write_bytes(b"{")  # a torn temporary
+    assert log.epochs() == [1, 2, 3, 10] and log.latest() == 10
+    assert log.read(3) == {"epoch": 3, "offsets": [3, ["f", 3]]}
+    log.delete_after(2)
+    log.delete_before(2)
+    assert log.epochs() == [2]
+    (tmp_path / "commits" / "7").write_bytes(b"not json")
+    with pytest.raises(ValueError, match=r"unreadable log entry .*commits/7"):
+        log.read(7)
+    with pytest.raises(FileNotFoundError):
+        log.read(8)
+
+
+# -- on Spark --------------------------------------------------------------------------------------
+
+class EchoAggregate:
+    """A running count and sum of ``value`` per key (the state), echoing each row's partition,
+    offset and key as output, so the output of every epoch can be checked row by row.
+
+    With ``marker``: fails once (the first time, in partition 1) as soon as some of
+    partition 1's rows are committed (or at its last row), leaving ``marker`` behind."""
+
+    def __init__(self, checkpoint, marker=None, last_offset=None):
+        from pyspark_glue import RunningAggregate
+
+        self.agg = RunningAggregate(KEY, "value", emit=False)
+        self.checkpoint = checkpoint
+        self.marker, self.last_offset = marker, last_offset
+
+    def _rows_committed(self, partition):
+        newest = EpochLog(os.path.join(self.checkpoint, COMMITS_DIR)).latest()
+        if newest is None:
+            return 0
+        return EpochLog(os.path.join(self.checkpoint, OFFSETS_DIR)).read(newest)["offsets"][partition]
+
+    def _fail_once(self, batch):
+        if self.marker is None or batch.column("partition")[0].as_py() != 1 or os.path.exists(self.marker):
+            return
+        if self._rows_committed(1) > 0 or batch.column("offset")[-1].as_py() == self.last_offset - 1:
+            open(self.marker, "w").close()
+            raise RuntimeError("forced failure in partition 1")
+
+    def __call__(self, store, batch):
+        self._fail_once(batch)
+        self.agg(store, batch)
+        return batch.select(["partition", "offset", "key"])
+
+
+def start(spark, checkpoint, source, fn, **kwargs):
+    from pyspark_glue.continuous import start_continuous
+
+    kwargs.setdefault("epoch_interval_ms", 100)
+    return start_continuous(spark, source, fn, checkpoint, KEY, VALUE, OUTPUT_DDL, logs_to_retain=100000, **kwargs)
+
+
+def expected_state(source, offsets):
+    """{key: (count, sum)} over rows 0..offsets[p]-1 of every partition, in numpy."""
+    out = {}
+    for p, end in enumerate(offsets):
+        rows = source.rows(p, 0, end)
+        keys, inverse = np.unique(rows.column("key").to_numpy(), return_inverse=True)
+        counts = np.bincount(inverse, minlength=len(keys))
+        sums = np.bincount(inverse, weights=rows.column("value").to_numpy(), minlength=len(keys))
+        out.update({int(k): (int(c), int(s)) for k, c, s in zip(keys, counts, sums)})
+    return out
+
+
+def state_from_files(state_root, num_partitions, version):
+    out = {}
+    for p in range(num_partitions):
+        provider = create_and_init_provider(StateStoreId(state_root, 0, p), KEY, VALUE, StateStoreConf())
+        store = provider.get_read_store(version)
+        out.update({k[0]: tuple(v) for k, v in store.iterator()})
+        store.abort()
+        provider.close()
+    return out
+
+
+def check_exactly_once(query, source):
+    """The logs, the sink and the state agree with exactly the rows up to the committed offsets:
+    commit epochs contiguous from 1, every committed epoch's output exactly the rows between
+    its offsets and the previous epoch's, and the state the aggregate of those rows."""
+    checkpoint = query.checkpoint_location
+    committed = query.last_committed_epoch
+    commits = EpochLog(os.path.join(checkpoint, COMMITS_DIR)).epochs()
+    assert commits == list(range(1, committed + 1)), "the commit log must be contiguous from epoch 1"
+    offsets_log = EpochLog(os.path.join(checkpoint, OFFSETS_DIR))
+    offsets = {0: [source.initial_offset(p) for p in range(source.num_partitions)]}
+    offsets.update({e: offsets_log.read(e)["offsets"] for e in commits})
+    assert offsets[committed] == query.committed_offsets
+
+    sink = EpochSink(query.sink_path)
+    assert sink.committed_epochs() == commits
+    table = sink.read()
+    if table is None:  # nothing committed has rows
+        table = pa.table({"epoch": pa.array([], pa.int64()), "partition": pa.array([], pa.int32()),
+                          "offset": pa.array([], pa.int64())})
+    epoch, partition, offset = (table.column(c).to_numpy() for c in ("epoch", "partition", "offset"))
+    for e in commits:
+        for p in range(source.num_partitions):
+            mine = offset[(epoch == e) & (partition == p)]
+            assert mine.tolist() == list(range(offsets[e - 1][p], offsets[e][p])), f"epoch {e} partition {p}"
+    assert len(offset) == sum(offsets[committed])  # nothing else: no duplicate, no stray epoch
+    assert state_from_files(query.state_root, source.num_partitions, committed) == expected_state(
+        source, offsets[committed])
+
+
+def all_rows_committed(rows):
+    return lambda q: q.committed_offsets == [rows, rows]
+
+
+@pytest.mark.spark
+def test_failure_restart_stop_resume_is_exactly_once(spark, tmp_path):
+    rows = 20000
+    checkpoint, marker = str(tmp_path / "checkpoint"), str(tmp_path / "failed-once")
+    source = GeneratorSource(2, rows_per_second=10000, max_offset=rows, batch_rows=500, keys_per_partition=300)
+
+    failing = start(spark, checkpoint, source, EchoAggregate(checkpoint, marker, rows))
+    try:
+        with pytest.raises(ContinuousQueryException, match="forced failure in partition 1"):
+            failing.await_termination(DEADLINE_S)
+    finally:
+        failing.stop()
+    assert os.path.exists(marker) and not failing.is_active
+    assert failing.exception() is not None and failing.progress["restarts"] == 0
+    check_exactly_once(failing, source)
+    first = failing.last_committed_epoch
+
+    resumed = start(spark, checkpoint, source, EchoAggregate(checkpoint))  # a manual restart
+    try:
+        assert resumed.last_committed_epoch == first
+        assert resumed.wait_for(lambda q: q.last_committed_epoch >= first + 3, DEADLINE_S), resumed.exception()
+        assert resumed.progress["run_id"] != failing.progress["run_id"]
+    finally:
+        resumed.stop()
+    assert resumed.exception() is None and not resumed.is_active
+    assert resumed.last_committed_epoch >= first + 3
+    check_exactly_once(resumed, source)
+
+    final = start(spark, checkpoint, source, EchoAggregate(checkpoint))  # resumes after the stop
+    try:
+        assert final.wait_for(all_rows_committed(rows), DEADLINE_S), final.exception()
+    finally:
+        final.stop()
+    assert final.exception() is None
+    check_exactly_once(final, source)
+    assert state_from_files(final.state_root, 2, final.last_committed_epoch) == expected_state(source, [rows, rows])
+
+@pytest.mark.spark
+def test_max_restarts_restarts_the_query_from_its_checkpoint(spark, tmp_path):
+    rows = 10000
+    checkpoint, marker = str(tmp_path / "checkpoint"), str(tmp_path / "failed-once")
+    source = GeneratorSource(2, rows_per_second=10000, max_offset=rows, batch_rows=500, keys_per_partition=200)
+    query = start(spark, checkpoint, source, EchoAggregate(checkpoint, marker, rows), max_restarts=1)
+    try:
+        assert query.wait_for(all_rows_committed(rows), DEADLINE_S), query.exception()
+        assert os.path.exists(marker) and query.progress["restarts"] == 1 and query.is_active
+    finally:
+        query.stop()
+    assert query.exception() is None
+    check_exactly_once(query, source)
+
+
+@pytest.mark.spark
+def test_refuses_more_partitions_than_task_slots(spark, tmp_path):
+    checkpoint = str(tmp_path / "checkpoint")
+    with pytest.raises(ValueError, match=r"3 partitions.*only 2 task\(s\) at once \(2 cores, spark.task.cpus=1\)"):
+        start(spark, checkpoint, GeneratorSource(3), EchoAggregate(checkpoint))
+    assert not os.path.exists(checkpoint)  # refused before anything was written
+
+
+@pytest.mark.spark
+def test_backlog_limit_stops_the_query_with_sparks_message(spark, tmp_path):
+    checkpoint = str(tmp_path / "checkpoint")
+    # One (epoch, partition) entry allowed: two partitions reporting one epoch exceed it.
+    query = start(spark, checkpoint, GeneratorSource(2, rows_per_second=1000), EchoAggregate(checkpoint),
+                  epoch_backlog_queue_size=1)
+    try:
+        with pytest.raises(ContinuousQueryException,
+                           match="Size of the partition (offset|commit) queue has exceeded its maximum"):
+            query.await_termination(DEADLINE_S)
+    finally:
+        query.stop()
+    assert not query.is_active
