@@ -1,0 +1,576 @@
+"""The end-to-end race: one streaming aggregation, every state store a PySpark user could pick.
+
+``python -m bench.race [--keys 100000,1000000] [--batches 10] [--rows 1000000] [--contenders ...]``
+(``python -m bench`` runs it with the micro benchmarks; ``--quick`` shrinks everything.)
+
+The query: a running count and sum of ``amount`` per ``key`` over micro-batches of ``--rows``
+rows read from parquet files (one file per trigger), ``local[2]``, 2 state partitions,
+update mode. Contenders, each in a fresh Python process with its own Spark session:
+
+- ``hdfs``: Spark's ``groupBy().agg()`` on its default HDFS-backed state store provider;
+- ``rocksdb``: the same on the RocksDB provider;
+- ``rocksdb_changelog``: RocksDB with changelog checkpointing;
+- ``pandas_state``: ``applyInPandasWithState`` (a Python function per key, Spark keeps the state);
+- ``tws_pandas``: ``transformWithStateInPandas`` (a StatefulProcessor with a ValueState, on RocksDB);
+- ``statecore``: :class:`pyspark_glue.StatefulOperator` with :class:`pyspark_glue.RunningAggregate`
+  in ``foreachBatch``;
+- ``floor``: the same per-batch aggregation as a plain batch job with no state at all: what no
+  Spark-based stateful query can beat;
+- ``stream_floor`` (a diagnostic): that aggregation inside a streaming query's ``foreachBatch``,
+  still without state: the floor plus what the streaming machinery costs per batch.
+
+Spark's queries write their updated rows to the ``noop`` sink; statecore's operator writes its
+updated rows as parquet files (its materialized output), which is more work, not less.
+
+Per contender: the time of each batch (``triggerExecution`` of the streaming progress; the
+job's wall time for the floor), rows/s as the median over batches 3..N, the state commit time
+per batch (summed over partitions, as Spark's ``commitTimeMs``), the bytes of state files in the
+checkpoint, and the peak resident memory of the JVM and of the Python workers (sampled from
+/proc every 0.2 s). The Python-per-key contenders are far slower, so they run ``--slow-rows``
+rows per batch for ``--slow-batches`` batches and are compared in rows/s.
+
+Restart (``--restart-keys``): a query with a state of N keys is stopped, a new process starts it
+again from its checkpoint with one more batch, and the time from ``start()`` to that batch's
+end is taken, minus the same for a query with an empty checkpoint over the same batch (the
+start-up any query pays). The 1M-key state is the race's own at K = 1M; a 10M-key state is
+built by 10 batches of 1M new keys each.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INPUT_DDL = "key long, amount long"
+SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
+CONTENDERS = ("floor", "stream_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas",
+              "statecore")
+SLOW = ("pandas_state", "tws_pandas")
+RESTART_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "statecore")
+_PROVIDERS = {
+    "hdfs": "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
+    "rocksdb": "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+}
+_CHANGELOG = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
+
+
+# -- input -------------------------------------------------------------------------------------------
+
+def write_batches(directory, batches, rows, keys, seed=0, distinct=False):
+    """``batches`` parquet files of ``rows`` rows (``key`` uniform in [0, keys), ``amount`` 1..100),
+    or with ``distinct``, keys ``i*rows .. (i+1)*rows`` shuffled in batch ``i``. Row groups of a
+    quarter batch so that Spark reads each file with both cores. Reused when already there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(directory, exist_ok=True)
+    names = [f"batch-{i:05d}.parquet" for i in range(batches)]
+    marker = os.path.join(directory, "_complete")
+    if os.path.exists(marker):
+        return [os.path.join(directory, n) for n in names]
+    rng = np.random.default_rng(seed)
+    for i, name in enumerate(names):
+        if distinct:
+            key = rng.permutation(rows).astype(np.int64) + i * rows
+        else:
+            key = rng.integers(0, keys, rows, dtype=np.int64)
+        table = pa.table({"key": key, "amount": rng.integers(1, 101, rows, dtype=np.int64)})
+        tmp = os.path.join(directory, f".{name}.tmp")
+        pq.write_table(table, tmp, row_group_size=max(1, rows // 4))
+        os.replace(tmp, os.path.join(directory, name))
+    open(marker, "w").close()
+    return [os.path.join(directory, n) for n in names]
+
+
+def link_inputs(files, directory):
+    """A source folder holding ``files`` (hard links; copies across filesystems)."""
+    os.makedirs(directory, exist_ok=True)
+    for f in files:
+        target = os.path.join(directory, os.path.basename(f))
+        if not os.path.exists(target):
+            try:
+                os.link(f, target)
+            except OSError:
+                shutil.copy(f, target)
+
+
+def tree_bytes(path, skip=()):
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in filenames)
+    return total
+
+
+# -- memory of the Spark processes ---------------------------------------------------------------------
+
+class MemorySampler:
+    """Peak RSS of this process's JVM descendant and of the Python workers under it."""
+
+    def __init__(self, interval=0.2):
+        self.interval, self.jvm_peak, self.workers_peak = interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        me = os.getpid()
+        while not self._stop.wait(self.interval):
+            jvm, workers = 0, 0
+            for pid, comm, rss in _descendants(me):
+                if comm == "java":
+                    jvm += rss
+                elif comm.startswith("python"):
+                    workers += rss
+            self.jvm_peak = max(self.jvm_peak, jvm)
+            self.workers_peak = max(self.workers_peak, workers)
+
+
+def _descendants(root):
+    """(pid, comm, rss bytes) of every process under ``root``."""
+    parents, info = {}, {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/statm") as f:
+                rss = int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        parents[int(entry)] = ppid
+        info[int(entry)] = (comm, rss)
+    out = []
+    for pid in info:
+        p = parents.get(pid)
+        while p and p != root and p in parents:
+            p = parents[p]
+        if p == root and pid != root:
+            out.append((pid, *info[pid]))
+    return out
+
+
+# -- Spark ---------------------------------------------------------------------------------------------
+
+def start_spark(name, contender, driver_memory):
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master("local[2]").appName(f"statecore-race-{name}")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.driver.memory", driver_memory)
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
+    if contender in ("floor", "stream_floor"):  # the same two partitions as the streaming plans
+        builder = builder.config("spark.sql.adaptive.enabled", "false")
+    if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
+        builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["rocksdb"])
+    elif contender in ("hdfs", "pandas_state"):
+        builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["hdfs"])
+    if contender == "rocksdb_changelog":
+        builder = builder.config(_CHANGELOG, "true")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _count_sum_pandas(key, pdfs, state):
+    """applyInPandasWithState: the running count and sum of one key."""
+    import pandas as pd
+
+    count, total = state.get if state.exists else (0, 0)
+    for pdf in pdfs:
+        count += len(pdf)
+        total += int(pdf["amount"].sum())
+    state.update((count, total))
+    yield pd.DataFrame({"key": [key[0]], "count": [count], "sum": [total]})
+
+
+def _tws_processor():
+    from pyspark.sql.streaming import StatefulProcessor
+
+    class CountSum(StatefulProcessor):
+        """transformWithStateInPandas: the running count and sum of one key in a ValueState."""
+
+        def init(self, handle):
+            self.state = handle.getValueState("agg", "count long, sum long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            import pandas as pd
+
+            count, total = self.state.get() if self.state.exists() else (0, 0)
+            for pdf in rows:
+                count += len(pdf)
+                total += int(pdf["amount"].sum())
+            self.state.update((count, total))
+            yield pd.DataFrame({"key": [key[0]], "count": [count], "sum": [total]})
+
+        def close(self):
+            pass
+
+    return CountSum()
+
+
+def _statecore_operator(state_root):
+    from pyspark_glue import RunningAggregate, StatefulOperator
+
+    key = np.dtype([("key", "<i8")])
+    aggregate = RunningAggregate(key, "amount")
+    return StatefulOperator(state_root, 0, 2, ["key"], key, aggregate.value_schema, aggregate,
+                            aggregate.output_schema)
+
+
+def start_query(spark, contender, source, checkpoint, state_root):
+    """The streaming query of ``contender`` over ``source`` (every file present, one per trigger)."""
+    from pyspark.sql import functions as F
+
+    events = spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
+    operator = None
+    if contender in ("hdfs", "rocksdb", "rocksdb_changelog"):
+        out = events.groupBy("key").agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
+    elif contender == "pandas_state":
+        from pyspark.sql.streaming.state import GroupStateTimeout
+        out = events.groupBy("key").applyInPandasWithState(
+            _count_sum_pandas, "key long, count long, sum long", "count long, sum long", "Update",
+            GroupStateTimeout.NoTimeout)
+    elif contender == "tws_pandas":
+        out = events.groupBy("key").transformWithStateInPandas(
+            _tws_processor(), "key long, count long, sum long", "Update", "None")
+    if contender == "stream_floor":
+        def aggregate(df, batch_id):
+            (df.groupBy("key").agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
+             .write.format("noop").mode("overwrite").save())
+
+        writer = events.writeStream.foreachBatch(aggregate)
+    elif contender == "statecore":
+        operator = _statecore_operator(state_root)
+        operator.history = []
+
+        def process(df, batch_id):
+            operator.process(df, batch_id)
+            operator.history.append(operator.last_progress)
+
+        writer = events.writeStream.foreachBatch(process)
+    else:
+        writer = out.writeStream.outputMode("update").format("noop")
+    query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
+    return query, operator
+
+
+def _progress(query):
+    return [json.loads(p.json) if hasattr(p, "json") else dict(p) for p in query.recentProgress]
+
+
+def run_streaming(args):
+    """One contender's batches (worker process); returns the result dict."""
+    spark = start_spark(args.name, args.contender, args.driver_memory)
+    checkpoint = os.path.join(args.work, "checkpoint")
+    state_root = os.path.join(args.work, "statecore")
+    with MemorySampler() as memory:
+        t0 = time.perf_counter()
+        query, operator = start_query(spark, args.contender, args.source, checkpoint, state_root)
+        query.awaitTermination()
+        wall = time.perf_counter() - t0
+        progress = _progress(query)
+        exc = query.exception()
+        if exc is not None:
+            raise RuntimeError(f"{args.contender} failed: {exc}")
+    batches = []
+    for p in progress:
+        if not p.get("numInputRows"):
+            continue
+        ops = p.get("stateOperators") or []
+        batches.append({"rows": p["numInputRows"], "seconds": p["durationMs"]["triggerExecution"] / 1e3,
+                        "add_batch_s": p["durationMs"].get("addBatch", 0) / 1e3,
+                        "commit_s": sum(o.get("commitTimeMs", 0) for o in ops) / 1e3,
+                        "state_keys": sum(o.get("numRowsTotal", 0) for o in ops),
+                        "state_memory_bytes": sum(o.get("memoryUsedBytes", 0) for o in ops)})
+    if operator is not None:  # the operator's own figures: commit time summed over partitions, as Spark's
+        operator.close()
+        for batch, p in zip(batches, [p for p in operator.history if p["rows_in"]]):
+            batch.update(commit_s=sum(t["commit_s"] for t in p["partitions"]), state_keys=p["state_keys"],
+                         state_memory_bytes=p["memory_used_bytes"],
+                         task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")})
+    result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
+              "python_workers_peak_bytes": memory.workers_peak}
+    spark.stop()
+    return result
+
+
+def run_floor(args):
+    """The plain batch job over each file (worker process)."""
+    from pyspark.sql import functions as F
+
+    spark = start_spark(args.name, "floor", args.driver_memory)
+    files = sorted(f for f in os.listdir(args.source) if f.endswith(".parquet"))
+    batches = []
+    with MemorySampler() as memory:
+        for name in files:
+            t0 = time.perf_counter()
+            (spark.read.schema(INPUT_DDL).parquet(os.path.join(args.source, name)).groupBy("key")
+             .agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
+             .write.format("noop").mode("overwrite").save())
+            seconds = time.perf_counter() - t0
+            batches.append({"rows": None, "seconds": seconds, "commit_s": 0.0})
+    spark.stop()
+    return {"batches": batches, "jvm_peak_bytes": memory.jvm_peak, "python_workers_peak_bytes": memory.workers_peak}
+
+
+def _worker_main(argv):
+    p = argparse.ArgumentParser()
+    for a in ("name", "contender", "source", "work", "driver_memory", "out"):
+        p.add_argument(f"--{a.replace('_', '-')}", required=True)
+    args = p.parse_args(argv)
+    result = run_floor(args) if args.contender == "floor" else run_streaming(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def run_in_process(name, contender, source, work, driver_memory, timeout):
+    """Run one contender in a fresh interpreter (its own JVM); returns its result dict."""
+    os.makedirs(work, exist_ok=True)
+    out = os.path.join(work, f"{name}.json")
+    cmd = [sys.executable, "-m", "bench.race", "_worker", "--name", name, "--contender", contender,
+           "--source", source, "--work", work, "--driver-memory", driver_memory, "--out", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{name} exited with {done.returncode}:\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    result["process_s"] = time.perf_counter() - t0
+    return result
+
+
+# -- the race -------------------------------------------------------------------------------------------
+
+def summarize(result, rows, first_measured):
+    """rows/s as the median over the measured batches, and the other per-contender figures."""
+    batches = result["batches"]
+    measured = batches[first_measured:] or batches[-1:]
+    seconds = statistics.median(b["seconds"] for b in measured)
+    return {"batch_s": seconds, "rows_per_s": rows / seconds, "batches": batches,
+            "commit_s": statistics.median(b.get("commit_s", 0.0) for b in measured),
+            "batch_seconds": [b["seconds"] for b in batches],
+            "jvm_peak_mib": result["jvm_peak_bytes"] / 2**20,
+            "python_workers_peak_mib": result["python_workers_peak_bytes"] / 2**20}
+
+
+def race(args, root, header):
+    results = {"machine": header, "argv": sys.argv, "settings": vars(args), "race": {}, "restart": {}}
+    for keys in args.keys:
+        data = os.path.join(args.data, f"uniform-k{keys}-r{args.rows}-b{args.batches}")
+        files = write_batches(data, args.batches, args.rows, keys, seed=args.seed)
+        slow_data = os.path.join(args.data, f"uniform-k{keys}-r{args.slow_rows}-b{args.slow_batches}")
+        slow_files = write_batches(slow_data, args.slow_batches, args.slow_rows, keys, seed=args.seed + 1)
+        table = {}
+        for contender in args.contenders:
+            slow = contender in SLOW
+            n_rows = args.slow_rows if slow else args.rows
+            work = os.path.join(root, f"{contender}-k{keys}")
+            shutil.rmtree(work, ignore_errors=True)
+            source = os.path.join(work, "input")
+            link_inputs(slow_files if slow else files, source)
+            print(f"  K={keys:,} {contender} ...", flush=True)
+            raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory,
+                                 args.timeout)
+            s = summarize(raw, n_rows, 1 if slow else min(2, len(raw["batches"]) - 1))
+            s["rows_per_batch"] = n_rows
+            if contender == "statecore":
+                s["state_bytes"] = tree_bytes(os.path.join(work, "statecore"), skip=("_output",))
+                s["output_bytes"] = tree_bytes(os.path.join(work, "statecore", "0", "_output"))
+            elif contender not in ("floor", "stream_floor"):
+                s["state_bytes"] = tree_bytes(os.path.join(work, "checkpoint", "state"))
+            if contender not in ("floor", "stream_floor"):
+                s["checkpoint_bytes"] = tree_bytes(os.path.join(work, "checkpoint")) + s["state_bytes"] * (
+                    contender == "statecore")
+            s["process_s"] = raw["process_s"]
+            table[contender] = s
+            print(f"    {s['batch_s']:.2f} s/batch, {s['rows_per_s']:,.0f} rows/s, commit {s['commit_s'] * 1e3:.0f} ms, "
+                  f"JVM {s['jvm_peak_mib']:.0f} MiB, workers {s['python_workers_peak_mib']:.0f} MiB "
+                  f"(batches: {' '.join(f'{x:.2f}' for x in s['batch_seconds'])})", flush=True)
+        results["race"][str(keys)] = table
+    return results
+
+
+def restart(args, root, results):
+    """Restart-to-first-batch, minus an empty query's, per contender and state size."""
+    extra = write_batches(os.path.join(args.data, f"extra-r{args.rows}"), 1, args.rows, max(args.keys),
+                          seed=args.seed + 7)
+    sizes = []
+    if max(args.keys) in args.restart_keys:
+        sizes.append((max(args.keys), None))  # the race's own state
+    for n in args.restart_keys:
+        if n not in args.keys:
+            batches = max(1, n // args.rows)
+            sizes.append((n, write_batches(os.path.join(args.data, f"distinct-r{args.rows}-b{batches}"), batches,
+                                           args.rows, None, seed=args.seed + 3, distinct=True)))
+    for contender in sorted(set(args.restart_contenders) | set(args.big_restart_contenders), key=CONTENDERS.index):
+        base_work = os.path.join(root, f"{contender}-empty")
+        shutil.rmtree(base_work, ignore_errors=True)
+        link_inputs(extra, os.path.join(base_work, "input"))
+        empty = run_in_process(f"{contender}-empty", contender, os.path.join(base_work, "input"), base_work,
+                               args.driver_memory, args.timeout)
+        empty_s = empty["wall_s"]
+        for n, build in sizes:
+            if contender not in (args.restart_contenders if build is None else args.big_restart_contenders):
+                continue
+            if build is None:
+                work = os.path.join(root, f"{contender}-k{n}")
+                if not os.path.isdir(os.path.join(work, "checkpoint")):
+                    continue
+            else:
+                work = os.path.join(root, f"{contender}-state{n}")
+                shutil.rmtree(work, ignore_errors=True)
+                link_inputs(build, os.path.join(work, "input"))
+                print(f"  building a {n:,}-key state for {contender} ...", flush=True)
+                run_in_process(f"{contender}-build{n}", contender, os.path.join(work, "input"), work,
+                               args.driver_memory, args.timeout)
+            link_inputs(extra, os.path.join(work, "input"))
+            again = run_in_process(f"{contender}-restart{n}", contender, os.path.join(work, "input"), work,
+                                   args.driver_memory, args.timeout)
+            entry = {"restart_s": again["wall_s"], "empty_start_s": empty_s,
+                     "restart_cost_s": again["wall_s"] - empty_s}
+            results["restart"].setdefault(str(n), {})[contender] = entry
+            print(f"  restart {contender} with {n:,} keys: {again['wall_s']:.1f} s to the first batch, "
+                  f"empty query {empty_s:.1f} s -> {entry['restart_cost_s']:.1f} s", flush=True)
+
+
+def add_ratios(results):
+    """Pairwise ratios from the same run: what the issue's targets compare."""
+    ratios = {}
+    for keys, table in results["race"].items():
+        sc = table.get("statecore")
+        if not sc:
+            continue
+        r = {}
+        if "floor" in table:
+            r["statecore_batch_over_floor"] = sc["batch_s"] / table["floor"]["batch_s"]
+        for other in CONTENDERS:
+            if other in table and other not in ("statecore", "floor", "stream_floor"):
+                r[f"speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
+                if "state_bytes" in table[other]:
+                    r[f"state_bytes_vs_{other}"] = sc["state_bytes"] / max(1, table[other]["state_bytes"])
+        ratios[keys] = r
+    for n, table in results["restart"].items():
+        sc = table.get("statecore")
+        if sc:
+            ratios[f"restart_{n}"] = {f"restart_speedup_vs_{o}": table[o]["restart_cost_s"] / max(sc["restart_cost_s"], 1e-3)
+                                      for o in table if o != "statecore"}
+    results["ratios"] = ratios
+    return results
+
+
+def print_tables(results):
+    for keys, table in results["race"].items():
+        print(f"\nK = {int(keys):,} keys  {'contender':<18} {'rows/batch':>10} {'s/batch':>8} {'rows/s':>11} "
+              f"{'commit ms':>9} {'state MiB':>9} {'JVM MiB':>8} {'workers MiB':>11}")
+        for name, s in table.items():
+            state = f"{s['state_bytes'] / 2**20:.1f}" if "state_bytes" in s else "-"
+            print(f"{'':<15}{name:<18} {s['rows_per_batch']:>10,} {s['batch_s']:>8.2f} {s['rows_per_s']:>11,.0f} "
+                  f"{s['commit_s'] * 1e3:>9.0f} {state:>9} {s['jvm_peak_mib']:>8.0f} {s['python_workers_peak_mib']:>11.0f}")
+    for n, table in results["restart"].items():
+        print(f"\nrestart with {int(n):,} keys: " + ", ".join(
+            f"{c} {e['restart_cost_s']:.1f} s ({e['restart_s']:.1f} - {e['empty_start_s']:.1f})" for c, e in table.items()))
+    for what, r in results.get("ratios", {}).items():
+        print(f"{what}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--keys", type=ints, default=[100_000, 1_000_000], help="key spaces K (default 100000,1000000)")
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per micro-batch (default %(default)s)")
+    p.add_argument("--batches", type=int, default=10)
+    p.add_argument("--slow-rows", type=int, default=100_000, help="rows per batch of the per-key Python contenders")
+    p.add_argument("--slow-batches", type=int, default=2)
+    p.add_argument("--contenders", type=lambda s: s.split(","), default=list(CONTENDERS))
+    p.add_argument("--restart-keys", type=ints, default=[1_000_000, 10_000_000],
+                   help="state sizes to restart with ('' for none)")
+    p.add_argument("--restart-contenders", type=lambda s: s.split(","), default=list(RESTART_CONTENDERS),
+                   help="restarted with the race's own state (default %(default)s)")
+    p.add_argument("--big-restart-contenders", type=lambda s: [x for x in s.split(",") if x],
+                   default=["hdfs", "rocksdb", "statecore"],
+                   help="restarted with the bigger --restart-keys states, built first (default %(default)s)")
+    p.add_argument("--driver-memory", default="12g")
+    p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "statecore-race-data"),
+                   help="where input files are generated once and reused")
+    p.add_argument("--work", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per contender process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--quick", action="store_true", help="every contender and path, small (a smoke test)")
+    return p
+
+
+def quick_args(p):
+    """The settings of ``--quick``: every contender and path, small."""
+    return p.parse_args(["--keys", "10000", "--rows", "50000", "--batches", "4", "--slow-rows", "5000",
+                         "--slow-batches", "2", "--restart-keys", "10000", "--driver-memory", "2g"])
+
+
+def run(args):
+    """The race (and restarts) with ``args`` from :func:`parser`; returns the results dict."""
+    from bench._common import print_header
+
+    header = print_header("end-to-end race: a running count and sum per key, local[2], 2 state partitions")
+    root = args.work or tempfile.mkdtemp(prefix="statecore-race-")
+    try:
+        results = race(args, root, header)
+        if args.restart_keys:
+            restart(args, root, results)
+        add_ratios(results)
+        print_tables(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return results
+    finally:
+        if args.work is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":
+        return _worker_main(argv[1:])
+    p = parser()
+    args = p.parse_args(argv)
+    if args.quick:
+        json_path = args.json
+        args = quick_args(p)
+        args.json = json_path
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The benchmark harness: the race's figures and ratios, the plots, ``python -m bench`` end to
+end on two micro benchmarks, and one race contender on real Spark."""
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench import plots, race
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_result(seconds, commit=0.0):
+    return {"batches": [{"seconds": s, "commit_s": commit} for s in seconds], "jvm_peak_bytes": 2**30,
+            "python_workers_peak_bytes": 2**29}
+
+
+def test_summary_takes_the_median_of_the_measured_batches():
+    s = race.summarize(fake_result([9.0, 5.0, 1.0, 3.0, 2.0], commit=0.25), rows=1_000_000, first_measured=2)
+    assert s["batch_s"] == 2.0  # median of 1, 3, 2: the first two batches are warm-up
+    assert s["rows_per_s"] == 500_000
+    assert s["commit_s"] == 0.25 and s["jvm_peak_mib"] == 1024 and s["python_workers_peak_mib"] == 512
+    assert s["batch_seconds"] == [9.0, 5.0, 1.0, 3.0, 2.0]
+
+
+def test_ratios_compare_contenders_of_the_same_run():
+    table = {
+        "floor": {"batch_s": 1.0, "rows_per_s": 1e6},
+        "hdfs": {"batch_s": 2.0, "rows_per_s": 5e5, "state_bytes": 400},
+        "pandas_state": {"batch_s": 10.0, "rows_per_s": 1e4, "state_bytes": 900},
+        "statecore": {"batch_s": 1.1, "rows_per_s": 1e6 / 1.1, "state_bytes": 300},
+    }
+    restart = {"hdfs": {"restart_cost_s": 20.0}, "statecore": {"restart_cost_s": 0.5}}
+    out = race.add_ratios({"race": {"100": table}, "restart": {"1000": restart}})["ratios"]
+    assert out["100"]["statecore_batch_over_floor"] == pytest.approx(1.1)
+    assert out["100"]["speedup_vs_hdfs"] == pytest.approx(2 / 1.1)
+    assert out["100"]["speedup_vs_pandas_state"] == pytest.approx(100 / 1.1)
+    assert out["100"]["state_bytes_vs_hdfs"] == pytest.approx(0.75)
+    assert out["restart_1000"] == {"restart_speedup_vs_hdfs": pytest.approx(40.0)}
+
+
+def test_input_batches_are_written_once(tmp_path):
+    files = race.write_batches(str(tmp_path / "data"), 2, 1000, 50, seed=3)
+    table = pq.read_table(files[1])
+    assert table.num_rows == 1000 and table.column_names == ["key", "amount"]
+    assert 0 <= min(table.column("key").to_pylist()) and max(table.column("key").to_pylist()) < 50
+    assert pq.ParquetFile(files[0]).metadata.num_row_groups == 4  # both cores read every file
+    before = os.path.getmtime(files[0])
+    assert race.write_batches(str(tmp_path / "data"), 2, 1000, 50, seed=3) == files
+    assert os.path.getmtime(files[0]) == before
+    distinct = race.write_batches(str(tmp_path / "distinct"), 2, 100, None, distinct=True)
+    keys = [k for f in distinct for k in pq.read_table(f).column("key").to_pylist()]
+    assert sorted(keys) == list(range(200))
+
+
+def test_plots_are_written(tmp_path):
+    payload = {"machine": {"cpu": "test", "cores": 2},
+               "race": {"100": {"floor": {"rows_per_s": 1e6, "batch_seconds": [2, 1, 1], "rows_per_batch": 10},
+                                "statecore": {"rows_per_s": 9e5, "batch_seconds": [3, 1.1, 1.1],
+                                              "rows_per_batch": 10}}},
+               "restart": {"1000": {"hdfs": {"restart_cost_s": 5.0}, "statecore": {"restart_cost_s": 0.2}}}}
+    path = tmp_path / "race.json"
+    path.write_text(json.dumps(payload))
+    made = plots.plot("race", str(path), str(tmp_path))
+    assert sorted(os.path.basename(p) for p in made) == ["race_batches.png", "race_restart.png",
+                                                          "race_rows_per_s.png"]
+    for p in made:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_harness_runs_micro_benchmarks_and_writes_results(tmp_path):
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only", "rowtable,delta", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in summary["runs"]] == ["rowtable", "delta"]
+    assert all(r["exit_code"] == 0 for r in summary["runs"])
+    tables = json.loads((out / "rowtable.json").read_text())["tables"]
+    assert any(t.startswith("put 100,000 new keys") for t in tables)
+    assert (out / "rowtable.png").exists() and (out / "delta.png").exists()
+    assert "RowTable.put_batch" in (out / "rowtable.txt").read_text()
+
+
+@pytest.mark.spark
+def test_race_contender_runs_in_its_own_process(tmp_path):
+    """The statecore contender end to end on tiny batches: per-batch figures, the operator's
+    commit time, state files, and state that adds up."""
+    files = race.write_batches(str(tmp_path / "data"), 3, 2000, 300, seed=5)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("t", "statecore", os.path.join(work, "input"), work, "1g", timeout=600)
+    assert len(result["batches"]) == 3
+    assert all(b["rows"] == 2000 and b["seconds"] > 0 and b["commit_s"] > 0 for b in result["batches"])
+    assert result["jvm_peak_bytes"] > 0 and result["python_workers_peak_bytes"] > 0
+    assert race.tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) > 0
+    from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+    import numpy as np
+    key = np.dtype([("key", "<i8")])
+    value = np.dtype([("count", "<i8"), ("sum", "<i8")])
+    total_count = total_sum = 0
+    for partition in range(2):
+        provider = create_and_init_provider(StateStoreId(os.path.join(work, "statecore"), 0, partition), key, value,
+                                            StateStoreConf())
+        for _keys, values in provider.get_read_store(3).iter_batches():
+            total_count += int(values["count"].sum())
+            total_sum += int(values["sum"].sum())
+        provider.close()
+    amounts = sum(pq.read_table(f).column("amount").to_numpy().sum() for f in files)
+    assert (total_count, total_sum) == (6000, int(amounts))
