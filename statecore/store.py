@@ -807,24 +807,44 @@ class FileStateStoreProvider(StateStoreProvider):
             return
         last = max([*deltas, *snapshots])
         earliest = last - self._conf.min_versions_to_retain
-        if earliest <= 0:
+        first_needed = 0  # every version from `earliest` on loads from here (0: the empty state)
+        if earliest > 0:
+            base = max((s for s in snapshots if s <= earliest), default=None)
+            if base is not None and not self._snapshot_matches_delta(base, deltas):
+                # another run's snapshot (a batch was re-executed while it was written): it is
+                # no base for anything, and nothing older may be deleted on its account
+                log.warning("deleting stale snapshot %s of %s", snapshots[base], self)
+                self._files.delete([snapshots[base]])
+                return
+            first_needed = min([*deltas, *snapshots]) if base is None else base
+            doomed = [name for v, name in deltas.items() if v < first_needed]
+            doomed += [name for v, name in snapshots.items() if v < first_needed]
+            if doomed:
+                deleted = self._files.delete(doomed)
+                log.info("Deleted files older than %d for %s: %s", first_needed, self, sorted(deleted))
+        self._delete_intermediate_snapshots(first_needed, deltas, snapshots)
+
+    def _delete_intermediate_snapshots(self, first_needed, deltas, snapshots):
+        """Thin the snapshots after the retention window's base to Spark's cadence: keep one
+        at least ``min_deltas_for_snapshot`` versions after the previous one kept (the bases
+        of later windows, so old deltas keep being deleted) and the newest (the one a restart
+        loads); delete the others once every delta after the base is there, so each retained
+        version still loads (from a kept snapshot and deltas). The head-size rule may write a
+        snapshot every batch; keeping each would cost a copy of the state per batch on disk."""
+        if any(u not in deltas for u in range(first_needed + 1, max(snapshots, default=0) + 1)):
             return
-        base = max((s for s in snapshots if s <= earliest), default=None)
-        if base is not None and not self._snapshot_matches_delta(base, deltas):
-            # another run's snapshot (a batch was re-executed while it was written): it is
-            # no base for anything, and nothing older may be deleted on its account
-            log.warning("deleting stale snapshot %s of %s", snapshots[base], self)
-            self._files.delete([snapshots[base]])
-            return
-        if base is None:
-            first_needed = min([*deltas, *snapshots])
-        else:
-            first_needed = base
-        doomed = [name for v, name in deltas.items() if v < first_needed]
-        doomed += [name for v, name in snapshots.items() if v < first_needed]
+        spacing = max(1, self._conf.min_deltas_for_snapshot)
+        later = sorted(v for v in snapshots if v > first_needed)
+        kept, doomed = first_needed, []
+        for v in later[:-1]:  # the newest is always kept
+            if v - kept >= spacing:
+                kept = v
+            else:
+                doomed.append(v)
         if doomed:
-            deleted = self._files.delete(doomed)
-            log.info("Deleted files older than %d for %s: %s", first_needed, self, sorted(deleted))
+            self._files.delete([snapshots[v] for v in doomed])
+            log.info("Deleted snapshots %s of %s: those versions load from an older snapshot (or the empty "
+                     "state) and the deltas", doomed, self)
 
     # -- metrics ---------------------------------------------------------------------------
     def _memory_bytes(self):

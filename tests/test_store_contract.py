@@ -219,6 +219,41 @@ def test_snapshots_after_more_than_min_deltas_and_cleanup_like_spark(root):
     assert contents(make(root).get_read_store(19)) == {k: (k, 0.0) for k in range(16, 19)}
 
 
+def every_key_batches(p, versions, keys=20):
+    """Commit ``versions`` batches that update every key (with the head-size rule's minimum
+    lowered, it then snapshots after each maintenance); returns {version: contents}."""
+    expected = {}
+    for v in range(versions):
+        commit_batch(p, v, [(k, (v, float(k))) for k in range(keys)])
+        expected[v + 1] = {k: (v, float(k)) for k in range(keys)}
+        p.do_maintenance()
+    return expected
+
+
+def test_snapshots_are_thinned_to_the_spark_cadence_and_every_version_still_loads(root, monkeypatch):
+    monkeypatch.setattr("statecore.store.HEAD_SNAPSHOT_MIN_ROWS", 0)
+    p = make(root, min_deltas_for_snapshot=5, min_versions_to_retain=100)
+    expected = every_key_batches(p, 13)
+    assert [f for f in store_files(root) if f.endswith(".snapshot")] == ["10.snapshot", "13.snapshot",
+                                                                          "5.snapshot"]
+    assert len([f for f in store_files(root) if f.endswith(".delta")]) == 13
+    for version in range(1, 14):  # each from a fresh provider: from files only
+        assert contents(make(root).get_read_store(version)) == expected[version]
+
+
+def test_old_deltas_are_still_deleted_when_snapshots_are_thinned(root, monkeypatch):
+    monkeypatch.setattr("statecore.store.HEAD_SNAPSHOT_MIN_ROWS", 0)
+    p = make(root, min_deltas_for_snapshot=2, min_versions_to_retain=4)
+    expected = every_key_batches(p, 20)
+    files = store_files(root)
+    deltas = sorted(int(f.split(".")[0]) for f in files if f.endswith(".delta"))
+    snapshots = sorted(int(f.split(".")[0]) for f in files if f.endswith(".snapshot"))
+    assert snapshots[0] <= 20 - 4 and deltas == list(range(snapshots[0], 21))
+    assert len(deltas) <= 4 + 2 and len(snapshots) <= 4
+    for version in range(20 - 4, 21):
+        assert contents(make(root).get_read_store(version)) == expected[version]
+
+
 def test_no_snapshot_at_exactly_min_deltas(root):
     p = make(root, min_deltas_for_snapshot=5)
     for v in range(5):
