@@ -13,7 +13,8 @@ update mode. Contenders, each in a fresh Python process with its own Spark sessi
 - ``pandas_state``: ``applyInPandasWithState`` (a Python function per key, Spark keeps the state);
 - ``tws_pandas``: ``transformWithStateInPandas`` (a StatefulProcessor with a ValueState, on RocksDB);
 - ``statecore``: :class:`pyspark_glue.StatefulOperator` with :class:`pyspark_glue.RunningAggregate`
-  in ``foreachBatch``;
+  in ``foreachBatch`` (Spark aggregates each batch first); ``statecore_raw``: the same with
+  ``pre_aggregate=False`` (the rows are shuffled as they are and grouped in numpy);
 - ``floor``: the same per-batch aggregation as a plain batch job with no state at all: what no
   Spark-based stateful query can beat;
 - ``stream_floor`` (a diagnostic): that aggregation inside a streaming query's ``foreachBatch``,
@@ -52,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
 CONTENDERS = ("floor", "stream_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas",
-              "statecore")
+              "statecore", "statecore_raw")
 SLOW = ("pandas_state", "tws_pandas")
 RESTART_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "statecore")
 _PROVIDERS = {
@@ -241,11 +242,11 @@ def _tws_processor():
     return CountSum()
 
 
-def _statecore_operator(state_root):
+def _statecore_operator(state_root, pre_aggregate=True):
     from pyspark_glue import RunningAggregate, StatefulOperator
 
     key = np.dtype([("key", "<i8")])
-    aggregate = RunningAggregate(key, "amount")
+    aggregate = RunningAggregate(key, "amount", pre_aggregate=pre_aggregate)
     return StatefulOperator(state_root, 0, 2, ["key"], key, aggregate.value_schema, aggregate,
                             aggregate.output_schema)
 
@@ -272,8 +273,8 @@ def start_query(spark, contender, source, checkpoint, state_root):
              .write.format("noop").mode("overwrite").save())
 
         writer = events.writeStream.foreachBatch(aggregate)
-    elif contender == "statecore":
-        operator = _statecore_operator(state_root)
+    elif contender in ("statecore", "statecore_raw"):
+        operator = _statecore_operator(state_root, pre_aggregate=contender == "statecore")
         operator.history = []
 
         def process(df, batch_id):
@@ -322,7 +323,11 @@ def run_streaming(args):
                          state_memory_bytes=p["memory_used_bytes"],
                          task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")})
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
-              "python_workers_peak_bytes": memory.workers_peak}
+              "python_workers_peak_bytes": memory.workers_peak,
+              # measured here, before any later run (a restart) adds to the same checkpoint
+              "state_bytes": tree_bytes(state_root, skip=("_output",)) if operator is not None
+              else tree_bytes(os.path.join(checkpoint, "state")),
+              "checkpoint_bytes": tree_bytes(checkpoint)}
     spark.stop()
     return result
 
@@ -437,14 +442,14 @@ def race(args, root, header):
                                      args.timeout)
             s = summarize(raw, n_rows, 1 if slow else min(2, len(raw["batches"]) - 1))
             s["rows_per_batch"] = n_rows
-            if contender == "statecore":
-                s["state_bytes"] = tree_bytes(os.path.join(work, "statecore"), skip=("_output",))
-                s["output_bytes"] = tree_bytes(os.path.join(work, "statecore", "0", "_output"))
-            elif contender not in ("floor", "stream_floor"):
-                s["state_bytes"] = tree_bytes(os.path.join(work, "checkpoint", "state"))
-            if contender not in ("floor", "stream_floor"):
-                s["checkpoint_bytes"] = tree_bytes(os.path.join(work, "checkpoint")) + s["state_bytes"] * (
-                    contender == "statecore")
+            if contender not in ("floor", "stream_floor"):  # statecore's state lives beside the query's checkpoint
+                if "state_bytes" not in raw:  # a result from before the worker measured them: measure now
+                    ours = contender.startswith("statecore")
+                    raw["state_bytes"] = (tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) if ours
+                                          else tree_bytes(os.path.join(work, "checkpoint", "state")))
+                    raw["checkpoint_bytes"] = tree_bytes(os.path.join(work, "checkpoint"))
+                s["state_bytes"] = raw["state_bytes"]
+                s["checkpoint_bytes"] = raw["checkpoint_bytes"] + raw["state_bytes"] * contender.startswith("statecore")
             s["process_s"] = raw["process_s"]
             table[contender] = s
             print(f"    {s['batch_s']:.2f} s/batch, {s['rows_per_s']:,.0f} rows/s, commit {s['commit_s'] * 1e3:.0f} ms, "
@@ -511,18 +516,21 @@ def add_ratios(results):
     """Pairwise ratios from the same run: what the issue's targets compare."""
     ratios = {}
     for keys, table in results["race"].items():
-        sc = table.get("statecore")
-        if not sc:
-            continue
         r = {}
-        if "floor" in table:
-            r["statecore_batch_over_floor"] = sc["batch_s"] / table["floor"]["batch_s"]
-        for other in CONTENDERS:
-            if other in table and other not in ("statecore", "floor", "stream_floor"):
-                r[f"speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
-                if "state_bytes" in table[other]:
-                    r[f"state_bytes_vs_{other}"] = sc["state_bytes"] / max(1, table[other]["state_bytes"])
-        ratios[keys] = r
+        for ours in ("statecore", "statecore_raw"):
+            sc = table.get(ours)
+            if not sc:
+                continue
+            tag = "" if ours == "statecore" else "raw_"
+            if "floor" in table:
+                r[f"{ours}_batch_over_floor"] = sc["batch_s"] / table["floor"]["batch_s"]
+            for other in CONTENDERS:
+                if other in table and other not in ("statecore", "statecore_raw", "floor", "stream_floor"):
+                    r[f"{tag}speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
+                    if "state_bytes" in table[other]:
+                        r[f"{tag}state_bytes_vs_{other}"] = sc["state_bytes"] / max(1, table[other]["state_bytes"])
+        if r:
+            ratios[keys] = r
     for n, table in results["restart"].items():
         sc = table.get("statecore")
         if sc:
