@@ -87,7 +87,10 @@ def main(argv=None):
         from bench import plots as plotting
         for r in runs:
             if r["json"]:
-                plots += plotting.plot(r["name"], r["json"], args.out)
+                try:
+                    plots += plotting.plot(r["name"], r["json"], args.out)
+                except Exception as e:  # a plot is a convenience: never lose the run's results over it
+                    print(f"could not plot {r['name']}: {type(e).__name__}: {e}", file=sys.stderr)
     summary = {"machine": header, "quick": args.quick, "runs": runs, "plots": plots}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -1,7 +1,7 @@
 """PNG plots of the benchmark JSON files (matplotlib, the ``bench`` extra).
 
-- micro benchmarks (JSON with ``tables``): one panel per table, each row's speed relative to
-  the table's baseline (its first row), on a log scale;
+- micro benchmarks (JSON with ``tables``): one panel per table, each row's ``relative`` speed
+  (to the table's baseline: its first row, or each pair's alternative in bench_rpc), log scale;
 - the race: rows/s per contender at each K (log scale, the floor marked), the time of every
   batch per contender, and the restart cost per state size.
 """
@@ -44,22 +44,32 @@ def plot_tables(name, payload, out_dir):
     fig, axes = plt.subplots(len(tables), 1, figsize=(9, 1.2 + sum(0.35 * len(rows) + 0.6 for rows in tables.values())),
                              squeeze=False)
     for ax, (title, rows) in zip(axes[:, 0], tables.items()):
-        names = [r["name"] for r in rows][::-1]
-        relative = [max(r["relative"], 1e-3) for r in rows][::-1]
-        ax.barh(names, relative, color=["#888888" if i == len(rows) - 1 else "#2ca02c" for i in range(len(rows))])
+        names = [_row_name(r) for r in rows][::-1]
+        relative = [max(r.get("relative", 0.0), 1e-3) for r in rows][::-1]
+        ax.barh(names, relative, color=["#888888" if v == 1.0 else "#2ca02c" for v in relative])
         ax.set_xscale("log")
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_title(title, fontsize=9, loc="left")
         ax.tick_params(labelsize=8)
         for y, v in enumerate(relative):
             ax.text(v, y, f" {v:.1f}x", va="center", fontsize=7)
-    axes[-1, 0].set_xlabel("speed relative to the first row (the baseline), log scale", fontsize=8)
+    axes[-1, 0].set_xlabel("speed relative to the baseline (grey bars, 1.0x), log scale", fontsize=8)
     fig.suptitle(f"bench_{name}: {_caption(payload)}", fontsize=8)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _row_name(row):
+    """A table row's label: its name, else what identifies it (the RPC tables' system and clients)."""
+    if "name" in row:
+        return row["name"]
+    parts = [str(row[k]) for k in ("system", "mode") if k in row]
+    if "procs" in row and "threads" in row:
+        parts.append(f"{row['procs']}x{row['threads']}")
+    return " ".join(parts) or "?"
 
 
 def plot_race(payload, out_dir):
