@@ -1080,17 +1080,23 @@ def start_flood(ref, n, threads=2):
     return senders, sent, errors
 
 
-def test_a_flood_to_a_busy_endpoint_is_held_back_at_both_ends(make_env):
-    """The endpoint is stuck: the server queues at most max_queued_messages of the flooding
-    connection and stops reading it, TCP fills, the client's outbox fills and its senders
-    wait. Another client's ask still gets in. Once released, everything is handled in order."""
+def busy_journal(make_env, **client_options):
+    """A server whose "journal" endpoint is blocked (at most 20 messages queued per
+    connection) and a client with a 16 KiB outbox: ``(server, journal, blocked, client, ref)``."""
     server = make_env(max_queued_messages=20)
     journal = Journal()
     journal.name = "journal"
     server.setup_endpoint("journal", journal)
     blocked = block_endpoint(server, journal)
-    client = make_env(max_outbox_bytes=16384)
-    ref = client.endpoint_ref(server.address, "journal", server.authkey)
+    client = make_env(max_outbox_bytes=16384, **client_options)
+    return server, journal, blocked, client, client.endpoint_ref(server.address, "journal", server.authkey)
+
+
+def test_a_flood_to_a_busy_endpoint_is_held_back_at_both_ends(make_env):
+    """The endpoint is stuck: the server queues at most max_queued_messages of the flooding
+    connection and stops reading it, TCP fills, the client's outbox fills and its senders
+    wait. Another client's ask still gets in. Once released, everything is handled in order."""
+    server, journal, blocked, client, ref = busy_journal(make_env)
     n = 10000
     senders, sent, errors = start_flood(ref, n)
     other = threading.Thread(target=lambda: errors.setdefault(
@@ -1118,13 +1124,7 @@ def test_a_flood_to_a_busy_endpoint_is_held_back_at_both_ends(make_env):
 
 
 def test_a_send_held_back_too_long_raises_naming_the_endpoint_and_the_bound(make_env):
-    server = make_env(max_queued_messages=20)
-    journal = Journal()
-    journal.name = "journal"
-    server.setup_endpoint("journal", journal)
-    blocked = block_endpoint(server, journal)
-    client = make_env(max_outbox_bytes=16384, io_timeout_s=0.3)
-    ref = client.endpoint_ref(server.address, "journal", server.authkey)
+    server, journal, blocked, client, ref = busy_journal(make_env, io_timeout_s=0.3)
     senders, _sent, errors = start_flood(ref, 10**6)  # until refused
     try:
         for t in senders:
@@ -1143,13 +1143,7 @@ def test_a_send_held_back_too_long_raises_naming_the_endpoint_and_the_bound(make
 
 
 def test_a_send_waiting_for_room_notices_its_env_shutting_down(make_env):
-    server = make_env(max_queued_messages=20)
-    journal = Journal()
-    journal.name = "journal"
-    server.setup_endpoint("journal", journal)
-    blocked = block_endpoint(server, journal)
-    client = make_env(max_outbox_bytes=16384)
-    ref = client.endpoint_ref(server.address, "journal", server.authkey)
+    server, journal, blocked, client, ref = busy_journal(make_env)
     senders, _sent, errors = start_flood(ref, 10**6)
     try:
         wait_until(lambda: ref._conn is not None and ref._conn._room_waiters >= 1)
