@@ -5,6 +5,7 @@ and file images; this package re-exports its public classes.
 """
 from statecore.errors import (
     AuthenticationError,
+    CommitConflictError,
     IllegalStateError,
     SchemaMismatchError,
     StateCorruptionError,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "CommitConflictError",
     "FileStateStoreProvider",
     "ReadStateStore",
     "StateStore",

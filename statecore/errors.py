@@ -11,6 +11,7 @@ __all__ = [
     "VersionNotFoundError",
     "StateCorruptionError",
     "SchemaMismatchError",
+    "CommitConflictError",
     "AuthenticationError",
 ]
 
@@ -46,6 +47,11 @@ class StateCorruptionError(StateStoreError):
 
 class SchemaMismatchError(StateStoreError, TypeError):
     """Rows or files do not match the schema a store was written with."""
+
+
+class CommitConflictError(StateStoreError):
+    """A commit was refused because newer versions were committed since its store opened:
+    the committing attempt is stale (a zombie task). Nothing of it is visible."""
 
 
 class AuthenticationError(StateStoreError, ConnectionError):

@@ -31,16 +31,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import tokenize
 
-__all__ = ["StoreFiles", "FaultInjectingFiles", "open_store_files"]
+from statecore.lineage import Listing, parse_name
+
+__all__ = ["StoreFiles", "PendingFile", "FaultInjectingFiles", "open_store_files"]
 
 logger = logging.getLogger(__name__)
 
-# A version is ASCII digits only: Python's int() would also take "+5", " 5", "5_0" and
-# non-ASCII digits, none of which Spark (Long.parseLong) or a human would call a version.
-_VERSION = re.compile(r"[0-9]+")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # write_atomic's temporary names
-_MAX_VERSION = 2**63 - 1  # a Java long, as Spark parses it
-_KINDS = ("delta", "snapshot")
 # One copy at a time per cached file in this process (striped locks, a fixed number):
 # threads mapping the same snapshot wait for the first copy instead of each downloading it.
 _COPYING = tuple(threading.Lock() for _ in range(64))
@@ -87,6 +84,10 @@ class StoreFiles:
     def __init__(self, location, storage_options=None, local_cache_dir=None):
         if not isinstance(location, str) or not location:
             raise ValueError(f"location must be a non-empty string, got {location!r}")
+        if "::" in location:
+            # fsspec reads "a::b" as a chain of filesystems and drops the path after "::"
+            # from every partition's directory: all partitions would share one.
+            raise ValueError(f"a state location may not contain '::' (fsspec URL chaining): {location!r}")
         self.location = location
         self.storage_options = dict(storage_options or {})
         self.fs, root = fsspec.core.url_to_fs(location, **self.storage_options)
@@ -144,7 +145,7 @@ class StoreFiles:
     def mkdirs(self):
         """Create the directory and its parents; an existing directory is fine."""
         if self.is_local:
-            os.makedirs(self._root, exist_ok=True)
+            _makedirs_durable(self._root)
         else:
             self.fs.makedirs(self._root, exist_ok=True)
 
@@ -167,51 +168,26 @@ class StoreFiles:
                 for e in entries]
 
     def list_versions(self):
-        """The delta and snapshot files in the directory, by version.
+        """The version files in the directory, as a :class:`statecore.lineage.Listing`.
 
-        Spark's rule (spec 4.1): a name split on ``.`` must have exactly two parts; the
-        first, ASCII digits, is the version; the second, compared case-insensitively, is
-        ``delta`` or ``snapshot``. Other two-part names are logged as a warning and
-        ignored; temporary files (leading dot), names with more or fewer dots, and
-        directories (``_metadata``) are ignored silently. A missing directory has no files.
-
-        Returns
-        -------
-        deltas, snapshots : dict[int, str], dict[int, str]
-            Version -> file name, each sorted by version.
-
-        Notes
-        -----
-        Where Spark fails on a two-part name whose first part is not a number, we warn and
-        ignore it. If two names give one version (``7.delta`` and ``007.DELTA``), the
-        canonical ``<v>.delta`` is kept (else the first in sorted order) and the other is
-        logged.
+        Names are ``<v>_<16 hex digits>.delta`` / ``.snapshot`` (the version and the commit
+        id of the attempt that wrote it), or ``<v>.delta`` / ``<v>.snapshot`` of the previous
+        layout; the kind is compared case-insensitively. Temporary files (leading dot),
+        directories and other names are ignored (names that look like a version file but
+        are not one are logged). A missing directory has no files.
         """
-        found = ({}, {})
+        found = []
         for name, is_dir in sorted(self._list_names()):
             if is_dir or name.startswith("."):
                 continue
-            parts = name.split(".")
-            if len(parts) != 2:
+            parsed = parse_name(name)
+            if parsed is None:
+                if name.count(".") == 1 and name.rsplit(".", 1)[1].lower() in ("delta", "snapshot"):
+                    logger.warning("Could not identify file %s in store directory %s; ignoring it",
+                                   self.path(name), self._dir_path())
                 continue
-            kind = parts[1].lower()
-            if (kind not in _KINDS or not _VERSION.fullmatch(parts[0])
-                    or int(parts[0]) > _MAX_VERSION):
-                logger.warning("Could not identify file %s in store directory %s; ignoring it",
-                               self.path(name), self._dir_path())
-                continue
-            version = int(parts[0])
-            table = found[_KINDS.index(kind)]
-            kept = table.get(version)
-            if kept is not None:
-                ignored = name
-                if name == f"{version}.{kind}":
-                    table[version], ignored = name, kept
-                logger.warning("Ignoring file %s: file %s already holds %s version %d",
-                               self.path(ignored), self.path(table[version]), kind, version)
-                continue
-            table[version] = name
-        return tuple(dict(sorted(t.items())) for t in found)
+            found.append(parsed)
+        return Listing(found)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -352,45 +328,73 @@ class StoreFiles:
             a failing fsync of the directory, after the rename, finds the new file in
             place; writing it again is safe.)
         """
+        if not overwrite and self.exists(name):
+            raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
+        pending = self.write_pending(name, write, on_flushed=on_flushed)
+        return pending.publish(overwrite=overwrite)
+
+    def write_pending(self, name, write, on_flushed=None):
+        """Write the content of ``name`` durably under a temporary name, and return a
+        :class:`PendingFile` whose ``publish()`` renames it into place and ``discard()``
+        deletes it: a commit makes its file visible only once everything else succeeded.
+        On any error the temporary file is deleted (best effort) and the error re-raised.
+        ``on_flushed`` is as for :meth:`write_atomic`."""
         full = self._full(name)
         parent, base = full.rsplit("/", 1)
         tmp = f"{parent}/.{base}.{uuid.uuid4().hex}.tmp"
-        if not overwrite and self.exists(name):
-            raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
         if self.is_local:
-            return self._write_local(name, full, tmp, write, overwrite, on_flushed)
-        return self._write_remote(name, full, tmp, write, overwrite)
-
-    def _write_local(self, name, full, tmp, write, overwrite, on_flushed):
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        renamed = False
-        f = open(tmp, "xb")
+            _makedirs_durable(parent)
+            f = open(tmp, "xb")
+        else:
+            f = self.fs.open(tmp, "wb")
         try:
             try:
                 write(self._writer(f, name))
                 self._step("flush", name)
                 f.flush()
-                if on_flushed is not None:
+                if on_flushed is not None and self.is_local:
                     on_flushed(tmp)
                 self._step("fsync", name)
-                os.fsync(f.fileno())
-                size = os.fstat(f.fileno()).st_size
+                if self.is_local:  # elsewhere close() makes it durable
+                    os.fsync(f.fileno())
             except BaseException:
                 _quietly(f.close)  # a failing close must not hide the first error
                 raise
             f.close()
-            self._step("rename", name)
-            if overwrite:
-                os.replace(tmp, full)
-            else:
-                self._rename_no_clobber_local(name, tmp, full)
-            renamed = True
         except BaseException:
-            if not renamed:
-                _quietly(os.unlink, tmp)
+            _quietly(self._unlink_tmp, tmp)
             raise
-        _fsync_dir(os.path.dirname(full))
-        return size
+        return PendingFile(self, name, full, tmp)
+
+    def _unlink_tmp(self, tmp):
+        if self.is_local:
+            os.unlink(tmp)
+        else:
+            self.fs.rm_file(tmp)
+
+    def _publish(self, pending, overwrite):
+        name, full, tmp = pending.name, pending.full, pending.tmp
+        try:
+            self._step("rename", name)
+            if self.is_local:
+                if overwrite:
+                    os.replace(tmp, full)
+                else:
+                    self._rename_no_clobber_local(name, tmp, full)
+            else:
+                # Object stores have no rename that refuses to overwrite; the check is racy
+                # there, which is acceptable for the one file written this way (the schema).
+                if not overwrite and self.fs.exists(full):
+                    raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
+                self.fs.mv(tmp, full)
+        except BaseException:
+            _quietly(self._unlink_tmp, tmp)
+            raise
+        if self.is_local:
+            _fsync_dir(os.path.dirname(full))
+            return os.stat(full).st_size
+        self.fs.invalidate_cache(full)
+        return self.fs.size(full)
 
     def _rename_no_clobber_local(self, name, tmp, full):
         # A hard link fails if the target exists, so no other writer can be overwritten
@@ -405,33 +409,6 @@ class StoreFiles:
             os.replace(tmp, full)
             return
         _quietly(os.unlink, tmp)
-
-    def _write_remote(self, name, full, tmp, write, overwrite):
-        renamed = False
-        try:
-            f = self.fs.open(tmp, "wb")
-            try:
-                write(self._writer(f, name))
-                self._step("flush", name)
-                f.flush()
-                self._step("fsync", name)  # nothing to sync: close() makes it durable
-            except BaseException:
-                _quietly(f.close)  # a failing close must not hide the first error
-                raise
-            f.close()
-            self._step("rename", name)
-            # Object stores have no rename that refuses to overwrite; the check is racy
-            # there, which is acceptable for the one file written this way (the schema).
-            if not overwrite and self.fs.exists(full):
-                raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
-            self.fs.mv(tmp, full)
-            renamed = True
-        except BaseException:
-            if not renamed:
-                _quietly(self.fs.rm_file, tmp)
-            raise
-        self.fs.invalidate_cache(full)
-        return self.fs.size(full)
 
     # -- deleting ---------------------------------------------------------------------------
 
@@ -481,6 +458,10 @@ class StoreFiles:
             if mtime is not None and now - mtime > older_than_s:
                 stale.append(name)
         return sorted(stale)
+
+    def mtime(self, name):
+        """The modification time of ``name`` (seconds), or None if unknown or missing."""
+        return self._mtime(name)
 
     def _mtime(self, name):
         full = self._full(name)
@@ -595,6 +576,25 @@ class StoreFiles:
                 _quietly(os.unlink, p)
 
 
+class PendingFile:
+    """A file written and made durable under a temporary name, not yet visible under its own."""
+
+    def __init__(self, files, name, full, tmp):
+        self.files, self.name, self.full, self.tmp = files, name, full, tmp
+        self.done = False
+
+    def publish(self, overwrite=True):
+        """Rename it into place (and fsync the directory); returns its size in bytes."""
+        self.done = True
+        return self.files._publish(self, overwrite)
+
+    def discard(self):
+        """Delete the temporary file (best effort); harmless after publish()."""
+        if not self.done:
+            self.done = True
+            _quietly(self.files._unlink_tmp, self.tmp)
+
+
 def _digest(text):
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -605,6 +605,22 @@ def _quietly(fn, *args):
         fn(*args)
     except Exception:
         pass
+
+
+def _makedirs_durable(path):
+    """``os.makedirs``, each new directory fsynced into its parent: a directory created just
+    before a commit must survive a power loss with the files renamed into it."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        _fsync_dir(os.path.dirname(d))
 
 
 def _fsync_dir(path):

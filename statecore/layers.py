@@ -207,6 +207,7 @@ class State:
         self.frozen = False
         self.merges = 0
         self.pending = None  # a merged version whose delta is not durable yet
+        self.iterating = 0  # open iterations: while any, nothing merges into this state
 
     def holds(self, version):
         return version in self.commit_ids and version != self.pending

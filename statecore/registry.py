@@ -85,16 +85,18 @@ def _provider_for(provider_id, key_schema, value_schema, version, conf, key_inde
     return provider
 
 
-def get(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None):
-    """The writable store of ``version`` from the provider of ``provider_id``, loading the
-    provider on first use."""
-    return _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal).get_store(version)
+def get(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None, commit_id=None):
+    """The writable store of ``version`` (the attempt ``commit_id``, if given) from the
+    provider of ``provider_id``, loading the provider on first use."""
+    provider = _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal)
+    return provider.get_store(version) if commit_id is None else provider.get_store(version, commit_id)
 
 
-def get_read_only(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None):
+def get_read_only(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None,
+                  commit_id=None):
     """Like :func:`get`, but a read-only store."""
-    return _provider_for(provider_id, key_schema, value_schema, version, conf,
-                         key_index_ordinal).get_read_store(version)
+    provider = _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal)
+    return provider.get_read_store(version) if commit_id is None else provider.get_read_store(version, commit_id)
 
 
 def unload(provider_id):

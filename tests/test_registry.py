@@ -5,6 +5,7 @@ import uuid
 import numpy as np
 import pytest
 
+from tests.state_files import version_names
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, registry
 
 KEY = np.dtype([("k", "<i8")])
@@ -116,7 +117,7 @@ def test_maintenance_unloads_inactive_instances_after_their_maintenance(tmp_path
     coord.active[a] = False
     registry.run_maintenance_now()
     assert not registry.is_loaded(a) and registry.is_loaded(b)
-    assert "3.snapshot" in os.listdir(os.path.join(tmp_path, "0", "0"))  # maintained, then unloaded
+    assert "3.snapshot" in version_names(os.path.join(tmp_path, "0", "0"))  # maintained, then unloaded
 
 
 def test_unreachable_coordinator_is_not_fatal(tmp_path):

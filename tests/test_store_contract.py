@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.state_files import version_names, version_path
 from statecore import (FileStateStoreProvider, IllegalStateError, SchemaMismatchError,
                        StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -179,8 +180,7 @@ def test_metrics_and_combine(root, provider_class):
 
 # -- the file provider -------------------------------------------------------------------------
 def store_files(root, partition=0):
-    d = os.path.join(root, "0", str(partition))
-    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+    return version_names(os.path.join(root, "0", str(partition)))
 
 
 def test_nothing_is_written_before_commit_and_abort_leaves_nothing(root):
@@ -231,7 +231,7 @@ def every_key_batches(p, versions, keys=20):
 
 
 def test_snapshots_are_thinned_to_the_spark_cadence_and_every_version_still_loads(root, monkeypatch):
-    monkeypatch.setattr("statecore.store.HEAD_SNAPSHOT_MIN_ROWS", 0)
+    monkeypatch.setattr("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
     p = make(root, min_deltas_for_snapshot=5, min_versions_to_retain=100)
     expected = every_key_batches(p, 13)
     assert [f for f in store_files(root) if f.endswith(".snapshot")] == ["10.snapshot", "13.snapshot",
@@ -242,7 +242,7 @@ def test_snapshots_are_thinned_to_the_spark_cadence_and_every_version_still_load
 
 
 def test_old_deltas_are_still_deleted_when_snapshots_are_thinned(root, monkeypatch):
-    monkeypatch.setattr("statecore.store.HEAD_SNAPSHOT_MIN_ROWS", 0)
+    monkeypatch.setattr("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
     p = make(root, min_deltas_for_snapshot=2, min_versions_to_retain=4)
     expected = every_key_batches(p, 20)
     files = store_files(root)
@@ -316,14 +316,15 @@ def test_stale_snapshot_of_an_abandoned_run_is_never_read(root):
     p.do_maintenance()
     d = os.path.join(root, "0", "0")
     assert "6.snapshot" in store_files(root)
-    stale = Path(d, "6.snapshot").read_bytes()
+    stale_path = version_path(d, 6, "snapshot")
+    stale = Path(stale_path).read_bytes()
     # re-execute batches 4 and 5 with other data
     q = make(root)
     commit_batch(q, 4, [(50, (50, 0.0))])
     commit_batch(q, 5, [(60, (60, 0.0))])
     assert "6.snapshot" not in store_files(root)
     # an old maintenance thread finishing late puts the old run's snapshot back
-    Path(d, "6.snapshot").write_bytes(stale)
+    Path(stale_path).write_bytes(stale)
     expected = {0: (0, 0.0), 1: (1, 0.0), 2: (2, 0.0), 3: (3, 0.0), 50: (50, 0.0), 60: (60, 0.0)}
     assert contents(make(root).get_read_store(6)) == expected
 
@@ -334,17 +335,17 @@ def test_damaged_snapshot_falls_back_to_deltas_and_damaged_delta_is_an_error(roo
         commit_batch(p, v, [(v, (v, 0.0))])
     p.do_maintenance()
     d = os.path.join(root, "0", "0")
-    snap = os.path.join(d, "5.snapshot")
+    snap = version_path(d, 5, "snapshot")
     data = bytearray(Path(snap).read_bytes())
     data[10] ^= 0xFF  # in the header: found when the store opens
     Path(snap).write_bytes(bytes(data))
     assert contents(make(root).get_read_store(5)) == {k: (k, 0.0) for k in range(5)}
-    delta = os.path.join(d, "3.delta")
+    delta = version_path(d, 3, "delta")
     data = bytearray(Path(delta).read_bytes())
     data[-20] ^= 0xFF
     Path(delta).write_bytes(bytes(data))
     os.remove(snap)
-    with pytest.raises(StateCorruptionError, match="3.delta"):
+    with pytest.raises(StateCorruptionError, match="/3_[0-9a-f]{16}.delta"):
         make(root).get_read_store(5)
 
 

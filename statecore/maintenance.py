@@ -1,0 +1,189 @@
+"""A provider's background work: writing snapshots and deleting files no version needs.
+
+Both follow the default lineage (:mod:`statecore.lineage`) and decide only on checked
+bytes: headers read through the provider's checked parser, and a snapshot that lets older
+files go is verified whole first. Damage found here is logged and nothing is deleted on its
+account; files that vanish meanwhile (another instance's cleanup) end the pass quietly.
+Rules and locks: ``docs/provider-rules.md``.
+"""
+import logging
+
+from statecore._snapshot import SnapshotReader, SnapshotWriter
+from statecore.errors import StateCorruptionError, VersionNotFoundError
+from statecore.layers import FrozenView, State
+from statecore.lineage import file_name
+
+__all__ = ["run_maintenance", "TEMPORARY_FILE_MAX_AGE_S"]
+
+log = logging.getLogger(__name__)
+
+# Temporary files older than this are a killed writer's leftovers; maintenance deletes them.
+TEMPORARY_FILE_MAX_AGE_S = 3600.0
+
+
+def run_maintenance(provider):
+    """One pass: a snapshot if one is due, then cleanup."""
+    try:
+        _snapshot_if_due(provider)
+        _cleanup(provider)
+    except (FileNotFoundError, VersionNotFoundError) as e:
+        log.info("files of %s changed during maintenance (another instance's cleanup?); "
+                 "skipping this pass: %s", provider, e)
+    except StateCorruptionError as e:
+        log.error("maintenance of %s found a damaged file and deleted nothing on its account: %s", provider, e)
+
+
+def _default_chain_down(provider, listing, stop_below):
+    """``[(u, id, delta, snapshot)]`` of the default lineage from the newest version down to
+    the first snapshot at or below ``stop_below`` (or version 0, or a missing delta)."""
+    chain = provider._chain(listing)
+    top, commit_id = chain.default_top()
+    steps = []
+    for step in chain.walk(top, commit_id):
+        steps.append(step)
+        u, _, _, snapshot = step
+        if u <= stop_below and snapshot is not None:
+            break
+    return steps
+
+
+def _snapshot_if_due(p):
+    listing = p._files.list_versions()
+    top, top_id = p._chain(listing).default_top()
+    if top == 0:
+        return
+    with p._lock:
+        state = p._latest
+        if (state is None or state.version != top or state.pending is not None
+                or state.commit_ids.get(top) != top_id):
+            return  # not the newest version of the default lineage, or its commit is in flight
+    steps = _default_chain_down(p, listing, top)
+    base = next((u for u, _, _, snapshot in steps if snapshot is not None), 0)
+    with p._lock:
+        if p._latest is not state or state.version != top or state.pending is not None:
+            return
+        deltas_due = top - base > p._conf.min_deltas_for_snapshot
+        if not (deltas_due or (top > base and p._head_outgrown(state))):
+            return
+        # Freeze the state at `top`: commits go on in a new state over it, while the frozen
+        # one is written out without the lock.
+        state.frozen = True
+        frozen_view = FrozenView(state, top)
+        successor = State(p._key_schema, p._value_schema, frozen_view, top, top_id, state.count(top))
+        successor.undo = dict(state.undo)
+        successor.commit_ids = dict(state.commit_ids)
+        successor.num_keys = dict(state.num_keys)
+        p._latest = successor
+    name = file_name(top, top_id, "snapshot")
+    row_count = frozen_view.num_keys
+
+    def write(f):
+        writer = SnapshotWriter(f, p._key_schema, p._value_schema, row_count, top, lineage=top_id + bytes(8))
+        for chunk in state.snapshot_rows(top):
+            writer.write_rows(chunk)
+        writer.finish()
+
+    mapped = []
+
+    def map_and_verify(path):
+        # Check every block (and fault its pages in) here, on the maintenance thread, not in
+        # the first batches that look keys up in the new base; swapped in once durable.
+        reader = SnapshotReader(path, p._key_schema, p._value_schema)
+        mapped.append(reader)
+        reader.verify(index=False)
+
+    try:
+        p._files.write_atomic(name, write, on_flushed=map_and_verify)
+        if not mapped:
+            map_and_verify(p._files.local_path_for_mapping(name))
+    except BaseException:
+        for reader in mapped:
+            reader.close()
+        raise
+    _swap_base(p, state, top, mapped[-1])
+    log.info("wrote snapshot %s for %s", p._files.path(name), p)
+
+
+def _swap_base(p, frozen_state, version, reader):
+    """Make the mapped snapshot the base of whichever State was built over the frozen one at
+    exactly ``version`` (same data, now mapped and durable); close it if none is."""
+    swapped = False
+    with p._lock:
+        node = p._latest
+        while node is not None and not swapped:
+            base = node.base
+            if isinstance(base, FrozenView) and base.state is frozen_state and base.version == version:
+                node.base = reader
+                swapped = True
+            node = base.state if isinstance(base, FrozenView) else None
+    if not swapped:
+        reader.close()
+
+
+def _cleanup(p):
+    leftovers = p._files.temporary_files(TEMPORARY_FILE_MAX_AGE_S)
+    if leftovers:
+        log.info("Deleting temporary files a killed writer left in %s: %s", p, leftovers)
+        p._files.delete(leftovers)
+    listing = p._files.list_versions()
+    top = listing.top
+    if top == 0:
+        return
+    earliest = top - p._conf.min_versions_to_retain
+    steps = _default_chain_down(p, listing, max(earliest, 0))
+    first_needed = 0  # every version from `earliest` on loads from here (0: the empty state)
+    last_u, _, last_delta, last_snapshot = steps[-1]
+    if earliest > 0:
+        if last_u > earliest or last_snapshot is None and last_u != 0:
+            return  # the lineage below the window is incomplete: nothing may go on its account
+        first_needed = last_u
+        if last_snapshot is not None and not _verified(p, last_snapshot):
+            return
+        doomed = [f.name for f in listing if f.version < first_needed]
+        if doomed:
+            deleted = p._files.delete(doomed)
+            log.info("Deleted files older than %d for %s: %s", first_needed, p, sorted(deleted))
+    _thin_snapshots(p, first_needed, steps)
+
+
+def _verified(p, f):
+    """Whether snapshot ``f`` is whole (every block checked): older files are deleted only
+    on the strength of a base that loads. Damage is logged and keeps everything."""
+    if f.name in p._verified_snapshots:
+        return True
+    try:
+        reader = SnapshotReader(p._files.local_path_for_mapping(f.name), p._key_schema, p._value_schema)
+        try:
+            reader.verify()
+        finally:
+            reader.close()
+    except StateCorruptionError as e:
+        log.error("snapshot %s of %s is damaged; keeping the files older than it: %s", f.name, p, e)
+        return False
+    p._verified_snapshots.add(f.name)
+    return True
+
+
+def _thin_snapshots(p, first_needed, steps):
+    """Thin the default lineage's snapshots after the retention window's base to Spark's
+    cadence: keep one at least ``min_deltas_for_snapshot`` versions after the previous one
+    kept (the bases of later windows, so old deltas keep being deleted) and the newest (the
+    one a restart loads); delete the others once every delta after the base is there, so
+    each retained version still loads. The head-size rule may write a snapshot every batch;
+    keeping each would cost a copy of the state per batch on disk."""
+    above = [s for s in steps if s[0] > first_needed]
+    if any(delta is None for _, _, delta, _ in above):
+        return
+    snapshots = sorted((u, snapshot) for u, _, _, snapshot in above if snapshot is not None)
+    spacing = max(1, p._conf.min_deltas_for_snapshot)
+    kept, doomed = first_needed, []
+    for u, snapshot in snapshots[:-1]:  # the newest is always kept
+        if u - kept >= spacing:
+            kept = u
+        else:
+            doomed.append(snapshot.name)
+    if doomed:
+        p._files.delete(doomed)
+        log.info("Deleted snapshots %s of %s: those versions load from an older snapshot (or the empty "
+                 "state) and the deltas", doomed, p)
+

@@ -1,0 +1,722 @@
+"""The default provider: versioned stores over delta and snapshot files on any fsspec filesystem.
+
+``provider.get_store(v)`` returns a store holding version ``v``; its updates go to a private
+layer, invisible to everyone else until ``commit()`` writes ``<v+1>_<id>.delta`` and merges
+the layer into the provider's in-memory state (:mod:`statecore.layers`): no version is ever
+copied. A version not in memory is loaded from the newest good snapshot on its lineage and
+the deltas after it (:mod:`statecore.lineage`). Snapshots and cleanup are
+:mod:`statecore.maintenance`'s. The locks, what each guards, and the rules a commit follows
+against stale attempts are in ``docs/provider-rules.md``.
+"""
+import json
+import logging
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from statecore import files as files_module
+from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter
+from statecore._snapshot import SnapshotReader
+from statecore.conf import StateStoreConf
+from statecore.contracts import ReadStateStore, StateStore, StateStoreProvider
+from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
+                              StateCorruptionError, VersionNotFoundError)
+from statecore.ids import StateStoreId
+from statecore.layers import FrozenView, Layer, State, no_values
+from statecore.lineage import ROOT_COMMIT_ID, Chain, file_name, parse_commit_id
+from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
+from statecore.rowsource import iter_batches, iter_items
+from statecore.schema import RowSchema, key_value_schemas
+
+__all__ = ["FileStateStoreProvider", "read_store_schemas", "SCHEMA_FILE"]
+
+log = logging.getLogger(__name__)
+
+# Besides Spark's rule (more than min_deltas_for_snapshot deltas), a snapshot is due once the
+# head (every change since the last snapshot, held in hash tables) outgrows this share of the
+# state: it keeps resident memory near the raw rows whatever the maintenance period.
+HEAD_SNAPSHOT_RATIO = 0.5
+HEAD_SNAPSHOT_MIN_ROWS = 1 << 16
+SCHEMA_FILE = "_statecore.schema.json"  # not a version file: ignored by listings
+MAX_SCHEMA_FILE_BYTES = 1 << 20
+_HEADER_CACHE_ENTRIES = 4096
+
+
+# -- stores ------------------------------------------------------------------------------------
+class _View:
+    """One version of a provider's State, pinned while the store that reads it is open, with
+    the directory listing taken when it opened (what a commit from it may supersede)."""
+
+    def __init__(self, provider, state, version, listing):
+        self.provider = provider
+        self.state = state
+        self.version = version
+        self.commit_id = state.commit_ids[version]
+        self.listing = listing
+        provider._pin(state, version)
+        self._finalizer = weakref.finalize(self, provider._unpin, state, version)
+
+    def release(self):
+        self._finalizer()
+
+    def lookup(self, key_rows, extra_layers=()):
+        with self.provider._lock:
+            return self.state.lookup(self.version, key_rows, extra_layers)
+
+    def get_row(self, key, extra_layers=()):
+        with self.provider._lock:
+            return self.state.get_row(self.version, key, extra_layers)
+
+    def iter_rows(self, extra_layers=()):
+        """Row chunks of the version. Rows are copied out without the provider lock: while
+        the iteration is registered, no commit merges into this state (it freezes it and
+        goes on in a new one), so nothing it reads changes."""
+        lock = self.provider._lock
+        with lock:
+            self.state.iterating += 1
+        try:
+            yield from self.state.iter_rows(self.version, extra_layers)
+        finally:
+            with lock:
+                self.state.iterating -= 1
+
+
+class _FileReadStore(ReadStateStore):
+    _kind = "FileReadStateStore"
+
+    def __init__(self, provider, view):
+        self._provider = provider
+        self._view = view
+        self._key_schema = provider._key_schema
+        self._value_schema = provider._value_schema
+
+    def __repr__(self):
+        sid = self._provider.state_store_id
+        return f"{self._kind}[id=(op={sid.operator_id},part={sid.partition_id}),dir={self._provider._dir}]"
+
+    @property
+    def id(self):
+        return self._provider.state_store_id
+
+    @property
+    def version(self):
+        return self._view.version
+
+    @property
+    def base_commit_id(self):
+        """The id (16 hex digits) of the version this store opened."""
+        return self._view.commit_id.hex()
+
+    def _layers(self):
+        return ()
+
+    def get(self, key):
+        value = self._view.get_row(self._key_schema.encode(key), self._layers())
+        return None if value is None else self._value_schema.decode(value)
+
+    def get_rows(self, key_rows, values_out, found_out):
+        values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
+        values_out[...] = values
+        found_out[...] = found
+
+    def get_batch(self, keys):
+        key_rows = self._key_schema.rows(keys)
+        values, found = self._view.lookup(key_rows, self._layers())
+        return self._value_schema.from_rows(values).copy(), found
+
+    def _iteration_layers(self):
+        return ()
+
+    def iterator(self):
+        return iter_items(_ChunkCursor(self._view.iter_rows(self._iteration_layers())), self._key_schema,
+                          self._value_schema)
+
+    def iter_batches(self, rows_per_batch=65536):
+        """Yield ``(keys, values)`` structured arrays covering every key once."""
+        return iter_batches(_ChunkCursor(self._view.iter_rows(self._iteration_layers())),
+                            self._key_schema, self._value_schema, rows_per_batch)
+
+    def abort(self):
+        self._view.release()
+
+    def _num_keys(self):
+        with self._provider._lock:
+            return self._view.state.count(self._view.version)
+
+    @property
+    def metrics(self):
+        return self._provider._metrics(self._num_keys())
+
+
+class _ChunkCursor:
+    """Adapts a generator of row chunks to the ``next_rows`` cursor protocol."""
+
+    def __init__(self, chunks):
+        self._chunks = chunks
+        self._pending = None
+
+    def next_rows(self, max_rows):
+        if self._pending is None or not len(self._pending):
+            self._pending = next(self._chunks, None)
+            if self._pending is None:
+                return None
+        out, self._pending = self._pending[:max_rows], self._pending[max_rows:]
+        return out
+
+    def close(self):
+        self._chunks.close()
+
+
+_UPDATING, _COMMITTED, _ABORTED = "UPDATING", "COMMITTED", "ABORTED"
+
+
+class _FileStore(_FileReadStore, StateStore):
+    _kind = "FileStateStore"
+
+    def __init__(self, provider, view):
+        super().__init__(provider, view)
+        self._update = Layer(self._key_schema, self._value_schema)
+        self._state = _UPDATING
+        self._commit_id = None
+
+    def _layers(self):
+        return (self._update,)
+
+    def _iteration_layers(self):
+        # Iteration sees the updates as they were when it began: puts made while iterating
+        # (eviction loops) then cannot hide a key that is still to be visited.
+        return (self._update.copy(),)
+
+    def _check_updating(self, verb):
+        if self._state != _UPDATING:
+            raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
+
+    def put(self, key, value):
+        if value is None:
+            raise ValueError("Cannot put a null value")
+        self._check_updating("put")
+        self._update.put_row(self._key_schema.encode(key), self._value_schema.encode(value))
+
+    def remove(self, key):
+        self._check_updating("remove")
+        self._update.delete_row(self._key_schema.encode(key))
+
+    def put_batch(self, keys, values):
+        if values is None and self._value_schema.width:
+            raise ValueError("Cannot put a null value")
+        self._check_updating("put")
+        key_rows = self._key_schema.rows(keys)
+        value_rows = self._value_schema.rows(values) if values is not None else no_values(key_rows.shape[0])
+        if value_rows.shape[0] != key_rows.shape[0]:
+            raise ValueError(f"{key_rows.shape[0]} keys but {value_rows.shape[0]} values")
+        self._update.put_rows(key_rows, value_rows)
+
+    def remove_batch(self, keys):
+        self._check_updating("remove")
+        self._update.delete_rows(self._key_schema.rows(keys))
+
+    def commit(self):
+        self._check_updating("commit")
+        new_version, self._committed_num_keys, commit_id = self._provider._commit(self._view, self._update)
+        self._commit_id = commit_id
+        self._state = _COMMITTED
+        return new_version
+
+    @property
+    def commit_id(self):
+        return None if self._commit_id is None else self._commit_id.hex()
+
+    def abort(self):
+        self._state = _ABORTED
+        self._update = Layer(self._key_schema, self._value_schema)
+        self._view.release()
+
+    @property
+    def has_committed(self):
+        return self._state == _COMMITTED
+
+    def _num_keys(self):
+        if self._state == _COMMITTED:
+            return self._committed_num_keys
+        base = super()._num_keys()
+        put_keys, _ = self._update.puts.export_rows()
+        del_keys, _ = self._update.dels.export_rows()
+        _, put_found = self._view.lookup(put_keys)
+        _, del_found = self._view.lookup(del_keys)
+        return base + int((~put_found).sum()) - int(del_found.sum())
+
+    @property
+    def metrics(self):
+        return self._provider._metrics(self._num_keys(), update_bytes=self._update.sizeof())
+
+
+# -- the provider ----------------------------------------------------------------------------
+class FileStateStoreProvider(StateStoreProvider):
+    """The default provider: deltas and snapshots on any fsspec filesystem (see the module
+    docstring and ``docs/provider-rules.md``)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # guards _latest, _pins, every State's contents
+        self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
+        self._committing = threading.Lock()  # commits of one provider run one at a time
+        self._headers_lock = threading.Lock()  # guards _headers
+        self._latest = None
+        self._pins = {}
+        self._headers = {}  # file name -> (commit_id, parent_id): names with ids never change
+        self._verified_snapshots = set()  # names maintenance checked whole (cleanup bases)
+        self._maintenance_hint = None  # called when a snapshot is due before the next period
+        self._hits = self._misses = 0
+        self._schema_written = False
+        self._closed = False
+
+    # -- StateStoreProvider ------------------------------------------------------------------
+    def init(self, store_id, key_schema, value_schema, key_index_ordinal=None, conf=None):
+        if not isinstance(store_id, StateStoreId):
+            raise TypeError(f"store_id must be a StateStoreId, got {type(store_id).__name__}")
+        self._store_id = store_id
+        self._key_schema, self._value_schema = key_value_schemas(key_schema, value_schema)
+        self._key_index_ordinal = key_index_ordinal
+        self._conf = conf or StateStoreConf()
+        self._dir = store_id.store_checkpoint_location()
+        self._files = files_module.open_store_files(self._dir, self._conf.storage_options,
+                                                    self._conf.local_cache_dir)
+        self._files.mkdirs()
+        self._check_schema_file()
+
+    def __repr__(self):
+        sid = self._store_id
+        return f"FileStateStoreProvider[id = (op={sid.operator_id},part={sid.partition_id}),dir = {self._dir}]"
+
+    @property
+    def state_store_id(self):
+        return self._store_id
+
+    @property
+    def supported_custom_metrics(self):
+        return FILE_PROVIDER_CUSTOM_METRICS
+
+    def get_store(self, version, commit_id=None):
+        return _FileStore(self, self._view_of(version, commit_id))
+
+    def get_read_store(self, version, commit_id=None):
+        return _FileReadStore(self, self._view_of(version, commit_id))
+
+    def close(self):
+        with self._lock:
+            self._closed = True
+            self._latest = None
+
+    def do_maintenance(self):
+        """Snapshots and cleanup (:mod:`statecore.maintenance`), one pass at a time."""
+        from statecore.maintenance import run_maintenance
+        if not self._maintaining.acquire(blocking=False):
+            return  # a pass is already running (the thread, or a call from a test)
+        try:
+            run_maintenance(self)
+        finally:
+            self._maintaining.release()
+
+    def set_maintenance_hint(self, hint):
+        """``hint()`` is called (from a committing task) when a snapshot is due early; the
+        registry passes a function that wakes its maintenance thread."""
+        self._maintenance_hint = hint
+
+    # -- lineage over the files ----------------------------------------------------------------
+    def _chain(self, listing):
+        return Chain(listing, self._header_of, self._mtime_of, self._files.path, self)
+
+    def _mtime_of(self, f):
+        return self._files.mtime(f.name)
+
+    def _header_of(self, f):
+        """``(commit_id, parent_id)`` of a version file from its checked header (the parent
+        is None for a snapshot). The header must agree with the name: version and id."""
+        with self._headers_lock:
+            cached = self._headers.get(f.name)
+        if cached is not None:
+            return cached
+        path = self._files.path(f.name)
+        if f.kind == "delta":
+            head = self._files.read_range(f.name, 0, DELTA_HEADER_SIZE)
+            reader = DeltaReader(head, path=path)  # checks magic, format version and checksum
+            version, commit_id, parent_id = reader.store_version, reader.lineage[:8], reader.lineage[8:]
+        else:
+            reader = SnapshotReader(self._files.local_path_for_mapping(f.name))
+            version, commit_id, parent_id = reader.store_version, bytes(reader.lineage[:8]), None
+            reader.close()
+        _check_names_agree(f, path, version, commit_id)
+        if f.commit_id is not None:  # the names of the previous layout can be re-written
+            with self._headers_lock:
+                if len(self._headers) >= _HEADER_CACHE_ENTRIES:
+                    self._headers.clear()
+                self._headers[f.name] = (commit_id, parent_id)
+        return commit_id, parent_id
+
+    def _resolve(self, version, commit_id, listing):
+        """The commit id of the attempt of ``version`` to open (named, or the default
+        lineage's); VersionNotFoundError if there is none."""
+        chain = self._chain(listing)
+        if commit_id is None:
+            return chain.default_id(version)
+        commit_id = parse_commit_id(commit_id)
+        if version == 0:
+            if commit_id != ROOT_COMMIT_ID:
+                raise VersionNotFoundError(f"version 0 of {self} is the empty state: its id is {ROOT_COMMIT_ID.hex()}")
+            return commit_id
+        if chain.find("delta", version, commit_id) is None and chain.find("snapshot", version, commit_id) is None:
+            name = self._files.path(file_name(version, commit_id, "delta"))
+            raise VersionNotFoundError(f"Error reading delta file {name} of {self}: {name} does not exist")
+        return commit_id
+
+    # -- versions --------------------------------------------------------------------------
+    def _view_of(self, version, commit_id=None):
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        if version < 0:
+            raise ValueError(f"Version cannot be less than 0, got {version}")
+        listing = self._files.list_versions()
+        target = self._resolve(version, commit_id, listing)
+        with self._lock:
+            if self._closed:
+                raise IllegalStateError(f"{self} is closed")
+            latest = self._latest
+            if latest is not None and latest.holds(version):
+                if latest.commit_ids[version] == target:
+                    self._hits += 1
+                    return _View(self, latest, version, listing)
+                # Another attempt's version is the one asked for (a batch re-executed in
+                # another process, or the driver named another winner): load that one.
+                log.warning("version %d of %s in memory is attempt %s, not %s; loading it from files",
+                            version, self, latest.commit_ids[version].hex(), target.hex())
+            if version > 0:  # version 0 is the empty state: nothing to load (as in Spark)
+                self._misses += 1
+        log.info("version %d of %s is not in memory; loading it from files", version, self)
+        state = self._load(version, target, listing)
+        with self._lock:
+            keep = self._conf.max_versions_to_retain_in_memory > 0 and (
+                self._latest is None or version >= self._latest.version or self._latest.commit_ids.get(version) != target)
+            if keep:
+                self._latest = state
+            return _View(self, state, version, listing)
+
+    def _pin(self, state, version):
+        with self._lock:
+            key = (id(state), version)
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, state, version):
+        with self._lock:
+            key = (id(state), version)
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
+
+    def _retain(self, state):
+        """Keep the newest ``max_versions_to_retain_in_memory`` versions, and pinned ones."""
+        # REQUIRES: self._lock held
+        k = self._conf.max_versions_to_retain_in_memory
+        keep_from = state.version - max(k - 1, 0)
+        pinned = [v for (sid, v) in self._pins if sid == id(state)]
+        if pinned:
+            keep_from = min(keep_from, min(pinned))
+        state.retain(keep_from)
+
+    # -- commit ----------------------------------------------------------------------------
+    def _commit(self, view, update):
+        with self._committing:
+            return self._commit_serialized(view, update)
+
+    def _commit_serialized(self, view, update):
+        version = view.version
+        new_version = version + 1
+        commit_id = os.urandom(8)
+        parent_id = view.commit_id
+        self._write_schema_file()
+        self._refuse_if_stale(view, new_version)
+        put_keys, put_values = update.puts.export_rows()
+        del_keys, _ = update.dels.export_rows()
+        name = file_name(new_version, commit_id, "delta")
+
+        def write(f):
+            writer = DeltaWriter(f, self._key_schema, self._value_schema, new_version,
+                                 lineage=commit_id + parent_id, compression=self._conf.compression)
+            writer.remove_rows(del_keys)
+            writer.put_rows(put_keys, put_values)
+            writer.finish()
+
+        # The delta is encoded and made durable under a temporary name on a second thread
+        # while the merge runs here (lz4, checksums, fsync and the table loops release the
+        # GIL). It is renamed into place only once the merge succeeded: raised means not
+        # visible. Until then the merged version is pending: no reader sees it.
+        written = []
+
+        def write_delta():
+            try:
+                written.append(self._files.write_pending(name, write))
+            except BaseException as e:  # re-raised on the committing thread
+                written.append(e)
+
+        writer_thread = threading.Thread(target=write_delta, name="statecore-delta-writer")
+        writer_thread.start()
+        try:
+            with self._lock:
+                state = self._state_to_merge_into(view)
+                state.merge(put_keys, put_values, del_keys, commit_id, pending=True)
+        except BaseException:
+            writer_thread.join()
+            if written and not isinstance(written[0], BaseException):
+                written[0].discard()
+            with self._lock:
+                self._latest = None  # a half-applied merge: reload from files next time
+            raise
+        writer_thread.join()
+        try:
+            if isinstance(written[0], BaseException):
+                raise written[0]
+            pending = written[0]
+            try:
+                pending.publish()
+                self._supersede(view, new_version, name)
+            except BaseException:
+                self._files.delete([name])
+                pending.discard()
+                raise
+        except BaseException:
+            with self._lock:
+                self._undo_merge(state)
+            raise
+        with self._lock:
+            state.pending = None
+            num_keys = state.num_keys[new_version]
+            head_due = self._head_outgrown(state)
+            if self._conf.max_versions_to_retain_in_memory > 0:
+                self._latest = state
+                self._retain(state)
+            else:
+                self._latest = None
+        log.info("Committed version %d (%s) for %s", new_version, commit_id.hex(), self)
+        if head_due and self._maintenance_hint is not None:
+            self._maintenance_hint()
+        return new_version, num_keys, commit_id
+
+    def _state_to_merge_into(self, view):
+        """The State the commit from ``view`` merges into. REQUIRES: self._lock held.
+
+        The newest State when the view is its newest version and nobody iterates it;
+        otherwise that State is frozen (iterations read it without the lock; a re-execution
+        from an older version leaves it to its readers) and a new one is built over it."""
+        version = view.version
+        previous = self._latest
+        if (previous is view.state and previous.version == version and not previous.frozen
+                and not previous.iterating):
+            return previous
+        source = view.state
+        source.frozen = True
+        state = State(self._key_schema, self._value_schema, FrozenView(source, version),
+                      version, view.commit_id, source.count(version))
+        if source is previous and previous.version == version:
+            # Same lineage, frozen only for its iterators: older versions stay readable.
+            state.undo = dict(source.undo)
+            state.commit_ids = dict(source.commit_ids)
+            state.num_keys = dict(source.num_keys)
+        return state
+
+    def _undo_merge(self, state):
+        """After a failed commit: the merge must leave no trace. REQUIRES: self._lock held."""
+        if state is self._latest and not state.iterating:
+            state.rollback()
+        elif state is self._latest:
+            self._latest = None  # iterated meanwhile: drop it, reload from files next time
+        # else: a State built for this commit and never published: dropped with it
+
+    def _refuse_if_stale(self, view, new_version):
+        """A commit whose store opened before newer versions than ``new_version`` were
+        committed is a stale attempt (a zombie task): it must not write or delete anything."""
+        listing = self._files.list_versions()
+        unseen = sorted({f.version for f in listing.newer_than(new_version)
+                         if f.kind == "delta" and f.name not in view.listing.names})
+        if unseen:
+            raise CommitConflictError(
+                f"version {new_version} of {self} was not committed: versions {unseen} were committed "
+                f"by other attempts since this store opened version {view.version} (a stale attempt)")
+
+    def _supersede(self, view, new_version, own_name):
+        """After renaming ``own_name`` into place: delete what this commit supersedes, the
+        files of later versions and other attempts of ``new_version`` that were there when
+        the store opened (a re-execution from ``view.version`` abandons them). Files that
+        appeared since are another attempt's: if any is newer, this attempt is stale and
+        raises (the caller deletes its file)."""
+        self._refuse_if_stale(view, new_version)
+        doomed = [f.name for f in view.listing.newer_than(view.version) if f.name != own_name]
+        if not doomed:
+            return
+        log.warning("version %d of %s committed again: deleting the files of the abandoned run: %s",
+                    new_version, self, sorted(doomed))
+        self._files.delete(doomed)
+        left = [n for n in doomed if self._files.exists(n)]
+        if left:
+            raise OSError(f"could not delete the abandoned run's files {left} of {self}: "
+                          f"version {new_version} would not be the default lineage")
+
+    def _head_outgrown(self, state):
+        # REQUIRES: self._lock held
+        head_rows = len(state.head)
+        if head_rows <= HEAD_SNAPSHOT_MIN_ROWS:
+            return False
+        return state.base is None or head_rows > HEAD_SNAPSHOT_RATIO * state.count(state.version)
+
+    # -- loading ---------------------------------------------------------------------------
+    def _empty_state(self):
+        return State(self._key_schema, self._value_schema, None, 0, ROOT_COMMIT_ID, 0)
+
+    def _load(self, version, commit_id, listing):
+        """Version ``version`` (attempt ``commit_id``) from files, listing again if another
+        instance's cleanup deleted files meanwhile."""
+        if version == 0:
+            return self._empty_state()
+        for attempt in range(3):
+            try:
+                return self._load_listed(version, commit_id, listing)
+            except (FileNotFoundError, VersionNotFoundError) as e:
+                relisted = self._files.list_versions()
+                if relisted == listing or attempt == 2:
+                    if isinstance(e, FileNotFoundError):
+                        raise VersionNotFoundError(f"a file of version {version} of {self} vanished "
+                                                   f"while loading: {e}") from e
+                    raise
+                log.info("files of %s changed while loading version %d; listing again", self, version)
+                listing = relisted
+
+    def _load_listed(self, version, commit_id, listing):
+        """Walk the lineage down from the version to the newest snapshot that opens (a damaged
+        one is skipped for an older one plus deltas), then replay the deltas after it."""
+        steps = []  # (version, delta file) from `version` down
+        damage = None
+        for u, cid, delta, snapshot in self._chain(listing).walk(version, commit_id):
+            if u == 0:
+                return self._replay(self._empty_state(), steps)
+            if snapshot is not None:
+                try:
+                    return self._replay(self._open_snapshot(snapshot, cid), steps)
+                except StateCorruptionError as e:
+                    if e.path != self._files.path(snapshot.name):
+                        raise
+                    log.warning("skipping damaged snapshot %s of %s: %s", snapshot.name, self, e)
+                    damage = damage or e
+            if delta is None:
+                path = self._files.path(file_name(u, cid, "delta"))
+                raise damage or VersionNotFoundError(
+                    f"Error reading delta file {path} of {self}: {path} does not exist")
+            steps.append((u, delta))
+        raise AssertionError("unreachable: a walk ends at version 0 or a missing delta")
+
+    def _open_snapshot(self, f, commit_id):
+        path = self._files.path(f.name)
+        reader = SnapshotReader(self._files.local_path_for_mapping(f.name), self._key_schema, self._value_schema)
+        try:
+            _check_names_agree(f, path, reader.store_version, bytes(reader.lineage[:8]))
+            if bytes(reader.lineage[:8]) != commit_id:
+                raise StateCorruptionError(path, None, f"the snapshot is of commit {bytes(reader.lineage[:8]).hex()}, "
+                                                       f"expected {commit_id.hex()}")
+        except BaseException:
+            reader.close()
+            raise
+        return State(self._key_schema, self._value_schema, reader, f.version, commit_id, reader.row_count)
+
+    def _replay(self, state, steps):
+        for u, f in reversed(steps):
+            path = self._files.path(f.name)
+            with self._files.open_read(f.name) as source:
+                reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
+                own_id, parent_id = bytes(reader.lineage[:8]), bytes(reader.lineage[8:])
+                _check_names_agree(f, path, reader.store_version, own_id)
+                if parent_id != state.commit_ids[state.version]:
+                    raise StateCorruptionError(path, None, f"delta of version {u} does not follow the "
+                                                           f"loaded version {u - 1} (a file of another run)")
+                blocks = list(reader)  # verified to the trailer before any change is applied
+            for kind, keys, values in blocks:
+                state.replay(kind == BLOCK_PUTS, keys, values)
+            state.advance(u, own_id)
+        return state
+
+    # -- schema file -----------------------------------------------------------------------
+    def _schema_record(self):
+        return {"format": "statecore-state-schema-1", "key": self._key_schema.describe(),
+                "value": self._value_schema.describe()}
+
+    def _check_schema_file(self):
+        stored = read_store_schemas(self._files)
+        if stored is None:
+            return
+        stored_key, stored_value = stored
+        for part, stored, given in (("key", stored_key, self._key_schema),
+                                    ("value", stored_value, self._value_schema)):
+            if stored != given:
+                raise SchemaMismatchError(
+                    f"the {part} schema {given.describe()} differs from the one the store at "
+                    f"{self._dir} was written with: {stored.describe()}")
+        self._schema_written = True
+
+    def _write_schema_file(self):
+        if self._schema_written:
+            return
+        payload = json.dumps(self._schema_record(), indent=1).encode()
+        try:
+            self._files.write_atomic(SCHEMA_FILE, lambda f: f.write(payload), overwrite=False)
+        except FileExistsError:
+            self._check_schema_file()
+        self._schema_written = True
+
+    # -- metrics ---------------------------------------------------------------------------
+    def _memory_bytes(self):
+        with self._lock:
+            state = self._latest
+            layers = {}  # a state built over a frozen one shares its undo layers: count each once
+            while state is not None:
+                for layer in (state.head, *state.undo.values()):
+                    layers[id(layer)] = layer
+                state = state.base.state if isinstance(state.base, FrozenView) else None
+            return sum(layer.sizeof() for layer in layers.values())
+
+    def _metrics(self, num_keys, update_bytes=0):
+        return StateStoreMetrics(
+            num_keys=num_keys,
+            memory_used_bytes=self._memory_bytes() + update_bytes,
+            custom_metrics={
+                "stateOnCurrentVersionSizeBytes": num_keys * (self._key_schema.width + self._value_schema.width),
+                "loadedMapCacheHitCount": self._hits,
+                "loadedMapCacheMissCount": self._misses,
+            })
+
+
+def _check_names_agree(f, path, version, commit_id):
+    """A version file's checked header must name the version (and id) its file name does: a
+    copy of ``3_<id>.snapshot`` renamed to ``6_<id>.snapshot`` is damage, not version 6."""
+    if version != f.version:
+        raise StateCorruptionError(path, None, f"the file's header is of version {version}, its name says {f.version}")
+    if f.commit_id is not None and commit_id != f.commit_id:
+        raise StateCorruptionError(path, None, f"the file's header is of commit {commit_id.hex()}, its name "
+                                               f"says {f.commit_id.hex()}")
+
+
+def read_store_schemas(files):
+    """``(key_schema, value_schema)`` a store directory recorded with its first commit, or
+    None if it has none yet; StateCorruptionError if the schema file is unreadable."""
+    path = files.path(SCHEMA_FILE)
+    try:
+        raw = files.read_range(SCHEMA_FILE, 0, MAX_SCHEMA_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a directory of that name, a file we may not read
+        raise StateCorruptionError(path, None, f"unreadable schema file: {e}") from None
+    if len(raw) > MAX_SCHEMA_FILE_BYTES:
+        raise StateCorruptionError(path, None, f"the schema file is larger than {MAX_SCHEMA_FILE_BYTES} bytes")
+    try:
+        recorded = json.loads(raw)
+        return RowSchema.from_description(recorded["key"]), RowSchema.from_description(recorded["value"])
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise StateCorruptionError(path, None, f"unreadable schema file: {type(e).__name__}: {e}") from None

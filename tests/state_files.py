@@ -1,0 +1,25 @@
+"""Test helpers for a store directory's version files, whose names carry the commit id of the
+attempt that wrote them (``<v>_<16 hex>.delta``): tests name them by version and kind."""
+import os
+import re
+
+_ID = re.compile(r"^([0-9]+)_[0-9a-f]{16}\.")
+
+
+def short_name(name):
+    """``3_<id>.delta`` -> ``3.delta``; other names unchanged."""
+    return _ID.sub(r"\1.", name)
+
+
+def version_names(directory):
+    """The directory's file names with the commit ids dropped, sorted ([] if missing)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(short_name(n) for n in os.listdir(directory))
+
+
+def version_path(directory, version, kind):
+    """The path of the one ``kind`` file of ``version`` (there must be exactly one)."""
+    found = [n for n in os.listdir(directory) if short_name(n) == f"{version}.{kind}"]
+    assert len(found) == 1, f"expected one {version}.{kind} in {directory}, found {found}"
+    return os.path.join(directory, found[0])
