@@ -8,6 +8,7 @@ Rules and locks: ``docs/provider-rules.md``.
 """
 import logging
 
+from statecore._delta import DeltaReader
 from statecore._snapshot import SnapshotReader, SnapshotWriter
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
@@ -126,6 +127,7 @@ def _cleanup(p):
         log.info("Deleting temporary files a killed writer left in %s: %s", p, leftovers)
         p._files.delete(leftovers)
     listing = p._files.list_versions()
+    p._verified_files &= listing.names  # forget files that are gone
     top = listing.top
     if top == 0:
         return
@@ -147,20 +149,26 @@ def _cleanup(p):
 
 
 def _verified(p, f):
-    """Whether snapshot ``f`` is whole (every block checked): older files are deleted only
-    on the strength of a base that loads. Damage is logged and keeps everything."""
-    if f.name in p._verified_snapshots:
+    """Whether version file ``f`` is whole (every checksum checked, once per file): files
+    are deleted only on the strength of what will load instead. Damage is logged and keeps
+    everything."""
+    if f.name in p._verified_files:
         return True
     try:
-        reader = SnapshotReader(p._files.local_path_for_mapping(f.name), p._key_schema, p._value_schema)
-        try:
-            reader.verify()
-        finally:
-            reader.close()
+        if f.kind == "snapshot":
+            reader = SnapshotReader(p._files.local_path_for_mapping(f.name), p._key_schema, p._value_schema)
+            try:
+                reader.verify()
+            finally:
+                reader.close()
+        else:
+            with p._files.open_read(f.name) as source:
+                for _ in DeltaReader(source, p._key_schema, p._value_schema, path=p._files.path(f.name)):
+                    pass
     except StateCorruptionError as e:
-        log.error("snapshot %s of %s is damaged; keeping the files older than it: %s", f.name, p, e)
+        log.error("%s of %s is damaged; keeping the files that can stand in for it: %s", f.name, p, e)
         return False
-    p._verified_snapshots.add(f.name)
+    p._verified_files.add(f.name)
     return True
 
 
@@ -176,13 +184,18 @@ def _thin_snapshots(p, first_needed, steps):
         return
     snapshots = sorted((u, snapshot) for u, _, _, snapshot in above if snapshot is not None)
     spacing = max(1, p._conf.min_deltas_for_snapshot)
-    kept, doomed = first_needed, []
+    kept, doomed, last_doomed = first_needed, [], 0
     for u, snapshot in snapshots[:-1]:  # the newest is always kept
         if u - kept >= spacing:
             kept = u
         else:
             doomed.append(snapshot.name)
-    if doomed:
+            last_doomed = u
+    # The versions a doomed snapshot served will load from an older one and the deltas in
+    # between: every delta up to the next kept snapshot is checked whole first.
+    needed_up_to = min((u for u, _ in snapshots if u > last_doomed), default=0)
+    deltas = [delta for u, _, delta, _ in above if u <= needed_up_to]
+    if doomed and all(_verified(p, d) for d in deltas):
         p._files.delete(doomed)
         log.info("Deleted snapshots %s of %s: those versions load from an older snapshot (or the empty "
                  "state) and the deltas", doomed, p)

@@ -265,7 +265,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._latest = None
         self._pins = {}
         self._headers = {}  # file name -> (commit_id, parent_id): names with ids never change
-        self._verified_snapshots = set()  # names maintenance checked whole (cleanup bases)
+        self._verified_files = set()  # names maintenance checked whole before deleting on their account
         self._maintenance_hint = None  # called when a snapshot is due before the next period
         self._hits = self._misses = 0
         self._schema_written = False
