@@ -16,6 +16,7 @@ import pickle
 import shutil
 import statistics
 import tempfile
+import tracemalloc
 
 import numpy as np
 
@@ -117,6 +118,14 @@ def main():
                  [("pickle", pickle_path), ("npy", npy_path), ("snapshot", snap_path)]}
         print("file sizes: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
         extra["file_sizes"] = sizes
+        # The writer's own memory (slot index, per-row hash bits, one block) and the cursor's
+        # chunks: numpy reports its buffers to tracemalloc.
+        tracemalloc.start()
+        write_snap()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        print(f"write_snapshot peak traced memory: {peak / 1e6:.1f} MB ({peak / n:.1f} bytes per row)")
+        extra["write_snapshot_peak_traced_bytes"] = peak
 
         # -- open + first lookup -------------------------------------------------------
         big_path = os.path.join(workdir, "big.snapshot")

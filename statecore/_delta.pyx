@@ -5,7 +5,9 @@ This module owns the bytes of a delta: :class:`DeltaWriter` encodes records onto
 file object that has ``write()`` (no seeking, so fsspec remote files work), and
 :class:`DeltaReader` decodes a delta from bytes or from a file object read front to back.
 Replaying a delta's blocks in order onto the previous version's state gives the version it
-produces (:func:`apply_delta`). The files and their names belong to the Python layer.
+produces (:func:`apply_delta`). :func:`read_delta_header` checks and decodes a header alone,
+from the file's first HEADER_SIZE bytes; it is the only parser of the header (DeltaReader
+uses it too). The files and their names belong to the Python layer.
 
 Damage is never data. Every byte is under a checksum (XXH64, ``statecore._hash``) that is
 checked before the byte is used: a truncated, damaged or spliced delta raises
@@ -94,14 +96,16 @@ from statecore.errors import IllegalStateError, SchemaMismatchError, StateCorrup
 from statecore.schema import as_schema, key_value_schemas
 
 __all__ = [
-    "BLOCK_PUTS", "BLOCK_REMOVES", "DEFAULT_BLOCK_BYTES", "FORMAT_VERSION", "MAX_BLOCK_RAW_SIZE",
-    "DeltaReader", "DeltaWriter", "apply_delta", "encode_delta", "read_delta",
+    "BLOCK_PUTS", "BLOCK_REMOVES", "DEFAULT_BLOCK_BYTES", "DELTA_HEADER_SIZE", "FORMAT_VERSION",
+    "HEADER_SIZE", "MAX_BLOCK_RAW_SIZE", "DeltaHeader", "DeltaReader", "DeltaWriter", "apply_delta",
+    "encode_delta", "read_delta", "read_delta_header",
 ]
 
 MAGIC = b"SCDELTA\x01"
 TRAILER_MAGIC = b"SCDEND\x00\x01"
 FORMAT_VERSION = 1
 HEADER_SIZE = 72
+DELTA_HEADER_SIZE = HEADER_SIZE   # what read_delta_header needs: read this many bytes
 BLOCK_HEADER_SIZE = 32
 TRAILER_SIZE = 48
 BLOCK_PUTS = 1
@@ -438,6 +442,100 @@ def encode_delta(key_schema, value_schema, store_version, puts=None, removes=Non
 
 # -- reading --------------------------------------------------------------------------------
 
+@cython.final
+cdef class DeltaHeader:
+    """The checked header of a delta (:func:`read_delta_header`); immutable.
+
+    ``lineage`` is the 16 bytes the writer was given; the store writes its commit id and
+    then its parent's, which ``commit_id`` and ``parent_id`` return.
+    """
+
+    cdef readonly object store_version
+    cdef readonly bytes lineage
+    cdef readonly str compression
+    cdef readonly Py_ssize_t key_width
+    cdef readonly Py_ssize_t value_width
+    cdef readonly object key_fingerprint
+    cdef readonly object value_fingerprint
+    cdef readonly object checksum       # the header checksum (it seeds the blocks checksum)
+
+    @property
+    def commit_id(self):
+        """lineage[:8]."""
+        return self.lineage[:8]
+
+    @property
+    def parent_id(self):
+        """lineage[8:16]."""
+        return self.lineage[8:]
+
+    def __repr__(self):
+        return (f"DeltaHeader(store_version={self.store_version}, lineage={self.lineage.hex()}, "
+                f"key_width={self.key_width}, value_width={self.value_width}, "
+                f"compression={self.compression!r})")
+
+
+def read_delta_header(data, path=None):
+    """Check and decode the header of a delta.
+
+    Parameters
+    ----------
+    data : bytes-like
+        At least the first HEADER_SIZE bytes of the file; bytes after them are ignored.
+    path : str, optional
+        The name errors give.
+
+    Returns
+    -------
+    DeltaHeader
+
+    Raises
+    ------
+    StateCorruptionError
+        Fewer than HEADER_SIZE bytes ("truncated"), or a wrong magic, an unknown format
+        version, a checksum mismatch, an unknown compression, nonzero reserved bytes or
+        impossible widths.
+    """
+    name = str(path) if path is not None else "<delta bytes>"
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise StateCorruptionError(name, len(view), f"truncated: the header needs {HEADER_SIZE} bytes, "
+                                                    f"the file ends after {len(view)}")
+    head = bytes(view[:HEADER_SIZE])
+    (magic, version, compression, reserved1, key_width, value_width, reserved2, key_fp, value_fp,
+     store_version, lineage) = _HEADER.unpack_from(head, 0)
+    stored = _U64.unpack_from(head, HEADER_SIZE - 8)[0]
+    computed = _checksum(head[:HEADER_SIZE - 8])
+    if magic != MAGIC:
+        raise StateCorruptionError(name, 0, f"not a statecore delta: magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        hint = "" if stored == computed else " (or a damaged header: its checksum does not match)"
+        raise StateCorruptionError(name, 8, f"unknown delta format version {version}; this build reads "
+                                            f"version {FORMAT_VERSION}{hint}")
+    if stored != computed:
+        raise StateCorruptionError(name, HEADER_SIZE - 8, f"header checksum mismatch (stored 0x{stored:016x}, "
+                                                          f"computed 0x{computed:016x})")
+    if compression not in _COMPRESSION_NAMES:
+        raise StateCorruptionError(name, 10, f"unknown compression code {compression}")
+    if reserved1 or reserved2:
+        raise StateCorruptionError(name, 11, "reserved header bytes are not zero")
+    if key_width == 0:
+        raise StateCorruptionError(name, 12, "key width is 0")
+    if key_width + value_width > MAX_BLOCK_RAW_SIZE:
+        raise StateCorruptionError(name, 12, f"rows of {key_width + value_width} bytes exceed the "
+                                             f"{MAX_BLOCK_RAW_SIZE}-byte block limit")
+    cdef DeltaHeader h = DeltaHeader.__new__(DeltaHeader)
+    h.store_version = store_version
+    h.lineage = lineage
+    h.compression = _COMPRESSION_NAMES[compression]
+    h.key_width = key_width
+    h.value_width = value_width
+    h.key_fingerprint = key_fp
+    h.value_fingerprint = value_fp
+    h.checksum = stored
+    return h
+
+
 def _source_name(source):
     for attr in ("path", "name"):
         name = getattr(source, attr, None)
@@ -456,7 +554,8 @@ cdef class DeltaReader:
     (m, value_width) uint8 array for puts and None for removes. Iteration ends after the
     trailer and the end of the file were checked, so damage near the end is found only
     after earlier blocks were yielded: to apply a delta all or nothing, use
-    :func:`read_delta` or :func:`apply_delta`.
+    :func:`read_delta` or :func:`apply_delta`. The checked header is ``header`` (a
+    :class:`DeltaHeader`); its fields are also the reader's attributes.
 
     Parameters
     ----------
@@ -481,6 +580,7 @@ cdef class DeltaReader:
     cdef object _read              # read method of a file source, else None
     cdef Py_ssize_t _pos           # offset of the next unread byte
     cdef readonly str path
+    cdef readonly DeltaHeader header
     cdef readonly object store_version
     cdef readonly bytes lineage
     cdef readonly str compression
@@ -551,40 +651,19 @@ cdef class DeltaReader:
 
     # -- header -----------------------------------------------------------------------------
     cdef void _read_header(self, key_schema, value_schema, expected_lineage) except *:
-        head = self._take(HEADER_SIZE, "the header")
-        (magic, version, compression, reserved1, key_width, value_width, reserved2, key_fp, value_fp,
-         store_version, lineage) = _HEADER.unpack_from(head, 0)
-        stored = _U64.unpack_from(head, HEADER_SIZE - 8)[0]
-        computed = _checksum(head[:HEADER_SIZE - 8])
-        if magic != MAGIC:
-            raise self._corrupt(0, f"not a statecore delta: magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != FORMAT_VERSION:
-            hint = "" if stored == computed else " (or a damaged header: its checksum does not match)"
-            raise self._corrupt(8, f"unknown delta format version {version}; this build reads version "
-                                   f"{FORMAT_VERSION}{hint}")
-        if stored != computed:
-            raise self._corrupt(HEADER_SIZE - 8, f"header checksum mismatch (stored 0x{stored:016x}, "
-                                                 f"computed 0x{computed:016x})")
-        if compression not in _COMPRESSION_NAMES:
-            raise self._corrupt(10, f"unknown compression code {compression}")
-        if reserved1 or reserved2:
-            raise self._corrupt(11, "reserved header bytes are not zero")
-        if key_width == 0:
-            raise self._corrupt(12, "key width is 0")
-        if key_width + value_width > MAX_BLOCK_RAW_SIZE:
-            raise self._corrupt(12, f"rows of {key_width + value_width} bytes exceed the "
-                                    f"{MAX_BLOCK_RAW_SIZE}-byte block limit")
-        self.compression = _COMPRESSION_NAMES[compression]
-        self._lz4 = compression == COMPRESSION_LZ4
-        self.key_width = key_width
-        self.value_width = value_width
-        self.key_fingerprint = key_fp
-        self.value_fingerprint = value_fp
-        self.store_version = store_version
-        self.lineage = bytes(lineage)
-        self._header_checksum = stored
-        self._check_schema("key", key_schema, key_width, key_fp)
-        self._check_schema("value", value_schema, value_width, value_fp)
+        cdef DeltaHeader h = read_delta_header(self._take(HEADER_SIZE, "the header"), self.path)
+        self.header = h
+        self.compression = h.compression
+        self._lz4 = h.compression == "lz4"
+        self.key_width = h.key_width
+        self.value_width = h.value_width
+        self.key_fingerprint = h.key_fingerprint
+        self.value_fingerprint = h.value_fingerprint
+        self.store_version = h.store_version
+        self.lineage = h.lineage
+        self._header_checksum = h.checksum
+        self._check_schema("key", key_schema, h.key_width, h.key_fingerprint)
+        self._check_schema("value", value_schema, h.value_width, h.value_fingerprint)
         if expected_lineage is not None:
             expected = _lineage_bytes(expected_lineage, "expected_lineage")
             if expected != self.lineage:
@@ -694,6 +773,16 @@ cdef class DeltaReader:
         self._done = True
 
     # -- state ------------------------------------------------------------------------------
+    @property
+    def commit_id(self):
+        """The header's lineage[:8] (the store's id of the version this delta produces)."""
+        return self.header.commit_id
+
+    @property
+    def parent_id(self):
+        """The header's lineage[8:16] (the store's id of the version before)."""
+        return self.header.parent_id
+
     @property
     def finished(self):
         """True once the trailer and the end of the file were checked."""

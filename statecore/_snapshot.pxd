@@ -58,6 +58,7 @@ cdef class SnapshotWriter:
     cdef readonly uint64_t file_size
     cdef readonly uint32_t block_size
     cdef readonly uint32_t max_displacement
+    cdef readonly uint64_t hash_collisions  # pairs of distinct keys with equal 64-bit hashes
     cdef readonly Py_ssize_t key_width
     cdef readonly Py_ssize_t value_width
     cdef readonly Py_ssize_t row_width
@@ -78,8 +79,12 @@ cdef class SnapshotWriter:
     cdef uint64_t block_fill
     cdef uint64_t* checksums
     cdef uint64_t blocks_done
+    cdef const uint8_t* call_rows       # the rows of the write_rows call running, else NULL
+    cdef uint64_t call_first            # the row index of call_rows[0]; -1 outside a call
 
-    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, uint32_t* other) noexcept nogil
+    cdef bint same_key(self, uint64_t r, const uint8_t* key) noexcept nogil
+    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, const uint8_t* key,
+                       uint32_t* other) noexcept nogil
     cdef int index_rows(self, const uint8_t* rows, Py_ssize_t m, uint32_t* tags,
                         Py_ssize_t* bad, uint32_t* other) noexcept nogil
     cdef object _check_open(self)
@@ -87,6 +92,16 @@ cdef class SnapshotWriter:
     cdef object _flush_block(self)
     cdef object _emit(self, object chunk)
     cdef object _release(self)
+
+
+@cython.final
+cdef class _Mapping:
+    cdef const uint8_t* base
+    cdef size_t length
+    cdef int guard                      # entry in the SIGBUS guard's table, or -1
+    cdef uint64_t damaged_at            # set by the SIGBUS handler: file offset + 1
+
+    cdef uint64_t damage(self) noexcept nogil
 
 
 @cython.final
@@ -106,8 +121,9 @@ cdef class SnapshotReader:
     cdef readonly Py_ssize_t value_width
     cdef readonly Py_ssize_t row_width
 
-    cdef object _mmap
-    cdef const uint8_t[::1] _view       # held while open; released by close()
+    cdef readonly object header         # the SnapshotHeader read_snapshot_header checked
+    cdef _Mapping _mapping              # None once closed; each call holds its own reference
+    cdef uint64_t _footer_checksum      # the file's last 8 bytes, as read on open
     cdef bint _closed
     cdef SnapLayout layout              # base is NULL here: see SnapLayout
     cdef uint8_t* verified
@@ -116,7 +132,8 @@ cdef class SnapshotReader:
     cdef object _corrupt(self, offset, reason)
     cdef object _check(self, bytes header, bytes footer, size, key_schema, value_schema,
                        expected_lineage)
-    cdef const uint8_t[::1] _acquire(self)
+    cdef _Mapping _acquire(self)
+    cdef object _check_damage(self, _Mapping mapping)
     cdef object _raise_for(self, const SnapError* err)
 
 

@@ -63,7 +63,18 @@ block matched: a damaged file raises :class:`~statecore.errors.StateCorruptionEr
 the path and the byte offset, on open or on the lookup that touches the damage, never a
 crash and never a wrong value. :meth:`SnapshotReader.verify` checks everything at once.
 Files are assumed immutable once written (they are written under a temporary name and
-renamed into place): a file truncated while mapped can still kill the process with SIGBUS.
+renamed into place). A file truncated while mapped is damage too: on Linux a process-wide
+SIGBUS handler (installed when the first snapshot is mapped, passing every other SIGBUS to
+the handler installed before it) lets the access read zeros and marks the reader damaged,
+and every reader call checks that mark before it returns anything, so the call raises
+StateCorruptionError ("the file was truncated while mapped") instead of the process dying;
+a file cut inside its last page, which reads as zeros without a fault, is caught by the
+same check (the file's last 8 bytes must not change). A SIGBUS handler installed after the
+first snapshot was mapped (``faulthandler.enable()`` then, for one) takes precedence, and the
+fault is fatal again; so is a fault in a mapping beyond the first 4096 open at once.
+
+:func:`read_snapshot_header` checks and decodes the header page alone; it is the only parser
+of the header (SnapshotReader uses it, then checks the footer and the file's size).
 
 I/O. The header and the footer are read with two ``pread`` calls; the mapping is
 ``MADV_RANDOM``, so a page fault reads one page and never the device's readahead window
@@ -80,6 +91,7 @@ while another thread's call is running: that call keeps the mapping alive until 
 """
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.errno cimport errno
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
@@ -88,7 +100,6 @@ from statecore._hash cimport HASH_ID_XXH64, key_hash, slot_tag, xxh64
 from statecore._rowtable cimport rows_equal
 
 import json
-import mmap
 import operator
 import os
 import struct
@@ -136,28 +147,196 @@ cdef extern from *:
     #define SNAP_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
     #define SNAP_LOAD_FLAG(p) __atomic_load_n((p), __ATOMIC_RELAXED)
     #define SNAP_STORE_FLAG(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+    #define SNAP_LOAD_DAMAGE(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
     #else
     #define SNAP_PREFETCH(p) ((void)(p))
     #define SNAP_LOAD_FLAG(p) (*(volatile uint8_t*)(p))
     #define SNAP_STORE_FLAG(p, v) (*(volatile uint8_t*)(p) = (v))
+    #define SNAP_LOAD_DAMAGE(p) (*(volatile uint64_t*)(p))
+    #endif
+
+    /* Map a whole file read-only and shared, for random access; NULL (errno set) on failure. */
+    static const uint8_t* snap_map(int fd, size_t length) {
+        void* p = mmap(NULL, length, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) return NULL;
+    #if defined(MADV_RANDOM)
+        (void)madvise(p, length, MADV_RANDOM);  /* see snap_willneed */
+    #endif
+        return (const uint8_t*)p;
+    }
+    static void snap_unmap(const uint8_t* p, size_t length) { (void)munmap((void*)p, length); }
+
+    /* The SIGBUS guard. A snapshot truncated while mapped makes every access to its pages
+       past the new end raise SIGBUS, which kills the process by default. The guard keeps a
+       fixed table of the mapped snapshots; for a fault inside one, the handler records the
+       file offset in that mapping's damage word (first fault wins), then maps anonymous
+       zero pages over the rest of the mapping, from the faulting page on, and returns: the
+       access is retried, reads zeros, and the interrupted loop finishes. Readers check the
+       damage word after every call and raise instead of returning anything. Any other
+       SIGBUS goes to the handler installed before (faulthandler's, or the default action).
+
+       The handler takes no lock: it reads the table through a sequence counter per entry
+       (odd while the entry changes, as a seqlock), and calls only mmap (a system call on
+       Linux), sigaction and raise. A mapping is unregistered before it is unmapped, and a
+       thread can fault in a mapping only while it holds a reference to it, so an entry
+       that matches a fault address is stable. Linux only (elsewhere nothing is guarded). */
+    #include <signal.h>
+    #if defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && defined(SA_SIGINFO) \
+        && defined(BUS_ADRERR) && defined(MAP_ANONYMOUS)
+    #define SNAP_GUARD 1
+    #include <errno.h>
+    #include <pthread.h>
+    #include <string.h>
+    #define SNAP_MAX_GUARDED 4096
+    typedef struct {
+        uint64_t seq;
+        uintptr_t start;          /* 0: a free entry */
+        uintptr_t end;
+        uint64_t* damaged_at;     /* file offset of the first fault + 1; 0 while sound */
+    } snap_guard_entry;
+    static snap_guard_entry snap_guarded[SNAP_MAX_GUARDED];
+    static int snap_guarded_high = 0;       /* entries in use all lie below this index */
+    static pthread_mutex_t snap_guard_lock = PTHREAD_MUTEX_INITIALIZER;
+    static struct sigaction snap_previous_bus;
+    static int snap_guard_state = 0;        /* 0: not installed yet, 1: installed, -1: failed */
+
+    static void snap_bus_chain(int sig, siginfo_t* info, void* context) {
+        if (snap_previous_bus.sa_handler != SIG_DFL && snap_previous_bus.sa_handler != SIG_IGN) {
+            if (snap_previous_bus.sa_flags & SA_SIGINFO)
+                snap_previous_bus.sa_sigaction(sig, info, context);
+            else
+                snap_previous_bus.sa_handler(sig);
+            return;
+        }
+        /* The default action: put it back, and raise (a fault would come again on return,
+           a SIGBUS sent by kill() would not; raised here it stays pending until then). */
+        (void)sigaction(sig, &snap_previous_bus, NULL);
+        (void)raise(sig);
+    }
+
+    static void snap_bus_handler(int sig, siginfo_t* info, void* context) {
+        int saved_errno = errno;
+        if (info != NULL && info->si_code == BUS_ADRERR) {
+            uintptr_t addr = (uintptr_t)info->si_addr;
+            int high = __atomic_load_n(&snap_guarded_high, __ATOMIC_ACQUIRE);
+            for (int i = 0; i < high; i++) {
+                snap_guard_entry* e = &snap_guarded[i];
+                uint64_t seq = __atomic_load_n(&e->seq, __ATOMIC_ACQUIRE);
+                uintptr_t start = __atomic_load_n(&e->start, __ATOMIC_RELAXED);
+                uintptr_t end = __atomic_load_n(&e->end, __ATOMIC_RELAXED);
+                uint64_t* damaged_at = __atomic_load_n(&e->damaged_at, __ATOMIC_RELAXED);
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if ((seq & 1) || __atomic_load_n(&e->seq, __ATOMIC_RELAXED) != seq) continue;
+                if (start == 0 || addr < start || addr >= end) continue;
+                uintptr_t page = addr & ~(uintptr_t)(snap_page_size - 1);
+                uint64_t sound = 0;
+                /* The damage word before the zeros: whoever reads a zero finds it set. */
+                (void)__atomic_compare_exchange_n(damaged_at, &sound, (uint64_t)(addr - start) + 1, 0,
+                                                  __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+                if (mmap((void*)page, end - page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                         -1, 0) != MAP_FAILED) {
+                    errno = saved_errno;
+                    return;
+                }
+                break;  /* no zero pages: the fault stays fatal */
+            }
+        }
+        errno = saved_errno;
+        snap_bus_chain(sig, info, context);
+    }
+
+    /* REQUIRES: snap_guard_lock held. Installs the handler once; 1 if it is installed. */
+    static int snap_guard_install(void) {
+        struct sigaction action;
+        if (snap_guard_state == 0) {
+            snap_guard_state = -1;
+            if (sigaction(SIGBUS, NULL, &snap_previous_bus) == 0) {
+                memset(&action, 0, sizeof action);
+                action.sa_sigaction = snap_bus_handler;
+                action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+                sigemptyset(&action.sa_mask);
+                if (sigaction(SIGBUS, &action, NULL) == 0) snap_guard_state = 1;
+            }
+        }
+        return snap_guard_state == 1;
+    }
+
+    /* REQUIRES: snap_guard_lock held. */
+    static void snap_guard_set(snap_guard_entry* e, uintptr_t start, uintptr_t end, uint64_t* damaged_at) {
+        uint64_t seq = __atomic_load_n(&e->seq, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->seq, seq + 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        __atomic_store_n(&e->damaged_at, damaged_at, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->end, end, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->start, start, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->seq, seq + 2, __ATOMIC_RELEASE);
+    }
+
+    /* Guard [start, start + length): the entry's index, or -1 (no handler, or the table is
+       full: the mapping works unguarded). */
+    static int snap_guard_add(const uint8_t* start, size_t length, uint64_t* damaged_at) {
+        int i, found = -1;
+        uintptr_t end = ((uintptr_t)start + length + snap_page_size - 1) & ~(uintptr_t)(snap_page_size - 1);
+        pthread_mutex_lock(&snap_guard_lock);
+        if (snap_guard_install()) {
+            for (i = 0; i < SNAP_MAX_GUARDED && found < 0; i++)
+                if (__atomic_load_n(&snap_guarded[i].start, __ATOMIC_RELAXED) == 0) found = i;
+            if (found >= 0) {
+                snap_guard_set(&snap_guarded[found], (uintptr_t)start, end, damaged_at);
+                if (found >= snap_guarded_high)
+                    __atomic_store_n(&snap_guarded_high, found + 1, __ATOMIC_RELEASE);
+            }
+        }
+        pthread_mutex_unlock(&snap_guard_lock);
+        return found;
+    }
+
+    static void snap_guard_remove(int i) {
+        if (i < 0) return;
+        pthread_mutex_lock(&snap_guard_lock);
+        snap_guard_set(&snap_guarded[i], 0, 0, NULL);
+        pthread_mutex_unlock(&snap_guard_lock);
+    }
+
+    static int snap_guard_count(void) {
+        int i, n = 0;
+        pthread_mutex_lock(&snap_guard_lock);
+        for (i = 0; i < SNAP_MAX_GUARDED; i++) n += snap_guarded[i].start != 0;
+        pthread_mutex_unlock(&snap_guard_lock);
+        return n;
+    }
+    #else
+    static int snap_guard_add(const uint8_t* start, size_t length, uint64_t* damaged_at) {
+        (void)start; (void)length; (void)damaged_at;
+        return -1;
+    }
+    static void snap_guard_remove(int i) { (void)i; }
+    static int snap_guard_count(void) { return 0; }
     #endif
     """
     void SNAP_PREFETCH(const void* p) nogil
     uint8_t SNAP_LOAD_FLAG(uint8_t* p) nogil
     void SNAP_STORE_FLAG(uint8_t* p, uint8_t v) nogil
+    uint64_t SNAP_LOAD_DAMAGE(uint64_t* p) nogil
     void snap_init_page_size() nogil
     void snap_willneed(const uint8_t* base, uint64_t start, uint64_t end) nogil
+    const uint8_t* snap_map(int fd, size_t length) nogil
+    void snap_unmap(const uint8_t* p, size_t length) nogil
+    int snap_guard_add(const uint8_t* start, size_t length, uint64_t* damaged_at) nogil
+    void snap_guard_remove(int i) nogil
+    int snap_guard_count() nogil
 
 snap_init_page_size()
 
-__all__ = ["SnapshotWriter", "SnapshotReader", "SnapshotCursor", "write_snapshot",
-           "MAGIC", "FOOTER_MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "FOOTER_SIZE",
-           "DEFAULT_BLOCK_SIZE"]
+__all__ = ["SnapshotWriter", "SnapshotReader", "SnapshotCursor", "SnapshotHeader", "write_snapshot",
+           "read_snapshot_header", "MAGIC", "FOOTER_MAGIC", "FORMAT_VERSION", "HEADER_SIZE",
+           "SNAPSHOT_HEADER_SIZE", "FOOTER_SIZE", "DEFAULT_BLOCK_SIZE"]
 
 MAGIC = b"SCSNAP\0\x01"
 FOOTER_MAGIC = b"SCSNEND\x01"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
+SNAPSHOT_HEADER_SIZE = HEADER_SIZE   # what read_snapshot_header needs: read this many bytes
 FOOTER_SIZE = 64
 DEFAULT_BLOCK_SIZE = 65536
 MIN_BLOCK_SIZE = 64
@@ -330,6 +509,8 @@ cdef class SnapshotWriter:
         header[_HEADER.size:_HEADER.size + len(schema_json)] = schema_json
         self.header_checksum = _xxh64_of(header[:_HEADER_CHECKSUM_AT])
         _U64.pack_into(header, _HEADER_CHECKSUM_AT, self.header_checksum)
+        self.call_rows = NULL
+        self.call_first = <uint64_t>-1
         self.state = WRITER_OPEN
         try:
             self._emit(header)
@@ -344,12 +525,28 @@ cdef class SnapshotWriter:
             raise ValueError("this SnapshotWriter failed earlier; discard what it wrote")
 
     # -- the slot index -------------------------------------------------------------------
-    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, uint32_t* other) noexcept nogil:
-        """Robin Hood insert of row ``row`` (index + 1), or SNAP_DUPLICATE with ``other`` set.
+    cdef bint same_key(self, uint64_t r, const uint8_t* key) noexcept nogil:
+        """Whether row ``r``, whose key has the same 64-bit hash as ``key``, has that key.
+
+        Its bytes decide when it is in the current write_rows call. Rows of earlier calls
+        are not kept: on 4- and 8-byte keys XXH64 is one-to-one (every step of it on one
+        4- or 8-byte input is invertible), so equal hashes are equal keys; on other widths
+        the keys are taken as distinct, as the tables snapshots are written from guarantee,
+        and SnapshotReader.verify() finds a key written twice.
+        """
+        if r >= self.call_first:
+            return rows_equal(self.call_rows + (r - self.call_first) * <uint64_t>self.row_width, key,
+                              <size_t>self.key_width)
+        return self.key_width == 4 or self.key_width == 8
+
+    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, const uint8_t* key,
+                       uint32_t* other) noexcept nogil:
+        """Robin Hood insert of row ``row`` (index + 1) with key ``key``, or SNAP_DUPLICATE
+        with ``other`` set.
 
         A key equal to ours can only sit before the first entry we displace (a lookup stops
-        there), so duplicates are looked for up to that point only. Keys are compared by
-        their full 64-bit hash (the tag and ``key_hi``): the rows themselves are not kept.
+        there), so duplicates are looked for up to that point only, among the entries with
+        our full 64-bit hash (the tag and ``key_hi``); same_key decides for each of those.
         """
         # REQUIRES: a free slot exists (n_slots * 3/4 >= row_count, set up by __cinit__).
         cdef uint64_t mask = self.n_slots - 1
@@ -368,8 +565,10 @@ cdef class SnapshotWriter:
                     self.max_displacement = <uint32_t>dist
                 return SNAP_OK
             if searching and s.tag == tag and self.key_hi[s.row - 1] == hi:
-                other[0] = s.row - 1
-                return SNAP_DUPLICATE
+                if self.same_key(s.row - 1, key):
+                    other[0] = s.row - 1
+                    return SNAP_DUPLICATE
+                self.hash_collisions += 1
             resident_dist = (pos - (s.tag & mask)) & mask
             if resident_dist < dist:
                 searching = False
@@ -399,7 +598,8 @@ cdef class SnapshotWriter:
             if i + SLOT_PREFETCH_AHEAD < m:
                 SNAP_PREFETCH(&self.slots[tags[i + SLOT_PREFETCH_AHEAD] & mask])
             rc = self.slots_add(tags[i], self.key_hi[self.rows_written + <uint64_t>i],
-                                <uint32_t>(self.rows_written + <uint64_t>i + 1), other)
+                                <uint32_t>(self.rows_written + <uint64_t>i + 1), rows + <size_t>i * rw,
+                                other)
             if rc < 0:
                 bad[0] = i
                 return rc
@@ -470,9 +670,10 @@ cdef class SnapshotWriter:
         ------
         ValueError
             On a wrong row width, more rows than announced, or a key written before. Keys
-            are compared by their 64-bit XXH64 (the rows are not kept): exact for 4- and
-            8-byte keys, on which XXH64 is one-to-one; for other widths two different keys
-            are taken for one with probability 2**-64 per pair compared.
+            with equal 64-bit XXH64 are compared by their bytes within one call; a key of an
+            earlier call (those rows are not kept) is found again by its hash for 4- and
+            8-byte keys, on which XXH64 is one-to-one, and not for other widths, whose rows
+            the caller must keep unique (as RowTable does). Distinct keys are never refused.
         TypeError
             If ``rows`` is not uint8.
         """
@@ -494,8 +695,12 @@ cdef class SnapshotWriter:
                              f"{self.rows_written} were written and {m} more were given")
         cdef const uint8_t[:, ::1] view = arr
         cdef uint32_t[::1] tags = np.empty(m, dtype=np.uint32)
+        self.call_rows = &view[0, 0]
+        self.call_first = self.rows_written
         with nogil:
             rc = self.index_rows(&view[0, 0], m, &tags[0], &bad, &other)
+        self.call_rows = NULL
+        self.call_first = <uint64_t>-1
         if rc < 0:
             self.state = WRITER_FAILED
             first = self.rows_written + <uint64_t>bad
@@ -514,7 +719,8 @@ cdef class SnapshotWriter:
         Returns
         -------
         dict
-            ``file_size``, ``n_slots``, ``max_displacement``, ``row_count``, ``n_blocks``.
+            ``file_size``, ``n_slots``, ``max_displacement``, ``row_count``, ``n_blocks``,
+            ``hash_collisions`` (pairs of distinct keys with equal 64-bit hashes).
 
         Raises
         ------
@@ -549,7 +755,7 @@ cdef class SnapshotWriter:
         self._release()
         return {"file_size": self.file_size, "n_slots": self.n_slots,
                 "max_displacement": self.max_displacement, "row_count": self.row_count,
-                "n_blocks": self.n_blocks}
+                "n_blocks": self.n_blocks, "hash_collisions": self.hash_collisions}
 
     cdef object _release(self):
         self.slots = NULL
@@ -574,6 +780,160 @@ def write_snapshot(fileobj, table, store_version, lineage=bytes(16), block_size=
         return writer.finish()
     finally:
         cursor.close()
+
+
+# -- the header ---------------------------------------------------------------------------
+@cython.final
+cdef class SnapshotHeader:
+    """The checked header of a snapshot (:func:`read_snapshot_header`); immutable.
+
+    ``lineage`` is the 16 bytes the writer was given; the store writes its commit id first,
+    which ``commit_id`` returns.
+    """
+
+    cdef readonly object store_version
+    cdef readonly bytes lineage
+    cdef readonly object row_count
+    cdef readonly object key_width
+    cdef readonly object value_width
+    cdef readonly object key_fingerprint
+    cdef readonly object value_fingerprint
+    cdef readonly object key_schema       # RowSchema, from the schema description
+    cdef readonly object value_schema
+    cdef readonly object file_size
+    cdef readonly object n_slots
+    cdef readonly object block_size
+    cdef readonly object n_blocks
+    cdef readonly object rows_offset
+    cdef readonly object slots_offset
+    cdef readonly object checksums_offset
+    cdef readonly object checksum         # the header checksum (the footer keeps a copy)
+
+    @property
+    def commit_id(self):
+        """lineage[:8]."""
+        return self.lineage[:8]
+
+    def __repr__(self):
+        return (f"SnapshotHeader(store_version={self.store_version}, lineage={self.lineage.hex()}, "
+                f"row_count={self.row_count}, key_width={self.key_width}, "
+                f"value_width={self.value_width}, file_size={self.file_size})")
+
+
+def read_snapshot_header(data, path=None):
+    """Check and decode the header page of a snapshot.
+
+    Checks everything the header alone decides: magic, format version, header checksum,
+    header size, hash id, reserved field, widths, and every size and offset against each
+    other (a reader then checks them against the file and its footer).
+
+    Parameters
+    ----------
+    data : bytes-like
+        At least the first HEADER_SIZE bytes of the file; bytes after them are ignored.
+    path : str, optional
+        The name errors give.
+
+    Returns
+    -------
+    SnapshotHeader
+
+    Raises
+    ------
+    StateCorruptionError
+        Fewer than HEADER_SIZE bytes ("truncated"), or any check failed.
+    """
+    name = os.fspath(path) if path is not None else "<snapshot bytes>"
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise StateCorruptionError(name, len(view), f"truncated: the header needs {HEADER_SIZE} bytes, "
+                                                    f"the file ends after {len(view)}")
+    header = bytes(view[:HEADER_SIZE])
+
+    def corrupt(offset, reason):
+        return StateCorruptionError(name, offset, reason)
+
+    if header[:8] != MAGIC:
+        raise corrupt(0, f"bad magic {header[:8]!r} (expected {MAGIC!r}): not a snapshot")
+    (_, version, header_size, kw, vw, key_fp, value_fp, store_version, row_count, n_slots, hash_id,
+     reserved, block_size, n_blocks, rows_offset, slots_offset, checksums_offset, file_size,
+     lineage, json_len) = _HEADER.unpack_from(header)
+    if version != FORMAT_VERSION:
+        raise corrupt(8, f"unknown snapshot format version {version} "
+                         f"(this reader knows version {FORMAT_VERSION})")
+    stored = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
+    actual = _xxh64_of(header[:_HEADER_CHECKSUM_AT])
+    if stored != actual:
+        raise corrupt(_HEADER_CHECKSUM_AT, f"header checksum mismatch "
+                                           f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    # Sizes and offsets against each other (Python ints: no overflow).
+    if header_size != HEADER_SIZE:
+        raise corrupt(12, f"header size {header_size} (expected {HEADER_SIZE})")
+    if hash_id != HASH_ID_XXH64:
+        raise corrupt(64, f"unknown key hash id {hash_id} (this reader knows {HASH_ID_XXH64}, XXH64)")
+    if reserved != 0:
+        raise corrupt(68, f"reserved header field is {reserved}, not 0")
+    if kw == 0:
+        raise corrupt(16, "key width is 0")
+    row_width = kw + vw
+    if row_count > MAX_ROWS:
+        raise corrupt(48, f"row count {row_count} is more than a snapshot holds ({MAX_ROWS})")
+    if n_slots < MIN_SLOTS or not _is_pow2(n_slots):
+        raise corrupt(56, f"slot count {n_slots} is not a power of two >= {MIN_SLOTS}")
+    if n_slots * 3 < row_count * 4:
+        raise corrupt(56, f"{n_slots} slots cannot hold {row_count} rows at 3/4 load")
+    if not (_is_pow2(block_size) and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE):
+        raise corrupt(72, f"block size {block_size} is not a power of two in "
+                          f"[{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+    if rows_offset != HEADER_SIZE:
+        raise corrupt(84, f"rows section at byte {rows_offset} (expected {HEADER_SIZE})")
+    rows_end = rows_offset + row_count * row_width
+    expected = -(-rows_end // SLOTS_ALIGN) * SLOTS_ALIGN
+    if slots_offset != expected:
+        raise corrupt(92, f"slots section at byte {slots_offset} (expected {expected}: "
+                          f"{row_count} rows of {row_width} bytes end at byte {rows_end})")
+    expected = slots_offset + n_slots * 8
+    if checksums_offset != expected:
+        raise corrupt(100, f"checksums section at byte {checksums_offset} (expected {expected})")
+    expected = -(-(checksums_offset - rows_offset) // block_size)
+    if n_blocks != expected:
+        raise corrupt(76, f"{n_blocks} blocks (expected {expected} of {block_size} bytes)")
+    expected = checksums_offset + n_blocks * 8 + FOOTER_SIZE
+    if file_size != expected:
+        raise corrupt(108, f"the sections end at byte {expected - FOOTER_SIZE}, but the footer "
+                           f"is at byte {file_size - FOOTER_SIZE}")
+    if json_len > _MAX_SCHEMA_JSON:
+        raise corrupt(132, f"schema description of {json_len} bytes does not fit the header")
+    try:
+        described = json.loads(header[_HEADER.size:_HEADER.size + json_len].decode("utf-8"))
+        key_schema = RowSchema.from_description(described["key"])
+        value_schema = RowSchema.from_description(described["value"])
+    except Exception as e:  # behind a valid checksum: only a broken writer gets here
+        raise corrupt(_HEADER.size, f"unreadable schema description: {e!r}") from None
+    if key_schema.width != kw or value_schema.width != vw:
+        raise corrupt(_HEADER.size, f"the schema description gives rows of {key_schema.width} + "
+                                    f"{value_schema.width} bytes, the header {kw} + {vw}")
+    if key_schema.fingerprint != key_fp or value_schema.fingerprint != value_fp:
+        raise corrupt(_HEADER.size, "the schema description does not match the header's fingerprints")
+    cdef SnapshotHeader h = SnapshotHeader.__new__(SnapshotHeader)
+    h.store_version = store_version
+    h.lineage = lineage
+    h.row_count = row_count
+    h.key_width = kw
+    h.value_width = vw
+    h.key_fingerprint = key_fp
+    h.value_fingerprint = value_fp
+    h.key_schema = key_schema
+    h.value_schema = value_schema
+    h.file_size = file_size
+    h.n_slots = n_slots
+    h.block_size = block_size
+    h.n_blocks = n_blocks
+    h.rows_offset = rows_offset
+    h.slots_offset = slots_offset
+    h.checksums_offset = checksums_offset
+    h.checksum = stored
+    return h
 
 
 # -- the reader: nogil core ---------------------------------------------------------------
@@ -772,10 +1132,13 @@ cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t
 
 cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noexcept nogil:
     """Every block, then the index: each slot names a row in range, within max_displacement
-    of its home, no row twice, and row_count rows in all. ``seen``: row_count bits, zeroed;
-    NULL checks the blocks only."""
-    cdef uint64_t b, pos, r, d, count = 0, mask = s.n_slots - 1, offset
+    of its home, no row twice, row_count rows in all, and a lookup of each row's key finds
+    that row (so no key is in two rows). ``seen``: row_count bits, zeroed; NULL checks the
+    blocks only."""
+    cdef uint64_t b, pos, r, d, count = 0, mask = s.n_slots - 1, offset, found
     cdef uint64_t window = (<uint64_t>VERIFY_WINDOW_BYTES) >> s.block_shift
+    cdef const uint8_t* key
+    cdef uint32_t tag
     cdef SnapSlot slot
     cdef int rc
     if window == 0:
@@ -816,6 +1179,33 @@ cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noe
             return SNAP_BAD_INDEX
         seen[r >> 3] |= <uint8_t>(1 << (r & 7))
         count += 1
+        # A lookup of the row's key must end here: the tag is the key's, the entry is
+        # reachable, and no entry before it holds the same key (entries with the same
+        # hash but other keys are passed over, as lookups do).
+        key = s.base + s.rows_offset + r * s.row_width
+        tag = slot_tag(key_hash(key, s.key_width))
+        if tag != slot.tag:
+            err.code = SNAP_BAD_INDEX
+            err.offset = offset
+            err.what = "a slot's tag is not the hash of its row's key"
+            err.expected = tag
+            err.got = slot.tag
+            return SNAP_BAD_INDEX
+        rc = snapshot_find(s, key, tag, &found, err)
+        if rc < 0:
+            return rc
+        if found != slot.row:
+            err.code = SNAP_BAD_INDEX
+            err.offset = offset
+            if found:
+                err.what = "two rows have the same key: a lookup of this row's key finds another row"
+                err.expected = slot.row - 1
+                err.got = found - 1
+            else:
+                err.what = "a lookup of a row's key does not reach the row's slot (rows found)"
+                err.expected = 1
+                err.got = 0
+            return SNAP_BAD_INDEX
     if count != s.row_count:
         err.code = SNAP_BAD_INDEX
         err.offset = s.slots_offset
@@ -824,6 +1214,37 @@ cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noe
         err.got = count
         return SNAP_BAD_INDEX
     return SNAP_OK
+
+
+# -- the mapping --------------------------------------------------------------------------
+@cython.final
+cdef class _Mapping:
+    """A whole file mapped read-only and guarded against SIGBUS (see snap_guard_add).
+    Unmapped when the last reference goes: the reader's, or the one a running call holds."""
+
+    def __cinit__(self, int fd, size_t length):
+        self.guard = -1
+        self.damaged_at = 0
+        self.base = snap_map(fd, length)
+        if self.base == NULL:
+            raise OSError(errno, os.strerror(errno))
+        self.length = length
+        self.guard = snap_guard_add(self.base, length, &self.damaged_at)
+
+    def __dealloc__(self):
+        snap_guard_remove(self.guard)  # first: once unmapped, the addresses may be reused
+        if self.base != NULL:
+            snap_unmap(self.base, self.length)
+            self.base = NULL
+
+    cdef inline uint64_t damage(self) noexcept nogil:
+        """File offset + 1 of the first access past the file's end (0: none so far)."""
+        return SNAP_LOAD_DAMAGE(&self.damaged_at)
+
+
+def _guarded_mappings():
+    """How many mappings the SIGBUS guard covers now. Visible for tests."""
+    return snap_guard_count()
 
 
 # -- the reader ---------------------------------------------------------------------------
@@ -871,17 +1292,9 @@ cdef class SnapshotReader:
             if len(header) != HEADER_SIZE or len(footer) != FOOTER_SIZE:
                 raise self._corrupt(size, "the file shrank while it was opened")
             self._check(header, footer, size, key_schema, value_schema, expected_lineage)
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            self._mapping = _Mapping(fd, size)
         finally:
             os.close(fd)
-        try:
-            if hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-                mm.madvise(mmap.MADV_RANDOM)  # see snap_willneed
-        except BaseException:
-            mm.close()
-            raise
-        self._mmap = mm
-        self._view = mm
         self._closed = False
 
     def __dealloc__(self):
@@ -893,150 +1306,107 @@ cdef class SnapshotReader:
 
     cdef object _check(self, bytes header, bytes footer, size, key_schema, value_schema,
                        expected_lineage):
-        """Check the header and the footer, then set up the reader's fields."""
-        if header[:8] != MAGIC:
-            raise self._corrupt(0, f"bad magic {header[:8]!r} (expected {MAGIC!r}): not a snapshot")
-        (_, version, header_size, kw, vw, key_fp, value_fp, store_version, row_count, n_slots, hash_id,
-         reserved, block_size, n_blocks, rows_offset, slots_offset, checksums_offset, file_size,
-         lineage, json_len) = _HEADER.unpack_from(header)
-        if version != FORMAT_VERSION:
-            raise self._corrupt(8, f"unknown snapshot format version {version} "
-                                   f"(this reader knows version {FORMAT_VERSION})")
-        stored = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
-        actual = _xxh64_of(header[:_HEADER_CHECKSUM_AT])
-        if stored != actual:
-            raise self._corrupt(_HEADER_CHECKSUM_AT, f"header checksum mismatch "
-                                                     f"(expected 0x{stored:016x}, got 0x{actual:016x})")
-        # Sizes and offsets: against the file, then against each other (Python ints: no overflow).
-        if file_size != size:
-            raise self._corrupt(108, f"the header says the file is {file_size} bytes, "
+        """Check the header (read_snapshot_header), then it and the footer against the file,
+        then set up the reader's fields."""
+        cdef SnapshotHeader h = read_snapshot_header(header, self.path)
+        if h.file_size != size:
+            raise self._corrupt(108, f"the header says the file is {h.file_size} bytes, "
                                      f"but it is {size} bytes")
-        if header_size != HEADER_SIZE:
-            raise self._corrupt(12, f"header size {header_size} (expected {HEADER_SIZE})")
-        if hash_id != HASH_ID_XXH64:
-            raise self._corrupt(64, f"unknown key hash id {hash_id} "
-                                    f"(this reader knows {HASH_ID_XXH64}, XXH64)")
-        if reserved != 0:
-            raise self._corrupt(68, f"reserved header field is {reserved}, not 0")
-        if kw == 0:
-            raise self._corrupt(16, "key width is 0")
-        row_width = kw + vw
-        if row_count > MAX_ROWS:
-            raise self._corrupt(48, f"row count {row_count} is more than a snapshot holds ({MAX_ROWS})")
-        if n_slots < MIN_SLOTS or not _is_pow2(n_slots):
-            raise self._corrupt(56, f"slot count {n_slots} is not a power of two >= {MIN_SLOTS}")
-        if n_slots * 3 < row_count * 4:
-            raise self._corrupt(56, f"{n_slots} slots cannot hold {row_count} rows at 3/4 load")
-        if not (_is_pow2(block_size) and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE):
-            raise self._corrupt(72, f"block size {block_size} is not a power of two in "
-                                    f"[{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
-        if rows_offset != HEADER_SIZE:
-            raise self._corrupt(84, f"rows section at byte {rows_offset} (expected {HEADER_SIZE})")
-        rows_end = rows_offset + row_count * row_width
-        expected = -(-rows_end // SLOTS_ALIGN) * SLOTS_ALIGN
-        if slots_offset != expected:
-            raise self._corrupt(92, f"slots section at byte {slots_offset} (expected {expected}: "
-                                    f"{row_count} rows of {row_width} bytes end at byte {rows_end})")
-        expected = slots_offset + n_slots * 8
-        if checksums_offset != expected:
-            raise self._corrupt(100, f"checksums section at byte {checksums_offset} (expected {expected})")
-        expected = -(-(checksums_offset - rows_offset) // block_size)
-        if n_blocks != expected:
-            raise self._corrupt(76, f"{n_blocks} blocks (expected {expected} of {block_size} bytes)")
-        expected = checksums_offset + n_blocks * 8 + FOOTER_SIZE
-        if file_size != expected:
-            raise self._corrupt(108, f"the sections end at byte {expected - FOOTER_SIZE}, but the footer "
-                                     f"is at byte {file_size - FOOTER_SIZE}")
-        if json_len > _MAX_SCHEMA_JSON:
-            raise self._corrupt(132, f"schema description of {json_len} bytes does not fit the header")
-        try:
-            described = json.loads(header[_HEADER.size:_HEADER.size + json_len].decode("utf-8"))
-            file_key_schema = RowSchema.from_description(described["key"])
-            file_value_schema = RowSchema.from_description(described["value"])
-        except Exception as e:  # behind a valid checksum: only a broken writer gets here
-            raise self._corrupt(_HEADER.size, f"unreadable schema description: {e!r}") from None
-        if file_key_schema.width != kw or file_value_schema.width != vw:
-            raise self._corrupt(_HEADER.size, f"the schema description gives rows of "
-                                              f"{file_key_schema.width} + {file_value_schema.width} "
-                                              f"bytes, the header {kw} + {vw}")
-        if file_key_schema.fingerprint != key_fp or file_value_schema.fingerprint != value_fp:
-            raise self._corrupt(_HEADER.size,
-                                "the schema description does not match the header's fingerprints")
-
         footer_at = size - FOOTER_SIZE
         if footer[:8] != FOOTER_MAGIC:
             raise self._corrupt(footer_at, f"bad footer magic {footer[:8]!r} "
                                            f"(expected {FOOTER_MAGIC!r})")
-        stored = _U64.unpack_from(footer, _FOOTER_CHECKSUM_AT)[0]
+        footer_checksum = _U64.unpack_from(footer, _FOOTER_CHECKSUM_AT)[0]
         actual = _xxh64_of(footer[:_FOOTER_CHECKSUM_AT])
-        if stored != actual:
-            raise self._corrupt(footer_at + _FOOTER_CHECKSUM_AT,
-                                f"footer checksum mismatch (expected 0x{stored:016x}, got 0x{actual:016x})")
+        if footer_checksum != actual:
+            raise self._corrupt(footer_at + _FOOTER_CHECKSUM_AT, f"footer checksum mismatch "
+                                f"(expected 0x{footer_checksum:016x}, got 0x{actual:016x})")
         _, table_checksum, footer_file_size, footer_header_checksum, max_displacement = \
             _FOOTER.unpack_from(footer)
         if footer_file_size != size:
             raise self._corrupt(footer_at + 16, f"the footer says the file is {footer_file_size} "
                                                 f"bytes, but it is {size} bytes")
-        header_checksum = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
-        if footer_header_checksum != header_checksum:
+        if footer_header_checksum != h.checksum:
             raise self._corrupt(footer_at + 24, "the footer belongs to another header")
-        if max_displacement >= n_slots:
+        if max_displacement >= h.n_slots:
             raise self._corrupt(footer_at + 32, f"max displacement {max_displacement} is not below the "
-                                                f"{n_slots} slots")
+                                                f"{h.n_slots} slots")
 
         if key_schema is not None:
             key_schema = as_schema(key_schema)
-            if key_schema.fingerprint != key_fp:
+            if key_schema.fingerprint != h.key_fingerprint:
                 raise SchemaMismatchError(f"key schema mismatch in snapshot '{self.path}': the file has "
-                                          f"{file_key_schema.describe()}, expected {key_schema.describe()}")
+                                          f"{h.key_schema.describe()}, expected {key_schema.describe()}")
         if value_schema is not None:
             value_schema = as_schema(value_schema)
-            if value_schema.fingerprint != value_fp:
+            if value_schema.fingerprint != h.value_fingerprint:
                 raise SchemaMismatchError(f"value schema mismatch in snapshot '{self.path}': the file has "
-                                          f"{file_value_schema.describe()}, "
+                                          f"{h.value_schema.describe()}, "
                                           f"expected {value_schema.describe()}")
-        if expected_lineage is not None and expected_lineage != lineage:
+        if expected_lineage is not None and expected_lineage != h.lineage:
             raise self._corrupt(116, f"snapshot belongs to another lineage "
-                                     f"(expected {expected_lineage.hex()}, found {lineage.hex()})")
+                                     f"(expected {expected_lineage.hex()}, found {h.lineage.hex()})")
 
-        self.verified = <uint8_t*>calloc(n_blocks, 1)
+        self.verified = <uint8_t*>calloc(h.n_blocks, 1)
         if self.verified == NULL:
-            raise MemoryError(f"cannot allocate the verified-block map of {n_blocks} blocks")
-        self.key_schema = key_schema if key_schema is not None else file_key_schema
-        self.value_schema = value_schema if value_schema is not None else file_value_schema
-        self.lineage = lineage
-        self.store_version = store_version
-        self.row_count = row_count
+            raise MemoryError(f"cannot allocate the verified-block map of {h.n_blocks} blocks")
+        self.header = h
+        self.key_schema = key_schema if key_schema is not None else h.key_schema
+        self.value_schema = value_schema if value_schema is not None else h.value_schema
+        self.lineage = h.lineage
+        self.store_version = h.store_version
+        self.row_count = h.row_count
         self.file_size = size
-        self.n_slots = n_slots
-        self.n_blocks = n_blocks
-        self.block_size = block_size
+        self.n_slots = h.n_slots
+        self.n_blocks = h.n_blocks
+        self.block_size = h.block_size
         self.max_displacement = max_displacement
-        self.key_width = kw
-        self.value_width = vw
-        self.row_width = row_width
+        self.key_width = h.key_width
+        self.value_width = h.value_width
+        self.row_width = h.key_width + h.value_width
+        self._footer_checksum = footer_checksum
         self.table_ok = 0
         self.layout.base = NULL
         self.layout.verified = self.verified
         self.layout.table_ok = &self.table_ok
-        self.layout.row_count = row_count
-        self.layout.n_slots = n_slots
-        self.layout.rows_offset = rows_offset
-        self.layout.slots_offset = slots_offset
-        self.layout.checksums_offset = checksums_offset
-        self.layout.n_blocks = n_blocks
+        self.layout.row_count = h.row_count
+        self.layout.n_slots = h.n_slots
+        self.layout.rows_offset = h.rows_offset
+        self.layout.slots_offset = h.slots_offset
+        self.layout.checksums_offset = h.checksums_offset
+        self.layout.n_blocks = h.n_blocks
         self.layout.table_checksum = table_checksum
-        self.layout.key_width = kw
-        self.layout.value_width = vw
-        self.layout.row_width = row_width
+        self.layout.key_width = h.key_width
+        self.layout.value_width = h.value_width
+        self.layout.row_width = self.row_width
         self.layout.max_displacement = max_displacement
-        self.layout.block_shift = block_size.bit_length() - 1
+        self.layout.block_shift = h.block_size.bit_length() - 1
 
-    cdef const uint8_t[::1] _acquire(self):
+    cdef _Mapping _acquire(self):
         """The mapping, held by the caller for the length of its call (see close())."""
         if self._closed:
             raise ValueError(f"I/O operation on a closed SnapshotReader ('{self.path}')")
-        return self._view
+        cdef _Mapping mapping = self._mapping
+        self._check_damage(mapping)
+        return mapping
+
+    cdef object _check_damage(self, _Mapping mapping):
+        """Raise if the file was truncated while mapped: called before every call uses the
+        mapping and after, before anything read from it is returned or raised about.
+
+        Two signs: the SIGBUS guard recorded a fault, or the file's last 8 bytes (the footer
+        checksum, compared with the value read on open) changed; the second catches a file
+        cut inside its last page, whose lost tail reads as zeros without a fault."""
+        cdef uint64_t at = mapping.damage()
+        cdef uint64_t last
+        if at == 0:
+            memcpy(&last, mapping.base + self.file_size - 8, 8)
+            at = mapping.damage()  # reading the last bytes may have faulted just now
+            if at == 0 and last == self._footer_checksum:
+                return
+            if at == 0:
+                at = self.file_size - 8 + 1
+        raise StateCorruptionError(self.path, at - 1, "the file was truncated while mapped")
 
     cdef object _raise_for(self, const SnapError* err):
         cdef uint64_t block
@@ -1060,7 +1430,7 @@ cdef class SnapshotReader:
                  uint8_t[::1] found not None):
         """Look up ``keys`` (n, key_width) into ``values`` (n, value_width; zeros where not
         found) and ``found`` (n,). Raises StateCorruptionError if a touched block is damaged."""
-        cdef const uint8_t[::1] view = self._acquire()
+        cdef _Mapping mapping = self._acquire()
         cdef Py_ssize_t n = keys.shape[0]
         if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
             raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values, "
@@ -1074,9 +1444,10 @@ cdef class SnapshotReader:
         cdef SnapLayout lay = self.layout
         cdef SnapError err
         cdef int rc
-        lay.base = &view[0]
+        lay.base = mapping.base
         with nogil:
             rc = snapshot_get_many(&lay, &keys[0, 0], n, value_ptr, &found[0], &tags[0], &err)
+        self._check_damage(mapping)
         if rc < 0:
             self._raise_for(&err)
 
@@ -1084,7 +1455,7 @@ cdef class SnapshotReader:
         """Set ``mask[i] = 1`` for the file-order row index ``i`` of every key found: which
         rows a set of changed keys overrides, found by probing the changed keys rather than
         by probing every row of the snapshot elsewhere (writing a newer snapshot)."""
-        cdef const uint8_t[::1] view = self._acquire()
+        cdef _Mapping mapping = self._acquire()
         cdef Py_ssize_t n = keys.shape[0]
         if keys.shape[1] != self.key_width:
             raise ValueError(f"keys must be (n, {self.key_width}) rows, got {keys.shape[1]} bytes")
@@ -1096,30 +1467,34 @@ cdef class SnapshotReader:
         cdef SnapLayout lay = self.layout
         cdef SnapError err
         cdef int rc
-        lay.base = &view[0]
+        lay.base = mapping.base
         with nogil:
             rc = snapshot_mark_many(&lay, &keys[0, 0], n, &mask[0], &tags[0], &err)
+        self._check_damage(mapping)
         if rc < 0:
             self._raise_for(&err)
 
     def get_row(self, const uint8_t[::1] key not None):
         """Value bytes of key bytes, or None."""
-        cdef const uint8_t[::1] view = self._acquire()
+        cdef _Mapping mapping = self._acquire()
         if key.shape[0] != self.key_width:
             raise ValueError(f"a key row is {self.key_width} bytes, got {key.shape[0]}")
         cdef SnapLayout lay = self.layout
         cdef SnapError err
         cdef uint64_t row
-        lay.base = &view[0]
+        lay.base = mapping.base
         cdef int rc = snapshot_find(&lay, &key[0], slot_tag(key_hash(&key[0], <size_t>self.key_width)),
                                     &row, &err)
+        self._check_damage(mapping)
         if rc < 0:
             self._raise_for(&err)
         if row == 0:
             return None
-        return PyBytes_FromStringAndSize(
+        value = PyBytes_FromStringAndSize(
             <const char*>lay.base + lay.rows_offset + (row - 1) * lay.row_width + lay.key_width,
             self.value_width)
+        self._check_damage(mapping)
+        return value
 
     # -- the schema-level API -------------------------------------------------------------
     def get(self, key):
@@ -1155,15 +1530,16 @@ cdef class SnapshotReader:
         false, that the slot index is consistent with the header; raises
         StateCorruptionError. ``index=False`` is what lookups would check lazily, done at
         once (a snapshot just written, made ready before it is used)."""
-        cdef const uint8_t[::1] view = self._acquire()
+        cdef _Mapping mapping = self._acquire()
         seen_arr = np.zeros(self.row_count // 8 + 1, dtype=np.uint8)
         cdef uint8_t[::1] seen = seen_arr
         cdef SnapLayout lay = self.layout
         cdef SnapError err
         cdef int rc
-        lay.base = &view[0]
+        lay.base = mapping.base
         with nogil:
             rc = snapshot_verify(&lay, &seen[0] if index else NULL, &err)
+        self._check_damage(mapping)
         if rc < 0:
             self._raise_for(&err)
 
@@ -1182,17 +1558,12 @@ cdef class SnapshotReader:
     def close(self):
         """Release the mapping; later calls raise ValueError. Calling it twice is harmless.
 
-        A call running in another thread holds the mapping until it returns (mmap refuses
-        to close while buffers are exported; the last holder's release unmaps it)."""
+        A call running in another thread holds the mapping until it returns: the last
+        reference to the mapping unmaps it."""
         if self._closed:
             return
         self._closed = True
-        self._view = None
-        mm, self._mmap = self._mmap, None
-        try:
-            mm.close()
-        except BufferError:
-            pass
+        self._mapping = None
 
     def __enter__(self):
         self._acquire()
@@ -1238,7 +1609,7 @@ cdef class SnapshotCursor:
         if max_rows <= 0:
             raise ValueError(f"max_rows must be > 0, got {max_rows}")
         cdef SnapshotReader r = self.reader
-        cdef const uint8_t[::1] view = r._acquire()
+        cdef _Mapping mapping = r._acquire()
         cdef const uint8_t[::1] skip_view
         if skip is not None:
             skip_view = skip
@@ -1250,7 +1621,7 @@ cdef class SnapshotCursor:
         cdef SnapLayout lay = r.layout
         cdef SnapError err
         cdef int rc
-        lay.base = &view[0]
+        lay.base = mapping.base
         cdef uint64_t start = lay.rows_offset + self.pos * lay.row_width
         cdef uint64_t length = m * lay.row_width
         cdef uint64_t kept = m
@@ -1266,6 +1637,7 @@ cdef class SnapshotCursor:
                         memcpy(dst, lay.base + start, length)
                 else:
                     copy_unskipped(lay.base + start, &skip_view[self.pos], m, lay.row_width, dst)
+        r._check_damage(mapping)
         if rc < 0:
             r._raise_for(&err)
         self.pos += m

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from statecore._hash import hash_rows
 from statecore._rowtable import RowTable
 from statecore._snapshot import (
     DEFAULT_BLOCK_SIZE,
@@ -586,6 +587,158 @@ def test_writer_needs_only_write_and_survives_partial_writes(tmp_path):
     writer.finish()
     expected = reference_snapshot(key_schema, value_schema, rows, 4, bytes(16), 1024)
     assert b"".join(sink.parts) == expected
+
+
+# -- keys with equal 64-bit hashes ------------------------------------------------------------
+# XXH64 of a 16-byte input (seed 0) is two invertible lane steps and an invertible finish
+# (tests/test_hash.py pins our XXH64 to the xxhash package), so for any first lanes a, a' and
+# second lane b there is exactly one b' with xxh64(a + b) == xxh64(a' + b'): real collisions
+# of full 64-bit key hashes, found in microseconds instead of a 2**32 birthday search. Any
+# user-chosen 16-byte key (two int64 columns, an S16 string) can be collided this way.
+_M64 = (1 << 64) - 1
+_P1, _P2, _P4, _P5 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
+WIDE_KEY = RowSchema(np.dtype([("a", "<u8"), ("b", "<u8")]))
+WIDE_VALUE = RowSchema(np.dtype([("v", "<i8")]))
+
+
+def _rotl(x, r):
+    return ((x << r) | (x >> (64 - r))) & _M64
+
+
+def _lane(x):  # XXH64's round(0, x): invertible
+    return _rotl(x * _P2 & _M64, 31) * _P1 & _M64
+
+
+def _unlane(y):
+    return _rotl(y * pow(_P1, -1, 1 << 64) & _M64, 33) * pow(_P2, -1, 1 << 64) & _M64
+
+
+def _after_first_lane(a):
+    return (_rotl((_P5 + 16) ^ _lane(a), 27) * _P1 + _P4) & _M64
+
+
+def colliding_key(a, b, a2):
+    """The 16-byte key (a2, b2) whose XXH64 equals that of (a, b)."""
+    return a2, _unlane(_after_first_lane(a) ^ _lane(b) ^ _after_first_lane(a2))
+
+
+def wide_keys(pairs):
+    return np.array(pairs, dtype="<u8").view(np.uint8).reshape(-1, 16)
+
+
+def test_colliding_keys_really_collide():
+    rng = np.random.default_rng(30)
+    a, b, a2 = (int(x) for x in rng.integers(0, 2**63, 3))
+    keys = wide_keys([(a, b), colliding_key(a, b, a2)])
+    assert keys[0].tobytes() != keys[1].tobytes()
+    assert xxh64(keys[0]) == xxh64(keys[1])  # the xxhash package
+    assert len(set(hash_rows(keys).tolist())) == 1  # statecore's key hash
+
+
+def colliding_rows(rng, n_plain, groups):
+    """Rows of WIDE_KEY -> WIDE_VALUE: ``n_plain`` random keys, then for each size in
+    ``groups`` that many distinct keys sharing one 64-bit hash; plus miss keys, some of
+    which share a hash with present keys. Row order is shuffled."""
+    keys = [tuple(int(x) for x in k) for k in rng.integers(0, 2**63, (n_plain, 2))]
+    misses = [tuple(int(x) for x in k) for k in rng.integers(0, 2**63, (50, 2))]
+    for size in groups:
+        a, b = (int(x) for x in rng.integers(0, 2**63, 2))
+        group = [(a, b)] + [colliding_key(a, b, int(a2)) for a2 in rng.integers(0, 2**63, size)]
+        keys += group[:size]
+        misses.append(group[size])  # same hash as the group, not in the file
+    keys = wide_keys(keys)[rng.permutation(len(keys))]
+    assert len(np.unique(keys, axis=0)) == len(keys)
+    values = rng.integers(0, 2**62, (len(keys), 1)).astype("<i8").view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([keys, values], axis=1)), wide_keys(misses)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 1, 7, 300])
+def test_keys_with_equal_64_bit_hashes_are_written_and_found(tmp_path, chunk_rows):
+    """Distinct keys with equal full hashes, in one write_rows call and across calls: the
+    writer takes them (it used to refuse them as duplicates), places them as the format
+    says (the reference encoder compares no keys), and lookups, mark_rows and verify() tell
+    them apart by their bytes."""
+    rng = np.random.default_rng([31, chunk_rows or 0])
+    rows, misses = colliding_rows(rng, 1000, [2, 2, 3, 5, 2])
+    hashes = hash_rows(np.ascontiguousarray(rows[:, :16]))
+    assert len(hashes) - len(np.unique(hashes)) == 1 + 1 + 2 + 4 + 1
+    chunks = None if chunk_rows is None else [rows[i:i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
+    path = tmp_path / "s"
+    info = write_file(path, WIDE_KEY, WIDE_VALUE, rows, block_size=1024, chunks=chunks)
+    # pairs within each group: 1 + 1 + 3 + 10 + 1
+    assert info["hash_collisions"] == 16
+    assert path.read_bytes() == reference_snapshot(WIDE_KEY, WIDE_VALUE, rows, 7, bytes(16), 1024)
+    with SnapshotReader(path) as reader:
+        reader.verify()
+        check_against_model(reader, rows, misses, WIDE_KEY, WIDE_VALUE)
+        mask = np.zeros(len(rows), np.uint8)
+        reader.mark_rows(np.ascontiguousarray(rows[::2, :16]), mask)
+        assert mask.tolist() == [1 - i % 2 for i in range(len(rows))]
+
+
+def test_a_duplicate_wide_key_is_refused_in_one_call_and_found_by_verify_across_calls(tmp_path):
+    """Within one write_rows call the writer compares the bytes of keys with equal hashes. A
+    16-byte key written again in a later call cannot be told from a collision (earlier rows
+    are not kept), so the writer takes it; verify() finds the key in two rows."""
+    rng = np.random.default_rng(32)
+    rows, _ = colliding_rows(rng, 200, [2])
+    dup = rows.copy()
+    dup[150, :16] = dup[20, :16]
+    with pytest.raises(ValueError, match="duplicate key: row 150 has the key of row 20"):
+        SnapshotWriter(io.BytesIO(), WIDE_KEY, WIDE_VALUE, len(dup), 1).write_rows(dup)
+    path = tmp_path / "dup"
+    info = write_file(path, WIDE_KEY, WIDE_VALUE, dup, chunks=[dup[:100], dup[100:]])
+    assert info["hash_collisions"] == 2  # the pair made above, and the duplicate
+    with SnapshotReader(path) as reader:
+        reader.verify(index=False)
+        with pytest.raises(StateCorruptionError, match="two rows have the same key"):
+            reader.verify()
+
+
+def test_verify_checks_that_each_rows_key_finds_it(tmp_path):
+    """A slot index whose tags or order are wrong (sealed with valid checksums, as only a
+    broken writer makes it) fails verify(); before, verify() checked row numbers only."""
+    rng = np.random.default_rng(33)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, _ = make_rows(rng, key_schema, value_schema, 40, n_misses=0)
+    good = reference_snapshot(key_schema, value_schema, rows, 7, bytes(16), 4096)
+    header = dict(zip(HEADER_FIELDS, HEADER.unpack_from(good)))
+    slots_at, n_slots = header["slots_offset"], header["n_slots"]
+    slots = np.frombuffer(good, "<u4", n_slots * 2, slots_at).reshape(-1, 2).copy()
+    used = np.flatnonzero(slots[:, 1])
+
+    def sealed(new_slots):
+        data = bytearray(good)
+        data[slots_at:slots_at + n_slots * 8] = new_slots.tobytes()
+        table_at = header["checksums_offset"]
+        for b in range(header["n_blocks"]):
+            lo = 4096 + b * 4096
+            struct.pack_into("<Q", data, table_at + b * 8, xxh64(data[lo:min(lo + 4096, table_at)]))
+        footer_at = len(data) - 64
+        struct.pack_into("<Q", data, footer_at + 8, xxh64(data[table_at:footer_at]))
+        struct.pack_into("<Q", data, footer_at + 56, xxh64(data[footer_at:footer_at + 56]))
+        return bytes(data)
+
+    wrong_tag = slots.copy()
+    wrong_tag[used[3], 0] ^= 1 << 31  # same home slot, another tag
+    swapped = slots.copy()
+    swapped[[used[0], used[1]], 1] = swapped[[used[1], used[0]], 1]  # rows in the wrong slots
+    # An entry at its home slot moved one on, past an empty slot: no lookup reaches it.
+    home = (slots[:, 0] & (n_slots - 1)) == np.arange(n_slots)
+    p = next(int(p) for p in used if home[p] and p + 1 < n_slots and slots[p + 1, 1] == 0)
+    unreachable = slots.copy()
+    unreachable[p + 1], unreachable[p] = slots[p], 0
+    assert FOOTER.unpack_from(good, len(good) - 64)[4] >= 1  # so the displacement check passes
+    for new_slots, match in [(wrong_tag, "tag is not the hash"), (swapped, "tag is not the hash"),
+                             (unreachable, "does not reach")]:
+        (tmp_path / "s").write_bytes(sealed(new_slots))
+        with SnapshotReader(tmp_path / "s") as reader:
+            reader.verify(index=False)
+            with pytest.raises(StateCorruptionError, match=match):
+                reader.verify()
+    (tmp_path / "s").write_bytes(sealed(slots))
+    with SnapshotReader(tmp_path / "s") as reader:
+        reader.verify()
 
 
 # -- lifetime -----------------------------------------------------------------------------------
