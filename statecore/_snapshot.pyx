@@ -1552,6 +1552,11 @@ cdef class SnapshotReader:
 
     # -- lifetime -------------------------------------------------------------------------
     @property
+    def commit_id(self):
+        """The header's lineage[:8] (the store's id of the version this snapshot holds)."""
+        return self.lineage[:8]
+
+    @property
     def closed(self):
         return self._closed
 

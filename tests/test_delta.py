@@ -17,8 +17,9 @@ import xxhash
 import statecore
 from statecore import RowTable, SchemaMismatchError, StateCorruptionError
 from statecore._delta import (
-    BLOCK_HEADER_SIZE, BLOCK_PUTS, BLOCK_REMOVES, DEFAULT_BLOCK_BYTES, FORMAT_VERSION, HEADER_SIZE,
-    MAX_BLOCK_RAW_SIZE, TRAILER_SIZE, DeltaReader, DeltaWriter, apply_delta, encode_delta, read_delta,
+    BLOCK_HEADER_SIZE, BLOCK_PUTS, BLOCK_REMOVES, DEFAULT_BLOCK_BYTES, DELTA_HEADER_SIZE, FORMAT_VERSION,
+    HEADER_SIZE, MAX_BLOCK_RAW_SIZE, TRAILER_SIZE, DeltaHeader, DeltaReader, DeltaWriter, apply_delta,
+    encode_delta, read_delta, read_delta_header,
 )
 from statecore.errors import IllegalStateError
 from statecore.schema import RowSchema
@@ -368,6 +369,57 @@ def test_header_damage():
         DeltaReader(reseal(data, 10, b"\x07"))
 
 
+def test_read_delta_header_decodes_the_checked_header():
+    commit, parent = b"C" * 8, b"P" * 8
+    data = encode_delta(I8, I8F8, 3, lineage=commit + parent, compression="none")
+    for source in [data[:DELTA_HEADER_SIZE], data, bytearray(data), memoryview(data),
+                   np.frombuffer(data, np.uint8)]:
+        h = read_delta_header(source, path="3.delta")
+        assert isinstance(h, DeltaHeader)
+        assert (h.store_version, h.commit_id, h.parent_id, h.lineage) == (3, commit, parent, commit + parent)
+        assert (h.key_width, h.value_width, h.compression) == (8, 16, "none")
+        assert (h.key_fingerprint, h.value_fingerprint) == (I8.fingerprint, I8F8.fingerprint)
+    with pytest.raises(AttributeError):
+        h.store_version = 6
+    reader = DeltaReader(data)
+    assert (reader.header.store_version, reader.store_version, reader.commit_id, reader.parent_id) == \
+        (3, 3, commit, parent)
+    assert DELTA_HEADER_SIZE == HEADER_SIZE == 72
+
+
+def test_a_renamed_copy_keeps_its_version(tmp_path):
+    """A copy of 3.delta named 6.delta says 3: what the store compares with the name."""
+    (tmp_path / "3.delta").write_bytes(encode_delta(I8, I8F8, 3))
+    (tmp_path / "6.delta").write_bytes((tmp_path / "3.delta").read_bytes())
+    with open(tmp_path / "6.delta", "rb") as f:
+        assert read_delta_header(f.read(DELTA_HEADER_SIZE)).store_version == 3
+    assert DeltaReader((tmp_path / "6.delta").read_bytes()).store_version == 3
+
+
+def test_read_delta_header_refuses_what_the_reader_refuses():
+    """One parser: every short or damaged header gives the same error from read_delta_header
+    as from DeltaReader, and no header byte can change without an error."""
+    data = multi_block_delta()
+    for cut in range(HEADER_SIZE):
+        with pytest.raises(StateCorruptionError, match="truncated") as e:
+            read_delta_header(data[:cut], path="d")
+        assert (e.value.path, e.value.offset) == ("d", cut)
+    cases = [reseal(data, 8, (2).to_bytes(2, "little")), reseal(data, 10, b"\x07"), reseal(data, 11, b"\x01"),
+             reseal(data, 20, b"\x01"), reseal(data, 12, bytes(4)), reseal(data, 12, (5 << 20).to_bytes(4, "little"))]
+    for at in range(HEADER_SIZE):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[at] ^= 1 << bit
+            cases.append(bytes(flipped))
+    for case in cases:
+        with pytest.raises(StateCorruptionError) as from_header:
+            read_delta_header(case, path="d")
+        with pytest.raises(StateCorruptionError) as from_reader:
+            DeltaReader(case, path="d")
+        assert (from_header.value.offset, from_header.value.reason) == \
+            (from_reader.value.offset, from_reader.value.reason)
+
+
 @pytest.mark.parametrize("which", ["key", "value"])
 def test_schema_mismatch_names_key_or_value(which):
     data = multi_block_delta()
@@ -438,6 +490,48 @@ def test_truncation_at_every_offset():
         assert e.value.offset == len(data)
         with pytest.raises(StateCorruptionError, match="bytes follow the trailer"):
             read_delta(io.BytesIO(data + extra))
+
+
+class EndlessFile:
+    """A file object that never ends: ``prefix``, then ``filler`` bytes forever. Counts the
+    bytes it handed out."""
+
+    def __init__(self, prefix=b"", filler=b"\0"):
+        self.prefix, self.filler, self.handed_out = prefix, filler, 0
+
+    def read(self, n=-1):
+        if n < 0:
+            raise AssertionError("read() of a whole endless file")
+        out = self.prefix[self.handed_out:self.handed_out + n]
+        out += (self.filler * (n // len(self.filler) + 1))[:n - len(out)]
+        self.handed_out += n
+        return out
+
+
+def test_an_endless_file_fails_fast_and_reads_little(tmp_path):
+    """A file object is read as far as the next check needs, never to its end: a delta that
+    is a link to /dev/zero, or a stream that never ends, fails at the first check."""
+    if os.path.exists("/dev/zero"):
+        os.symlink("/dev/zero", tmp_path / "5.delta")
+        with open(tmp_path / "5.delta", "rb") as f:
+            with pytest.raises(StateCorruptionError, match="not a statecore delta") as e:
+                read_delta(f, I8, I8F8)
+            assert e.value.offset == 0 and f.tell() <= 8192  # one buffered read at most
+    data = multi_block_delta()
+    block_header = data[HEADER_SIZE:HEADER_SIZE + BLOCK_HEADER_SIZE]
+    stored = int.from_bytes(block_header[12:16], "little")
+    first_block = HEADER_SIZE + BLOCK_HEADER_SIZE
+    for source, at, match, most in [
+        (EndlessFile(), 0, "not a statecore delta", HEADER_SIZE),
+        (EndlessFile(data[:HEADER_SIZE]), HEADER_SIZE, "block header checksum", first_block),
+        # endless copies of a valid block header: read as its payload, which fails its checksum
+        (EndlessFile(data[:HEADER_SIZE], filler=block_header), first_block, "payload checksum",
+         first_block + stored),
+        (EndlessFile(data, filler=b"x"), len(data), "bytes follow the trailer", len(data) + 1),
+    ]:
+        with pytest.raises(StateCorruptionError, match=match) as e:
+            read_delta(source, I8, I8F8)
+        assert e.value.offset == at and source.handed_out == most
 
 
 def block_spans(data):

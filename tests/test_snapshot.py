@@ -7,6 +7,7 @@ Corruption is fuzzed in subprocesses, so that a crash fails the test instead of 
 import io
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -25,8 +26,12 @@ from statecore._snapshot import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
+    SNAPSHOT_HEADER_SIZE,
+    SnapshotHeader,
     SnapshotReader,
     SnapshotWriter,
+    _guarded_mappings,
+    read_snapshot_header,
     write_snapshot,
 )
 from statecore.errors import SchemaMismatchError, StateCorruptionError
@@ -439,6 +444,65 @@ def test_a_header_from_another_snapshot_is_refused(tmp_path, small_snapshot):
     (tmp_path / "spliced").write_bytes(spliced)
     error = open_error(tmp_path / "spliced")
     assert "another header" in error.reason
+
+
+# -- the header alone ----------------------------------------------------------------------------
+def test_read_snapshot_header_decodes_the_checked_header(tmp_path):
+    key_schema, value_schema = tiny_snapshot(tmp_path / "tiny")
+    data = (tmp_path / "tiny").read_bytes()
+    assert SNAPSHOT_HEADER_SIZE == HEADER_SIZE == 4096
+    for source in [data[:SNAPSHOT_HEADER_SIZE], data, bytearray(data), memoryview(data)]:
+        h = read_snapshot_header(source, path="3.snapshot")
+        assert isinstance(h, SnapshotHeader)
+        assert (h.store_version, h.lineage, h.commit_id) == (3, b"lineage-0123456!", b"lineage-")
+        assert (h.row_count, h.key_width, h.value_width, h.file_size) == (3, 8, 4, GOLDEN_FILE_SIZE)
+        assert (h.key_fingerprint, h.value_fingerprint) == (key_schema.fingerprint, value_schema.fingerprint)
+        assert (h.key_schema, h.value_schema) == (key_schema, value_schema)
+    with pytest.raises(AttributeError):
+        h.store_version = 6
+    with SnapshotReader(tmp_path / "tiny") as reader:
+        assert (reader.store_version, reader.commit_id, reader.lineage) == (3, b"lineage-", b"lineage-0123456!")
+        assert reader.header.store_version == 3 and reader.header.file_size == reader.file_size
+
+
+def test_a_renamed_copy_keeps_its_version(tmp_path):
+    """A copy of 3.snapshot named 6.snapshot says 3: what the store compares with the name."""
+    tiny_snapshot(tmp_path / "3.snapshot")
+    (tmp_path / "6.snapshot").write_bytes((tmp_path / "3.snapshot").read_bytes())
+    with open(tmp_path / "6.snapshot", "rb") as f:
+        assert read_snapshot_header(f.read(SNAPSHOT_HEADER_SIZE)).store_version == 3
+    with SnapshotReader(tmp_path / "6.snapshot") as reader:
+        assert reader.store_version == 3
+
+
+def test_read_snapshot_header_refuses_what_the_reader_refuses(small_snapshot):
+    """One parser: a short or damaged header gives the same error from read_snapshot_header
+    as from SnapshotReader, and no header byte can change without an error."""
+    path = small_snapshot[0]
+    pristine = path.read_bytes()
+    for cut in [0, 1, 136, 4095]:
+        with pytest.raises(StateCorruptionError, match="truncated") as e:
+            read_snapshot_header(pristine[:cut], path="s")
+        assert (e.value.path, e.value.offset) == ("s", cut)
+    rng = np.random.default_rng(34)
+    cases = []
+    for change in [{"format_version": 2}, {"header_size": 4095}, {"row_count": 600}, {"n_slots": 1 << 40},
+                   {"block_size": 100}, {"slots_offset": 0}, {"file_size": 1}, {"hash_id": 2},
+                   {"reserved": 1}, {"key_width": 0}, {"schema_json_len": 1}]:
+        path.write_bytes(pristine)
+        rewrite_header(path, **change)
+        cases.append(path.read_bytes())
+    for at in range(HEADER_SIZE):  # one flipped bit in every header byte
+        flipped = bytearray(pristine)
+        flipped[at] ^= 1 << int(rng.integers(0, 8))
+        cases.append(bytes(flipped))
+    for i, case in enumerate(cases):
+        with pytest.raises(StateCorruptionError) as from_header:
+            read_snapshot_header(case, path=str(path))
+        if i < 11 or i % 64 == 0:  # the reader on a sample (each case is a file)
+            path.write_bytes(case)
+            from_reader = open_error(path)
+            assert (from_header.value.offset, from_header.value.reason) == (from_reader.offset, from_reader.reason)
 
 
 # -- lazy verification --------------------------------------------------------------------------
@@ -928,6 +992,153 @@ def test_corruption_fuzz_in_subprocess(tmp_path, layout, block_size, seed):
     missed = [r for r in results if (r["verify"] or r["kind"] == "truncate") and r["result"] != "error"]
     assert not missed, missed[:5]
     assert sum(r["result"] == "error" for r in results) > len(results) // 2
+
+
+# -- a file truncated while mapped ------------------------------------------------------------
+TRUNCATION_CHILD = r'''
+import faulthandler, json, mmap, os, sys, threading
+import numpy as np
+from statecore._snapshot import SnapshotReader, SnapshotWriter, _guarded_mappings
+from statecore.errors import StateCorruptionError
+
+path, scenario, cut_at, handler = sys.argv[1:]
+if handler == "faulthandler":
+    faulthandler.enable()  # as pytest does: the guard is installed over it and passes other faults on
+KEY, VALUE = np.dtype([("k", "<i8")]), np.dtype([("v", "<i8")])
+n = 200_000  # 8 MB of rows and slots: many pages past any cut
+keys = np.zeros(n, KEY)
+keys["k"] = np.arange(n) * 7919
+rows = np.concatenate([keys.view(np.uint8).reshape(n, 8),
+                       np.arange(n, dtype="<i8").view(np.uint8).reshape(n, 8)], axis=1)
+with open(path, "wb") as f:
+    w = SnapshotWriter(f, KEY, VALUE, n, 3, block_size=4096)
+    w.write_rows(rows)
+    w.finish()
+size = os.path.getsize(path)
+cut = {"zero": 0, "header": 100, "middle": size // 2 + 17, "last page": size - 16}[cut_at]
+reader = SnapshotReader(path)
+assert reader.get((7919 * 5,)) == (5,) and _guarded_mappings() == 1
+out = {}
+
+def outcome(call):
+    try:
+        call()
+        return "returned"
+    except StateCorruptionError as e:
+        return "truncated" if "truncated while mapped" in e.reason and e.path == path else repr(e)
+    except Exception as e:
+        return repr(e)
+
+if scenario == "calls":
+    cursor = reader.cursor()
+    os.truncate(path, cut)
+    probe = np.ascontiguousarray(rows[::1000, :8])
+    calls = {
+        "get_row": lambda: reader.get_row(rows[123, :8].tobytes()),
+        "get": lambda: reader.get((7919 * 9,)),
+        "contains": lambda: (7919 * 9,) in reader,
+        "get_batch": lambda: reader.get_batch(keys),
+        "get_rows": lambda: reader.get_rows(probe, np.zeros((len(probe), 8), np.uint8),
+                                            np.zeros(len(probe), np.uint8)),
+        "mark_rows": lambda: reader.mark_rows(probe, np.zeros(n, np.uint8)),
+        "next_rows": lambda: cursor.next_rows(n),
+        "items": lambda: list(reader.items()),
+        "iter_batches": lambda: list(reader.iter_batches()),
+        "verify": reader.verify,
+        "verify blocks": lambda: reader.verify(index=False),
+        "cursor": reader.cursor,
+    }
+    out = {name: outcome(call) for name, call in calls.items()}
+elif scenario == "threads":
+    results = [[] for _ in range(3)]
+    started = threading.Barrier(4)
+
+    def lookups(mine):
+        started.wait()
+        while True:
+            try:
+                values, found = reader.get_batch(keys)
+            except StateCorruptionError as e:
+                mine.append("truncated" if "truncated while mapped" in e.reason else repr(e))
+                return
+            mine.append("ok" if found.all() and (values["v"] == np.arange(n)).all() else "wrong")
+
+    threads = [threading.Thread(target=lookups, args=(r,)) for r in results]
+    for t in threads:
+        t.start()
+    started.wait()
+    os.truncate(path, cut)
+    for t in threads:
+        t.join()
+    out = {f"thread {i}": sorted(set(r[:-1])) + [r[-1]] for i, r in enumerate(results)}
+elif scenario == "foreign":
+    # A SIGBUS outside every snapshot mapping is not the guard's: it goes to the handler
+    # installed before (faulthandler's, or the default action) and the process dies.
+    with open(path + ".other", "wb") as f:
+        f.write(b"x" * (1 << 16))
+    with open(path + ".other", "rb") as f:
+        other = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    os.truncate(path + ".other", 0)
+    print("touching", flush=True)
+    other[1 << 15]
+    out["foreign"] = "survived"
+reader.close()
+out["guarded after close"] = _guarded_mappings()
+print(json.dumps(out), flush=True)
+'''
+
+
+def run_child(tmp_path, *args):
+    (tmp_path / "child.py").write_text(TRUNCATION_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("PYTHONFAULTHANDLER", None)
+    return subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "s.snapshot"), *args],
+                          capture_output=True, text=True, env=env, cwd=str(REPO), timeout=120)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the SIGBUS guard is Linux only")
+@pytest.mark.parametrize("handler", ["default", "faulthandler"])
+@pytest.mark.parametrize("cut", ["zero", "header", "middle", "last page"])
+def test_a_file_truncated_while_mapped_is_an_error_not_a_crash(tmp_path, cut, handler):
+    """Every reader call on a mapped snapshot whose file was truncated raises
+    StateCorruptionError; the process does not die of SIGBUS (it did before the guard). A
+    cut inside the last page reads as zeros without a fault and is caught as well."""
+    proc = run_child(tmp_path, "calls", cut, handler)
+    assert proc.returncode == 0, f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out.pop("guarded after close") == 0
+    assert out == {name: "truncated" for name in out} and len(out) == 12
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the SIGBUS guard is Linux only")
+def test_threads_reading_a_file_truncated_under_them_get_errors_never_wrong_values(tmp_path):
+    proc = run_child(tmp_path, "threads", "middle", "faulthandler")
+    assert proc.returncode == 0, f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out.pop("guarded after close") == 0
+    for thread, outcomes in out.items():  # correct results until the cut, then the error
+        assert outcomes[-1] == "truncated" and set(outcomes[:-1]) <= {"ok"}, (thread, outcomes)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the SIGBUS guard is Linux only")
+@pytest.mark.parametrize("handler", ["default", "faulthandler"])
+def test_other_sigbus_faults_still_kill_the_process(tmp_path, handler):
+    proc = run_child(tmp_path, "foreign", "middle", handler)
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert proc.stdout.strip() == "touching"
+    assert ("Fatal Python error: Bus error" in proc.stderr) == (handler == "faulthandler")
+
+
+def test_closing_a_reader_unguards_its_mapping(small_snapshot):
+    path = small_snapshot[0]
+    before = _guarded_mappings()
+    readers = [SnapshotReader(path) for _ in range(50)]
+    guarded = _guarded_mappings()
+    for r in readers:
+        r.close()
+    assert _guarded_mappings() == before
+    if sys.platform.startswith("linux"):
+        assert guarded == before + 50
 
 
 # -- threads --------------------------------------------------------------------------------------
