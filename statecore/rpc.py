@@ -21,7 +21,10 @@ Semantics
     finds another one writing leaves its frame to that writer, and asking threads take turns
     reading replies for everyone, so no client thread is ever started and concurrent callers
     share system calls. Likewise the server answers asks that arrived together with one
-    write, once the last of them was handled.
+    write, once the last of them was handled. The server never waits for a peer to read:
+    replies are written without blocking, and what a socket does not take at once is left
+    to the env's reply-writer thread, so a client that stops reading its replies holds up
+    no handler and no other client (it is dropped, see below).
 
     Flow control: senders cannot run ahead of an endpoint without bound. A client
     connection's outbox (frames handed to the thread that is writing) holds about
@@ -30,15 +33,26 @@ Semantics
     and raises :class:`RpcTimeoutError` (naming the endpoint and the bound; that message
     was not sent) if none comes within ``io_timeout_s``. Asks never wait for room (one per
     asking thread at most), so an ask still follows every earlier send. On the server, at
-    most ``max_queued_messages`` (default 1000) messages *per connection* wait for a busy
-    endpoint; past that the connection's reader stops reading until half of them are
-    handled, the socket buffers fill and TCP holds the client back. Per connection rather
+    most ``max_queued_messages`` (default 1000) messages and ``max_queued_bytes`` (default
+    4 MiB; the message that crosses it still gets in) *per connection* wait for a busy
+    endpoint; past either, the connection's reader stops reading until both are down to
+    half, the socket buffers fill and TCP holds the client back. Per connection rather
     than in total, so one flooding client cannot take the whole queue: any other client's
-    ask waits behind at most that many messages of each connection. Likewise, while a
-    handler runs on a connection's reader, that connection is not read. A client whose
-    writes make no progress for ``io_timeout_s`` (the endpoint is stuck) drops the
-    connection: the sends still waiting in it are lost, and the callers still waiting get
+    ask waits behind at most that share of each connection. Likewise, while a handler runs
+    on a connection's reader, that connection is not read. A client whose writes make no
+    progress for ``io_timeout_s`` (the endpoint is stuck) drops the connection: the sends
+    still waiting in it are lost, and the callers still waiting get
     :class:`RpcTimeoutError`. Handlers are meant to be quick, as in Spark.
+
+    Server memory: a queued message is kept as the frame that came in, and decoded only by
+    the thread that hands it to its endpoint (a value can decode to some tens of times its
+    encoded size: a list of small dicts, say). So a connection holds at most
+    ``max_queued_bytes`` plus one frame in each endpoint's queue, one frame its reader has
+    in hand, its read buffer (up to twice a frame), and unsent replies: a client whose
+    unread replies reach ``max_reply_backlog_bytes`` (default 16 MiB) when another reply
+    comes, or that takes none of them for ``io_timeout_s``, is dropped and logged (and the
+    messages it still had queued with it), so these stay under that bound plus 256 KiB and
+    one frame. Decoded values exist only in running handlers, one per endpoint.
 
     ``send`` is at most once: a send written into a connection that the server has just
     closed is lost without an error. A connection the server has already hung up on is
@@ -84,7 +98,8 @@ Wire format (every integer big-endian)
     (``remote_type`` is ``""`` when the RPC layer itself refused the ask, for example an
     unknown endpoint name). A frame whose body has not fully arrived ``io_timeout_s``
     after its first byte drops the connection, as does an oversize frame or one that does
-    not decode.
+    not decode (a value is decoded when its endpoint takes it: what the connection sent
+    after it is then not handled).
 
     A value is one tag byte (ASCII), then::
 
@@ -134,6 +149,10 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_MAX_OUTBOX_BYTES = 2**20
 DEFAULT_MAX_QUEUED_MESSAGES = 1000
+DEFAULT_MAX_QUEUED_BYTES = 4 * 2**20
+DEFAULT_MAX_REPLY_BACKLOG_BYTES = 16 * 2**20
+_ACCEPT_PAUSE_S = (0.01, 1.0)  # the acceptor's pause after a failure: the first, and the longest
+_ACCEPT_LOG_EVERY_S = 10.0  # at most one warning this often while accepting keeps failing
 _MIN_FRAME_BYTES = 1024  # a limit below this could not carry an error reply
 _MAX_U32 = 2**32 - 1
 
@@ -146,6 +165,10 @@ _SEND, _ASK, _REPLY, _ERROR = 1, 2, 3, 4
 
 _U32 = struct.Struct(">I")
 _unpack_u32 = _U32.unpack_from
+_HEADER = struct.Struct(">BQH")  # an envelope's kind, request id and name length
+_HEADER_BYTES = _HEADER.size
+_unpack_header = _HEADER.unpack_from
+_DONTWAIT = socket.MSG_DONTWAIT  # replies are written without waiting (see _ServerConnection)
 
 _request_ids = itertools.count(1)  # next() is atomic under the GIL: one sequence per process
 
@@ -919,53 +942,224 @@ class RpcEndpoint:
         """Called once the endpoint is stopped, after the messages queued before that."""
 
 
+def _parse_header(body):
+    """``(kind, request_id, name)`` of a frame body, its value left encoded: a value is
+    decoded only by the thread that hands it to its endpoint (see _Dispatcher), so what
+    waits in queues is no larger than what came in. RpcProtocolError, worded as
+    ``_decode_envelope`` words it, if the header is malformed."""
+    size = len(body)
+    if size < _HEADER_BYTES:
+        raise RpcProtocolError(f"frame of {size} bytes is shorter than an envelope")
+    kind, request_id, name_length = _unpack_header(body)
+    if not _SEND <= kind <= _ERROR:
+        raise RpcProtocolError(f"unknown message kind {kind}")
+    end = _HEADER_BYTES + name_length
+    if end > size:
+        raise RpcProtocolError("truncated endpoint name")
+    try:
+        name = str(body[_HEADER_BYTES:end], "utf-8")
+    except UnicodeDecodeError:
+        raise RpcProtocolError("endpoint name is not utf-8") from None
+    return kind, request_id, name
+
+
+_PENDING_BYTES = 2**18  # a reader writes the replies it holds once they come to this much
+_INLINE_DRAIN = 16  # queued messages a reader handles after its own before leaving the rest to the thread
+
+
 class _ServerConnection:
-    """A client's connection as the server sees it. Replies made by the connection's own
-    reader are held until it has no further frame in hand, then written together: frames
-    that arrived together are answered with one write."""
+    """A client's connection as the server sees it, and the replies not yet written to it.
 
-    __slots__ = ("sock", "peer", "peer_max_frame", "send_lock", "closed", "reader_ident", "pending")
+    A reply must never wait for its peer: the thread that makes it runs a handler and holds
+    the endpoint, so one peer that does not read would hold up every client of that
+    endpoint. Replies are written with non-blocking sends; what the socket does not take
+    stays in ``backlog``, and the env's :class:`_ReplyWriter` writes it as the peer reads.
+    A peer is dropped (logged; its socket shut down, so its reader sees the end and closes
+    it) when a reply comes while ``max_reply_backlog_bytes`` or more wait for it, when it
+    takes none of its backlog for ``io_timeout_s``, or when one of its frames does not
+    decode; its messages still queued are then not handled. Replies made by the
+    connection's own reader are held until it has no further frame in hand (or holds
+    ``_PENDING_BYTES``), then written together: frames that arrived together are answered
+    with one write."""
 
-    def __init__(self, sock, peer, peer_max_frame):
-        self.sock, self.peer, self.peer_max_frame = sock, peer, peer_max_frame
-        self.send_lock = threading.Lock()
+    __slots__ = ("sock", "peer", "peer_max_frame", "env", "lock", "closed", "dropped", "reader_ident", "pending",
+                 "pending_bytes", "backlog", "backlog_bytes", "progress_at")
+
+    def __init__(self, sock, peer, peer_max_frame, env):
+        self.sock, self.peer, self.peer_max_frame, self.env = sock, peer, peer_max_frame, env
+        self.lock = threading.Lock()  # guards the socket's writing, the backlog and closing
         self.closed = False
+        self.dropped = False
         self.reader_ident = threading.get_ident()
-        self.pending = []
+        self.pending = []  # the reader's own replies, not yet handed to send()
+        self.pending_bytes = 0
+        self.backlog = []  # what the socket did not take, oldest first
+        self.backlog_bytes = 0
+        self.progress_at = 0.0  # when the peer last took some of the backlog (monotonic)
 
     def reply(self, frame):
+        """Send ``frame``, or hold it if the reader itself made it; False if the peer is gone."""
         if self.reader_ident == threading.get_ident():
             self.pending.append(frame)
-            if len(self.pending) >= 64:
+            self.pending_bytes += len(frame)
+            if len(self.pending) >= 64 or self.pending_bytes >= _PENDING_BYTES:
                 self.flush()
-        else:
-            self.send(frame)
+            return True
+        return self.send(frame)
 
     def flush(self):
-        frames, self.pending = self.pending, []
+        frames, self.pending, self.pending_bytes = self.pending, [], 0
         self.send(frames[0] if len(frames) == 1 else b"".join(frames))
 
-    def send(self, frame):
-        with self.send_lock:
-            if self.closed:
-                raise OSError("connection closed")
+    def send(self, data):
+        """Write ``data`` (whole frames) without waiting; the rest goes to the backlog, for
+        the env's reply writer. False if the peer is gone (or dropped now: see the class)."""
+        with self.lock:
+            if self.closed or self.dropped:
+                return False
+            if self.backlog:
+                bound = self.env.max_reply_backlog_bytes
+                if self.backlog_bytes >= bound:
+                    self._drop(f"it left {self.backlog_bytes} bytes of replies unread (bound: {bound} bytes)")
+                    return False
+                self.backlog.append(data)
+                self.backlog_bytes += len(data)
+                return True
             try:
-                self.sock.sendall(frame)
-            except OSError:  # the stream may end in half a frame: nothing may follow it
-                try:
-                    self.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end and closes it
-                except OSError:
-                    pass
-                raise
+                sent = self.sock.send(data, _DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self._drop(f"writing a reply failed: {e}", quiet=True)
+                return False
+            if sent == len(data):
+                return True
+            self.backlog.append(memoryview(data)[sent:])
+            self.backlog_bytes = len(data) - sent
+            self.progress_at = time.monotonic()
+        self.env._writer.watch(self)
+        return True
+
+    def write_backlog(self, now):
+        """(The reply writer) Write what the socket takes of the backlog. ``(fd, deadline)``
+        to wait on while some is left, None once it is all written or the peer is dropped."""
+        with self.lock:
+            if self.closed or self.dropped or not self.backlog:
+                return None
+            data = self.backlog[0] if len(self.backlog) == 1 else b"".join(self.backlog)
+            try:
+                sent = self.sock.send(data, _DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self._drop(f"writing its replies failed: {e}", quiet=True)
+                return None
+            if sent == len(data):
+                self.backlog, self.backlog_bytes = [], 0
+                return None
+            if sent:
+                self.progress_at = now
+            self.backlog = [memoryview(data)[sent:]]
+            self.backlog_bytes = len(data) - sent
+            timeout = self.env.io_timeout_s
+            if now - self.progress_at >= timeout:
+                self._drop(f"it read none of its replies for {timeout:g} s ({self.backlog_bytes} bytes unsent)")
+                return None
+            return self.sock.fileno(), self.progress_at + timeout
+
+    def drop(self, reason):
+        with self.lock:
+            if not self.closed:
+                self._drop(reason)
+
+    def _drop(self, reason, quiet=False):
+        """(Lock held) Hang up on the peer: no more replies, its queued messages are skipped,
+        and its reader sees the end of the stream."""
+        if not self.dropped:
+            self.dropped = True
+            log.log(logging.INFO if quiet else logging.WARNING, "RPC server on %s dropped %s: %s",
+                    self.env._where, _where(self.peer), reason)
+        self.backlog, self.backlog_bytes = [], 0
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self):
-        with self.send_lock:  # never while a dispatcher writes to it
+        with self.lock:  # never while another thread writes to it
             if not self.closed:
                 self.closed = True
+                self.backlog, self.backlog_bytes = [], 0
                 self.sock.close()
 
 
-_INLINE_DRAIN = 16  # queued messages a reader handles after its own before leaving the rest to the thread
+class _ReplyWriter:
+    """The env's thread that writes the replies a connection's socket did not take at once
+    (see _ServerConnection) as each peer reads them, and drops the peers that read none
+    for ``io_timeout_s``. It waits only in ``poll``, so no peer can hold it up."""
+
+    def __init__(self, name):
+        self._lock = threading.Lock()
+        self._handed = set()  # connections with a backlog, handed over since the last round
+        self._stopped = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def watch(self, conn):
+        with self._lock:
+            self._handed.add(conn)
+        self._wake()
+
+    def _wake(self):
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # the pipe is full (a wake-up is pending anyway), or it was closed
+            pass
+
+    def stop(self):
+        with self._lock:
+            self._stopped = True
+        self._wake()
+        _join(self.thread, "the reply writer")
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self):
+        waiting = set()
+        wake_fd = self._wake_r.fileno()
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                waiting |= self._handed
+                self._handed = set()
+            poller = select.poll()
+            poller.register(wake_fd, select.POLLIN)
+            now, until = time.monotonic(), None
+            for conn in list(waiting):
+                try:
+                    wait = conn.write_backlog(now)
+                except Exception as e:  # a bug: drop that peer, keep writing to the others
+                    log.exception("RPC reply writer failed on a connection")
+                    conn.drop(f"its replies could not be written: {e!r}")
+                    wait = None
+                if wait is None:
+                    waiting.discard(conn)
+                else:
+                    poller.register(wait[0], select.POLLOUT)
+                    until = wait[1] if until is None else min(until, wait[1])
+            timeout = None if until is None else max(0, int((until - time.monotonic()) * 1000) + 1)
+            for fd, _events in poller.poll(timeout):
+                if fd == wake_fd:
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except OSError:
+                        pass
+
+
 
 
 class _Dispatcher:
@@ -978,47 +1172,70 @@ class _Dispatcher:
     leaves. Since a reader only goes straight in when the queue is empty, messages are
     handled in the order they arrived, so in each connection's order.
 
-    At most ``max_queued`` messages of one connection are queued: a reader whose connection
-    has that many waits (``room``) until they are down to half, reading nothing meanwhile,
-    so its client is held back by TCP. The bound is per connection, not in total, so a
-    flooding client fills only its own share: another client's ask waits behind at most
-    ``max_queued`` messages of each connection, never for ever. Waiting until half are
-    handled (not just one) lets the reader come back for a batch, not for every message.
+    Messages are queued as they came in (frame bodies), and decoded only by the thread that
+    handles them: a value can decode to many times its encoded size, and this way what the
+    queue holds is what the bytes bound says, and one decoded message per endpoint exists
+    at a time.
+
+    At most ``max_queued`` messages, and ``max_queued_bytes`` bytes (the last message may
+    pass it), of one connection are queued: a reader whose connection is at either bound
+    waits (``room``) until both are down to half, reading nothing meanwhile, so its client
+    is held back by TCP. The bounds are per connection, not in total, so a flooding client
+    fills only its own share: another client's ask waits behind at most that share of each
+    connection, never for ever. Waiting until half are handled (not just one) lets the
+    reader come back for a batch, not for every message.
     """
 
-    def __init__(self, name, endpoint, where, max_queued=DEFAULT_MAX_QUEUED_MESSAGES):
+    def __init__(self, name, endpoint, where, max_queued=DEFAULT_MAX_QUEUED_MESSAGES,
+                 max_queued_bytes=DEFAULT_MAX_QUEUED_BYTES):
         self.name, self.endpoint, self.where = name, endpoint, where
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
         self.room = threading.Condition(self.lock)  # readers waiting for their connection's share to drain
         self.room_waiters = 0
-        self.queue = collections.deque()
-        self.queued_from = {}  # connection -> its messages in the queue
-        self.max_queued = max_queued
-        self.resume_at = max_queued // 2
+        self.queue = collections.deque()  # (connection, frame body)
+        self.queued_from = {}  # connection -> [messages, bytes] of it in the queue
+        self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
+        self.resume_at, self.resume_bytes = max_queued // 2, max_queued_bytes // 2
         self.queue_peak = 0  # the longest the queue has been (for tests and benchmarks)
+        self.queue_bytes = 0  # bytes of the queued bodies, now and at most (for tests)
+        self.queue_bytes_peak = 0
         self.busy = False  # a thread is handling a message
         self.stopped = False
         self.handler_ident = None  # the thread running a handler now
         self.thread = threading.Thread(target=self._run, name=f"statecore-rpc-endpoint-{name}", daemon=True)
 
-    def deliver(self, conn, request_id, message):
-        """Handle (or queue) one message; ``request_id`` None for a one-way one. Waits while
-        ``conn`` has ``max_queued`` messages queued here. False once the endpoint is stopped."""
+    def _below_resume(self, conn):
+        share = self.queued_from.get(conn)
+        return share is None or (share[0] <= self.resume_at and share[1] <= self.resume_bytes)
+
+    def deliver(self, conn, body):
+        """Handle (or queue) one frame ``body`` of ``conn``. Waits while ``conn``'s share of
+        the queue is at a bound. False once the endpoint is stopped."""
         with self.lock:
             while True:
                 if self.stopped:
                     return False
+                if conn.dropped:  # skipped like its queued messages
+                    return True
                 if not (self.busy or self.queue):
                     self.busy = True
                     break
-                queued = self.queued_from.get(conn, 0)
-                if queued < self.max_queued:
+                share = self.queued_from.get(conn)
+                if share is None or (share[0] < self.max_queued and share[1] < self.max_queued_bytes):
+                    size = len(body)
+                    if share is None:
+                        self.queued_from[conn] = [1, size]
+                    else:
+                        share[0] += 1
+                        share[1] += size
                     queue = self.queue
-                    queue.append((conn, request_id, message))
-                    self.queued_from[conn] = queued + 1
+                    queue.append((conn, body))
+                    self.queue_bytes += size
                     if len(queue) > self.queue_peak:
                         self.queue_peak = len(queue)
+                    if self.queue_bytes > self.queue_bytes_peak:
+                        self.queue_bytes_peak = self.queue_bytes
                     if not self.busy:
                         self.wakeup.notify()
                     return True
@@ -1031,10 +1248,10 @@ class _Dispatcher:
                     continue
                 self.room_waiters += 1
                 try:
-                    self.room.wait_for(lambda: self.queued_from.get(conn, 0) <= self.resume_at or self.stopped)
+                    self.room.wait_for(lambda: self._below_resume(conn) or self.stopped or conn.dropped)
                 finally:
                     self.room_waiters -= 1
-        item, drained = (conn, request_id, message), 0
+        item, drained = (conn, body), 0
         try:
             while True:
                 self._handle(*item)
@@ -1061,16 +1278,18 @@ class _Dispatcher:
             self.room.notify_all()
 
     def _pop(self):
-        """The oldest queued message (lock held); wakes its connection's reader if it waits
-        and its share is down to ``resume_at``."""
+        """The oldest queued message (lock held); wakes the readers waiting for room if its
+        connection's share just came down to the resume point."""
         item = self.queue.popleft()
-        conn = item[0]
-        left = self.queued_from[conn] - 1
-        if left:
-            self.queued_from[conn] = left
-        else:
+        conn, size = item[0], len(item[1])
+        share = self.queued_from[conn]
+        was_above = share[0] > self.resume_at or share[1] > self.resume_bytes
+        share[0] -= 1
+        share[1] -= size
+        self.queue_bytes -= size
+        if not share[0]:
             del self.queued_from[conn]
-        if left == self.resume_at and self.room_waiters:
+        if was_above and self.room_waiters and share[0] <= self.resume_at and share[1] <= self.resume_bytes:
             self.room.notify_all()
         return item
 
@@ -1087,6 +1306,7 @@ class _Dispatcher:
                     try:
                         self._handle(*item)
                     finally:
+                        item = None
                         self.lock.acquire()
                         self.busy = False
                 elif self.stopped and not self.busy:
@@ -1100,10 +1320,17 @@ class _Dispatcher:
             except Exception:
                 log.exception("on_stop of endpoint %r at %s failed", self.name, self.where)
 
-    def _handle(self, conn, request_id, message):
+    def _handle(self, conn, body):
+        if conn.dropped:  # the server hung up on it: what it sent is not handled
+            return
+        try:
+            kind, request_id, _name, message = _decode_envelope(body)
+        except RpcProtocolError as e:
+            conn.drop(str(e))
+            return
         self.handler_ident = threading.get_ident()
         try:
-            if request_id is None:
+            if kind == _SEND:
                 try:
                     self.endpoint.receive(message)
                 except Exception:
@@ -1118,10 +1345,8 @@ class _Dispatcher:
                 log.debug("endpoint %r at %s raised for an ask", self.name, self.where, exc_info=True)
                 frame = _error_frame(request_id, _type_name(type(e)), str(e), traceback.format_exc(),
                                      conn.peer_max_frame)
-            try:
-                conn.reply(frame)
-            except OSError as e:
-                log.debug("could not reply to %s (%s): the asker is gone", _where(conn.peer), e)
+            if not conn.reply(frame):
+                log.debug("could not reply to %s: the asker is gone", _where(conn.peer))
         finally:
             self.handler_ident = None
 
@@ -1134,36 +1359,48 @@ def _error_frame(request_id, remote_type, text, remote_traceback="", limit=_MIN_
     return frame
 
 
+class _AcceptFailed(Exception):
+    """Internal: a connection could not be accepted, or its reader thread not started."""
+
+
 class RpcEnv:
     """A TCP server hosting named endpoints, and the client connections of the refs it makes.
 
     Threads: one accepts connections, one per connection reads it (and runs handlers when
-    their endpoint is idle), one per endpoint works through messages that found it busy.
+    their endpoint is idle), one per endpoint works through messages that found it busy,
+    and one writes the replies that peers did not take at once (see _ServerConnection).
 
     ``max_frame_bytes`` bounds a frame either way, ``io_timeout_s`` how long a started frame
-    (or a blocked write, or a send waiting for room in a full outbox) may take,
-    ``handshake_timeout_s`` how long a new peer may take to authenticate; a peer breaking
-    any of them is disconnected and logged, others go on. Flow control (see the module
-    docstring): ``max_queued_messages`` bounds the messages of one client connection queued
-    for one of this env's endpoints, ``max_outbox_bytes`` the bytes waiting to be written on
-    one of this env's own client connections.
+    (or a blocked write, or a send waiting for room in a full outbox, or a peer taking none
+    of its unsent replies) may take, ``handshake_timeout_s`` how long a new peer may take to
+    authenticate; a peer breaking any of them is disconnected and logged, others go on. Flow
+    control (see the module docstring): ``max_queued_messages`` and ``max_queued_bytes``
+    bound the messages of one client connection queued for one of this env's endpoints,
+    ``max_reply_backlog_bytes`` the replies waiting for one client to read them (past it,
+    the client is dropped), ``max_outbox_bytes`` the bytes waiting to be written on one of
+    this env's own client connections.
     ``shutdown()`` (or leaving a ``with`` block) stops everything and joins every thread.
     """
 
     def __init__(self, host="127.0.0.1", port=0, authkey=None, *, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
                  io_timeout_s=DEFAULT_IO_TIMEOUT_S, handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S,
                  connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, max_queued_messages=DEFAULT_MAX_QUEUED_MESSAGES,
-                 max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES):
+                 max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES, max_queued_bytes=DEFAULT_MAX_QUEUED_BYTES,
+                 max_reply_backlog_bytes=DEFAULT_MAX_REPLY_BACKLOG_BYTES):
         if not _MIN_FRAME_BYTES <= max_frame_bytes <= _MAX_U32:
             raise ValueError(f"max_frame_bytes must be in [{_MIN_FRAME_BYTES}, {_MAX_U32}], got {max_frame_bytes}")
         for arg, value in (("io_timeout_s", io_timeout_s), ("handshake_timeout_s", handshake_timeout_s),
                            ("connect_timeout_s", connect_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{arg} must be > 0, got {value!r}")
-        for arg, value in (("max_queued_messages", max_queued_messages), ("max_outbox_bytes", max_outbox_bytes)):
+        for arg, value in (("max_queued_messages", max_queued_messages), ("max_outbox_bytes", max_outbox_bytes),
+                           ("max_queued_bytes", max_queued_bytes),
+                           ("max_reply_backlog_bytes", max_reply_backlog_bytes)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
         self.max_queued_messages = max_queued_messages
+        self.max_queued_bytes = max_queued_bytes
+        self.max_reply_backlog_bytes = max_reply_backlog_bytes
         self.authkey = secrets.token_bytes(32) if authkey is None else _normalize_authkey(authkey)
         self.max_frame_bytes = max_frame_bytes
         self.io_timeout_s = io_timeout_s
@@ -1178,9 +1415,12 @@ class RpcEnv:
         self._lock = threading.Lock()
         self._endpoints = {}  # name -> _Dispatcher
         self._connections = {}  # accepted socket -> its reader thread
+        self._served = {}  # peer address -> its _ServerConnection, once authenticated
         self._stopped = False
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
+        self._writer = _ReplyWriter(f"statecore-rpc-replies-{self.address[1]}")
+        self._writer.thread.start()
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"statecore-rpc-accept-{self.address[1]}",
                                           daemon=True)
         self._acceptor.start()
@@ -1206,7 +1446,7 @@ class RpcEnv:
                 raise RpcError(f"{self!r} was shut down")
             if name in self._endpoints:
                 raise ValueError(f"an endpoint named {name!r} is already registered at {self._where}")
-            dispatcher = _Dispatcher(name, endpoint, self._where, self.max_queued_messages)
+            dispatcher = _Dispatcher(name, endpoint, self._where, self.max_queued_messages, self.max_queued_bytes)
             self._endpoints[name] = dispatcher
             dispatcher.thread.start()
         return RpcEndpointRef(self.address, name, self.authkey, _pool=self._pool)
@@ -1264,31 +1504,71 @@ class RpcEnv:
         for dispatcher in dispatchers:
             if not dispatcher.in_handler():
                 _join(dispatcher.thread, f"endpoint {dispatcher.name!r} to finish its messages")
+        self._writer.stop()
         self._pool.close()
         log.info("RpcEnv on %s shut down", self._where)
 
     # serving
 
     def _accept_loop(self):
+        """The acceptor. When a connection cannot be taken (out of descriptors, say) or its
+        reader thread cannot start (a thread limit), it closes what it got and stops
+        accepting for a pause (``_ACCEPT_PAUSE_S``: doubling while failures go on), then
+        carries on; the first failure is logged, then at most one warning every
+        ``_ACCEPT_LOG_EVERY_S``. Connections coming meanwhile wait in the listen backlog."""
+        pause, unlogged, logged_at, resume_at = 0.0, 0, None, None
         with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
+            selector.register(self._listener, selectors.EVENT_READ)
             while True:
-                for key, _events in selector.select():
+                timeout = None
+                if resume_at is not None:
+                    timeout = resume_at - time.monotonic()
+                    if timeout <= 0:
+                        selector.register(self._listener, selectors.EVENT_READ)
+                        resume_at = timeout = None
+                for key, _events in selector.select(timeout):
                     if key.fileobj is self._wake_r:
                         return
                     try:
-                        sock, peer = self._listener.accept()
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as e:  # out of descriptors, say: keep serving the others
-                        log.warning("RPC server on %s could not accept a connection: %s", self._where, e)
-                        continue
-                    thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
-                                              name=f"statecore-rpc-conn-{self.address[1]}-{_where(peer)}")
-                    with self._lock:
-                        self._connections[sock] = thread
-                    thread.start()
+                        accepted = self._accept_one()
+                    except _AcceptFailed as e:
+                        unlogged += 1
+                        pause = min(max(2 * pause, _ACCEPT_PAUSE_S[0]), _ACCEPT_PAUSE_S[1])
+                        now = time.monotonic()
+                        if logged_at is None or now - logged_at >= _ACCEPT_LOG_EVERY_S:
+                            log.warning("RPC server on %s %s; accepting again in %g s (%d such failures since the "
+                                        "last message)", self._where, e, pause, unlogged)
+                            logged_at, unlogged = now, 0
+                        selector.unregister(self._listener)
+                        resume_at = now + pause
+                    else:
+                        if accepted and pause:
+                            log.info("RPC server on %s accepts connections again (%d failures not logged)",
+                                     self._where, unlogged)
+                            pause, unlogged = 0.0, 0
+
+    def _accept_one(self):
+        """Accept a connection and start its reader: True, or False if there was none after
+        all; _AcceptFailed (the connection closed) if either step failed."""
+        try:
+            sock, peer = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return False
+        except OSError as e:
+            raise _AcceptFailed(f"could not accept a connection: {e}") from None
+        thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                                  name=f"statecore-rpc-conn-{self.address[1]}-{_where(peer)}")
+        with self._lock:
+            self._connections[sock] = thread
+        try:
+            thread.start()
+        except RuntimeError as e:  # "can't start new thread"
+            with self._lock:
+                self._connections.pop(sock, None)
+            sock.close()
+            raise _AcceptFailed(f"could not start a thread for {_where(peer)} (closed the connection): {e}") from None
+        return True
 
     def _serve(self, sock, peer):
         """A connection's reader: handshake, then each frame to its endpoint (see _Dispatcher)."""
@@ -1311,27 +1591,29 @@ class RpcEnv:
                 if not self._stopped:
                     log.warning("RPC server on %s dropped %s during the handshake: %s", self._where, where, e)
                 return
-            conn = _ServerConnection(sock, peer, peer_max)
+            conn = _ServerConnection(sock, peer, peer_max, self)
+            with self._lock:
+                self._served[peer] = conn
             reader = _FrameReader(sock, self.max_frame_bytes, self.io_timeout_s)
             endpoints = self._endpoints
-            while True:
+            while not conn.dropped:
                 if conn.pending and not reader.has_frame():
                     conn.flush()
                 try:
                     body = reader.read()
                 except EOFError as e:
-                    if str(e) != "connection closed":
+                    if str(e) != "connection closed" and not conn.dropped:
                         log.warning("RPC server on %s: %s %s", self._where, where, e)
                     return
-                kind, request_id, name, message = _decode_envelope(body)
+                kind, request_id, name = _parse_header(body)
                 if kind == _SEND:
                     dispatcher = endpoints.get(name)
-                    if dispatcher is None or not dispatcher.deliver(conn, None, message):
+                    if dispatcher is None or not dispatcher.deliver(conn, body):
                         log.warning("RPC server on %s dropped a one-way message from %s to unknown endpoint %r",
                                     self._where, where, name)
                 elif kind == _ASK:
                     dispatcher = endpoints.get(name)
-                    if dispatcher is None or not dispatcher.deliver(conn, request_id, message):
+                    if dispatcher is None or not dispatcher.deliver(conn, body):
                         conn.reply(_error_frame(request_id, "", f"no endpoint named {name!r} at {self._where}",
                                                 limit=peer_max))
                 else:
@@ -1339,7 +1621,7 @@ class RpcEnv:
         except (RpcProtocolError, _Stalled) as e:
             log.warning("RPC server on %s dropped %s: %s", self._where, where, e)
         except OSError as e:
-            if not self._stopped:
+            if not self._stopped and not (conn is not None and conn.dropped):
                 log.info("RPC server on %s lost %s: %s", self._where, where, e)
         finally:
             if conn is not None:
@@ -1348,6 +1630,8 @@ class RpcEnv:
                 sock.close()
             with self._lock:
                 self._connections.pop(sock, None)
+                if conn is not None and self._served.get(peer) is conn:
+                    del self._served[peer]
 
 
 def _join(thread, what):

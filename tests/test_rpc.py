@@ -1,11 +1,13 @@
 """statecore.rpc: the value codec, ordering, errors, authentication, hostile peers, restarts
 and a clean shutdown. Every server listens on 127.0.0.1; waits are on conditions with deadlines."""
 import enum
+import errno
 import hmac
 import logging
 import math
 import os
 import pickle
+import random
 import re
 import socket
 import struct
@@ -935,9 +937,9 @@ class Journal(Gate):
         self.journal.append("stopped")
 
 
-def wait_until(predicate):
+def wait_until(predicate, deadline_s=DEADLINE_S):
     """Polls ``predicate`` (state with no event to wait on) until true, within the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.001)
@@ -1204,6 +1206,10 @@ def test_flow_control_arguments_are_checked():
             RpcEnv(max_queued_messages=bad)
         with pytest.raises(ValueError, match="max_outbox_bytes must be an int >= 1"):
             RpcEnv(max_outbox_bytes=bad)
+        with pytest.raises(ValueError, match="max_queued_bytes must be an int >= 1"):
+            RpcEnv(max_queued_bytes=bad)
+        with pytest.raises(ValueError, match="max_reply_backlog_bytes must be an int >= 1"):
+            RpcEnv(max_reply_backlog_bytes=bad)
     assert rpc_threads() == []
 
 # -- authentication and hostile peers ------------------------------------------------------------
@@ -1323,6 +1329,278 @@ def test_stalled_peers_are_dropped_after_the_deadlines(make_env, logs):
     logs.wait_for("handshake not done within 0.2 s")
     logs.wait_for("frame incomplete 0.2 s after its first byte")
     assert good.ask(("echo", 2)) == 2
+
+
+# -- peers that do not read, resource exhaustion, large decodes ------------------------------------
+
+class Tally(Gate):
+    """A Gate (for "wait" asks) that keeps the first item of each one-way message (never the
+    rest: decoded values are let go), counts the other asks, and answers ("big", n) with n
+    bytes and anything else with itself."""
+
+    def __init__(self, name="tally"):
+        super().__init__()
+        self.name, self.firsts, self.asks = name, [], 0
+
+    def receive(self, message):
+        self.firsts.append(message[0])
+
+    def receive_and_reply(self, message):
+        if message == "wait":
+            return super().receive_and_reply(message)
+        self.asks += 1
+        if message[0] == "big":
+            return b"x" * message[1]
+        return message
+
+
+def unread_asker(env, n, size, name=b"tally"):
+    """A raw authenticated peer with a small receive buffer that sends ``n`` asks (request
+    ids 1..n) for ``size``-byte replies and reads none of them."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(DEADLINE_S)
+    sock.connect(env.address)
+    raw_handshake(sock, env.authkey, limit=16 << 20)
+    sock.sendall(b"".join(raw_frame(ASK, i, name, encode_value(("big", size))) for i in range(1, n + 1)))
+    return sock
+
+
+def served(env, sock):
+    """White box: the server's side of the raw client connection ``sock`` (it is registered
+    just after the server's last handshake message)."""
+    peer = sock.getsockname()
+    wait_until(lambda: peer in env._served)
+    return env._served[peer]
+
+
+def test_a_peer_that_never_reads_its_replies_holds_up_no_one(make_env):
+    """A peer asks for 16 MiB of replies and reads none; its asks are queued (the endpoint is
+    busy), so another thread than its reader answers them, as under load. Then 200 clients
+    connect and hang up while a good client asks: its p99 stays under 100 ms, and the bad
+    peer's replies wait in the server's backlog all along (its socket buffers are full)."""
+    env = make_env()
+    tally = Tally()
+    env.setup_endpoint("tally", tally)
+    blocked = block_endpoint(env, tally)
+    try:
+        bad = unread_asker(env, 16, 1 << 20)
+        wait_until(lambda: env.queue_length("tally")[0] == 16)
+    finally:
+        tally.release.set()
+    blocked.join(DEADLINE_S)
+    with bad:
+        wait_until(lambda: tally.asks == 16, deadline_s=10)  # all answered: nobody waited for the bad peer
+        conn = served(env, bad)
+        assert conn.backlog_bytes > 0 and not conn.dropped
+        rng, churned = random.Random(7), []
+
+        def churn():
+            for i in range(200):
+                with raw_connect(env) as sock:
+                    if rng.random() < 0.5:
+                        recv_exact(sock, 40)  # the greeting, then hang up in the handshake
+                churned.append(i)
+
+        good = rpc.endpoint_ref(env.address, "tally", env.authkey)
+        assert good.ask(("echo", -1)) == ("echo", -1)  # connected before the clock starts
+        churner = threading.Thread(target=churn)
+        latencies, deadline = [], time.monotonic() + DEADLINE_S
+        churner.start()
+        try:
+            while (churner.is_alive() or len(latencies) < 500) and len(latencies) < 20000:
+                assert time.monotonic() < deadline
+                t0 = time.perf_counter()
+                assert good.ask(("echo", len(latencies)), timeout_s=5) == ("echo", len(latencies))
+                latencies.append(time.perf_counter() - t0)
+        finally:
+            churner.join(DEADLINE_S)
+        assert len(churned) == 200
+        latencies.sort()
+        p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+        print(f"\ngood client: {len(latencies)} asks while 200 connections came and went; "
+              f"p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {latencies[-1] * 1e3:.2f} ms")
+        assert p99 < 0.1, f"p99 {p99 * 1e3:.1f} ms"
+        assert conn.backlog_bytes > 0 and not conn.dropped  # the bad peer stalled all along
+
+
+def test_replies_a_slow_peer_reads_late_arrive_whole(make_env):
+    """Replies left in the server's backlog are written as the peer reads: all of them, whole."""
+    env = make_env()
+    env.setup_endpoint("tally", Tally())
+    with unread_asker(env, 16, 1 << 20) as slow:
+        wait_until(lambda: served(env, slow).backlog_bytes > 0)
+        replies = {}
+        for _ in range(16):
+            (size,) = struct.unpack(">I", recv_exact(slow, 4))
+            kind, request_id, name_length = struct.unpack(">BQH", recv_exact(slow, 11))
+            assert (kind, name_length) == (REPLY, 0)
+            replies[request_id] = decode_value(recv_exact(slow, size - 11))
+        assert replies == {i: b"x" * (1 << 20) for i in range(1, 17)}
+        wait_until(lambda: served(env, slow).backlog_bytes == 0)
+
+
+def test_a_peer_that_never_reads_is_dropped_past_the_backlog_bound_or_the_io_timeout(make_env, logs):
+    by_bytes = make_env(max_reply_backlog_bytes=2 << 20)
+    by_time = make_env(io_timeout_s=0.5)  # the default bound (16 MiB) is not reached by 16 x 1 MiB
+    for env in (by_bytes, by_time):
+        env.setup_endpoint("tally", Tally())
+    with unread_asker(by_bytes, 64, 1 << 20) as bad:  # far more than the socket buffers take
+        record = logs.wait_for("dropped", "bytes of replies unread (bound: 2097152 bytes)")
+        assert_closed_by_server(bad)
+    unread = int(re.search(r"it left (\d+) bytes", record.getMessage()).group(1))
+    assert 2 << 20 <= unread < (2 << 20) + (1 << 20) + 64  # the bound, plus at most the reply before it
+    assert by_bytes.endpoint_ref(by_bytes.address, "tally").ask(("echo", 1)) == ("echo", 1)
+    good = by_time.endpoint_ref(by_time.address, "tally")
+    with unread_asker(by_time, 16, 1 << 20) as bad:
+        assert good.ask(("echo", 2)) == ("echo", 2)
+        logs.wait_for("dropped", "read none of its replies for 0.5 s")
+        assert_closed_by_server(bad)
+    assert good.ask(("echo", 3)) == ("echo", 3)
+
+
+class FailingThreads:
+    """Stands in for the threading module inside statecore.rpc: the first ``failures``
+    connection threads fail to start, as under a process's thread limit."""
+
+    def __init__(self, failures):
+        self.failures, self.fired = failures, 0
+
+    def __getattr__(self, name):
+        return getattr(threading, name)
+
+    def Thread(self, *args, **kwargs):  # noqa: N802 (threading's name)
+        thread = threading.Thread(*args, **kwargs)
+        if thread.name.startswith("statecore-rpc-conn") and self.failures:
+            self.failures -= 1
+            thread.start = self._refuse
+        return thread
+
+    def _refuse(self):
+        self.fired += 1
+        raise RuntimeError("can't start new thread")
+
+
+def test_the_acceptor_survives_threads_that_fail_to_start(make_env, logs, monkeypatch):
+    env = make_env()
+    env.setup_endpoint("rec", Recorder())
+    threads = FailingThreads(3)
+    monkeypatch.setattr(rpc, "threading", threads)
+    for _ in range(3):
+        with raw_connect(env) as sock:
+            sock.settimeout(5)
+            assert sock.recv(40) == b""  # closed, no greeting: its thread did not start
+    assert threads.fired == 3
+    logs.wait_for("could not start a thread", "can't start new thread")
+    assert rpc.endpoint_ref(env.address, "rec", env.authkey).ask(("echo", 1)) == 1
+    assert make_env().endpoint_ref(env.address, "rec", env.authkey).ask(("echo", 2)) == 2
+
+
+class ExhaustedListener:
+    """Stands in for an env's listening socket: while ``exhausted``, accept fails as when a
+    process is out of descriptors (EMFILE); the time of each such call is kept."""
+
+    def __init__(self, real):
+        self.real, self.exhausted, self.calls = real, True, []
+
+    def accept(self):
+        if self.exhausted:
+            self.calls.append(time.monotonic())
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self.real.accept()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_out_of_descriptors_the_acceptor_backs_off_then_serves_again(make_env, logs, monkeypatch):
+    env = make_env()
+    env.setup_endpoint("rec", Recorder())
+    listener = ExhaustedListener(env._listener)
+    monkeypatch.setattr(env, "_listener", listener)
+    outcome = {}
+    asker = threading.Thread(target=lambda: outcome.setdefault(
+        "echo", rpc.endpoint_ref(env.address, "rec", env.authkey).ask(("echo", 1))))
+    asker.start()  # its connection waits in the listen backlog: accept is called, and fails
+    try:
+        wait_until(lambda: len(listener.calls) >= 6)
+        calls = list(listener.calls)
+    finally:
+        listener.exhausted = False
+    asker.join(DEADLINE_S)
+    assert outcome == {"echo": 1}  # served once descriptors are back
+    assert calls[5] - calls[0] >= 0.3, calls  # paused 10, 20, 40, 80 and 160 ms between them
+    assert len([t for t in calls if t < calls[0] + 0.3]) <= 5
+    warnings = [r for r in logs.records if "could not accept a connection" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # then at most one per 10 s
+
+
+def dicts_payload(n):
+    """A list of ``n`` one-entry dicts: 7 bytes each encoded, about 30 times that decoded."""
+    return b"l" + struct.pack(">I", n) + b"d\x00\x00\x00\x01NN" * n
+
+
+def test_the_queue_bound_counts_bytes_of_frames_left_undecoded(make_env):
+    """A flood of 16 KiB frames that each decode to about 0.5 MB, to a busy endpoint: the
+    connection's share stops at 64 KiB of frames (not at the 1000 messages), nothing queued
+    is decoded, and the server's memory stays within a few frames and one decoded value."""
+    import tracemalloc
+    server = make_env(max_queued_bytes=64 << 10)
+    tally = Tally()
+    server.setup_endpoint("tally", tally)
+    dispatcher = server._endpoints["tally"]
+    n, payload = 100, dicts_payload(2340)
+    flood = b"".join(raw_frame(SEND, 0, b"tally", b"t\x00\x00\x00\x02" + encode_value(seq) + payload)
+                     for seq in range(n))
+    frame_bytes = len(flood) // n
+    blocked = block_endpoint(server, tally)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        with raw_connect(server) as flooder:
+            raw_handshake(flooder, server.authkey)
+            sender = threading.Thread(target=flooder.sendall, args=(flood,))
+            sender.start()
+            try:
+                wait_until(lambda: dispatcher.room_waiters == 1 or server.queue_length("tally")[0] == n)
+                held = tracemalloc.get_traced_memory()[0] - base
+                queued = server.queue_length("tally")[0]
+            finally:
+                tally.release.set()
+            sender.join(DEADLINE_S)
+            blocked.join(DEADLINE_S)
+            wait_until(lambda: len(tally.firsts) == n)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    print(f"\n{n} frames of {frame_bytes} bytes: {queued} queued, {held / 2**20:.2f} MiB held while blocked, "
+          f"{peak / 2**20:.2f} MiB at the peak")
+    assert tally.firsts == list(range(n))
+    assert queued == (64 << 10) // frame_bytes + 1  # stopped by the byte bound (the last one crosses it)
+    assert dispatcher.queue_bytes_peak <= (64 << 10) + frame_bytes
+    assert held < 1 << 20, held
+    assert peak < 4 << 20, peak  # one decoded message (about 0.5 MB) at a time
+
+
+def test_a_queued_frame_that_does_not_decode_drops_its_connection_and_what_came_after(make_env, logs):
+    server = make_env()
+    tally = Tally()
+    server.setup_endpoint("tally", tally)
+    blocked = block_endpoint(server, tally)
+    try:
+        with raw_connect(server) as sock:
+            raw_handshake(sock, server.authkey)
+            sock.sendall(raw_frame(SEND, 0, b"tally", encode_value((0,))) + raw_frame(SEND, 0, b"tally", b"\xfe")
+                         + raw_frame(SEND, 0, b"tally", encode_value((2,))))
+            wait_until(lambda: server.queue_length("tally")[0] == 3)  # queued undecoded
+            tally.release.set()
+            assert_closed_by_server(sock)
+    finally:
+        tally.release.set()
+    blocked.join(DEADLINE_S)
+    logs.wait_for("dropped", "unknown value tag 0xfe")
+    assert server.endpoint_ref(server.address, "tally").ask(("echo", 1)) == ("echo", 1)
+    assert tally.firsts == [0]
 
 
 # -- restarts, shutdown, pickling ----------------------------------------------------------------
