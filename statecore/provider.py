@@ -17,8 +17,8 @@ import weakref
 import numpy as np
 
 from statecore import files as files_module
-from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter
-from statecore._snapshot import SnapshotReader
+from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
+from statecore._snapshot import HEADER_SIZE as SNAPSHOT_HEADER_SIZE, SnapshotReader, read_snapshot_header
 from statecore.conf import StateStoreConf
 from statecore.contracts import ReadStateStore, StateStore, StateStoreProvider
 from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
@@ -339,13 +339,12 @@ class FileStateStoreProvider(StateStoreProvider):
             return cached
         path = self._files.path(f.name)
         if f.kind == "delta":
-            head = self._files.read_range(f.name, 0, DELTA_HEADER_SIZE)
-            reader = DeltaReader(head, path=path)  # checks magic, format version and checksum
-            version, commit_id, parent_id = reader.store_version, reader.lineage[:8], reader.lineage[8:]
+            header = read_delta_header(self._files.read_range(f.name, 0, DELTA_HEADER_SIZE), path)
+            parent_id = header.parent_id
         else:
-            reader = SnapshotReader(self._files.local_path_for_mapping(f.name))
-            version, commit_id, parent_id = reader.store_version, bytes(reader.lineage[:8]), None
-            reader.close()
+            header = read_snapshot_header(self._files.read_range(f.name, 0, SNAPSHOT_HEADER_SIZE), path)
+            parent_id = None
+        version, commit_id = header.store_version, header.commit_id
         _check_names_agree(f, path, version, commit_id)
         if f.commit_id is not None:  # the names of the previous layout can be re-written
             with self._headers_lock:
@@ -618,9 +617,9 @@ class FileStateStoreProvider(StateStoreProvider):
         path = self._files.path(f.name)
         reader = SnapshotReader(self._files.local_path_for_mapping(f.name), self._key_schema, self._value_schema)
         try:
-            _check_names_agree(f, path, reader.store_version, bytes(reader.lineage[:8]))
-            if bytes(reader.lineage[:8]) != commit_id:
-                raise StateCorruptionError(path, None, f"the snapshot is of commit {bytes(reader.lineage[:8]).hex()}, "
+            _check_names_agree(f, path, reader.store_version, reader.commit_id)
+            if reader.commit_id != commit_id:
+                raise StateCorruptionError(path, None, f"the snapshot is of commit {reader.commit_id.hex()}, "
                                                        f"expected {commit_id.hex()}")
         except BaseException:
             reader.close()
@@ -632,7 +631,7 @@ class FileStateStoreProvider(StateStoreProvider):
             path = self._files.path(f.name)
             with self._files.open_read(f.name) as source:
                 reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
-                own_id, parent_id = bytes(reader.lineage[:8]), bytes(reader.lineage[8:])
+                own_id, parent_id = reader.commit_id, reader.parent_id
                 _check_names_agree(f, path, reader.store_version, own_id)
                 if parent_id != state.commit_ids[state.version]:
                     raise StateCorruptionError(path, None, f"delta of version {u} does not follow the "
