@@ -5,6 +5,8 @@
 State-like rows: int64 keys drawn without replacement from 4x their number (random
 order), values (count int64, sum float64). The dict rows include the conversion from and
 to numpy that a dict-based store has to pay for the same batch in and the same arrays out.
+Then RowTable alone with float64 keys (random normals), which a key schema checks for
+-0.0 and NaNs to normalize on the way in.
 """
 import threading
 
@@ -14,6 +16,7 @@ from bench._common import Table, arg_parser, measure, print_header, write_json
 from statecore import RowTable
 
 KEY = np.dtype([("k", "<i8")])
+FLOAT_KEY = np.dtype([("x", "<f8")])
 VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
 
 
@@ -40,6 +43,29 @@ def dict_get_batch(d, keys):
     count = np.fromiter((v[0] if v is not None else 0 for v in got), np.int64, len(got))
     total = np.fromiter((v[1] if v is not None else 0.0 for v in got), np.float64, len(got))
     return count, total, found
+
+
+def float_key_tables(n, repeat, seed, values):
+    """put_batch, get_batch and scalar get with float64 keys (none of them -0.0 or NaN)."""
+    rng = np.random.default_rng(seed + 1)
+    keys = np.zeros(n, FLOAT_KEY)
+    keys["x"] = rng.standard_normal(n)
+    hits = keys[rng.integers(0, n, n)]
+    holder, tables = {}, []
+    t = Table(f"float64 keys: put / get {n:,}", n)
+    t.add("RowTable.put_batch (presized)",
+          measure(lambda: holder["t"].put_batch(keys, values), repeat,
+                  setup=lambda: holder.__setitem__("t", RowTable(FLOAT_KEY, VALUE, capacity=n))))
+    table = RowTable(FLOAT_KEY, VALUE)
+    table.put_batch(keys, values)
+    t.add("RowTable.get_batch (hits, random order)", measure(lambda: table.get_batch(hits), repeat))
+    tables.append(t)
+    m = min(n, 200_000)
+    scalar_keys = hits["x"][:m].tolist()
+    t = Table(f"float64 keys: scalar get, {m:,} calls", m, unit="calls")
+    t.add("RowTable.get (-> tuple)", measure(lambda: [table.get(k) for k in scalar_keys], repeat))
+    tables.append(t)
+    return tables
 
 
 def main():
@@ -106,6 +132,8 @@ def main():
     t.add("1 thread", measure(lambda: table.get_batch(hits), repeat))
     t.add("2 threads, half each", measure(two_threads, repeat))
     tables.append(t)
+
+    tables += float_key_tables(n, repeat, args.seed, values)
 
     for t in tables:
         t.print()

@@ -4,7 +4,10 @@ A row is the bytes of a packed little-endian numpy structured dtype, nothing mor
 header, no null bits. :class:`RowSchema` owns the conversions between what users hand in
 (tuples, bare scalars, numpy records, bytes, structured arrays, mappings of columns) and
 those bytes. It never casts silently: a wrong dtype is a ``TypeError`` naming the field.
-Schemas are immutable and safe to share between threads.
+A *key* schema (``key=True``, as :func:`key_value_schemas` makes it) also normalizes its
+float fields the way Spark normalizes grouping keys (NormalizeFloatingNumbers): -0.0
+becomes 0.0 and every NaN the one canonical NaN, so that keys Spark groups together are
+one key here. Schemas are immutable and safe to share between threads.
 """
 import json
 import struct
@@ -26,6 +29,26 @@ _STRUCT_CODES = {
 }
 _ALLOWED = "bool, int8..int64, uint8..uint64, float32, float64, or fixed bytes S<n>"
 
+# What a per-row value of each field kind may be (bool is refused where it is not the kind:
+# it is an int to Python). Ints are taken for float fields, as Python's float() takes them.
+_BOOL_TYPES = (bool, np.bool_)
+_ROW_VALUE_TYPES = {"b": _BOOL_TYPES, "i": (int, np.integer), "u": (int, np.integer),
+                    "f": (float, int, np.floating, np.integer), "S": (bytes,)}
+_ROW_VALUE_NAMES = {"b": "a bool", "i": "an int", "u": "an int", "f": "a float or an int", "S": "bytes"}
+# The types of values that int and float fields take (Python's and numpy's ints and floats,
+# not bool): given only these, struct refuses exactly what the rules above refuse.
+_NUMBER_TYPES = frozenset([int, float] + [np.dtype(c).type
+                                           for c in np.typecodes["AllInteger"] + np.typecodes["Float"]])
+
+# Float key normalization, per float dtype: its struct code, the unsigned view of its bits,
+# the sign bit (alone: -0.0), the bits of +inf (above them, sign aside: a NaN) and of the
+# canonical NaN (np.nan's bits, the quiet NaN with no payload).
+_FLOAT_BITS = {
+    np.dtype("<f4"): ("<f", np.dtype("<u4"), 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
+    np.dtype("<f8"): ("<d", np.dtype("<u8"),
+                      0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+}
+
 # Bumped if the way fingerprints are computed ever changes; part of the hashed text.
 _FINGERPRINT_VERSION = "statecore-schema-1"
 
@@ -44,6 +67,13 @@ def _canonical_field(name, dt):
     return canon
 
 
+def _key_float(name, dt, offset):
+    """``(name, byte offset, byte end, unpack_from, bits dtype, sign bit, +inf bits, canonical
+    NaN bits)`` of a float field a key normalizes."""
+    code, bits_dtype, sign, inf, nan = _FLOAT_BITS[dt]
+    return name, offset, offset + dt.itemsize, struct.Struct(code).unpack_from, bits_dtype, sign, inf, nan
+
+
 class RowSchema:
     """A validated schema and its canonical packed little-endian row layout.
 
@@ -52,6 +82,11 @@ class RowSchema:
     dtype : numpy structured dtype (or anything ``numpy.dtype`` accepts for one)
         Fixed-width fields only. An empty dtype (no fields) is allowed, for value schemas
         of sets.
+    key : bool, default False
+        Whether rows of this schema are keys: then every row it makes (per row or per
+        batch) has float fields normalized, -0.0 as 0.0 and any NaN as the canonical NaN.
+        Equality, hash and fingerprint ignore it: they are about the row layout, which
+        files record.
 
     Raises
     ------
@@ -59,10 +94,11 @@ class RowSchema:
         If the dtype is not structured, or a field has a kind rows cannot hold.
     """
 
-    __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "_struct", "_bytes_fields",
-                 "_bool_fields", "_single_bytes", "_plain", "_pack_values", "_unpack_row")
+    __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "key", "_struct", "_bytes_fields",
+                 "_bool_fields", "_key_floats", "_single_bytes", "_numeric", "_plain", "_value_types",
+                 "_max_bytes", "_pack_values", "_unpack_row")
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, *, key=False):
         dt = np.dtype(dtype)
         if dt.names is None:
             raise TypeError(f"a row schema must be a numpy structured dtype, got {dt}")
@@ -76,7 +112,15 @@ class RowSchema:
         self._bytes_fields = tuple(i for i, (_, f) in enumerate(fields) if f.kind == "S")
         self._bool_fields = tuple(i for i, (_, f) in enumerate(fields) if f.kind == "b")
         self._single_bytes = len(fields) == 1 and fields[0][1].kind == "S"
-        self._plain = not (self._bytes_fields or self._bool_fields)  # struct alone is strict enough
+        self._value_types = tuple(_ROW_VALUE_TYPES[f.kind] for _, f in fields)
+        self._max_bytes = tuple(f.itemsize if f.kind == "S" else 0 for _, f in fields)
+        self.key = bool(key)
+        self._key_floats = tuple(_key_float(name, f, self.dtype.fields[name][1])
+                                 for name, f in fields if f.kind == "f") if self.key else ()
+        # Whether struct alone checks values of the _NUMBER_TYPES (no bool or bytes field) ...
+        self._numeric = not (self._bytes_fields or self._bool_fields)
+        # ... and whether its row then needs nothing more (no float key field to normalize).
+        self._plain = self._numeric and not self._key_floats
         self._pack_values = self._struct.pack
         self._unpack_row = self._struct.unpack
         self.fingerprint = xxh64_digest(self.describe_json().encode())
@@ -101,25 +145,44 @@ class RowSchema:
         return hash(self.fingerprint)
 
     def __repr__(self):
-        return f"RowSchema({self.describe()})"
+        return f"RowSchema({self.describe()}{', key=True' if self.key else ''})"
 
     # -- one row --------------------------------------------------------------------------
     def encode(self, obj):
         """Row bytes of a tuple, a bare scalar (one-field schema), a numpy record, or bytes.
 
         Bytes must be exactly ``width`` long, except for a one-field ``S<n>`` schema, where
-        they are the field's value (at most n bytes, NUL-padded as numpy pads).
+        they are the field's value (at most n bytes, NUL-padded as numpy pads). Values are
+        checked per field: a bool only for bool fields, an int (Python or numpy) for int
+        fields, a float or an int for float fields, bytes for ``S<n>``; anything else is a
+        TypeError naming the field, a value out of the field's range a ValueError.
         """
         kind = type(obj)
-        if self._plain and (kind is tuple or kind is int or kind is float):
-            try:  # the per-row fast path: struct checks ints, floats and the field count
-                return self._pack_values(*obj) if kind is tuple else self._pack_values(obj)
-            except struct.error:
-                raise self._explain(obj if kind is tuple else (obj,)) from None
-        if kind is tuple:
-            return self._pack(obj)
-        if kind is int or kind is float:
+        if self._plain:
+            if kind is int or kind is float:
+                try:  # the per-row fast path: struct checks ints, floats and the field count
+                    return self._pack_values(obj)
+                except (struct.error, OverflowError):
+                    raise self._explain((obj,)) from None
+            if kind is tuple and _NUMBER_TYPES.issuperset(map(type, obj)):
+                try:
+                    return self._pack_values(*obj)
+                except (struct.error, OverflowError):
+                    raise self._explain(obj) from None
+        row = self._encode(obj, kind)
+        return self._normalize_row(row) if self._key_floats else row
+
+    def _encode(self, obj, kind):
+        """Row bytes of ``obj``, float key fields not yet normalized."""
+        if kind is tuple or kind is list:
+            return self._pack(tuple(obj))
+        if kind is float or kind is int:
             if len(self.fields) == 1:
+                if self._numeric:  # a float key's bare number: struct checks it
+                    try:
+                        return self._pack_values(obj)
+                    except (struct.error, OverflowError):
+                        raise self._explain((obj,)) from None
                 return self._pack((obj,))
         elif isinstance(obj, (bytes, bytearray, memoryview)):
             raw = bytes(obj)
@@ -130,49 +193,64 @@ class RowSchema:
             return raw
         elif isinstance(obj, (np.void, np.ndarray)) and obj.dtype.names is not None:
             self.check_dtype(obj.dtype)
+            if obj.dtype == self.dtype and obj.size == 1:
+                return obj.tobytes()  # the bytes a batch would take, float payloads and all
             return self._pack(obj.item() if isinstance(obj, np.ndarray) else tuple(obj.item()))
         elif isinstance(obj, tuple):
-            return self._pack(tuple(obj))
-        elif isinstance(obj, list):
             return self._pack(tuple(obj))
         if len(self.fields) == 1 and obj is not None:
             return self._pack((obj,))
         raise TypeError(f"expected a tuple of {len(self.fields)} fields {self.names}, got {type(obj).__name__}")
 
     def _pack(self, values):
-        if self._bool_fields or self._bytes_fields:
-            self._check_strict_fields(values)
+        if not (self._numeric and _NUMBER_TYPES.issuperset(map(type, values))):
+            refused = self._refusal(values)
+            if refused is not None:
+                raise refused
         try:
             return self._pack_values(*values)
-        except struct.error:
+        except (struct.error, OverflowError):
             raise self._explain(values) from None
 
-    def _check_strict_fields(self, values):
-        """The checks struct leaves out: it turns any object into a bool, and truncates bytes."""
+    def _refusal(self, values):
+        """The TypeError (or ValueError, for bytes too long) of the first value its field does
+        not take, or None: the checks struct leaves out (it turns any object into a bool,
+        bools and any number-like object into ints and floats, and truncates bytes)."""
         if len(values) != len(self.fields):
-            raise TypeError(f"expected {len(self.fields)} fields {self.names}, got {len(values)} values")
-        for i in self._bool_fields:
-            if not isinstance(values[i], (bool, np.bool_)):
-                raise TypeError(f"field '{self.names[i]}' is bool, got {type(values[i]).__name__}")
-        for i in self._bytes_fields:
-            v = values[i]
-            if not isinstance(v, (bytes, np.bytes_)):
-                raise TypeError(f"field '{self.names[i]}' is {self.fields[i][1].str}, got {type(v).__name__}")
-            if len(v) > self.fields[i][1].itemsize:
-                raise ValueError(f"field '{self.names[i]}' holds at most {self.fields[i][1].itemsize} bytes, "
-                                 f"got {len(v)}")
+            return TypeError(f"expected {len(self.fields)} fields {self.names}, got {len(values)} values")
+        for v, types, max_bytes, (name, f) in zip(values, self._value_types, self._max_bytes,
+                                                  self.fields):
+            if not isinstance(v, types) or ((v is True or v is False) and types is not _BOOL_TYPES):
+                return TypeError(f"field '{name}' ({f.str}) of the schema {self.names} takes "
+                                 f"{_ROW_VALUE_NAMES[f.kind]}, got {type(v).__name__} {v!r}")
+            if max_bytes and len(v) > max_bytes:
+                return ValueError(f"field '{name}' holds at most {max_bytes} bytes, got {len(v)}")
+        return None
 
     def _explain(self, values):
         """The exception naming the field struct refused."""
-        if len(values) != len(self.fields):
-            return TypeError(f"expected {len(self.fields)} fields {self.names}, got {len(values)} values")
+        refused = self._refusal(values)
+        if refused is not None:
+            return refused
         for (name, f), v in zip(self.fields, values):
             try:
                 struct.pack("<" + (f"{f.itemsize}s" if f.kind == "S" else _STRUCT_CODES[f]), v)
-            except struct.error as e:
-                kind = ValueError if isinstance(v, (int, float, np.integer, np.floating)) else TypeError
-                return kind(f"field '{name}' ({f.str}) cannot hold {v!r}: {e}")
+            except (struct.error, OverflowError) as e:
+                return ValueError(f"field '{name}' ({f.str}) cannot hold {v!r}: {e}")
         return AssertionError("unreachable: struct refused the row but every field packed")
+
+    def _normalize_row(self, row):
+        """``row`` with its float key fields normalized (-0.0 as 0.0, any NaN as the canonical
+        NaN). The bits decide, so that no float mode (denormals read as zero) changes others."""
+        for _, start, end, unpack_from, _, sign, inf, nan in self._key_floats:
+            x = unpack_from(row, start)[0]
+            if x == 0 or x != x:  # a cheap filter: only zeros and NaNs may need a rewrite
+                bits = int.from_bytes(row[start:end], "little")
+                if bits == sign:
+                    row = row[:start] + bytes(end - start) + row[end:]
+                elif bits & ~sign > inf and bits != nan:
+                    row = row[:start] + nan.to_bytes(end - start, "little") + row[end:]
+        return row
 
     def decode(self, row):
         """The tuple of field values of row bytes (``S<n>`` values without trailing NULs)."""
@@ -210,18 +288,42 @@ class RowSchema:
 
         ``batch`` is a 1-D structured array of this schema, a mapping of field name to 1-D
         array, or (one-field schema) a plain 1-D array of the field's dtype. Zero-copy when
-        the batch already has the canonical layout; read-only input stays read-only.
+        the batch already has the canonical layout (and, for a key, no float field holds
+        -0.0 or a NaN other than the canonical one); read-only input stays read-only. The
+        caller's arrays are never written.
         """
         arr = self._as_structured(batch)
         n = arr.shape[0]
         if self.width == 0:
             return np.empty((n, 0), dtype=np.uint8)
+        owned = arr is not batch
         if arr.dtype != self.dtype or not arr.flags.c_contiguous:
             packed = np.empty(n, dtype=self.dtype)
             for name in self.names:
                 packed[name] = arr[name]
-            arr = packed
+            arr, owned = packed, True
+        if self._key_floats:
+            arr = self._normalize_batch(arr, owned)
         return arr.view(np.uint8).reshape(n, self.width)
+
+    def _normalize_batch(self, arr, owned):
+        """``arr`` (canonical) with its float key fields normalized: written in place when
+        ``owned``, else in a copy, made only when some value needs it."""
+        for name, _, _, _, bits_dtype, sign, _, nan in self._key_floats:
+            x = np.ascontiguousarray(arr[name])  # a field among others: one copy, then fast passes
+            bits = x.view(bits_dtype)
+            zeros = np.flatnonzero(bits == sign)
+            nans = np.flatnonzero(np.isnan(x))
+            if nans.size:
+                nans = nans[bits[nans] != nan]
+            if not (zeros.size or nans.size):
+                continue
+            if not owned:
+                arr, owned = arr.copy(), True
+            out = arr[name].view(bits_dtype)
+            out[zeros] = 0
+            out[nans] = nan
+        return arr
 
     def _as_structured(self, batch):
         if isinstance(batch, np.ndarray):
@@ -276,13 +378,19 @@ def _structured_from(columns, dtype, n):
 
 def key_value_schemas(key_schema, value_schema):
     """The (key, value) RowSchemas of a store; a key needs at least one field, a value may
-    have none."""
-    key, value = as_schema(key_schema), as_schema(value_schema)
+    have none. The key schema is the one place keys get normalized (``key=True``): every
+    table, store and file writer takes its schemas from here."""
+    key, value = as_schema(key_schema, key=True), as_schema(value_schema, key=False)
     if key.width == 0:
         raise TypeError("a key schema needs at least one field")
     return key, value
 
 
-def as_schema(schema):
-    """A :class:`RowSchema` from a RowSchema or anything ``numpy.dtype`` accepts."""
-    return schema if isinstance(schema, RowSchema) else RowSchema(schema)
+def as_schema(schema, key=None):
+    """A :class:`RowSchema` from a RowSchema or anything ``numpy.dtype`` accepts; ``key``
+    True or False asks for a key or value schema, None keeps a RowSchema's own."""
+    if isinstance(schema, RowSchema):
+        if key is None or schema.key == bool(key):
+            return schema
+        schema = schema.dtype
+    return RowSchema(schema, key=bool(key))

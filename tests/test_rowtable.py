@@ -328,3 +328,57 @@ def test_memory_is_close_to_raw_row_bytes():
     t.put_batch(np.arange(n).astype(KEY), np.zeros(n, VALUE))
     raw = n * 24
     assert t.sizeof() < 2.2 * raw
+
+
+# -- float keys: one key per Spark grouping key (-0.0 is 0.0, every NaN is one NaN) ---------
+FKEY = np.dtype([("x", "<f8")])
+
+
+def nan_with(bits):
+    """A float64 NaN with these exact bits (payload, sign)."""
+    return np.array([bits], "<u8").view("<f8")[0]
+
+
+NAN_A, NAN_B, NAN_C = (nan_with(0x7FF8_0000_0000_0001), nan_with(0xFFF8_0000_0000_0000),
+                       nan_with(0x7FF0_0000_0000_0002))
+
+
+def test_float_keys_per_row_are_one_key_for_zero_signs_and_nan_payloads():
+    t = RowTable(FKEY, VALUE)
+    t.put(0.0, (1, 1.0))
+    assert t.get(-0.0) == (1, 1.0) and -0.0 in t and t.get((np.float64(-0.0),)) == (1, 1.0)
+    t.put(-0.0, (2, 2.0))
+    t.put(NAN_A, (3, 3.0))
+    assert len(t) == 2 and t.get(0.0) == (2, 2.0)
+    assert t.get(NAN_B) == (3, 3.0) and t.get(float("nan")) == (3, 3.0)
+    assert t.get(NAN_C.tobytes()) == (3, 3.0)  # a key given as its row bytes
+    keys = sorted(k for k, _ in t.items())
+    assert [np.signbit(k[0]) for k in keys if k[0] == 0] == [False]
+    assert t.remove(NAN_C) and not t.remove(np.float64(np.nan)) and t.remove(-0.0) and len(t) == 0
+
+
+def test_float_keys_per_batch_are_one_key_and_the_callers_arrays_are_untouched():
+    key = np.dtype([("id", "<i4"), ("x", "<f8"), ("y", "<f4")])
+    value = np.dtype([("v", "<f8")])
+    t = RowTable(key, value)
+    keys = np.zeros(3, key)
+    keys["x"] = [-0.0, NAN_A, 1.5]
+    keys["y"] = np.array([0x8000_0000, 0x7FC0_0001, 0x3F80_0000], "<u4").view("<f4")
+    values = np.zeros(3, value)
+    values["v"] = [-0.0, NAN_A, 2.0]  # values keep their bytes
+    before = keys.tobytes(), values.tobytes()
+    t.put_batch(keys, values)
+    assert (keys.tobytes(), values.tobytes()) == before
+    same = np.zeros(3, key)
+    same["x"] = [0.0, NAN_B, 1.5]
+    same["y"] = [0.0, np.nan, 1.0]
+    same.flags.writeable = False
+    got, found = t.get_batch(same)
+    assert found.all() and got.tobytes() == values.tobytes()
+    other_nan = {"id": np.zeros(3, "<i4"), "x": np.array([NAN_C, -0.0, 1.5]),
+                 "y": np.array([-np.nan, -0.0, 1.0], "<f4")}
+    assert t.get_batch(other_nan)[1].all()
+    t.put_batch(same, np.zeros(3, value))
+    assert len(t) == 3
+    assert t.remove_batch(keys) == 3 and len(t) == 0
+    assert keys.tobytes() == before[0]
