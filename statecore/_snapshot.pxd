@@ -100,8 +100,11 @@ cdef class _Mapping:
     cdef size_t length
     cdef int guard                      # entry in the SIGBUS guard's table, or -1
     cdef uint64_t damaged_at            # set by the SIGBUS handler: file offset + 1
+    cdef uint64_t canary_at             # offset of the file's last 8 bytes
+    cdef uint64_t canary                # their value when the file was opened
 
     cdef uint64_t damage(self) noexcept nogil
+    cdef bint sound(self) noexcept nogil
 
 
 @cython.final
@@ -133,7 +136,7 @@ cdef class SnapshotReader:
     cdef object _check(self, bytes header, bytes footer, size, key_schema, value_schema,
                        expected_lineage)
     cdef _Mapping _acquire(self)
-    cdef object _check_damage(self, _Mapping mapping)
+    cdef object _raise_truncated(self, _Mapping mapping)
     cdef object _raise_for(self, const SnapError* err)
 
 

@@ -46,7 +46,9 @@ Format, version 1 (all integers little-endian; every byte is covered by a checks
   without being told its schemas. Slots are built as RowTable builds its index: linear
   probing with Robin Hood placement, home slot ``tag & (n_slots - 1)``, tag
   ``slot_tag(key_hash(key))``, at most 3/4 load and at least 16 slots; no lookup probes more
-  than max_displacement + 1 slots. The *data region* is [rows_offset, checksums_offset):
+  than max_displacement + 1 slots. Distinct keys may share a tag, even their whole 64-bit
+  hash (XXH64 is not collision-resistant): lookups compare the key bytes of every entry
+  with their tag and probe on. The *data region* is [rows_offset, checksums_offset):
   rows, padding and slots, split into blocks of block_size bytes (the last one short), each
   with its checksum in the checksums section. Given row_count, the widths, n_slots and
   block_size, every offset is determined, and the reader requires exactly those values.
@@ -61,12 +63,13 @@ against its checksum the first time a lookup or iteration touches it (the checks
 itself is checked against the footer on first need), and a byte is never used before its
 block matched: a damaged file raises :class:`~statecore.errors.StateCorruptionError` naming
 the path and the byte offset, on open or on the lookup that touches the damage, never a
-crash and never a wrong value. :meth:`SnapshotReader.verify` checks everything at once.
-Files are assumed immutable once written (they are written under a temporary name and
+crash and never a wrong value. :meth:`SnapshotReader.verify` checks everything at once,
+the index included (a lookup of each row's key must find that row). Files are assumed immutable once written (they are written under a temporary name and
 renamed into place). A file truncated while mapped is damage too: on Linux a process-wide
 SIGBUS handler (installed when the first snapshot is mapped, passing every other SIGBUS to
 the handler installed before it) lets the access read zeros and marks the reader damaged,
-and every reader call checks that mark before it returns anything, so the call raises
+and every reader call checks that mark before it returns anything (or raises about what it
+read), so the call raises
 StateCorruptionError ("the file was truncated while mapped") instead of the process dying;
 a file cut inside its last page, which reads as zeros without a fault, is caught by the
 same check (the file's last 8 bytes must not change). A SIGBUS handler installed after the
@@ -88,6 +91,9 @@ threads for every read (lookups, cursors, verify); batch calls release the GIL. 
 state reads change is the verified-block map, one byte per block set with relaxed atomic
 stores: two threads may both check the same block, which is harmless. close() may be called
 while another thread's call is running: that call keeps the mapping alive until it returns.
+When one thread's fault maps zeros over the rest of a truncated mapping, other threads may
+read those zeros without a fault of their own; the handler sets the damage mark before it
+maps them, and every call reads the mark after its work, so those calls raise too.
 """
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
@@ -175,17 +181,18 @@ cdef extern from *:
        damage word after every call and raise instead of returning anything. Any other
        SIGBUS goes to the handler installed before (faulthandler's, or the default action).
 
-       The handler takes no lock: it reads the table through a sequence counter per entry
-       (odd while the entry changes, as a seqlock), and calls only mmap (a system call on
-       Linux), sigaction and raise. A mapping is unregistered before it is unmapped, and a
-       thread can fault in a mapping only while it holds a reference to it, so an entry
-       that matches a fault address is stable. Linux only (elsewhere nothing is guarded). */
+       Entries change only with the GIL held (it orders the changes; a lock of our own could
+       be held by another thread at a fork and never released in the child). The handler
+       takes no lock: it reads an entry between two reads of its sequence counter (odd while
+       the entry changes, as a seqlock), and calls only mmap (a system call on Linux),
+       sigaction and raise. A mapping is unregistered before it is unmapped, and a thread
+       can fault in a mapping only while it holds a reference to it, so an entry that
+       matches a fault address is stable. Linux only (elsewhere nothing is guarded). */
     #include <signal.h>
     #if defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && defined(SA_SIGINFO) \
         && defined(BUS_ADRERR) && defined(MAP_ANONYMOUS)
     #define SNAP_GUARD 1
     #include <errno.h>
-    #include <pthread.h>
     #include <string.h>
     #define SNAP_MAX_GUARDED 4096
     typedef struct {
@@ -196,7 +203,6 @@ cdef extern from *:
     } snap_guard_entry;
     static snap_guard_entry snap_guarded[SNAP_MAX_GUARDED];
     static int snap_guarded_high = 0;       /* entries in use all lie below this index */
-    static pthread_mutex_t snap_guard_lock = PTHREAD_MUTEX_INITIALIZER;
     static struct sigaction snap_previous_bus;
     static int snap_guard_state = 0;        /* 0: not installed yet, 1: installed, -1: failed */
 
@@ -245,7 +251,7 @@ cdef extern from *:
         snap_bus_chain(sig, info, context);
     }
 
-    /* REQUIRES: snap_guard_lock held. Installs the handler once; 1 if it is installed. */
+    /* REQUIRES: the GIL. Installs the handler once; 1 if it is installed. */
     static int snap_guard_install(void) {
         struct sigaction action;
         if (snap_guard_state == 0) {
@@ -261,7 +267,7 @@ cdef extern from *:
         return snap_guard_state == 1;
     }
 
-    /* REQUIRES: snap_guard_lock held. */
+    /* REQUIRES: the GIL. */
     static void snap_guard_set(snap_guard_entry* e, uintptr_t start, uintptr_t end, uint64_t* damaged_at) {
         uint64_t seq = __atomic_load_n(&e->seq, __ATOMIC_RELAXED);
         __atomic_store_n(&e->seq, seq + 1, __ATOMIC_RELAXED);
@@ -272,37 +278,31 @@ cdef extern from *:
         __atomic_store_n(&e->seq, seq + 2, __ATOMIC_RELEASE);
     }
 
-    /* Guard [start, start + length): the entry's index, or -1 (no handler, or the table is
-       full: the mapping works unguarded). */
+    /* REQUIRES: the GIL. Guard [start, start + length): the entry's index, or -1 (no
+       handler, or the table is full: the mapping works unguarded). */
     static int snap_guard_add(const uint8_t* start, size_t length, uint64_t* damaged_at) {
-        int i, found = -1;
+        int i;
         uintptr_t end = ((uintptr_t)start + length + snap_page_size - 1) & ~(uintptr_t)(snap_page_size - 1);
-        pthread_mutex_lock(&snap_guard_lock);
-        if (snap_guard_install()) {
-            for (i = 0; i < SNAP_MAX_GUARDED && found < 0; i++)
-                if (__atomic_load_n(&snap_guarded[i].start, __ATOMIC_RELAXED) == 0) found = i;
-            if (found >= 0) {
-                snap_guard_set(&snap_guarded[found], (uintptr_t)start, end, damaged_at);
-                if (found >= snap_guarded_high)
-                    __atomic_store_n(&snap_guarded_high, found + 1, __ATOMIC_RELEASE);
+        if (!snap_guard_install()) return -1;
+        for (i = 0; i < SNAP_MAX_GUARDED; i++) {
+            if (snap_guarded[i].start == 0) {
+                snap_guard_set(&snap_guarded[i], (uintptr_t)start, end, damaged_at);
+                if (i >= snap_guarded_high) __atomic_store_n(&snap_guarded_high, i + 1, __ATOMIC_RELEASE);
+                return i;
             }
         }
-        pthread_mutex_unlock(&snap_guard_lock);
-        return found;
+        return -1;
     }
 
+    /* REQUIRES: the GIL. */
     static void snap_guard_remove(int i) {
-        if (i < 0) return;
-        pthread_mutex_lock(&snap_guard_lock);
-        snap_guard_set(&snap_guarded[i], 0, 0, NULL);
-        pthread_mutex_unlock(&snap_guard_lock);
+        if (i >= 0) snap_guard_set(&snap_guarded[i], 0, 0, NULL);
     }
 
+    /* REQUIRES: the GIL. */
     static int snap_guard_count(void) {
         int i, n = 0;
-        pthread_mutex_lock(&snap_guard_lock);
         for (i = 0; i < SNAP_MAX_GUARDED; i++) n += snap_guarded[i].start != 0;
-        pthread_mutex_unlock(&snap_guard_lock);
         return n;
     }
     #else
@@ -322,9 +322,9 @@ cdef extern from *:
     void snap_willneed(const uint8_t* base, uint64_t start, uint64_t end) nogil
     const uint8_t* snap_map(int fd, size_t length) nogil
     void snap_unmap(const uint8_t* p, size_t length) nogil
-    int snap_guard_add(const uint8_t* start, size_t length, uint64_t* damaged_at) nogil
-    void snap_guard_remove(int i) nogil
-    int snap_guard_count() nogil
+    int snap_guard_add(const uint8_t* start, size_t length, uint64_t* damaged_at)
+    void snap_guard_remove(int i)
+    int snap_guard_count()
 
 snap_init_page_size()
 
@@ -1241,6 +1241,17 @@ cdef class _Mapping:
         """File offset + 1 of the first access past the file's end (0: none so far)."""
         return SNAP_LOAD_DAMAGE(&self.damaged_at)
 
+    cdef inline bint sound(self) noexcept nogil:
+        """False once the file was seen truncated: the SIGBUS guard recorded a fault, or the
+        file's last 8 bytes changed (a file cut inside its last page reads as zeros there
+        without a fault). What was read from the mapping before this returned True was
+        read before the file was cut."""
+        cdef uint64_t last
+        if self.damage():
+            return False
+        memcpy(&last, self.base + self.canary_at, 8)
+        return last == self.canary and not self.damage()  # reading it may have faulted
+
 
 def _guarded_mappings():
     """How many mappings the SIGBUS guard covers now. Visible for tests."""
@@ -1293,6 +1304,8 @@ cdef class SnapshotReader:
                 raise self._corrupt(size, "the file shrank while it was opened")
             self._check(header, footer, size, key_schema, value_schema, expected_lineage)
             self._mapping = _Mapping(fd, size)
+            self._mapping.canary_at = size - 8
+            self._mapping.canary = self._footer_checksum
         finally:
             os.close(fd)
         self._closed = False
@@ -1383,30 +1396,18 @@ cdef class SnapshotReader:
         self.layout.block_shift = h.block_size.bit_length() - 1
 
     cdef _Mapping _acquire(self):
-        """The mapping, held by the caller for the length of its call (see close())."""
+        """The mapping, held by the caller for the length of its call (see close()). The
+        caller checks ``mapping.sound()`` after its work, before it returns anything read
+        from the mapping or raises about it."""
         if self._closed:
             raise ValueError(f"I/O operation on a closed SnapshotReader ('{self.path}')")
-        cdef _Mapping mapping = self._mapping
-        self._check_damage(mapping)
-        return mapping
+        return self._mapping
 
-    cdef object _check_damage(self, _Mapping mapping):
-        """Raise if the file was truncated while mapped: called before every call uses the
-        mapping and after, before anything read from it is returned or raised about.
-
-        Two signs: the SIGBUS guard recorded a fault, or the file's last 8 bytes (the footer
-        checksum, compared with the value read on open) changed; the second catches a file
-        cut inside its last page, whose lost tail reads as zeros without a fault."""
+    cdef object _raise_truncated(self, _Mapping mapping):
+        """The error for a mapping that is not sound."""
         cdef uint64_t at = mapping.damage()
-        cdef uint64_t last
-        if at == 0:
-            memcpy(&last, mapping.base + self.file_size - 8, 8)
-            at = mapping.damage()  # reading the last bytes may have faulted just now
-            if at == 0 and last == self._footer_checksum:
-                return
-            if at == 0:
-                at = self.file_size - 8 + 1
-        raise StateCorruptionError(self.path, at - 1, "the file was truncated while mapped")
+        raise StateCorruptionError(self.path, at - 1 if at else mapping.canary_at,
+                                   "the file was truncated while mapped")
 
     cdef object _raise_for(self, const SnapError* err):
         cdef uint64_t block
@@ -1447,7 +1448,8 @@ cdef class SnapshotReader:
         lay.base = mapping.base
         with nogil:
             rc = snapshot_get_many(&lay, &keys[0, 0], n, value_ptr, &found[0], &tags[0], &err)
-        self._check_damage(mapping)
+        if not mapping.sound():
+            self._raise_truncated(mapping)
         if rc < 0:
             self._raise_for(&err)
 
@@ -1470,7 +1472,8 @@ cdef class SnapshotReader:
         lay.base = mapping.base
         with nogil:
             rc = snapshot_mark_many(&lay, &keys[0, 0], n, &mask[0], &tags[0], &err)
-        self._check_damage(mapping)
+        if not mapping.sound():
+            self._raise_truncated(mapping)
         if rc < 0:
             self._raise_for(&err)
 
@@ -1485,15 +1488,15 @@ cdef class SnapshotReader:
         lay.base = mapping.base
         cdef int rc = snapshot_find(&lay, &key[0], slot_tag(key_hash(&key[0], <size_t>self.key_width)),
                                     &row, &err)
-        self._check_damage(mapping)
+        value = None
+        if rc == SNAP_OK and row != 0:
+            value = PyBytes_FromStringAndSize(
+                <const char*>lay.base + lay.rows_offset + (row - 1) * lay.row_width + lay.key_width,
+                self.value_width)
+        if not mapping.sound():
+            self._raise_truncated(mapping)
         if rc < 0:
             self._raise_for(&err)
-        if row == 0:
-            return None
-        value = PyBytes_FromStringAndSize(
-            <const char*>lay.base + lay.rows_offset + (row - 1) * lay.row_width + lay.key_width,
-            self.value_width)
-        self._check_damage(mapping)
         return value
 
     # -- the schema-level API -------------------------------------------------------------
@@ -1513,7 +1516,9 @@ cdef class SnapshotReader:
 
     def cursor(self):
         """A :class:`SnapshotCursor` over every row, in file order."""
-        self._acquire()
+        cdef _Mapping mapping = self._acquire()
+        if not mapping.sound():
+            self._raise_truncated(mapping)
         return SnapshotCursor(self)
 
     def items(self):
@@ -1527,7 +1532,8 @@ cdef class SnapshotReader:
     # -- checks ---------------------------------------------------------------------------
     def verify(self, bint index=True):
         """Check every checksum (they cover the rows and the slots) and, unless ``index`` is
-        false, that the slot index is consistent with the header; raises
+        false, the slot index: consistent with the header, and a lookup of each row's key
+        finds that row (so no key is in two rows; one random row read per row). Raises
         StateCorruptionError. ``index=False`` is what lookups would check lazily, done at
         once (a snapshot just written, made ready before it is used)."""
         cdef _Mapping mapping = self._acquire()
@@ -1539,7 +1545,8 @@ cdef class SnapshotReader:
         lay.base = mapping.base
         with nogil:
             rc = snapshot_verify(&lay, &seen[0] if index else NULL, &err)
-        self._check_damage(mapping)
+        if not mapping.sound():
+            self._raise_truncated(mapping)
         if rc < 0:
             self._raise_for(&err)
 
@@ -1642,7 +1649,8 @@ cdef class SnapshotCursor:
                         memcpy(dst, lay.base + start, length)
                 else:
                     copy_unskipped(lay.base + start, &skip_view[self.pos], m, lay.row_width, dst)
-        r._check_damage(mapping)
+        if not mapping.sound():
+            r._raise_truncated(mapping)
         if rc < 0:
             r._raise_for(&err)
         self.pos += m
