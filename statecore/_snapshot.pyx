@@ -64,17 +64,20 @@ itself is checked against the footer on first need), and a byte is never used be
 block matched: a damaged file raises :class:`~statecore.errors.StateCorruptionError` naming
 the path and the byte offset, on open or on the lookup that touches the damage, never a
 crash and never a wrong value. :meth:`SnapshotReader.verify` checks everything at once,
-the index included (a lookup of each row's key must find that row). Files are assumed immutable once written (they are written under a temporary name and
-renamed into place). A file truncated while mapped is damage too: on Linux a process-wide
-SIGBUS handler (installed when the first snapshot is mapped, passing every other SIGBUS to
-the handler installed before it) lets the access read zeros and marks the reader damaged,
-and every reader call checks that mark before it returns anything (or raises about what it
-read), so the call raises
-StateCorruptionError ("the file was truncated while mapped") instead of the process dying;
-a file cut inside its last page, which reads as zeros without a fault, is caught by the
-same check (the file's last 8 bytes must not change). A SIGBUS handler installed after the
-first snapshot was mapped (``faulthandler.enable()`` then, for one) takes precedence, and the
-fault is fatal again; so is a fault in a mapping beyond the first 4096 open at once.
+the index included (a lookup of each row's key must find that row).
+
+Files are assumed immutable once written (they are written under a temporary name and
+renamed into place). A file truncated while mapped is damage too. On Linux a process-wide
+SIGBUS handler (installed when the first snapshot is mapped; every other SIGBUS goes on to
+the handler installed before it) lets the faulting access read zeros and marks the reader
+damaged, and every reader call checks that mark after its work, before it returns anything
+or raises about what it read: the call raises StateCorruptionError ("the file was truncated
+while mapped") and the process lives on. A file cut inside its last page reads as zeros
+there without a fault; the same check catches it (the file's last 8 bytes must not change),
+unless a call reads that lost tail while the kernel is zeroing it and reads the last 8
+bytes before the kernel gets to them. A SIGBUS handler installed after the first snapshot
+was mapped (``faulthandler.enable()`` then, for one) comes first, and the fault is fatal
+again; so is a fault in a mapping beyond the first 4096 open at once.
 
 :func:`read_snapshot_header` checks and decodes the header page alone; it is the only parser
 of the header (SnapshotReader uses it, then checks the footer and the file's size).
@@ -1430,7 +1433,8 @@ cdef class SnapshotReader:
     def get_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,
                  uint8_t[::1] found not None):
         """Look up ``keys`` (n, key_width) into ``values`` (n, value_width; zeros where not
-        found) and ``found`` (n,). Raises StateCorruptionError if a touched block is damaged."""
+        found) and ``found`` (n,). Raises StateCorruptionError if a touched block is damaged
+        or the file was truncated; ``values`` and ``found`` then hold nothing to use."""
         cdef _Mapping mapping = self._acquire()
         cdef Py_ssize_t n = keys.shape[0]
         if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
@@ -1456,7 +1460,8 @@ cdef class SnapshotReader:
     def mark_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[::1] mask not None):
         """Set ``mask[i] = 1`` for the file-order row index ``i`` of every key found: which
         rows a set of changed keys overrides, found by probing the changed keys rather than
-        by probing every row of the snapshot elsewhere (writing a newer snapshot)."""
+        by probing every row of the snapshot elsewhere (writing a newer snapshot). After a
+        StateCorruptionError, ``mask`` holds nothing to use."""
         cdef _Mapping mapping = self._acquire()
         cdef Py_ssize_t n = keys.shape[0]
         if keys.shape[1] != self.key_width:

@@ -1071,6 +1071,13 @@ elif scenario == "threads":
     for t in threads:
         t.join()
     out = {f"thread {i}": sorted(set(r[:-1])) + [r[-1]] for i, r in enumerate(results)}
+elif scenario == "many":
+    # The guard's table holds 4096 mappings; more readers still open and work, unguarded.
+    readers = [SnapshotReader(path) for _ in range(4200)]
+    out["guarded"] = _guarded_mappings()
+    out["lookups"] = sum(r.get((7919 * i,)) == (i,) for i, r in enumerate(readers))
+    for r in readers:
+        r.close()
 elif scenario == "foreign":
     # A SIGBUS outside every snapshot mapping is not the guard's: it goes to the handler
     # installed before (faulthandler's, or the default action) and the process dies.
@@ -1118,6 +1125,14 @@ def test_threads_reading_a_file_truncated_under_them_get_errors_never_wrong_valu
     assert out.pop("guarded after close") == 0
     for thread, outcomes in out.items():  # correct results until the cut, then the error
         assert outcomes[-1] == "truncated" and set(outcomes[:-1]) <= {"ok"}, (thread, outcomes)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the SIGBUS guard is Linux only")
+def test_readers_beyond_the_guards_table_still_work(tmp_path):
+    proc = run_child(tmp_path, "many", "middle", "default")
+    assert proc.returncode == 0, f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"guarded": 4096, "lookups": 4200,
+                                                        "guarded after close": 0}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the SIGBUS guard is Linux only")
