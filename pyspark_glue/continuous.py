@@ -17,18 +17,25 @@ Epochs, store versions and offsets (the numbering everything below relies on)
     - Closing epoch ``e`` in partition ``p``: the epoch's output is written to the sink
       (replacing any file of ``(e, p)``), the store commits version ``e``, and the task sends
       ``report_partition_offset(p, e, offset)`` (the reader's position after the last row of
-      epoch ``e``) and ``commit_partition_epoch(p, e, message)``. If the counter moved by
-      more than one, the epochs in between are closed empty, so every partition commits
-      every epoch.
+      epoch ``e``) and ``commit_partition_epoch(p, e, message)``; the message carries the
+      store's new ``commit_id``, and the task's next store opens version ``e`` at it. If
+      the counter moved by more than one, the epochs in between are closed empty, so every
+      partition commits every epoch.
     - On the driver, the coordinator calls ``query.add_offset(e, offsets)`` once every
       partition reported (written as ``<checkpoint>/offsets/<e>``), then, in epoch order,
       ``writer.commit(e, messages)`` (the sink's ``_commits/<e>``) and ``query.commit(e)``
-      (``<checkpoint>/commits/<e>``). An epoch is committed once its commits-log entry exists.
+      (``<checkpoint>/commits/<e>``, with ``commit_ids``: each partition's commit id of
+      version ``e``, from the messages). An epoch is committed once its commits-log entry
+      exists.
     - Restart: ``c`` = the newest epoch of the commits log (0 if none). Every store loads
-      version ``c``, every reader seeks to the offsets of ``offsets/<c>``, the run starts at
-      epoch ``c + 1``; what uncommitted epochs left behind (offsets-log entries, sink files
-      and sink commits of epochs after ``c``) is deleted, and store versions after ``c`` are
-      committed again (statecore stores support re-committing a version).
+      version ``c`` at the commit id ``commits/<c>`` recorded for its partition (several
+      attempts of a version may be on disk, and the default lineage, the attempt renamed
+      last, need not be the committed one: ``docs/lineage.md``; an entry without ids, from
+      before they were recorded, loads the default lineage), every reader seeks to the
+      offsets of ``offsets/<c>``, the run starts at epoch ``c + 1``; what uncommitted epochs
+      left behind (offsets-log entries, sink files and sink commits of epochs after ``c``)
+      is deleted, and store versions after ``c`` are committed again (statecore stores
+      support re-committing a version; the new commits delete the abandoned ones).
 
 State is per reader partition
     There is no shuffle (Spark's continuous mode has none either): partition ``p``'s task
@@ -78,10 +85,12 @@ from statecore.epoch import EpochCoordinatorRef
 from statecore.errors import SchemaMismatchError
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId, StateStoreProviderId
+from statecore.lineage import ROOT_COMMIT_ID
 from statecore.rpc import RpcError
 from statecore.schema import key_value_schemas
 
 from pyspark_glue import executor
+from pyspark_glue.logs import EpochLog, checked_commit_ids
 from pyspark_glue.operator import conform_output
 from pyspark_glue.rdd import ship_function_module
 
@@ -98,60 +107,6 @@ OFFSETS_DIR = "offsets"
 COMMITS_DIR = "commits"
 METADATA_FILE = "metadata"
 _FORMAT = "statecore-continuous-1"
-
-
-# -- small JSON files, one per epoch -----------------------------------------------------------
-
-def _json_bytes(value):
-    return json.dumps(value, sort_keys=True).encode()
-
-
-class EpochLog:
-    """A directory of small JSON files named by epoch (``<location>/<epoch>``), each written
-    atomically (temporary name, then rename): the offsets log and the commits log, and the
-    sink's commits. Listing ignores anything whose name is not all digits (temporaries)."""
-
-    def __init__(self, location, storage_options=None):
-        self.location = location
-        self.files = open_store_files(location, storage_options)
-        self._fs, self._root = fsspec.core.url_to_fs(location, **(storage_options or {}))
-
-    def write(self, epoch, value):
-        payload = _json_bytes(value)
-        self.files.write_atomic(str(epoch), lambda f: f.write(payload))
-
-    def read(self, epoch):
-        """The entry of ``epoch``; FileNotFoundError if there is none, ValueError naming the
-        file if it is not JSON."""
-        raw = self.files.read_bytes(str(epoch))
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise ValueError(f"unreadable log entry {self.files.path(str(epoch))}: {e}") from None
-
-    def epochs(self):
-        """The epochs with an entry, ascending."""
-        self._fs.invalidate_cache(self._root)
-        try:
-            names = self._fs.ls(self._root, detail=False)
-        except FileNotFoundError:
-            return []
-        found = (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
-        return sorted(int(n) for n in found if n.isascii() and n.isdigit())
-
-    def latest(self):
-        """The newest epoch with an entry, or None."""
-        epochs = self.epochs()
-        return epochs[-1] if epochs else None
-
-    def delete(self, epochs):
-        self.files.delete([str(e) for e in epochs])
-
-    def delete_after(self, epoch):
-        self.delete([e for e in self.epochs() if e > epoch])
-
-    def delete_before(self, epoch):
-        self.delete([e for e in self.epochs() if e < epoch])
 
 
 # -- sources -----------------------------------------------------------------------------------
@@ -546,6 +501,7 @@ class _TaskSpec:
     authkey: bytes
     start_epoch: int
     start_offsets: list
+    start_commit_ids: tuple  # per partition, the attempt of version start_epoch - 1 to open; or None
     poll_interval_s: float
 
 
@@ -570,9 +526,9 @@ class _PartitionTask:
         self.sink = None if spec.sink_path is None else EpochSink(spec.sink_path, spec.sink_storage_options)
         self.rows_in = self.epochs_closed = 0
 
-    def _open(self, version):
+    def _open(self, version, commit_id):
         store, _ = executor.open_store(self.provider_id, self.spec.key_dtype, self.spec.value_dtype, version,
-                                       self.spec.conf)
+                                       self.spec.conf, commit_id=commit_id)
         return store
 
     def run(self):
@@ -581,7 +537,7 @@ class _PartitionTask:
         epoch = spec.start_epoch
         store = None
         try:
-            store = self._open(epoch - 1)
+            store = self._open(epoch - 1, None if spec.start_commit_ids is None else spec.start_commit_ids[p])
             outputs, rows, fn_s = [], 0, 0.0
             next_poll = 0.0
             while True:
@@ -596,7 +552,7 @@ class _PartitionTask:
                     while epoch < current:
                         self._close_epoch(store, epoch, reader.offset(), outputs, rows, fn_s)
                         epoch += 1
-                        store = self._open(epoch - 1)
+                        store = self._open(epoch - 1, store.commit_id)  # the attempt just committed
                         outputs, rows, fn_s = [], 0, 0.0
                 batch = reader.next_batch()
                 if batch is None:
@@ -630,7 +586,7 @@ class _PartitionTask:
         version = store.commit()
         if version != epoch:
             raise RuntimeError(f"partition {p}: the store committed version {version} at the end of epoch {epoch}")
-        message.update(rows_in=rows, fn_s=fn_s, close_s=time.perf_counter() - started)
+        message.update(rows_in=rows, fn_s=fn_s, close_s=time.perf_counter() - started, commit_id=store.commit_id)
         self.epochs.report_partition_offset(p, epoch, offset)
         self.epochs.commit_partition_epoch(p, epoch, message)
         self.rows_in += rows
@@ -677,12 +633,13 @@ def task_slots(sc):
 class _Run:
     """One run of the query: its run id, coordinator, job group and epoch timer."""
 
-    def __init__(self, run_id, start_epoch, start_offsets):
+    def __init__(self, run_id, start_epoch, start_offsets, start_commit_ids):
         self.run_id = run_id
         self.coordinator_id = f"{run_id}--{uuid.uuid4()}"
         self.group = f"statecore-continuous-{run_id}"
         self.start_epoch = start_epoch
         self.start_offsets = start_offsets
+        self.start_commit_ids = start_commit_ids
         self.epochs = None  # EpochCoordinatorRef
         self.current_epoch = start_epoch
         self.ended_at = {}  # epoch -> monotonic time the driver ended it
@@ -733,7 +690,8 @@ class ContinuousQuery:
         The query's id, kept in its checkpoint across runs.
     checkpoint_location, state_root, sink_path : str
         ``state_root`` is ``<checkpoint>/state``: read the state with
-        ``read_state(spark, q.state_root, 0, version=q.last_committed_epoch)``.
+        ``read_state(spark, q.state_root, 0, version=q.last_committed_epoch,
+        commit_ids=q.committed_commit_ids)``.
     sink : EpochSink or None
     """
 
@@ -798,6 +756,7 @@ class ContinuousQuery:
         self._restarts = 0
         self._last_committed = None
         self._committed_offsets = None
+        self._committed_ids = None
         self._epochs = collections.deque(maxlen=10000)  # per committed epoch: latency, rows
 
     # -- starting ----------------------------------------------------------------------------------
@@ -856,6 +815,7 @@ class ContinuousQuery:
         self._last_committed = committed
         self._committed_offsets = (self.offsets_log.read(committed)["offsets"] if committed else
                                    [self.source.initial_offset(p) for p in range(self.num_partitions)])
+        self._committed_ids = self._recorded_ids(committed)
         # fn, the source and what the source holds (a rows function, say) may come from a
         # module the workers cannot import (a test, a notebook helper): ship those by value.
         for value in (self.fn, self.source, *vars(self.source).values()):
@@ -907,6 +867,16 @@ class ContinuousQuery:
                 self._terminated.set()
                 self._changed.notify_all()
 
+    def _recorded_ids(self, epoch):
+        """Per partition, the commit id of version ``epoch`` that ``commits/<epoch>`` recorded
+        (version 0: the empty state's); None if the entry has none (written before ids were)."""
+        if epoch == 0:
+            return (ROOT_COMMIT_ID.hex(),) * self.num_partitions
+        ids = self.commits_log.read(epoch).get("commit_ids")
+        if ids is None:
+            return None
+        return checked_commit_ids(ids, self.num_partitions, self.commits_log.path(epoch))
+
     def _begin_run(self):
         """Read the checkpoint, clear what uncommitted epochs left, start a coordinator."""
         self._check_slots()  # executors may have gone since the last run
@@ -918,14 +888,15 @@ class ContinuousQuery:
                                  f"{len(offsets)} offsets for {self.num_partitions} partitions")
         else:
             offsets = [self.source.initial_offset(p) for p in range(self.num_partitions)]
+        commit_ids = self._recorded_ids(committed)
         self.offsets_log.delete_after(committed)
         self.offsets_log.delete_before(committed - self.logs_to_retain + 1)
         self.commits_log.delete_before(committed - self.logs_to_retain + 1)
         if self.sink is not None:
             self.sink.discard_after(committed)
-        run = _Run(uuid.uuid4(), committed + 1, offsets)
+        run = _Run(uuid.uuid4(), committed + 1, offsets, commit_ids)
         with self._lock:
-            self._last_committed, self._committed_offsets = committed, offsets
+            self._last_committed, self._committed_offsets, self._committed_ids = committed, offsets, commit_ids
         run.epochs = EpochCoordinatorRef.create(_Callbacks(self, run), _QueryCallbacks(self, run),
                                                 run.coordinator_id, run.start_epoch, self._env,
                                                 self.epoch_backlog_queue_size)
@@ -942,7 +913,7 @@ class ContinuousQuery:
             arrow_schema=self._arrow_schema, sink_path=self.sink_path, sink_storage_options=self.conf.storage_options,
             run_id=run.run_id, coordinator_id=run.coordinator_id, address=tuple(self._env.address),
             authkey=self._env.authkey, start_epoch=run.start_epoch, start_offsets=run.start_offsets,
-            poll_interval_s=self.poll_interval_s)
+            start_commit_ids=run.start_commit_ids, poll_interval_s=self.poll_interval_s)
         sc = self.spark.sparkContext
         sc.setJobGroup(run.group, f"statecore continuous query {self.name} run {run.run_id}", interruptOnCancel=True)
         run.timer = threading.Thread(target=self._advance_epochs, args=(run,), daemon=True,
@@ -1059,7 +1030,8 @@ class ContinuousQuery:
         if offsets is None:  # ContinuousExecution.commit asserts the same
             raise RuntimeError(f"epoch {epoch} is committed, but no offsets were logged for it")
         messages = run.messages.pop(epoch, [])
-        self.commits_log.write(epoch, {"epoch": epoch, "run_id": str(run.run_id),
+        commit_ids = [m.get("commit_id") for m in messages]
+        self.commits_log.write(epoch, {"epoch": epoch, "run_id": str(run.run_id), "commit_ids": commit_ids,
                                        "timestamp_ms": int(time.time() * 1e3)})
         now = time.monotonic()
         ended = run.ended_at.pop(epoch, None)
@@ -1072,6 +1044,7 @@ class ContinuousQuery:
                  "rows_in": [m.get("rows_in", 0) for m in messages], "rows_out": [m.get("rows", 0) for m in messages]}
         with self._changed:
             self._last_committed, self._committed_offsets = epoch, offsets
+            self._committed_ids = tuple(commit_ids)
             self._epochs.append(entry)
             self._changed.notify_all()
 
@@ -1094,6 +1067,14 @@ class ContinuousQuery:
             return self._committed_offsets
 
     @property
+    def committed_commit_ids(self):
+        """Per partition, the commit id of the last committed epoch's store version (what a
+        restart opens, and what ``read_state(..., commit_ids=...)`` takes); None for a
+        checkpoint whose commits log has no ids."""
+        with self._lock:
+            return self._committed_ids
+
+    @property
     def progress(self):
         """A snapshot: ids, epochs, offsets, restarts, and the recent committed epochs
         (``recent_epochs``: epoch, run id, latency_s from the driver ending it to its commit,
@@ -1105,6 +1086,7 @@ class ContinuousQuery:
                 "id": self.id, "name": self.name, "run_id": None if run is None else str(run.run_id),
                 "current_epoch": None if run is None else run.current_epoch,
                 "last_committed_epoch": self._last_committed, "committed_offsets": self._committed_offsets,
+                "committed_commit_ids": self._committed_ids,
                 "restarts": self._restarts, "active": self.is_active, "recent_epochs": epochs,
             }
 

@@ -270,14 +270,15 @@ def _count(already_loaded):
 
 
 def open_store(provider_id, key_schema, value_schema, version, conf=None, read_only=False,
-               key_index_ordinal=None):
+               key_index_ordinal=None, commit_id=None):
     """``(store, already_loaded)``: the store of ``provider_id`` at ``version`` from this
     process's registry (:func:`statecore.registry.get`, or ``get_read_only``), and whether
     its provider was loaded here before this call (else it was opened from files). Counted
-    in :func:`load_counts`."""
+    in :func:`load_counts`. ``commit_id``: the attempt of ``version`` the driver recorded
+    (None: the default lineage)."""
     already_loaded = registry.is_loaded(provider_id)
     get = registry.get_read_only if read_only else registry.get
-    store = get(provider_id, key_schema, value_schema, version, conf, key_index_ordinal)
+    store = get(provider_id, key_schema, value_schema, version, conf, key_index_ordinal, commit_id=commit_id)
     _count(already_loaded)
     return store, already_loaded
 

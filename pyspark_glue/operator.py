@@ -25,9 +25,10 @@ How a micro-batch runs (``StatefulOperator.process(df, batch_id)``)
        task checks it before ``fn`` sees the batch (without that column): a row routed to
        the wrong task fails the task instead of updating another partition's keys.
     3. In the task of partition ``p``: the store of ``(operator, p)`` at version
-       ``batch_id`` comes from the worker's registry (loaded once per Python worker and kept
-       across batches); ``fn(store, batch)`` runs for every ``pyarrow.RecordBatch`` of the
-       partition (zero batches for an empty partition) and may return a record batch (the
+       ``batch_id`` (the attempt the record of batch ``batch_id - 1`` names: see "The batch
+       record" below) comes from the worker's registry (loaded once per Python worker and
+       kept across batches); ``fn(store, batch)`` runs for every ``pyarrow.RecordBatch`` of
+       the partition (zero batches for an empty partition) and may return a record batch (the
        operator's output) or None. If ``fn`` has a callable attribute ``finish``,
        ``fn.finish(store)`` runs once after the last batch (also for an empty partition)
        and may return a batch too: operators that emit one row per key per micro-batch use
@@ -38,8 +39,9 @@ How a micro-batch runs (``StatefulOperator.process(df, batch_id)``)
     4. Output, materialized once: each task writes its output batches to
        ``<checkpoint>/<operator>/_output/<batch_id>/part-<p>.parquet`` (a hidden temporary
        name, then a rename: Spark's reader ignores names starting with ``.``), and tasks
-       return only a one-row status each. ``process`` runs that job once, eagerly, and
-       returns ``spark.read.parquet`` of the directory.
+       return only a one-row status each (counts, timings, and the store's new commit id).
+       ``process`` runs that job once, eagerly, records the batch (below), and returns
+       ``spark.read.parquet`` of the directory.
 
 Why materialize to files
     ``process`` must return a DataFrame whose rows were computed exactly once, however many
@@ -70,6 +72,23 @@ Exactly once
     also reloads when the coordinator says another worker was the last to load the store
     (a retried task that ran elsewhere). ``process`` must be called for every batch id, in
     order, as ``foreachBatch`` does: version ``batch_id`` must exist.
+
+The batch record: which attempt each batch builds on
+    Several attempts of one version can be on disk (a retried task, a zombie task that
+    commits late; ``docs/lineage.md``), and the store's default, the attempt renamed last,
+    need not be the one Spark kept. So each task's status row carries its store's new
+    ``commit_id`` (and the ``base_commit_id`` it opened), and once the batch's job has
+    succeeded the driver writes ``<checkpoint>/<operator>/_commits/<batch_id>`` (JSON,
+    atomically; :data:`COMMITS_DIR`): ``format``, ``batch_id``, ``version`` (``batch_id +
+    1``), ``num_partitions``, ``store_name``, ``run_id``, and ``commit_ids`` and
+    ``base_commit_ids``, one 16-hex id per partition. The tasks of batch ``b`` open
+    version ``b`` at the ids of record ``b - 1`` (batch 0 opens the empty version 0); with
+    no such record (a checkpoint written before records existed) they open the default
+    lineage. Before batch ``b`` runs, the records of batches ``>= b`` are deleted (a
+    re-execution's commits delete the files those name), and record ``b`` is written only
+    by a job that succeeded; records more than ``min_versions_to_retain`` batches old are
+    deleted (their versions' files go too). :func:`~pyspark_glue.read_state` reads at the
+    newest record.
 
 Query runs and the coordinator
     The run id that stores are loaded under is the streaming query's own ``runId`` when
@@ -119,20 +138,24 @@ from statecore import registry
 from statecore.conf import StateStoreConf
 from statecore.errors import SchemaMismatchError
 from statecore.files import open_store_files
+from statecore.lineage import ROOT_COMMIT_ID
 from statecore.metrics import StateStoreMetrics
 from statecore.schema import RowSchema, as_schema, key_value_schemas
 
 from pyspark_glue import executor
+from pyspark_glue.logs import EpochLog, checked_commit_ids
 from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
 
 __all__ = ["StatefulOperator", "RunningAggregate", "columns_from_arrow", "keys_from_arrow", "column_to_numpy",
            "to_record_batch", "numpy_to_arrow", "arrow_type_of", "spark_type_of", "spark_schema_of",
-           "group_rows", "conform_output", "OPERATOR_METADATA_FILE", "OUTPUT_DIR", "PARTITION_COLUMN"]
+           "group_rows", "conform_output", "OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "PARTITION_COLUMN",
+           "commit_log", "read_commit_record"]
 
 log = logging.getLogger(__name__)
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
+COMMITS_DIR = "_commits"  # <checkpoint>/<operator_id>/_commits/<batch_id>: the batch record
 # The partition each row's key hashes to, computed by Spark after the operator's repartition
 # and checked in the task (then dropped): a wrong routing fails the task instead of updating
 # another partition's keys.
@@ -140,6 +163,7 @@ PARTITION_COLUMN = "__statecore_partition"
 # Columns of the per-batch partial aggregate RunningAggregate.prepare hands to its tasks.
 PARTIAL_COUNT, PARTIAL_SUM = "__statecore_count", "__statecore_sum"
 _METADATA_FORMAT = "statecore-operator-1"
+_RECORD_FORMAT = "statecore-operator-commit-1"
 _PROVIDER_CLASS_KEY = "spark.sql.streaming.stateStore.providerClass"
 
 # -- numpy <-> Arrow <-> Spark types -----------------------------------------------------------
@@ -506,12 +530,13 @@ class RunningAggregate:
 
 _STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
                "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
-               "write_s double, commit_s double, custom_metrics string")
+               "write_s double, commit_s double, custom_metrics string, commit_id string, base_commit_id string")
 _STATUS_SCHEMA = pa.schema([
     ("partition_id", pa.int32()), ("rows_in", pa.int64()), ("batches_in", pa.int32()), ("rows_out", pa.int64()),
     ("num_keys", pa.int64()), ("memory_used_bytes", pa.int64()), ("already_loaded", pa.bool_()),
     ("worker", pa.string()), ("open_s", pa.float64()), ("fn_s", pa.float64()), ("write_s", pa.float64()),
-    ("commit_s", pa.float64()), ("custom_metrics", pa.string()),
+    ("commit_s", pa.float64()), ("custom_metrics", pa.string()), ("commit_id", pa.string()),
+    ("base_commit_id", pa.string()),
 ])
 
 
@@ -630,7 +655,8 @@ def _run_partition(task, batches):
     provider_id = task.state_info.provider_id(partition_id, task.store_name)
     _retire_stale_instances(task, provider_id, coordinator)
     store, already_loaded = executor.open_store(provider_id, task.key_dtype, task.value_dtype,
-                                                task.state_info.store_version, task.conf)
+                                                task.state_info.store_version, task.conf,
+                                                commit_id=task.state_info.commit_id(partition_id))
     opened = time.perf_counter()
     fn = task.fn
     outputs, rows_in, batches_in = [], 0, 0
@@ -664,7 +690,8 @@ def _run_partition(task, batches):
         "memory_used_bytes": [metrics.memory_used_bytes], "already_loaded": [already_loaded],
         "worker": [executor.worker_executor_id()], "open_s": [opened - started], "fn_s": [ran - opened],
         "write_s": [written - ran], "commit_s": [committed - written],
-        "custom_metrics": [json.dumps(metrics.custom_metrics)],
+        "custom_metrics": [json.dumps(metrics.custom_metrics)], "commit_id": [store.commit_id],
+        "base_commit_id": [store.base_commit_id],
     }
     yield pa.RecordBatch.from_pydict(status, schema=_STATUS_SCHEMA)
 
@@ -756,6 +783,28 @@ def _termination_listener_class():
                 log.warning("could not deactivate the state stores of run %s: %s", event.runId, e)
 
     return _DeactivateOnTermination
+
+
+def commit_log(operator_dir, storage_options=None):
+    """The batch records of the operator at ``operator_dir`` (``<checkpoint>/<operator_id>``)."""
+    return EpochLog(f"{operator_dir}/{COMMITS_DIR}", storage_options)
+
+
+def read_commit_record(records, batch_id):
+    """The record of ``batch_id`` in ``records`` (:func:`commit_log`), checked, its
+    ``commit_ids`` and ``base_commit_ids`` tuples; None if there is none. ValueError naming
+    the file if it is not a batch record."""
+    try:
+        record = records.read(batch_id)
+    except FileNotFoundError:
+        return None
+    where = records.path(batch_id)
+    if (not isinstance(record, dict) or record.get("format") != _RECORD_FORMAT
+            or record.get("batch_id") != batch_id or not isinstance(record.get("num_partitions"), int)):
+        raise ValueError(f"{where} is not the record of batch {batch_id} of a statecore operator")
+    for ids in ("commit_ids", "base_commit_ids"):
+        record[ids] = checked_commit_ids(record.get(ids), record["num_partitions"], where)
+    return record
 
 
 class StatefulOperator:
@@ -1051,8 +1100,11 @@ class StatefulOperator:
         self._resolve(spark)
         self._check_metadata(df)
         run_id, generation, re_execution = self._run_for(df, batch_id)
+        records = self.commit_log()
+        recorded = records.epochs()
+        records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them (module docstring)
         state_info = StatefulOperatorStateInfo(self.checkpoint_location, run_id, self.operator_id, batch_id,
-                                               self.num_partitions)
+                                               self.num_partitions, self._base_commit_ids(batch_id))
         output_dir = self.output_dir(batch_id) if self._arrow_schema is not None else None
         coordinator = self.coordinator
         task = _PartitionTask(
@@ -1076,6 +1128,8 @@ class StatefulOperator:
         if seen != list(range(self.num_partitions)):
             raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: expected one task per partition "
                                f"0..{self.num_partitions - 1}, got partitions {seen}")
+        self._record_batch(records, state_info, statuses)
+        records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
         self._record_progress(batch_id, run_id, statuses, re_execution, seconds)
         self._clean_outputs(batch_id)
         if output_dir is None:
@@ -1086,6 +1140,46 @@ class StatefulOperator:
         self.last_progress["driver_s"] = {"before_job": started - begun, "job": seconds,
                                           "after_job": time.perf_counter() - started - seconds}
         return out
+
+    # -- the batch record ------------------------------------------------------------------------------
+
+    def commit_log(self):
+        """The operator's batch records (module docstring, "The batch record")."""
+        conf = self.conf if self._resolved else self._conf_arg  # before the first process: the conf given
+        if isinstance(conf, dict):
+            conf = StateStoreConf.from_spark_conf(conf)
+        return commit_log(self.operator_dir, None if conf is None else conf.storage_options)
+
+    def commit_record(self, batch_id):
+        """The record of ``batch_id`` (a dict; ``commit_ids`` and ``base_commit_ids`` are
+        tuples, one id per partition), or None if there is none."""
+        return read_commit_record(self.commit_log(), batch_id)
+
+    def _base_commit_ids(self, batch_id):
+        """Per partition, the attempt of version ``batch_id`` the batch's tasks open: the
+        winners recorded for ``batch_id - 1``; None (the default lineage) without a record."""
+        if batch_id == 0:
+            return (ROOT_COMMIT_ID.hex(),) * self.num_partitions
+        record = self.commit_record(batch_id - 1)
+        if record is None:
+            log.info("operator %s: no record of batch %d under %s; batch %d opens the default lineage",
+                     self.operator_id, batch_id - 1, self.commit_log().location, batch_id)
+            return None
+        return record["commit_ids"]
+
+    def _record_batch(self, records, state_info, statuses):
+        """Write the record of the batch whose job just succeeded: each partition's winner."""
+        batch_id = state_info.store_version
+        if state_info.commit_ids is not None:
+            opened = tuple(s["base_commit_id"] for s in statuses)
+            if opened != state_info.commit_ids:
+                raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: the tasks opened version "
+                                   f"{batch_id} at {opened}, not at the recorded {state_info.commit_ids}")
+        records.write(batch_id, {
+            "format": _RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
+            "num_partitions": self.num_partitions, "store_name": self.store_name,
+            "run_id": str(state_info.query_run_id), "commit_ids": [s["commit_id"] for s in statuses],
+            "base_commit_ids": [s["base_commit_id"] for s in statuses]})
 
     def _routed(self, df):
         """``df`` (after ``fn.prepare``, if any) hash-partitioned by the key columns into the

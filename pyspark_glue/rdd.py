@@ -27,6 +27,16 @@ Re-execution
     the store supports re-reading version ``v`` after ``v + 1`` was committed and committing
     ``v + 1`` again, so a deterministic ``fn`` gives the same output and the same state.
 
+Which attempt of a version (``state_info.commit_ids``)
+    Several attempts of one version may be on disk (a retried task and a zombie that
+    committed late: ``docs/lineage.md``). Without ids, a store opens the default lineage
+    (the attempt renamed last). A driver that knows each partition's winner passes it in
+    ``StatefulOperatorStateInfo(..., commit_ids=[...])``: after ``store.commit()``,
+    ``store.commit_id`` is the new version's id, so ``fn`` can return it with its output
+    and the driver can hand the ids of the rows it collected (the attempts Spark kept) to
+    the next batch's state info. This module records nothing itself (an RDD's output is
+    the caller's); :class:`~pyspark_glue.StatefulOperator` does exactly that.
+
 Preferred locations (with ``coordinator=``)
     PySpark cannot override ``getPreferredLocations``; instead a one-element-per-partition
     "pilot" RDD is built on the JVM with ``SparkContext.makeRDD(Seq[(marker, locations)])``
@@ -75,6 +85,7 @@ from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId, StateStoreProviderId
 
 from pyspark_glue import executor
+from pyspark_glue.logs import checked_commit_ids
 
 __all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
            "preferred_locations", "load_count_accumulator", "ship_function_module"]
@@ -87,13 +98,17 @@ class StatefulOperatorStateInfo:
     """Where a stateful operator keeps its stores and which version a batch reads (Spark's
     ``StatefulOperatorStateInfo``). ``checkpoint_location`` is the state root (kept exactly
     as given); ``store_version`` is the version the batch's stores start from (the batch id
-    in a streaming query); ``num_partitions`` is the operator's fixed number of partitions."""
+    in a streaming query); ``num_partitions`` is the operator's fixed number of partitions;
+    ``commit_ids``, if given, names per partition the attempt of ``store_version`` to open
+    (16 hex digits each: what the driver recorded as the previous batch's winners, Spark
+    4's ``stateStoreCkptIds``); None opens the default lineage."""
 
     checkpoint_location: str
     query_run_id: uuid.UUID
     operator_id: int
     store_version: int
     num_partitions: int
+    commit_ids: tuple = None
 
     def __post_init__(self):
         if not isinstance(self.checkpoint_location, str) or not self.checkpoint_location:
@@ -106,6 +121,14 @@ class StatefulOperatorStateInfo:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.num_partitions == 0:
             raise ValueError("num_partitions must be >= 1")
+        if self.commit_ids is not None:
+            object.__setattr__(self, "commit_ids",
+                               checked_commit_ids(self.commit_ids, self.num_partitions, "commit_ids"))
+
+    def commit_id(self, partition_id):
+        """The attempt of ``store_version`` partition ``partition_id`` opens (None: the default
+        lineage)."""
+        return None if self.commit_ids is None else self.commit_ids[partition_id]
 
     def provider_id(self, partition_id, store_name=StateStoreId.DEFAULT_STORE_NAME):
         """The :class:`~statecore.StateStoreProviderId` of partition ``partition_id``."""
@@ -156,7 +179,8 @@ def _run_partition(partition_id, rows, fn, state_info, key_schema, value_schema,
     executor.ensure_worker_registry(coordinator_address, authkey)
     provider_id = state_info.provider_id(partition_id)
     store, already_loaded = executor.open_store(provider_id, key_schema, value_schema, state_info.store_version,
-                                                conf, read_only=read_only)
+                                                conf, read_only=read_only,
+                                                commit_id=state_info.commit_id(partition_id))
     if load_accumulator is not None:
         load_accumulator.add((1, 0) if already_loaded else (0, 1))
     key = id(store)

@@ -14,6 +14,15 @@ Spark has no unsigned integers, so uint8 -> short, uint16 -> int, uint32 -> long
 next wider signed type, every value exact) and uint64 -> decimal(20,0) (exact up to
 2**64 - 1; cast it to long yourself if you know the values fit).
 
+Which attempt of the version: several attempts of one version may be on disk, and the one
+that counts is the one the driver recorded (``docs/lineage.md``). When the operator's batch
+records exist (``<checkpoint_root>/<operator_id>/_commits/``, written by
+:class:`~pyspark_glue.StatefulOperator`), version ``v`` is read at the ids of the record of
+batch ``v - 1``, and the default version is the one the newest record committed. Without
+a record for it, a version is read along the default lineage (the attempt renamed last);
+``commit_ids=`` names the attempts explicitly (continuous mode's
+``query.committed_commit_ids``).
+
 The read runs on the executors, one task per partition, each opening its own read-only
 provider from the files (no registry, so no maintenance thread and nothing written), and
 streaming Arrow batches of ``rows_per_batch`` rows. The DataFrame is lazy: every action
@@ -30,7 +39,9 @@ from statecore.files import open_store_files
 from statecore.ids import StateStoreId
 from statecore.store import SCHEMA_FILE, create_and_init_provider, read_store_schemas
 
-from pyspark_glue.operator import OPERATOR_METADATA_FILE, spark_schema_of, to_record_batch
+from pyspark_glue.logs import checked_commit_ids
+from pyspark_glue.operator import (OPERATOR_METADATA_FILE, commit_log, read_commit_record, spark_schema_of,
+                                   to_record_batch)
 
 __all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN"]
 
@@ -83,8 +94,7 @@ def state_partitions(checkpoint_root, operator_id, store_name="default", conf=No
     for p in _partition_ids(checkpoint_root, operator_id, conf.storage_options):
         location = StateStoreId(checkpoint_root, operator_id, p, store_name).store_checkpoint_location()
         files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
-        deltas, snapshots = files.list_versions()
-        found[p] = max([0, *deltas, *snapshots])
+        found[p] = files.list_versions().top
         recorded = read_store_schemas(files)
         if recorded is None:
             continue
@@ -100,9 +110,10 @@ def state_partitions(checkpoint_root, operator_id, store_name="default", conf=No
     return key, value, found
 
 
-def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, version, conf,
-                     rows_per_batch):
-    """The task body: for each index in the ids it is given, the rows of that partition."""
+def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, version,
+                     commit_ids, conf, rows_per_batch):
+    """The task body: for each index in the ids it is given, the rows of that partition
+    (at ``commit_ids[p]``, if given)."""
     def run(batches):
         for batch in batches:
             for index in batch.column(0).to_pylist():
@@ -110,7 +121,7 @@ def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_d
                 store_id = StateStoreId(checkpoint_root, operator_id, p, store_name)
                 provider = create_and_init_provider(store_id, key_dtype, value_dtype, conf)
                 try:
-                    store = provider.get_read_store(version)
+                    store = provider.get_read_store(version, None if commit_ids is None else commit_ids[p])
                     try:
                         for keys, values in store.iter_batches(rows_per_batch):
                             yield to_record_batch(keys, values, **{PARTITION_ID_COLUMN: p})
@@ -121,10 +132,10 @@ def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_d
     return run
 
 
-def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, conf=None,
-               rows_per_batch=65536):
+def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, batch_id=None,
+               commit_ids=None, conf=None, rows_per_batch=65536):
     """The state of operator ``operator_id`` at ``version`` as a DataFrame (see the module
-    docstring for columns and types).
+    docstring for columns, types, and which attempt of the version is read).
 
     Parameters
     ----------
@@ -134,8 +145,14 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
     operator_id : int
     store_name : str, default "default"
     version : int, optional
-        Default: the latest version every partition has (the newest complete batch: a
+        Default: the version the operator's newest batch record committed; without
+        records, the latest version every partition has (the newest complete batch: a
         batch that failed half-way has committed only some partitions).
+    batch_id : int, optional
+        Instead of ``version``: the state after batch ``batch_id`` (version ``batch_id + 1``).
+    commit_ids : sequence of str, optional
+        The attempt of ``version`` to read, per partition (16 hex digits each; index =
+        partition id); ``version`` must be given. Default: the batch record's, if any.
     conf : StateStoreConf or dict, optional
         For the storage options of a remote checkpoint.
     rows_per_batch : int, default 65536
@@ -148,7 +165,8 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         ``version`` is newer than some partition's newest version (or its files are gone,
         found when the read runs).
     ValueError
-        A field name repeats across key and value, or is ``partition_id``.
+        A field name repeats across key and value, or is ``partition_id``; a bad
+        ``version``, ``batch_id`` or ``commit_ids``; an unreadable batch record.
     """
     if conf is None:
         conf = StateStoreConf()
@@ -156,6 +174,15 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         conf = StateStoreConf.from_spark_conf(conf)
     if not isinstance(operator_id, int) or operator_id < 0:
         raise ValueError(f"operator_id must be an int >= 0, got {operator_id!r}")
+    for name, value in (("version", version), ("batch_id", batch_id)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if batch_id is not None:
+        if version is not None:
+            raise ValueError("give version or batch_id, not both")
+        version = batch_id + 1
+    if commit_ids is not None and version is None:
+        raise ValueError("commit_ids name attempts of one version: give the version too")
     key, value, latest = state_partitions(checkpoint_root, operator_id, store_name, conf)
     names = [*key.names, *value.names, PARTITION_ID_COLUMN]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -163,22 +190,50 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         raise ValueError(f"the state of operator {operator_id} cannot be flattened: field name(s) {duplicates} "
                          f"repeat across the key fields {key.names}, the value fields {value.names} and "
                          f"'{PARTITION_ID_COLUMN}'")
+    partitions = sorted(latest)
+    if commit_ids is None:
+        version, commit_ids = _recorded(checkpoint_root, operator_id, store_name, version, conf)
+    else:
+        commit_ids = checked_commit_ids(commit_ids, len(commit_ids), "commit_ids")
     newest_common = min(latest.values())
     if version is None:
         version = newest_common
-    elif not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ValueError(f"version must be an int >= 0, got {version!r}")
     elif version > newest_common:
         behind = sorted(p for p, v in latest.items() if v < version)
         raise VersionNotFoundError(
             f"version {version} of operator {operator_id} under {checkpoint_root} does not exist in partition(s) "
             f"{behind} (their newest: {sorted({latest[p] for p in behind})}); the newest version every "
             f"partition has is {newest_common}")
+    if commit_ids is not None:
+        missing = [p for p in partitions if p >= len(commit_ids)]
+        if missing:
+            raise ValueError(f"{len(commit_ids)} commit ids for operator {operator_id}, which has partition(s) "
+                             f"{missing}")
+        commit_ids = {p: commit_ids[p] for p in partitions}
     from pyspark.sql import types as T
 
     schema = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())])
-    partitions = sorted(latest)
     run = _read_partitions(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, version,
-                           conf, rows_per_batch)
+                           commit_ids, conf, rows_per_batch)
     n = len(partitions)
     return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)
+
+
+def _recorded(checkpoint_root, operator_id, store_name, version, conf):
+    """``(version, commit_ids)`` the operator's batch records name for ``version`` (None:
+    the newest record's), or ``(version, None)`` where there is no such record (a version
+    0, a checkpoint without records, a record already deleted)."""
+    records = commit_log(_operator_dir(checkpoint_root, operator_id), conf.storage_options)
+    if version is None:
+        newest = records.latest()
+        if newest is None:
+            return None, None
+        batch = newest
+    elif version == 0:
+        return 0, None
+    else:
+        batch = version - 1
+    record = read_commit_record(records, batch)
+    if record is None or record.get("store_name") != store_name:
+        return version, None
+    return batch + 1, record["commit_ids"]

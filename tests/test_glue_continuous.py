@@ -4,6 +4,7 @@ with a forced failure, a manual restart, a stop and a resume, and an automatic r
 each checked for exactly-once state and output; the refusal when partitions exceed the
 cores; and the coordinator's backlog limit stopping the query with Spark's message."""
 import os
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from statecore.lineage import parse_name
 
+from pyspark_glue import read_state
 from pyspark_glue.continuous import (COMMITS_DIR, OFFSETS_DIR, ContinuousQueryException, EpochLog, EpochSink,
                                      FileSource, GeneratorSource)
 
@@ -173,15 +176,50 @@ def expected_state(source, offsets):
     return out
 
 
-def state_from_files(state_root, num_partitions, version):
+def state_from_files(state_root, num_partitions, version, commit_ids=None):
+    """The state at ``version``: each partition at ``commit_ids[p]`` (default: the default lineage)."""
     out = {}
     for p in range(num_partitions):
         provider = create_and_init_provider(StateStoreId(state_root, 0, p), KEY, VALUE, StateStoreConf())
-        store = provider.get_read_store(version)
+        store = provider.get_read_store(version, None if commit_ids is None else commit_ids[p])
         out.update({k[0]: tuple(v) for k, v in store.iterator()})
         store.abort()
         provider.close()
     return out
+
+
+def recorded_ids(checkpoint, epoch):
+    """The commit ids the commits log recorded for ``epoch`` (None for epoch 0: the empty state)."""
+    return EpochLog(os.path.join(checkpoint, COMMITS_DIR)).read(epoch)["commit_ids"] if epoch else None
+
+
+JUNK_KEY = 10**9
+
+
+def plant_default_attempt(tmp_path, state_root, version, parent_id):
+    """Another attempt of ``version`` in partition 0, with JUNK_KEY, that the driver never
+    recorded: made on a copy of the files of the versions below (opened at the recorded
+    ``parent_id``, so it chains onto the live lineage) and moved into the store directory.
+    It is the newest file there (the newer files of the uncommitted epoch are removed, as a
+    restart would), so the default lineage of ``version`` is now this attempt."""
+    live = os.path.join(state_root, "0", "0")
+    scratch_root = str(tmp_path / "zombie")
+    scratch = os.path.join(scratch_root, "0", "0")
+    os.makedirs(scratch)
+    for name in os.listdir(live):
+        f = parse_name(name)
+        if f is not None and f.version > version:
+            os.remove(os.path.join(live, name))
+        elif (f is None or f.version < version) and not name.startswith("."):
+            shutil.copy(os.path.join(live, name), scratch)
+    provider = create_and_init_provider(StateStoreId(scratch_root, 0, 0), KEY, VALUE, StateStoreConf())
+    store = provider.get_store(version - 1, parent_id)
+    store.put((JUNK_KEY,), (1, 1))
+    store.commit()
+    provider.close()
+    (name,) = [n for n in os.listdir(scratch) if getattr(parse_name(n), "version", None) == version]
+    shutil.copy(os.path.join(scratch, name), os.path.join(live, f".{name}.tmp"))
+    os.replace(os.path.join(live, f".{name}.tmp"), os.path.join(live, name))
 
 
 def check_exactly_once(query, source):
@@ -209,8 +247,14 @@ def check_exactly_once(query, source):
             mine = offset[(epoch == e) & (partition == p)]
             assert mine.tolist() == list(range(offsets[e - 1][p], offsets[e][p])), f"epoch {e} partition {p}"
     assert len(offset) == sum(offsets[committed])  # nothing else: no duplicate, no stray epoch
-    assert state_from_files(query.state_root, source.num_partitions, committed) == expected_state(
-        source, offsets[committed])
+    assert query.committed_commit_ids == (tuple(recorded_ids(checkpoint, committed)) if committed
+                                          else ("0" * 16,) * source.num_partitions)
+    assert state_from_files(query.state_root, source.num_partitions, committed,
+                            recorded_ids(checkpoint, committed)) == expected_state(source, offsets[committed])
+
+
+def as_state(df):
+    return {r["key"]: (r["count"], r["sum"]) for r in df.collect()}
 
 
 def all_rows_committed(rows):
@@ -245,6 +289,16 @@ def test_failure_restart_stop_resume_is_exactly_once(spark, tmp_path):
     assert resumed.last_committed_epoch >= first + 3
     check_exactly_once(resumed, source)
 
+    # An attempt of the last committed epoch that the driver did not record becomes the
+    # default lineage: a reader without the ids would see it; the restart must not.
+    second = resumed.last_committed_epoch
+    plant_default_attempt(tmp_path, resumed.state_root, second, recorded_ids(checkpoint, second - 1)[0])
+    assert JUNK_KEY in state_from_files(resumed.state_root, 2, second)
+    committed = expected_state(source, resumed.committed_offsets)
+    assert state_from_files(resumed.state_root, 2, second, recorded_ids(checkpoint, second)) == committed
+    assert as_state(read_state(spark, resumed.state_root, 0, version=second,
+                               commit_ids=resumed.committed_commit_ids)) == committed
+
     final = start(spark, checkpoint, source, EchoAggregate(checkpoint))  # resumes after the stop
     try:
         assert final.wait_for(all_rows_committed(rows), DEADLINE_S), final.exception()
@@ -252,7 +306,8 @@ def test_failure_restart_stop_resume_is_exactly_once(spark, tmp_path):
         final.stop()
     assert final.exception() is None
     check_exactly_once(final, source)
-    assert state_from_files(final.state_root, 2, final.last_committed_epoch) == expected_state(source, [rows, rows])
+    assert state_from_files(final.state_root, 2, final.last_committed_epoch,
+                            recorded_ids(checkpoint, final.last_committed_epoch)) == expected_state(source, [rows, rows])
 
 @pytest.mark.spark
 def test_max_restarts_restarts_the_query_from_its_checkpoint(spark, tmp_path):

@@ -14,6 +14,8 @@ import pytest
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider
 from statecore.errors import SchemaMismatchError
 
+from tests.state_files import version_names
+
 KEY = np.dtype([("user", "<i8"), ("region", "S4")])
 REGIONS = np.array(["eu", "us", "apac", "latm"])
 INPUT_DDL = "user long, region string, amount long"
@@ -49,7 +51,7 @@ def state_dict(df):
 
 
 def delta_exists(root, partition, version, operator_id=0):
-    return os.path.exists(os.path.join(root, str(operator_id), str(partition), f"{version}.delta"))
+    return f"{version}.delta" in version_names(os.path.join(root, str(operator_id), str(partition)))
 
 
 def make_operator(state_root, fn=None, num_partitions=4, **kwargs):

@@ -15,12 +15,14 @@ import pytest
 
 from statecore import IllegalStateError, StateStoreConf, registry
 from statecore.coordinator import StateStoreCoordinatorRef
+from statecore.errors import VersionNotFoundError
 from statecore.rpc import RpcEnv, RpcError
 
 from pyspark_glue import driver, executor
 from pyspark_glue import rdd as glue
 from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
                               map_partitions_with_state_store)
+from tests.state_files import short_name, version_names
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("count", "<i8")])
@@ -168,7 +170,7 @@ def test_store_is_aborted_when_the_output_ends_fails_or_is_dropped(tmp_path):
     assert list(_task(tmp_path, run, 0, _capture_store(stores, bump_counts_no_commit), [1, 2])) == [(1, 1), (2, 1)]
     with pytest.raises(IllegalStateError):
         stores[-1].put(1, (1,))
-    assert not os.path.exists(tmp_path / "0" / "0" / "1.delta")
+    assert "1.delta" not in version_names(tmp_path / "0" / "0")
     # fn raises half way: aborted, the error propagates.
     def failing(store, rows):
         store.put(1, (5,))
@@ -190,11 +192,44 @@ def test_store_is_aborted_when_the_output_ends_fails_or_is_dropped(tmp_path):
     assert [k for k, _, _ in _task(tmp_path, run, 0, _capture_store(stores, bump_counts), [4, 4])] == [4]
     assert stores[-1].has_committed
     assert list(_task(tmp_path, run, 1, dump_state, [], read_only=True)) == [(4, 2)]
-    assert files_of(tmp_path / "0" / "0") == ["1.delta", "_statecore.schema.json"]
+    assert version_names(tmp_path / "0" / "0") == ["1.delta", "_statecore.schema.json"]
     assert executor.load_counts() == {"already_loaded": 4, "loaded_from_files": 1}  # one provider, 5 opens
     # fn must return something iterable.
     with pytest.raises(TypeError, match="iterator"):
         list(_task(tmp_path, run, 1, lambda store, rows: None, []))
+
+
+def open_then_commit(store, rows):
+    """Yields once its store is open; then puts each row's key with count 1, commits, and
+    yields the new version's commit id (what a driver collects to name the winners)."""
+    yield "opened"
+    for row in rows:
+        store.put(int(row), (1,))
+    store.commit()
+    yield store.commit_id
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_state_info_commit_ids_name_the_attempt_each_partition_opens(tmp_path):
+    run = uuid.uuid4()
+    first = _task(tmp_path, run, 0, open_then_commit, [1])
+    second = _task(tmp_path, run, 0, open_then_commit, [2])
+    assert next(first) == next(second) == "opened"  # two attempts of one batch, both open
+    (first_id,), (second_id,) = list(first), list(second)  # both commit version 1
+    assert version_names(tmp_path / "0" / "0").count("1.delta") == 2
+
+    def state_at_attempt(commit_id):
+        chosen = StatefulOperatorStateInfo(str(tmp_path), run, 0, 1, 1, commit_ids=[commit_id])
+        return list(glue._run_partition(0, iter([]), dump_state, chosen, KEY, VALUE, CONF, None, None, True, None))
+
+    assert state_at_attempt(first_id) == [(1, 1)] and state_at_attempt(second_id) == [(2, 1)]
+    assert list(_task(tmp_path, run, 1, dump_state, [], read_only=True)) in ([(1, 1)], [(2, 1)])  # the default
+    with pytest.raises(VersionNotFoundError):
+        state_at_attempt("0123456789abcdef")
+    with pytest.raises(ValueError, match="expected 1 commit ids"):
+        StatefulOperatorStateInfo(str(tmp_path), run, 0, 1, 1, commit_ids=[first_id, second_id])
+    with pytest.raises(ValueError, match="16 hex digits"):
+        StatefulOperatorStateInfo(str(tmp_path), run, 0, 1, 1, commit_ids=["nope"])
 
 
 @pytest.mark.usefixtures("clean_registry")
@@ -288,7 +323,7 @@ def test_versions_advance_and_earlier_ones_stay_unchanged(spark, tmp_path):
         assert state_at(sc, tmp_path, run, version) == want
     assert state_at(sc, tmp_path, run, 0) == {}
     for p in range(PARTS):
-        assert {"1.delta", "2.delta", "3.delta"} <= set(os.listdir(tmp_path / "0" / str(p)))
+        assert {"1.delta", "2.delta", "3.delta"} <= set(version_names(tmp_path / "0" / str(p)))
 
 
 @pytest.mark.spark
@@ -331,7 +366,7 @@ def test_gets_only_tasks_abort_and_write_nothing(spark, tmp_path):
                                           KEY, VALUE, CONF).collect()
     assert sorted(out) == [(3, 4), (17, 3), (99, 1)]
     assert files_of(tmp_path) == before
-    assert not any(name.endswith("2.delta") for name in before)
+    assert not any(short_name(name).endswith("2.delta") for name in before)
     assert state_at(sc, tmp_path, run, 1) == expected_counts(BATCHES[0])
     # Version 1 is still the one to build on.
     out = map_partitions_with_state_store(keys_rdd(sc, [3]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,

@@ -1,13 +1,16 @@
 """read_state on real Spark (local[2]) over stores written with the engine directly: column
 names and Spark types (S<n> as binary without trailing NULs, unsigned integers widened),
-values, partition ids, a given version, the default version, and the errors."""
+values, partition ids, a given version or batch, named commit ids, the default version, and
+the errors."""
 import decimal
+import os
 
 import numpy as np
 import pytest
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.errors import VersionNotFoundError
+from statecore.files import StoreFiles
 
 KEY = np.dtype([("name", "S6"), ("id", "<u2")])
 VALUE = np.dtype([("u8", "u1"), ("u32", "<u4"), ("u64", "<u8"), ("i8", "i1"), ("i16", "<i2"), ("i32", "<i4"),
@@ -102,6 +105,22 @@ def test_read_state_versions(spark, tmp_path):
     assert read_state(spark, root, 3, version=0).count() == 0
     with pytest.raises(VersionNotFoundError, match=r"version 3 .*partition\(s\) \[1\]"):
         read_state(spark, root, 3, version=3)
+    # No batch records here (stores written directly): batch_id b is version b + 1, and
+    # commit_ids name the attempts explicitly.
+    assert as_dict(read_state(spark, root, 3, batch_id=0)) == normalize(expected([0, 1], 1))
+    ids = [StoreFiles(os.path.join(root, "3", str(p))).list_versions().of("delta", 2)[0].commit_id.hex()
+           for p in range(2)]
+    assert as_dict(read_state(spark, root, 3, version=2, commit_ids=ids)) == normalize(expected([0, 1], 2))
+    with pytest.raises(Exception, match="VersionNotFoundError"):  # found by the tasks
+        read_state(spark, root, 3, version=2, commit_ids=["0123456789abcdef"] * 2).collect()
+    with pytest.raises(ValueError, match="not both"):
+        read_state(spark, root, 3, version=1, batch_id=0)
+    with pytest.raises(ValueError, match="give the version too"):
+        read_state(spark, root, 3, commit_ids=ids)
+    three = str(tmp_path / "three")
+    write_versions(three, [1, 1, 1])
+    with pytest.raises(ValueError, match=r"2 commit ids .* partition\(s\) \[2\]"):
+        read_state(spark, three, 3, version=1, commit_ids=ids)
 
 
 @pytest.mark.spark
