@@ -10,10 +10,9 @@ a snapshot or to version 0. Names of the previous layout (``<v>.delta``) are sti
 their id is taken from the file's checked header.
 
 Which attempt of ``v`` is meant: the one the caller names (the driver records each batch's
-winner), else the *default lineage*: the chain that ends at the newest version on disk
-(the newest version that has a delta; among several attempts of it, the one renamed
-into place last). The
-rules that keep the default right are the committer's (``docs/provider-rules.md``).
+winner), else the *default lineage*: the chain that ends at the newest version that has a
+delta (among several attempts of it, the one whose delta was written last). The rules that
+keep the default right are the committer's (``docs/provider-rules.md``).
 
 This module only reasons over names and ids; headers are read through the callable the
 provider passes in, which checks them.
@@ -132,7 +131,8 @@ class Chain:
 
     def default_top(self):
         """``(version, commit_id)`` where the default lineage ends: the newest version with a
-        delta, and among its attempts the one renamed into place last (ties: the larger name);
+        delta, and among its attempts the one whose file was written last (its modification
+        time; ties: the larger name);
         ``(0, ROOT_COMMIT_ID)`` for an empty directory. A snapshot alone never makes an
         attempt the default (a late snapshot of an abandoned attempt is just a file)."""
         deltas = self.listing.versions("delta")
