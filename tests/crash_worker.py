@@ -11,10 +11,17 @@ whose maintenance thread runs every few milliseconds). It prints ``ready`` once 
 is open, so that the parent can time its kill from there.
 
 ``--die STEP:PATTERN:NTH[:BYTES]`` makes the process SIGKILL itself at the NTH (1-based) time
-the file step STEP (``write``, ``flush``, ``fsync``, ``rename``, ``delete``, or ``recorded``:
-after a commit returned, before the side file is written) runs on a file matching PATTERN;
-for ``write``, after BYTES bytes of the file went through. That pins the crash points a
-random kill only reaches by luck.
+the step STEP runs on a file matching PATTERN. The steps follow a commit's order: ``write``
+(the delta is encoded on the commit's writer thread; after BYTES bytes of the file went
+through, or when the callback returns if it writes fewer), ``flush``, ``fsync`` (the
+temporary file is whole, not yet durable), ``merged`` (after the commit's merge into memory
+returned, on the committing thread; PATTERN is ignored: the writer thread may still be
+writing), ``rename`` (the delta is durable and merged, not yet renamed), ``published``
+(renamed into place and the directory fsynced: before the commit deletes what it supersedes
+and returns), ``delete`` (before a delete: a re-execution's supersede or cleanup), and
+``recorded`` (after a commit returned, before the side file is written). Snapshots go
+through ``write``, ``flush``, ``fsync``, ``rename`` and ``published`` too. That pins the crash
+points a random kill only reaches by luck.
 
 The batches are a pure function of ``(seed, version)``: the parent replays them into a dict
 to know what every version must hold.
@@ -98,9 +105,35 @@ def _install_die(spec):
     after_bytes = int(parts[3]) if len(parts) > 3 else 0
     if step == "recorded":
         return pattern, nth
+    import threading
+
     import statecore.files as files_module
 
     seen = [0]
+    lock = threading.Lock()  # the writer thread and the maintenance thread count too
+
+    def hit(s, name):
+        if s == step and (step == "merged" or fnmatch.fnmatchcase(name, pattern)):
+            with lock:
+                seen[0] += 1
+                return seen[0] == nth
+        return False
+
+    if step == "merged":
+        from statecore.layers import State
+
+        merge = State.merge
+
+        def dying_merge(self, *args, **kwargs):
+            out = merge(self, *args, **kwargs)
+            if hit("merged", None):
+                _die()
+            return out
+
+        State.merge = dying_merge
+        return None
+
+    armed = {}  # file name -> its dying writer, until it fired or the file was flushed
 
     class _DyingWriter:
         def __init__(self, f):
@@ -120,20 +153,23 @@ def _install_die(spec):
             return getattr(self._f, attr)
 
     class DyingFiles(files_module.StoreFiles):
-        def _hit(self, s, name):
-            if s == step and fnmatch.fnmatchcase(name, pattern):
-                seen[0] += 1
-                return seen[0] == nth
-            return False
-
         def _step(self, s, name):
-            if self._hit(s, name):
+            if s == "flush" and armed.pop(name, None) is not None:
+                _die()  # the callback wrote fewer than BYTES bytes: the write ends here
+            if hit(s, name):
                 _die()
 
         def _writer(self, f, name):
-            if self._hit("write", name):
-                return _DyingWriter(f)
+            if hit("write", name):
+                writer = armed[name] = _DyingWriter(f)
+                return writer
             return f
+
+        def _publish(self, pending, overwrite):
+            size = super()._publish(pending, overwrite)
+            if hit("published", pending.name):
+                _die()
+            return size
 
     def open_store_files(location, storage_options=None, local_cache_dir=None):
         return DyingFiles(location, storage_options, local_cache_dir)

@@ -1,4 +1,5 @@
-"""StoreFiles: Spark's listing rule, atomic writes under injected faults, reads, deletes, mapping."""
+"""StoreFiles: the version files' naming rules and listings, atomic and pending writes under injected
+faults, durable directories, refused locations, reads, deletes, mapping and cache copies."""
 import logging
 import os
 import threading
@@ -9,7 +10,8 @@ import fsspec
 import pytest
 
 import statecore.files
-from statecore.files import FaultInjectingFiles, StoreFiles, open_store_files
+from statecore.files import FaultInjectingFiles, PendingFile, StoreFiles, open_store_files
+from statecore.lineage import Listing, VersionFile, parse_name
 
 LOGGER = "statecore.files"
 
@@ -81,44 +83,111 @@ def test_open_store_files_is_the_factory(tmp_path):
 
 
 # -- listing ---------------------------------------------------------------------------------
+ID_A, ID_B, ID_C = "0123456789abcdef", "fedcba9876543210", "00000000000000ff"
 
-def test_listing_follows_sparks_two_part_rule(location, caplog):
+
+def listed(listing):
+    """A Listing as sorted (version, commit id hex or None, kind, name) tuples."""
+    return sorted((f.version, f.commit_id.hex() if f.commit_id is not None else None, f.kind, f.name)
+                  for f in listing)
+
+
+def by_name(f):
+    return f.name
+
+
+def test_listing_follows_the_naming_rules(location, caplog):
     files = StoreFiles(location)
     files.mkdirs()
-    for name in ["1.delta", "2.DELTA", "3.delta", "3.snapshot", "4.Snapshot", "10.delta",
-                 ".5.delta.0f1e.tmp", "5.delta.tmp", "6", "abc.delta", "7.txt", "-1.delta",
-                 "+8.delta", "1e3.delta"]:
+    versions = [f"1_{ID_A}.delta", f"1_{ID_B}.delta", "2.DELTA", f"3_{ID_C}.Snapshot", "3.snapshot",
+                f"10_{ID_A}.delta", "007.delta", f"{2**63 - 1}.delta"]
+    # names that look like <x>.delta or <x>.snapshot but are no version: logged, ignored
+    logged = ["abc.delta", "-1.delta", "+8.delta", "1e3.delta", f"5_{ID_A.upper()}.delta",
+              f"5_{ID_A[:15]}.delta", f"5_{ID_A}0.delta", f"5-{ID_A}.delta", "\u0663.delta",
+              "\uff15.snapshot", f"{2**63}.delta", f"_{ID_A}.delta", "5_.delta"]
+    # other names: ignored quietly
+    quiet = [f".5_{ID_A}.delta.{'0f' * 16}.tmp", "5.delta.tmp", "6", "7.txt", f"5_{ID_A}.delta.bak",
+             "_statecore.schema.json", "8.deltas"]
+    for name in versions + logged + quiet:
         put_raw(files, name)
     put_raw(files, "_metadata/schema")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        deltas, snapshots = files.list_versions()
-    assert deltas == {1: "1.delta", 2: "2.DELTA", 3: "3.delta", 10: "10.delta"}
-    assert list(deltas) == [1, 2, 3, 10]
-    assert snapshots == {3: "3.snapshot", 4: "4.Snapshot"}
+        listing = files.list_versions()
+    assert isinstance(listing, Listing)
+    a, b, c = bytes.fromhex(ID_A), bytes.fromhex(ID_B), bytes.fromhex(ID_C)
+    assert sorted(listing.of("delta", 1), key=by_name) == [VersionFile(1, a, "delta", f"1_{ID_A}.delta"),
+                                                            VersionFile(1, b, "delta", f"1_{ID_B}.delta")]
+    assert list(listing.of("delta", 2)) == [VersionFile(2, None, "delta", "2.DELTA")]  # kind: any case
+    assert sorted(listing.of("snapshot", 3), key=by_name) == [
+        VersionFile(3, None, "snapshot", "3.snapshot"), VersionFile(3, c, "snapshot", f"3_{ID_C}.Snapshot")]
+    assert list(listing.of("delta", 7)) == [VersionFile(7, None, "delta", "007.delta")]
+    assert list(listing.of("delta", 3)) == [] and list(listing.of("snapshot", 1)) == []
+    assert listing.versions("delta") == [1, 2, 7, 10, 2**63 - 1]
+    assert listing.versions("snapshot") == [3]
+    assert listing.versions() == [1, 2, 3, 7, 10, 2**63 - 1]
+    assert listing.top == 2**63 - 1
+    assert listing.names == frozenset(versions)
+    assert sorted(f.name for f in listing) == sorted(versions)
+    assert sorted(f.name for f in listing.newer_than(7)) == [f"10_{ID_A}.delta", f"{2**63 - 1}.delta"]
     warned = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(warned) == 5 and all(m.startswith("Could not identify file ") for m in warned)
-    for name in ["abc.delta", "7.txt", "-1.delta", "+8.delta", "1e3.delta"]:
-        assert any(files.path(name) in m for m in warned), name
+    assert all(m.startswith("Could not identify file ") for m in warned), warned
+    assert sorted(warned) == sorted(f"Could not identify file {files.path(n)} in store directory "
+                                    f"{files.path(n).rsplit('/', 1)[0]}; ignoring it" for n in logged)
 
 
-def test_same_version_under_two_names_keeps_the_canonical_one(tmp_path, caplog):
+@pytest.mark.parametrize("name,expected", [
+    (f"5_{ID_A}.delta", (5, bytes.fromhex(ID_A), "delta")),
+    (f"5_{ID_A}.SNAPSHOT", (5, bytes.fromhex(ID_A), "snapshot")),
+    ("12.delta", (12, None, "delta")),
+    ("0012.Delta", (12, None, "delta")),
+    ("0.snapshot", (0, None, "snapshot")),
+    (f"{2**63 - 1}_{ID_B}.snapshot", (2**63 - 1, bytes.fromhex(ID_B), "snapshot")),
+    (f"{2**63}.delta", None), (f"5_{ID_A.upper()}.delta", None), (f"5_{ID_A}", None), ("5.tmp", None),
+    ("\u0665.delta", None), (" 5.delta", None), ("5.delta ", None), (f"5_{ID_A}.delta.tmp", None),
+    (f".5_{ID_A}.delta", None), ("5.changelog", None),
+])
+def test_parse_name(name, expected):
+    parsed = parse_name(name)
+    if expected is None:
+        assert parsed is None
+    else:
+        assert parsed == VersionFile(*expected, name)
+
+
+def test_two_attempts_of_a_version_and_an_old_name_of_it_are_all_listed(tmp_path, caplog):
+    """Attempts never hide one another: a listing keeps every file of a version (which one
+    a load follows is the lineage's business, read from the checked headers)."""
     files = StoreFiles(str(tmp_path))
-    for name in ["007.delta", "7.delta", "08.snapshot"]:
+    for name in ["007.delta", "7.delta", f"7_{ID_A}.delta", f"7_{ID_B}.delta", "08.snapshot"]:
         put_raw(files, name)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        deltas, snapshots = files.list_versions()
-    assert deltas == {7: "7.delta"} and snapshots == {8: "08.snapshot"}
-    assert any("007.delta" in r.getMessage() for r in caplog.records)
+        listing = files.list_versions()
+    assert sorted(f.name for f in listing.of("delta", 7)) == ["007.delta", "7.delta", f"7_{ID_A}.delta",
+                                                               f"7_{ID_B}.delta"]
+    assert [f.name for f in listing.of("snapshot", 8)] == ["08.snapshot"]
+    assert listing.top == 8 and not caplog.records
+    # a listing equals another of the same names, whatever their order
+    assert listing == files.list_versions() and listing != Listing()
 
 
 def test_missing_directory_has_no_files(location):
-    assert StoreFiles(location).list_versions() == ({}, {})
+    listing = StoreFiles(location).list_versions()
+    assert list(listing) == [] and listing == Listing() and listing.names == frozenset()
+    assert listing.top == 0 and listing.versions() == [] and list(listing.of("delta", 1)) == []
 
 
-def test_directories_named_like_versions_are_ignored(tmp_path, caplog):
-    (tmp_path / "4.delta").mkdir()
+def test_directories_named_like_versions_are_ignored(location, caplog):
+    files = StoreFiles(location)
+    files.mkdirs()
+    for name in ["4.delta", f"5_{ID_A}.delta", f"6_{ID_B}.snapshot", "7.SNAPSHOT"]:
+        put_raw(files, name + "/inside")  # a directory of that name (with a file: fsspec's memory fs
+        #                                   keeps no empty directories)
+    put_raw(files, f"3_{ID_C}.delta")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert StoreFiles(str(tmp_path)).list_versions() == ({}, {})
+        listing = files.list_versions()
+        stale = files.temporary_files(older_than_s=-1)
+    assert listed(listing) == [(3, ID_C, "delta", f"3_{ID_C}.delta")]
+    assert stale == []
     assert not caplog.records
 
 
@@ -264,6 +333,188 @@ def test_fault_injection_reaches_the_store_through_the_factory(tmp_path, monkeyp
     assert made == [files] and os.listdir(tmp_path) == []
 
 
+# -- pending writes (a commit's delta) ----------------------------------------------------------
+
+def temporaries(files):
+    return [n for n in raw_names(files) if n.endswith(".tmp")]
+
+
+def test_write_pending_is_invisible_until_published(location):
+    files = StoreFiles(location)
+    files.mkdirs()
+    name = f"5_{ID_A}.delta"
+    pending = files.write_pending(name, writer(b"whole delta"))
+    assert isinstance(pending, PendingFile)
+    assert not files.exists(name) and list(files.list_versions()) == []
+    [tmp] = temporaries(files)
+    assert tmp.startswith(f".{name}.") and files.read_bytes(tmp) == b"whole delta"  # whole, under its own name
+    assert pending.publish() == len(b"whole delta")
+    assert files.read_bytes(name) == b"whole delta" and raw_names(files) == [name]
+    assert [f.name for f in files.list_versions()] == [name]
+    pending.discard()  # harmless after publish
+    assert raw_names(files) == [name]
+
+
+def test_write_pending_discard_leaves_nothing(location):
+    files = StoreFiles(location)
+    files.write_atomic(f"5_{ID_B}.delta", writer(b"another attempt"))
+    pending = files.write_pending(f"5_{ID_A}.delta", writer(b"never published"))
+    assert len(temporaries(files)) == 1
+    pending.discard()
+    pending.discard()  # twice: harmless
+    assert raw_names(files) == [f"5_{ID_B}.delta"]
+    assert files.read_bytes(f"5_{ID_B}.delta") == b"another attempt"
+
+
+def test_write_pending_then_publish_over_an_existing_file(location):
+    """publish() replaces a file of that name (a re-written name of the old layout), and with
+    overwrite=False refuses to, deleting its temporary file."""
+    files = StoreFiles(location)
+    files.write_atomic("3.delta", writer(b"old"))
+    files.write_pending("3.delta", writer(b"new")).publish()
+    assert files.read_bytes("3.delta") == b"new"
+    refused = files.write_pending("3.delta", writer(b"newer"))
+    with pytest.raises(FileExistsError):
+        refused.publish(overwrite=False)
+    assert files.read_bytes("3.delta") == b"new" and raw_names(files) == ["3.delta"]
+
+
+@pytest.mark.parametrize("step,after_bytes", [("write", 0), ("write", 3), ("flush", 0), ("fsync", 0)])
+def test_write_pending_failing_while_written_leaves_nothing(location, step, after_bytes):
+    files = FaultInjectingFiles(location)
+    files.mkdirs()
+    files.arm(step, "*.delta", after_bytes=after_bytes)
+    with pytest.raises(OSError, match=f"^injected fault at {step} of 5_{ID_A}.delta$"):
+        files.write_pending(f"5_{ID_A}.delta", writer(b"never visible"))
+    assert files.raised == {step: 1}
+    assert raw_names(files) == [] and list(files.list_versions()) == []
+    # nothing stays armed: the next attempt is written and published
+    files.write_pending(f"5_{ID_A}.delta", writer(b"visible")).publish()
+    assert raw_names(files) == [f"5_{ID_A}.delta"]
+
+
+def test_write_pending_failing_rename_leaves_nothing(location):
+    files = FaultInjectingFiles(location)
+    files.mkdirs()
+    pending = files.write_pending(f"5_{ID_A}.delta", writer(b"durable, not visible"))
+    files.arm("rename")
+    with pytest.raises(OSError, match="injected fault at rename"):
+        pending.publish()
+    assert raw_names(files) == []
+    pending.discard()  # after a failed publish: nothing left to delete, no error
+    assert raw_names(files) == []
+
+
+def test_write_pending_callback_error_leaves_nothing(location):
+    files = StoreFiles(location)
+    files.mkdirs()
+
+    def broken(f):
+        f.write(b"half")
+        raise KeyError("boom in the encoder")
+
+    with pytest.raises(KeyError, match="boom in the encoder"):
+        files.write_pending(f"5_{ID_A}.delta", broken)
+    assert raw_names(files) == []
+
+
+def test_write_pending_fsyncs_the_temporary_file_before_it_returns(tmp_path, monkeypatch):
+    """The pending file is durable before the merge's outcome is known: its bytes were
+    fsynced under the temporary name; publishing then fsyncs the directory."""
+    files = StoreFiles(str(tmp_path))
+    synced = []  # (st_dev, st_ino) of every fsynced descriptor
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(statecore.files.os, "fsync", recording_fsync)
+    pending = files.write_pending(f"5_{ID_A}.delta", writer(b"payload"))
+    tmp = os.stat(pending.tmp)
+    assert synced == [(tmp.st_dev, tmp.st_ino)]  # the file, nothing else yet
+    pending.publish()
+    directory = os.stat(tmp_path)
+    assert synced[1:] == [(directory.st_dev, directory.st_ino)]
+    assert os.stat(files.path(f"5_{ID_A}.delta")).st_ino == tmp.st_ino  # renamed, not copied
+
+
+# -- durability of directories ---------------------------------------------------------------------
+
+@pytest.fixture
+def synced_dirs(monkeypatch):
+    """Records each directory statecore.files fsyncs, with its entries at that moment."""
+    synced = []
+    real = statecore.files._fsync_dir
+
+    def recording(path):
+        synced.append((path, sorted(os.listdir(path))))
+        return real(path)
+
+    monkeypatch.setattr(statecore.files, "_fsync_dir", recording)
+    return synced
+
+
+def test_new_directories_are_fsynced_into_their_parents(tmp_path, synced_dirs):
+    files = StoreFiles(str(tmp_path / "ckpt" / "0" / "3"))
+    files.mkdirs()
+    # each new directory's parent, synced once the new directory is in it, top down
+    assert synced_dirs == [(str(tmp_path), ["ckpt"]), (str(tmp_path / "ckpt"), ["0"]),
+                           (str(tmp_path / "ckpt" / "0"), ["3"])]
+    synced_dirs.clear()
+    files.mkdirs()  # existing: nothing to sync
+    assert synced_dirs == []
+
+
+def test_a_write_into_a_new_directory_syncs_its_parent_and_itself(tmp_path, synced_dirs):
+    files = StoreFiles(str(tmp_path / "ckpt" / "0" / "3"))
+    files.mkdirs()
+    synced_dirs.clear()
+    files.write_atomic("_metadata/schema", writer(b"{}"))
+    store = str(tmp_path / "ckpt" / "0" / "3")
+    assert synced_dirs == [(store, ["_metadata"]), (store + "/_metadata", ["schema"])]
+
+
+def test_new_directories_are_fsynced_by_descriptor(tmp_path, monkeypatch):
+    """The same through os.fsync: the descriptors synced are the new directories' parents."""
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(statecore.files.os, "fsync", recording_fsync)
+    (tmp_path / "ckpt").mkdir()
+    StoreFiles(str(tmp_path / "ckpt" / "0" / "3")).mkdirs()
+    ident = [(os.stat(p).st_dev, os.stat(p).st_ino) for p in (tmp_path / "ckpt", tmp_path / "ckpt" / "0")]
+    assert synced == ident  # not tmp_path: "ckpt" was there already
+
+
+# -- locations that fsspec would misread -------------------------------------------------------------
+
+@pytest.mark.parametrize("location", ["memory://ckpt::x/0/3", "s3://bucket/a::b/0/3", "/tmp/a::b/0/3",
+                                      "file:///tmp/a::b", "rel::dir", "simplecache::s3://bucket/x"])
+def test_locations_with_a_double_colon_are_refused(location):
+    with pytest.raises(ValueError, match="may not contain '::'"):
+        StoreFiles(location)
+    with pytest.raises(ValueError, match="may not contain '::'"):
+        open_store_files(location)
+
+
+def test_a_provider_on_a_location_with_a_double_colon_creates_nothing(tmp_path):
+    from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+    import numpy as np
+
+    root = tmp_path / "ckpt::other"
+    with pytest.raises(ValueError, match="may not contain '::'"):
+        create_and_init_provider(StateStoreId(str(root), 0, 0), np.dtype([("k", "<i8")]),
+                                 np.dtype([("v", "<i8")]), StateStoreConf())
+    assert os.listdir(tmp_path) == []
+
+
 # -- reads and deletes ------------------------------------------------------------------------
 
 def test_reads(location):
@@ -309,16 +560,19 @@ def test_delete_is_best_effort(location, caplog):
 
 def test_old_temporary_files_are_found_young_ones_and_others_are_not(location, monkeypatch):
     files = StoreFiles(location)
-    files.write_atomic("1.delta", writer(b"x"))
-    leftover = ".2.delta." + "ab" * 16 + ".tmp"
-    put_raw(files, leftover)
+    files.write_atomic(f"1_{ID_A}.delta", writer(b"x"))
+    leftovers = [f".2_{ID_B}.delta." + "ab" * 16 + ".tmp",  # a pending delta whose commit was killed
+                 ".2.delta." + "cd" * 16 + ".tmp"]  # one of the old layout
+    for name in leftovers:
+        put_raw(files, name)
     put_raw(files, ".notes.txt")  # hidden, but not a name write_atomic makes
+    put_raw(files, f".3_{ID_A}.delta." + "ef" * 16 + ".tmp/inside")  # a directory: never a leftover
     assert files.temporary_files(older_than_s=3600) == []  # just written: maybe a live writer
     later = time.time() + 7200
     monkeypatch.setattr(statecore.files.time, "time", lambda: later)
-    assert files.temporary_files(older_than_s=3600) == [leftover]
-    assert files.delete([leftover]) == [leftover]
-    assert raw_names(files) == [".notes.txt", "1.delta"]
+    assert files.temporary_files(older_than_s=3600) == sorted(leftovers)
+    assert files.delete(leftovers) == leftovers
+    assert raw_names(files) == sorted([".notes.txt", f".3_{ID_A}.delta." + "ef" * 16 + ".tmp", f"1_{ID_A}.delta"])
 
 
 # -- local paths for mapping --------------------------------------------------------------------
@@ -346,6 +600,8 @@ def test_remote_files_are_copied_to_the_cache_once(memory_root, tmp_path, monkey
     again = StoreFiles(memory_root + "/0/3", local_cache_dir=str(cache))
     assert again.local_path_for_mapping("3.snapshot") == first and len(copies) == 1
 
+    # Names of the old layout (<v>.snapshot) are re-written when a version is re-committed by
+    # an older engine: the copy must follow the source, not the name.
     files.write_atomic("3.snapshot", writer(b"version two, re-committed"))
     second = files.local_path_for_mapping("3.snapshot")
     assert second != first and len(copies) == 2

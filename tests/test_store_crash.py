@@ -1,19 +1,33 @@
 """Crash safety of the file provider: processes killed at random instants and at pinned
 points, injected I/O faults, and damaged files.
 
+Version files are named by version and commit id (``<v>_<16 hex>.delta`` / ``.snapshot``,
+or ``<v>.delta`` of the old layout); several attempts of one version may coexist, and a
+load follows a chain of ids, from a named attempt or from the default lineage (the newest
+version with a delta; among its attempts, the one renamed last). A commit encodes and
+fsyncs its delta under a temporary name on a second thread while it merges into memory,
+renames it only once the merge succeeded, and then (a re-execution) deletes the files of
+later versions it saw when its store opened (docs/provider-rules.md).
+
 Kill tests: a worker process (tests/crash_worker.py) commits a deterministic workload and
 records each version after its commit returned. After a SIGKILL, the last recorded version
 L must load exactly (compared with a model replayed here from the same batches), version
 L+1 must be absent or exact (the kill landed between the rename and the record), nothing
-above it may exist, every state file in the directory must be whole, and a new worker
-continues from L or L+1 (restart after crash), to be killed again.
+above it may exist, every state file in the directory must be whole and agree with its
+name, and a new worker continues from L or L+1 (restart after crash; from L it re-executes
+L+1), to be killed again. Kills land at random instants and at every step of the commit
+order (write and fsync on the writer thread, merge, rename, supersede, record).
 
-Then: I/O faults injected at every step of a commit's delta write, of maintenance's snapshot
-write, and of cleanup's deletes (statecore.files.FaultInjectingFiles); damaged deltas and
-snapshots; and maintenance interleaved with the task at exact points (a re-executed batch,
-a load), each pinned by hooks in the store's files.
+Then: I/O faults injected at every step of a commit (its delta's write, flush, fsync and
+rename, the directory fsync, the listings and deletes after the rename, the merge itself),
+of maintenance's snapshot write, and of cleanup's deletes (statecore.files.FaultInjectingFiles);
+damaged deltas and snapshots; names of the old layout; directories named like version files;
+and maintenance interleaved with the task at exact points (a re-executed batch, a load, a
+commit between its merge and its return), each pinned by hooks in the store's files.
 """
 import collections
+import errno
+import fnmatch
 import os
 import select
 import signal
@@ -29,14 +43,17 @@ import pytest
 
 import crash_worker as cw
 import statecore.files
-from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf,
-                       StateStoreId, StateStoreProviderId, VersionNotFoundError, create_and_init_provider,
-                       read_delta, registry)
-from statecore.files import FaultInjectingFiles
+import statecore.layers
+from state_files import version_names, version_path
+from statecore import (DeltaReader, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
+                       StateStoreProviderId, VersionNotFoundError, create_and_init_provider, registry)
+from statecore.files import FaultInjectingFiles, StoreFiles
+from statecore.lineage import parse_name
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "crash_worker.py")
 KEY, VALUE = cw.KEY, cw.VALUE
+ID = r"[0-9a-f]{16}"
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -57,15 +74,27 @@ def tmp_files(root):
     return [n for n in names(root) if n.endswith(".tmp")]
 
 
+def listing(root):
+    """The version files of the store directory, as the store lists them."""
+    return StoreFiles(store_dir(root)).list_versions()
+
+
 def versions_on_disk(root):
-    deltas, snapshots = set(), set()
-    for n in names(root):
-        stem, _, kind = n.partition(".")
-        if stem.isdigit() and kind == "delta":
-            deltas.add(int(stem))
-        elif stem.isdigit() and kind == "snapshot":
-            snapshots.add(int(stem))
-    return deltas, snapshots
+    files = listing(root)
+    return set(files.versions("delta")), set(files.versions("snapshot"))
+
+
+def attempts(root, version, kind="delta"):
+    """The names of the ``kind`` files of every attempt of ``version``."""
+    return sorted(f.name for f in listing(root).of(kind, version))
+
+
+def id_of(name):
+    return parse_name(name).commit_id.hex()
+
+
+def fault_message(step, version, kind="delta"):
+    return rf"^injected fault at {step} of {version}_{ID}\.{kind}$"
 
 
 def keys_of(ks):
@@ -85,11 +114,13 @@ def contents(store):
     return out
 
 
-def assert_version(provider, version, expected):
-    """``version`` read through ``provider`` is exactly ``expected`` ({key: (count, sum)}),
-    by every read path."""
-    store = provider.get_read_store(version)
+def assert_version(provider, version, expected, commit_id=None):
+    """``version`` (the default lineage's, or attempt ``commit_id``) read through ``provider``
+    is exactly ``expected`` ({key: (count, sum)}), by every read path."""
+    store = provider.get_read_store(version, commit_id)
     try:
+        if commit_id is not None:
+            assert store.base_commit_id == commit_id
         got = contents(store)
         assert len(got) == len(expected), f"version {version}: {len(got)} keys, expected {len(expected)}"
         assert got == expected, f"version {version} differs"
@@ -103,24 +134,35 @@ def assert_version(provider, version, expected):
         store.abort()
 
 
+def default_id(provider, version):
+    """The commit id (hex) of ``version`` on the default lineage."""
+    store = provider.get_read_store(version)
+    try:
+        return store.base_commit_id
+    finally:
+        store.abort()
+
+
 def assert_files_whole(root):
-    """Every delta and snapshot in the directory reads back whole (checksums, trailer,
-    version); temporary files are ignored, as the store ignores them."""
+    """Every delta and snapshot in the directory reads back whole (checksums, trailer) and
+    its header agrees with its name (version, and commit id where the name has one);
+    temporary files are ignored, as the store ignores them."""
     d = store_dir(root)
-    for n in names(root):
-        stem, _, kind = n.partition(".")
-        if not stem.isdigit():
-            continue
-        path = os.path.join(d, n)
-        if kind == "delta":
-            read_delta(Path(path).read_bytes(), KEY, VALUE, path=path)
-        elif kind == "snapshot":
+    for f in listing(root):
+        path = os.path.join(d, f.name)
+        if f.kind == "delta":
+            reader = DeltaReader(Path(path).read_bytes(), KEY, VALUE, path=path)
+            list(reader)  # every block, to the trailer
+            version, commit_id = reader.store_version, reader.commit_id
+        else:
             reader = SnapshotReader(path, KEY, VALUE)
             try:
                 reader.verify()
-                assert reader.store_version == int(stem)
+                version, commit_id = reader.store_version, reader.commit_id
             finally:
                 reader.close()
+        assert version == f.version, f.name
+        assert f.commit_id is None or commit_id == f.commit_id, f.name
 
 
 def commit(provider, version, puts=(), removes=()):
@@ -153,17 +195,113 @@ def commit_workload(provider, seed, start, stop, maintenance_every=None):
             provider.do_maintenance()
 
 
+# Points where a test may stop a thread: HOOKS[point](name) is called there (a hook that
+# blocks holds that thread). "merge"/"merged" run inside the provider's lock: a hook there
+# must not wait for anything that takes it (a maintenance pass, a lookup).
+HOOKS = {}
+
+
+class HookedFiles(FaultInjectingFiles):
+    """FaultInjectingFiles whose operations call HOOKS: ``"listed"`` (after a listing, name
+    None), ``"writer"`` (before a write callback), each step (``"flush"``, ``"fsync"``,
+    ``"rename"``, ``"delete"``, ``"read"``: before it), ``"fired"`` (an injected fault fires),
+    ``"pending"`` (write_pending returned: durable under its temporary name),
+    ``"published"`` (renamed into place, its directory fsynced) and ``"written"``
+    (write_atomic returned)."""
+
+    def _hook(self, point, name):
+        hook = HOOKS.get(point)
+        if hook is not None:
+            hook(name)
+
+    def list_versions(self):
+        out = super().list_versions()
+        self._hook("listed", None)
+        return out
+
+    def _writer(self, f, name):
+        self._hook("writer", name)
+        return super()._writer(f, name)
+
+    def _step(self, step, name):
+        self._hook(step, name)
+        super()._step(step, name)
+
+    def _fire(self, step, name):
+        self._hook("fired", name)
+        super()._fire(step, name)
+
+    def write_pending(self, name, write, on_flushed=None):
+        pending = super().write_pending(name, write, on_flushed=on_flushed)
+        self._hook("pending", name)
+        return pending
+
+    def _publish(self, pending, overwrite):
+        size = super()._publish(pending, overwrite)
+        self._hook("published", pending.name)
+        return size
+
+    def write_atomic(self, name, write, overwrite=True, on_flushed=None):
+        size = super().write_atomic(name, write, overwrite, on_flushed)
+        self._hook("written", name)
+        return size
+
+
 @pytest.fixture
 def faulty(monkeypatch):
-    """Every provider created in the test gets a FaultInjectingFiles; the list holds them."""
+    """Every provider created in the test gets a HookedFiles (a FaultInjectingFiles); the
+    list holds them. The merge of every commit calls HOOKS["merge"] and HOOKS["merged"]."""
     made = []
+    HOOKS.clear()
 
     def open_store_files(location, storage_options=None, local_cache_dir=None):
-        made.append(FaultInjectingFiles(location, storage_options, local_cache_dir))
+        made.append(HookedFiles(location, storage_options, local_cache_dir))
         return made[-1]
 
+    merge = statecore.layers.State.merge
+
+    def hooked_merge(self, *args, **kwargs):
+        hook = HOOKS.get("merge")
+        if hook is not None:
+            hook(None)
+        out = merge(self, *args, **kwargs)
+        hook = HOOKS.get("merged")
+        if hook is not None:
+            hook(None)
+        return out
+
     monkeypatch.setattr(statecore.files, "open_store_files", open_store_files)
-    return made
+    monkeypatch.setattr(statecore.layers.State, "merge", hooked_merge)
+    yield made
+    HOOKS.clear()
+
+
+@pytest.fixture
+def hooks(faulty):
+    return HOOKS
+
+
+@pytest.fixture
+def failing_dir_fsync(monkeypatch):
+    """``arm(path)``: the next fsync of directory ``path`` raises EIO (after the rename it
+    makes durable). Returns the list of the paths whose fsync failed."""
+    armed, failed = [], []
+    real = statecore.files._fsync_dir
+
+    def fsync_dir(path):
+        if armed and os.path.abspath(path) == armed[0]:
+            armed.clear()
+            failed.append(path)
+            raise OSError(errno.EIO, "injected directory fsync failure", path)
+        return real(path)
+
+    monkeypatch.setattr(statecore.files, "_fsync_dir", fsync_dir)
+
+    def arm(path):
+        armed[:] = [os.path.abspath(path)]
+
+    arm.failed = failed
+    return arm
 
 
 @pytest.fixture
@@ -173,7 +311,28 @@ def clean_registry():
     registry.stop()
 
 
+def run_thread(target, name="test-racer"):
+    out = []
+
+    def body():
+        try:
+            out.append(target())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    return t, out
+
+
 # -- kill tests --------------------------------------------------------------------------------
+BEFORE_RENAME = "kills before a rename (a temporary file left)"
+AFTER_RENAME = "kills after the rename, before the record"
+RE_EXECUTIONS = "re-executions (restart from L with L+1 on disk)"
+BETWEEN = "kills between a re-execution's rename and its deletes (two attempts on disk)"
+CASES = ("versions", "snapshots", BEFORE_RENAME, AFTER_RENAME, RE_EXECUTIONS, BETWEEN)
+
+
 class CrashRun:
     """One store directory written by successive worker processes, each killed, and the
     model of what it must hold."""
@@ -187,6 +346,7 @@ class CrashRun:
         self.model_version, self.model = 0, {}
         self.recent = {0: {}}  # a few versions below model_version
         self.rounds = 0
+        self.before = set()  # the directory's names when the last worker started
         self.stats = collections.Counter()
 
     def advance(self, version):
@@ -200,6 +360,7 @@ class CrashRun:
 
     def spawn(self, die=None):
         self.rounds += 1
+        self.before = set(names(self.root))
         self.side = str(self.tmp / f"recorded-{self.rounds}.txt")
         self.stderr_path = str(self.tmp / f"stderr-{self.rounds}.txt")
         args = [sys.executable, WORKER, self.root, str(self.seed), str(self.start), self.side, self.mode]
@@ -217,9 +378,9 @@ class CrashRun:
         line = proc.stdout.readline() if ready else b""
         assert line == b"ready\n", f"worker did not start: {line!r} {self.stderr()}"
 
-    def kill_round(self, delay, from_spawn=False):
+    def kill_round(self, delay, from_spawn=False, restart=None):
         """Start a worker from ``self.start``, SIGKILL it ``delay`` seconds after it is ready
-        (or after it was spawned), then check and pick the next start."""
+        (or after it was spawned): a random instant, not a synchronisation. Then check."""
         proc = self.spawn()
         if not from_spawn:
             self.wait_ready(proc)
@@ -229,10 +390,15 @@ class CrashRun:
         proc.wait(30)
         proc.stdout.close()
         assert proc.returncode == -signal.SIGKILL, self.stderr()
-        self.check()
+        return self.check(restart)
 
-    def die_round(self, spec, timeout=30):
+    def die_round(self, spec, restart=None, timeout=60):
         """Start a worker that SIGKILLs itself at the point ``spec`` names; then check."""
+        self.kill_at(spec, timeout)
+        self.stats[kill_label(spec)] += 1  # it died there: it kills itself nowhere else
+        return self.check(restart)
+
+    def kill_at(self, spec, timeout=60):
         proc = self.spawn(die=spec)
         try:
             proc.wait(timeout)
@@ -242,7 +408,6 @@ class CrashRun:
             pytest.fail(f"the worker never reached {spec}: {self.stderr()}")
         proc.stdout.close()
         assert proc.returncode == -signal.SIGKILL, f"{proc.returncode}: {self.stderr()}"
-        return self.check()
 
     def recorded(self):
         raw = Path(self.side).read_bytes() if os.path.exists(self.side) else b""
@@ -251,14 +416,22 @@ class CrashRun:
         assert complete == list(range(self.start + 1, self.start + 1 + len(complete))), complete
         return complete[-1] if complete else self.start
 
-    def check(self):
+    def new_names(self):
+        return set(names(self.root)) - self.before
+
+    def check(self, restart=None):
+        """Check the directory after a kill and choose where the next worker starts:
+        ``restart`` "continue" (from L+1 when it is there), "re-execute" (from L), or None
+        (either, by the seeded generator)."""
         last = self.recorded()
         self.stats["versions"] += last - self.start
         assert_files_whole(self.root)
-        deltas, snapshots = versions_on_disk(self.root)
-        assert max(deltas | snapshots | {0}) <= last + 1, (last, sorted(deltas), sorted(snapshots))
-        self.stats["snapshots"] += len(snapshots)
-        self.stats["tmp files left"] += len(tmp_files(self.root))
+        on_disk = listing(self.root)
+        assert on_disk.top <= last + 1, (last, sorted(on_disk.names))
+        self.stats["snapshots"] += len(on_disk.versions("snapshot"))
+        new = self.new_names()
+        if any(n.endswith(".tmp") for n in new):
+            self.stats[BEFORE_RENAME] += 1
         self.advance(last)
         assert_version(make(self.root, **cw.conf_kwargs()), last, self.model)
         following = dict(self.model)
@@ -267,35 +440,97 @@ class CrashRun:
         try:
             assert_version(fresh, last + 1, following)
             next_exists = True
-            self.stats["kills after the rename, before the record"] += 1
+            self.stats[AFTER_RENAME] += 1
         except VersionNotFoundError:
             next_exists = False
         with pytest.raises(VersionNotFoundError):
             fresh.get_read_store(last + 2)
+        tries = list(on_disk.of("delta", last + 1))
+        if len(tries) > 1:
+            # Several attempts of L+1 on disk: a re-execution was killed after renaming its
+            # delta and before deleting the abandoned attempt(s). Each is a whole version
+            # (the same batch); the default follows the one renamed last, this worker's.
+            for f in tries:
+                assert_version(fresh, last + 1, following, commit_id=f.commit_id.hex())
+            mine = [f for f in tries if f.name in new]
+            if len(mine) == 1:
+                assert default_id(fresh, last + 1) == mine[0].commit_id.hex(), (tries, mine)
+                self.stats[BETWEEN] += 1
+            else:
+                assert default_id(fresh, last + 1) in {f.commit_id.hex() for f in tries}
         # the versions retention keeps load too
         newest = last + 1 if next_exists else last
         for v in range(max(1, newest - cw.MIN_VERSIONS_TO_RETAIN), last):
             if v in self.recent:
                 assert_version(make(self.root, **cw.conf_kwargs()), v, self.recent[v])
-        # restart: from the recorded version, or from the one after it when it is there
-        # (the other choice re-executes it, re-committing a version that exists)
-        if next_exists and self.rng.random() < 0.5:
+        if restart is None:
+            restart = "re-execute" if self.rng.random() < 0.5 else "continue"
+        if next_exists and restart == "continue":
             self.advance(last + 1)
             self.start = last + 1
         else:
-            self.start = last
+            self.start = last  # from L: re-executes L+1 if it is there
+            if next_exists:
+                self.stats[RE_EXECUTIONS] += 1
         return last, next_exists
+
+
+def kill_label(spec):
+    """The counter of the kills at ``spec``'s step: "killed at rename of a delta", ..."""
+    step, pattern = spec.split(":")[:2]
+    kind = next((k for k in ("delta", "snapshot", "schema") if k in pattern), None)
+    return f"killed at {step}" + (f" of a {kind}" if kind else "")
+
+
+def die_specs(rng):
+    """One kill at each step of a commit (and of maintenance), at a random occurrence."""
+    def n():
+        return int(rng.integers(1, 25))
+
+    return [
+        f"write:*.delta:{n()}:{int(rng.integers(0, 200))}",  # on the writer thread, while it merges
+        f"fsync:*.delta:{n()}",  # whole, not durable
+        f"merged:*:{n()}",  # merged; the delta maybe still being written
+        f"rename:*.delta:{n()}",  # durable and merged, not renamed
+        f"published:*.delta:{n()}",  # renamed, the commit not returned
+        f"recorded:*:{n()}",  # returned, not recorded
+        f"write:*.snapshot:{n()}:{int(rng.integers(0, 9000))}",
+        f"delete:*:{n()}",
+    ]
+
+
+def kill_plan(rng, delays, dies):
+    """Rounds (kind, argument, restart) in a seeded order: timed kills, kills at pinned steps,
+    and a re-execution killed between its rename and its deletes (a kill after the rename
+    makes L+1 exist; the restart re-executes it and dies right after renaming its own)."""
+    rounds = [("timed", float(d), None) for d in delays] + [("die", spec, None) for spec in dies]
+    rounds = [rounds[i] for i in rng.permutation(len(rounds))]
+    at = int(rng.integers(0, len(rounds) + 1))
+    rounds[at:at] = [("die", f"published:*.delta:{int(rng.integers(1, 10))}", "re-execute"),
+                     ("die", "published:*.delta:1", None)]
+    return rounds
+
+
+def play(run, rounds):
+    first_timed = True
+    for kind, arg, restart in rounds:
+        if kind == "timed":
+            run.kill_round(arg, from_spawn=first_timed, restart=restart)  # one kill lands while it starts up
+            first_timed = False
+        else:
+            run.die_round(arg, restart=restart)
 
 
 def test_random_kills_and_restarts(tmp_path):
     run = CrashRun(tmp_path, seed=11, mode="plain")
     rng = np.random.default_rng(2024)
-    delays = [0.0, 0.002, *rng.uniform(0.0, 0.8, 6), 1.0]
-    rng.shuffle(delays)
-    for i, delay in enumerate(delays):
-        run.kill_round(float(delay), from_spawn=(i == 3))  # one kill lands while it starts up
+    delays = [0.0, 0.002, *rng.uniform(0.0, 0.8, 5), 1.0]
+    dies = die_specs(rng)
+    play(run, kill_plan(rng, delays, dies))
     assert run.start > 100, run.stats  # the workload went on across the restarts
-    assert run.stats["snapshots"] > 0, run.stats
+    # each interesting case happened, and a kill at each step of the commit order
+    for case in CASES + tuple(kill_label(spec) for spec in dies):
+        assert run.stats[case] > 0, (case, run.stats)
 
 
 def test_random_kills_with_the_registry_maintenance_thread(tmp_path, clean_registry):
@@ -303,62 +538,167 @@ def test_random_kills_with_the_registry_maintenance_thread(tmp_path, clean_regis
     kills land in the middle of them."""
     run = CrashRun(tmp_path, seed=12, mode="registry")
     rng = np.random.default_rng(7)
-    for delay in [*rng.uniform(0.1, 0.9, 5), 0.01]:
-        run.kill_round(float(delay))
+    delays = [*rng.uniform(0.1, 0.9, 4), 0.01]
+    dies = [f"write:*.snapshot:{int(rng.integers(1, 8))}:{int(rng.integers(0, 9000))}",
+            f"published:*.snapshot:{int(rng.integers(1, 8))}",  # renamed, not yet the base
+            f"delete:*:{int(rng.integers(1, 10))}",
+            f"rename:*.delta:{int(rng.integers(1, 20))}",
+            f"merged:*:{int(rng.integers(1, 20))}"]
+    play(run, kill_plan(rng, delays, dies))
     assert run.start > 50, run.stats
-    assert run.stats["snapshots"] > 0, run.stats
+    for case in CASES + tuple(kill_label(spec) for spec in dies):
+        assert run.stats[case] > 0, (case, run.stats)
 
 
-# (die spec for crash_worker.py, where the first worker dies)
+# (die spec for crash_worker.py, where the first worker dies, whether version L+1 is there)
 PINNED = [
-    ("write:_statecore.schema.json:1:0", "the schema file of the first commit, torn"),
-    ("rename:1.delta:1", "the first delta, whole but not renamed"),
-    ("recorded:*:1", "the first commit, renamed, not recorded"),
-    ("write:*.delta:5:0", "a delta's temporary file, empty"),
-    ("write:*.delta:5:100", "a delta, torn inside its first block"),
-    ("fsync:*.delta:7", "a delta, before its fsync"),
-    ("rename:*.delta:8", "a delta, whole but not renamed"),
-    ("recorded:*:9", "a commit renamed but not recorded"),
-    ("write:*.snapshot:1:5000", "a snapshot, torn in its rows"),
-    ("rename:*.snapshot:2", "a snapshot, whole but not renamed"),
-    ("delete:*:1", "cleanup, before its first delete"),
-    ("delete:*:3", "cleanup, after two deletes"),
+    ("write:_statecore.schema.json:1:0", "the schema file of the first commit, torn", False),
+    ("write:1_*.delta:1:0", "the first delta, empty, while the merge runs", False),
+    ("merged:*:1", "the first commit merged, its delta maybe not written", False),
+    ("rename:1_*.delta:1", "the first delta, durable and merged, not renamed", False),
+    ("published:1_*.delta:1", "the first delta renamed, the commit not returned", True),
+    ("recorded:*:1", "the first commit returned, not recorded", True),
+    ("write:*.delta:5:0", "a delta's temporary file, empty", False),
+    ("write:*.delta:5:100", "a delta, torn inside its first block", False),
+    ("flush:*.delta:6", "a delta written, not flushed", False),
+    ("fsync:*.delta:7", "a delta, before its fsync", False),
+    ("merged:*:7", "a commit merged, its delta in flight", False),
+    ("rename:*.delta:8", "a delta, durable and merged, not renamed", False),
+    ("published:*.delta:8", "a delta renamed, the commit not returned", True),
+    ("recorded:*:9", "a commit returned, not recorded", True),
+    ("write:*.snapshot:1:5000", "a snapshot, torn in its rows", None),
+    ("fsync:*.snapshot:1", "a snapshot mapped and verified, not durable", None),
+    ("rename:*.snapshot:2", "a snapshot, whole but not renamed", None),
+    ("published:*.snapshot:2", "a snapshot renamed, not yet the base", None),
+    ("delete:*:1", "cleanup, before its first delete", None),
+    ("delete:*:3", "cleanup, after two deletes", None),
 ]
 
 
-@pytest.mark.parametrize("spec", [p[0] for p in PINNED], ids=[p[1] for p in PINNED])
-def test_kill_at_pinned_points(tmp_path, spec):
+@pytest.mark.parametrize("spec,next_there", [(p[0], p[2]) for p in PINNED], ids=[p[1] for p in PINNED])
+def test_kill_at_pinned_points(tmp_path, spec, next_there):
     run = CrashRun(tmp_path, seed=21, mode="plain")
-    last, next_exists = run.die_round(spec)
-    if spec.startswith("recorded"):
-        assert next_exists  # the kill came after the rename: the version is there
-    elif spec.startswith(("write", "fsync", "rename:")) and "delta" in spec:
-        assert not next_exists
+    step = spec.split(":")[0]
+    last, next_exists = run.die_round(spec, restart="continue")
+    if next_there is not None:
+        assert next_exists == next_there, (last, sorted(listing(run.root).names))
+    temporaries = [n for n in run.new_names() if n.endswith(".tmp")]
+    if step in ("write", "flush", "fsync", "rename") and "delta" in spec:
+        # the kill left the delta's temporary file (not a version: it is ignored)
+        assert [n for n in temporaries if fnmatch.fnmatch(n, f".{last + 1}_*.delta.*.tmp")], temporaries
+    elif step in ("published", "recorded", "delete"):
+        assert temporaries == []  # the rename was done, or no file was being written
     # restarted: the next worker dies right after a commit, before recording it, which
-    # also makes the version after that be re-committed (or continued) by the third one
+    # also makes the version after that be re-executed (or continued) by the third one
     run.die_round("recorded:*:3")
-    assert not tmp_files(run.root) or spec.split(":")[0] in ("write", "fsync", "rename")
+    run.die_round("recorded:*:2")
+    assert run.model_version >= last + 2
+
+
+# (die spec for the worker that re-executes version 5 from 4, attempts of 5 left on disk)
+RE_EXECUTION_KILLS = [
+    ("published:*.delta:1", 2, "renamed, before it deletes the abandoned attempt"),
+    ("delete:*.delta:1", 2, "at its delete of the abandoned attempt"),
+    ("recorded:*:1", 1, "the abandoned attempt deleted, the commit not recorded"),
+]
+
+
+@pytest.mark.parametrize("spec,n_attempts", [k[:2] for k in RE_EXECUTION_KILLS],
+                         ids=[k[2] for k in RE_EXECUTION_KILLS])
+def test_kill_in_a_re_execution(tmp_path, spec, n_attempts):
+    """The worker commits 5 and dies before recording it; the next re-executes 5 from 4 (an
+    attempt of 5 is on disk) and dies at a step of its commit. The attempts left are whole
+    versions, the default is the re-execution's once it is renamed, and work goes on."""
+    run = CrashRun(tmp_path, seed=22, mode="plain")
+    assert run.die_round("recorded:*:5", restart="re-execute") == (4, True)
+    assert run.start == 4 and run.stats[RE_EXECUTIONS] == 1
+    [abandoned] = attempts(run.root, 5)
+    assert run.die_round(spec, restart="re-execute") == (4, True)
+    left = attempts(run.root, 5)
+    assert len(left) == n_attempts and (abandoned in left) == (n_attempts == 2), left
+    [mine] = [n for n in left if n != abandoned]
+    assert default_id(make(run.root), 5) == id_of(mine)
+    assert run.stats[BETWEEN] == (n_attempts == 2)
+    # the next worker re-executes 5 once more (deleting every attempt it saw), then goes on
+    run.die_round("recorded:*:3")
+    assert attempts(run.root, 5) != left and len(attempts(run.root, 5)) == 1
+    run.die_round("recorded:*:2")
+    assert run.model_version >= 7
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3, 4])
+def test_kill_in_a_deep_re_executions_deletes_leaves_a_loadable_lineage(tmp_path, nth):
+    """Versions 1..8 committed; a worker re-executes batch 5 from version 4: once its own
+    delta of 5 is renamed it deletes the abandoned run's 5..8, and is killed at the nth of
+    those deletes. Whatever is left must be a loadable default lineage (the abandoned run's,
+    as though the re-execution had not run, or the re-execution's): version 4, which both
+    share, loads, and so does every version of the default lineage; a restart from 4 works."""
+    seed = 23
+    expected = workload(seed, 8)
+    run = CrashRun(tmp_path, seed, "plain")
+    commit_workload(make(run.root, **cw.conf_kwargs()), seed, 0, 8)
+    run.start = 4
+    run.kill_at(f"delete:*.delta:{nth}")
+    assert run.recorded() == 4
+    [mine] = [n for n in run.new_names() if fnmatch.fnmatch(n, "5_*.delta")]  # renamed before the kill
+    assert len(run.before - set(names(run.root))) == nth - 1  # killed before the nth delete
+    assert_files_whole(run.root)
+    fresh = make(run.root)
+    for v in range(5):
+        assert_version(fresh, v, expected[v])
+    top = max(listing(run.root).versions("delta"))
+    for v in range(5, top + 1):  # the default lineage, wherever it ends, loads whole
+        assert_version(make(run.root), v, expected[v])
+    run.die_round("recorded:*:2", restart="continue")  # a restart from 4 (re-executes 5 again)
+    assert run.model_version >= 5
 
 
 # -- injected faults at commit -----------------------------------------------------------------
 STEPS = [("write", 0), ("write", 150), ("flush", 0), ("fsync", 0), ("rename", 0)]
+# The delta is written on the commit's writer thread while the merge runs: the fault fires
+# before the merge (the merge then runs, and is undone), or after it. The rename comes after
+# the merge in any case.
+FAULT_CASES = [(step, after_bytes, order) for step, after_bytes in STEPS
+               for order in ("fault-first", "merge-first") if not (step == "rename" and order == "fault-first")]
 
 
-@pytest.mark.parametrize("step,after_bytes", STEPS, ids=[f"{s}{b or ''}" for s, b in STEPS])
+@pytest.mark.parametrize("step,after_bytes,order", FAULT_CASES,
+                         ids=[f"{s}{b or ''}-{o}" for s, b, o in FAULT_CASES])
 @pytest.mark.parametrize("k", [0, 1, 2])
 @pytest.mark.parametrize("over_snapshot", [False, True], ids=["deltas", "over-snapshot"])
-def test_failed_commit_changes_nothing(tmp_path, faulty, step, after_bytes, k, over_snapshot):
+def test_failed_commit_changes_nothing(tmp_path, faulty, hooks, step, after_bytes, order, k, over_snapshot):
     seed = 5
     expected = workload(seed, 9)
     p = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3, max_versions_to_retain_in_memory=k)
     files = faulty[-1]
     commit_workload(p, seed, 0, 6, maintenance_every=3 if over_snapshot else None)
     reader = p.get_read_store(6)  # an open reader of the version the failed commit builds on
-    files.arm(step, "*.delta", after_bytes=after_bytes)
+    files.arm(step, "7_*.delta", after_bytes=after_bytes)
+    seen, fired, merged = [], threading.Event(), threading.Event()
+
+    def on_fired(name):
+        seen.append("fault")
+        fired.set()
+
+    def on_merge(_):
+        if order == "fault-first":
+            assert fired.wait(10)  # the writer thread takes no provider lock: waiting here is safe
+
+    def on_merged(_):
+        seen.append("merged")
+        merged.set()
+
+    def on_writer(name):
+        if order == "merge-first" and fnmatch.fnmatch(name, "7_*.delta"):
+            assert merged.wait(10)
+
+    hooks.update(fired=on_fired, merge=on_merge, merged=on_merged, writer=on_writer)
     s = p.get_store(6)
     cw.apply_to_store(s, cw.batch(seed, 7))
-    with pytest.raises(OSError, match=f"injected fault at {step} of 7.delta"):
+    with pytest.raises(OSError, match=fault_message(step, 7)):
         s.commit()
+    hooks.clear()
+    assert seen == (["fault", "merged"] if order == "fault-first" else ["merged", "fault"])
     assert files.raised[step] == 1
     assert not s.has_committed
     assert tmp_files(tmp_path) == []
@@ -382,23 +722,106 @@ def test_failed_commit_changes_nothing(tmp_path, faulty, step, after_bytes, k, o
     assert tmp_files(tmp_path) == []
 
 
-@pytest.mark.parametrize("step", ["write", "flush", "fsync", "rename"])
-def test_failed_commit_can_be_retried_by_the_same_store(tmp_path, faulty, step):
+@pytest.mark.parametrize("step", ["write", "flush", "fsync", "rename", "directory-fsync", "listing"])
+def test_failed_commit_can_be_retried_by_the_same_store(tmp_path, faulty, hooks, failing_dir_fsync, step):
+    """A fault at any step of the commit, including after its delta was renamed into place
+    (the directory's fsync, the listing that checks for newer attempts): the commit raises,
+    its delta is not visible (deleted again if it was renamed), and the same store's next
+    commit() succeeds."""
     seed = 6
     expected = workload(seed, 4)
     p = make(tmp_path)
     commit_workload(p, seed, 0, 3)
-    faulty[-1].arm(step, "4.delta")
+    renamed = []
+
+    def on_published(name):
+        if fnmatch.fnmatch(name, "4_*.delta"):
+            renamed.append(name)
+
+    def on_listed(_):
+        if step == "listing" and len(renamed) == 1:
+            renamed.append("listing failed")
+            raise OSError(errno.EIO, "injected listing failure")
+
+    def on_rename(name):
+        if step == "directory-fsync" and fnmatch.fnmatch(name, "4_*.delta") and not renamed:
+            failing_dir_fsync(store_dir(tmp_path))
+
+    hooks.update(published=on_published, listed=on_listed, rename=on_rename)
+    if step in ("write", "flush", "fsync", "rename"):
+        faulty[-1].arm(step, "4_*.delta")
     s = p.get_store(3)
     cw.apply_to_store(s, cw.batch(seed, 4))
     with pytest.raises(OSError, match="injected"):
         s.commit()
     assert not s.has_committed
+    if step == "directory-fsync":
+        assert failing_dir_fsync.failed == [store_dir(tmp_path)]  # after the rename
+    if step == "listing":
+        assert len(renamed) == 2  # the listing after the rename failed
+    assert 4 not in versions_on_disk(tmp_path)[0] and tmp_files(tmp_path) == []
+    with pytest.raises(VersionNotFoundError):
+        make(tmp_path).get_read_store(4)
+    hooks.clear()
     assert s.commit() == 4 and s.has_committed
     assert s.metrics.num_keys == len(expected[4])
     assert_version(p, 4, expected[4])
     assert_version(make(tmp_path), 4, expected[4])
-    assert tmp_files(tmp_path) == []
+    assert tmp_files(tmp_path) == [] and len(attempts(tmp_path, 4)) == 1
+
+
+@pytest.mark.parametrize("fails", ["merge", "merged"], ids=["before-it-changed-anything", "after-it-merged"])
+@pytest.mark.parametrize("when", ["delta-durable", "delta-being-written"])
+def test_failed_merge_leaves_no_file(tmp_path, faulty, hooks, fails, when):
+    """The merge fails while the writer thread's delta is already durable under its
+    temporary name, or still being written: the delta is discarded (never renamed), the
+    version the commit builds on stays exact (an open reader of it too), and the same store
+    commits once the merge works."""
+    seed = 26
+    expected = workload(seed, 5)
+    p = make(tmp_path)
+    commit_workload(p, seed, 0, 3)
+    reader = p.get_read_store(3)
+    durable, writing, go_on = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def on_pending(name):
+        if fnmatch.fnmatch(name, "4_*.delta"):
+            seen.append("delta durable")
+            durable.set()
+
+    def on_writer(name):
+        if fnmatch.fnmatch(name, "4_*.delta") and when == "delta-being-written":
+            writing.set()
+            assert go_on.wait(10)  # written on once the merge failed
+
+    def fail(_):
+        assert (durable if when == "delta-durable" else writing).wait(10)
+        seen.append("merge failed")
+        go_on.set()
+        raise RuntimeError("injected merge failure")
+
+    hooks.update(pending=on_pending, writer=on_writer, **{fails: fail})
+    s = p.get_store(3)
+    cw.apply_to_store(s, cw.batch(seed, 4))
+    with pytest.raises(RuntimeError, match="injected merge failure"):
+        s.commit()
+    hooks.clear()
+    assert seen == (["delta durable", "merge failed"] if when == "delta-durable"
+                    else ["merge failed", "delta durable"])
+    assert not s.has_committed
+    assert tmp_files(tmp_path) == [] and 4 not in versions_on_disk(tmp_path)[0]
+    assert contents(reader) == expected[3]
+    for provider in (p, make(tmp_path)):
+        assert_version(provider, 3, expected[3])
+        with pytest.raises(VersionNotFoundError):
+            provider.get_read_store(4)
+    assert s.commit() == 4
+    commit_workload(p, seed, 4, 5)
+    for v in (4, 5):
+        assert_version(p, v, expected[v])
+        assert_version(make(tmp_path), v, expected[v])
+    assert contents(reader) == expected[3]
 
 
 def test_failed_schema_file_write_at_the_first_commit(tmp_path, faulty):
@@ -409,6 +832,7 @@ def test_failed_schema_file_write_at_the_first_commit(tmp_path, faulty):
     with pytest.raises(OSError, match="injected"):
         s.commit()
     assert not s.has_committed and tmp_files(tmp_path) == []
+    assert versions_on_disk(tmp_path) == (set(), set())
     with pytest.raises(VersionNotFoundError):
         make(tmp_path).get_read_store(1)
     s.abort()
@@ -417,23 +841,39 @@ def test_failed_schema_file_write_at_the_first_commit(tmp_path, faulty):
     assert "_statecore.schema.json" in names(tmp_path)
 
 
-def test_failed_re_execution_commit_keeps_the_version_it_builds_on(tmp_path, faulty):
-    """Re-executing batch 5 from version 4 first deletes the abandoned run's later files
-    (by design); when the delta write then fails, version 4 is intact, and so is the old
-    run's version 5 (its delta is only replaced by a successful rename)."""
+# (step, file pattern): before the re-execution's rename, or at a delete of the abandoned run
+RE_EXECUTION_FAULTS = [("write", "5_*.delta"), ("fsync", "5_*.delta"), ("rename", "5_*.delta"),
+                       ("delete", "5_*.delta"), ("delete", "6_*.delta"), ("delete", "8_*.delta")]
+
+
+@pytest.mark.parametrize("step,pattern", RE_EXECUTION_FAULTS, ids=[f"{s}-{p[0]}" for s, p in RE_EXECUTION_FAULTS])
+def test_failed_re_execution_commit_keeps_the_version_it_builds_on(tmp_path, faulty, step, pattern):
+    """Re-executing batch 5 from version 4 deletes the abandoned run's later files only once
+    its own delta is renamed into place (nothing is deleted before). When its commit fails,
+    before the rename or at one of those deletes, nothing of it is visible; version 4, which
+    it builds on, loads; the default lineage loads wherever it now ends; and the
+    re-execution can be retried."""
     seed = 8
     expected = workload(seed, 8)
     p = make(tmp_path, min_deltas_for_snapshot=2)
     commit_workload(p, seed, 0, 8, maintenance_every=3)
+    before = set(names(tmp_path))
     s = make(tmp_path).get_store(4)  # a restarted query re-runs batch 5
-    faulty[-1].arm("rename", "5.delta")
+    faulty[-1].arm(step, pattern)
     s.put(-1, (-1, -1.0))
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(OSError):
         s.commit()
+    assert faulty[-1].raised[step] == 1
     assert tmp_files(tmp_path) == []
-    fresh = make(tmp_path)
-    assert_version(fresh, 4, expected[4])
-    assert_version(fresh, 5, expected[5])
+    after = set(names(tmp_path))
+    assert after <= before  # nothing of the failed commit is visible
+    if step != "delete":
+        assert after == before  # nothing of the abandoned run was deleted before the rename
+    for provider in (make(tmp_path), p):
+        assert_version(provider, 4, expected[4])
+    top = max(listing(tmp_path).versions("delta"))
+    for v in range(5, top + 1):  # the default lineage, wherever it ends, loads whole
+        assert_version(make(tmp_path), v, expected[v])
     s.abort()
     q = make(tmp_path)
     assert commit(q, 4, [(-1, (-1, -1.0))]) == 5
@@ -443,6 +883,19 @@ def test_failed_re_execution_commit_keeps_the_version_it_builds_on(tmp_path, fau
 
 
 # -- injected faults in maintenance ------------------------------------------------------------
+def snapshot_bases(provider):
+    """The bases of the provider's States that are mapped snapshots (their paths)."""
+    out = []
+    with provider._lock:
+        node = provider._latest
+        while node is not None:
+            base = node.base
+            if isinstance(base, SnapshotReader):
+                out.append(base)
+            node = base.state if isinstance(base, statecore.layers.FrozenView) else None
+    return out
+
+
 @pytest.mark.parametrize("step,after_bytes", [("write", 0), ("write", 6000), ("flush", 0), ("fsync", 0),
                                               ("rename", 0)])
 def test_failed_snapshot_write_in_maintenance(tmp_path, faulty, step, after_bytes):
@@ -452,12 +905,11 @@ def test_failed_snapshot_write_in_maintenance(tmp_path, faulty, step, after_byte
     files = faulty[-1]
     commit_workload(p, seed, 0, 5)
     files.arm(step, "*.snapshot", after_bytes=after_bytes)
-    try:
-        p.do_maintenance()
-    except OSError as e:  # maintenance errors reach the caller (the registry unloads the provider)
-        assert "injected fault" in str(e)
+    with pytest.raises(OSError, match=fault_message(step, 5, "snapshot")):
+        p.do_maintenance()  # maintenance errors reach the caller (the registry unloads the provider)
     assert files.raised[step] == 1
     assert tmp_files(tmp_path) == [] and versions_on_disk(tmp_path)[1] == set()
+    assert snapshot_bases(p) == []  # never swapped in: it is not durable
     for v in (3, 4, 5):
         assert_version(make(tmp_path), v, expected[v])
         assert_version(p, v, expected[v])
@@ -465,12 +917,38 @@ def test_failed_snapshot_write_in_maintenance(tmp_path, faulty, step, after_byte
     commit_workload(p, seed, 5, 8)
     p.do_maintenance()
     assert versions_on_disk(tmp_path)[1] == {8}
+    assert len(snapshot_bases(p)) == 1
     assert_files_whole(tmp_path)
     commit_workload(p, seed, 8, 12, maintenance_every=2)
     for v in range(9, 13):
         assert_version(p, v, expected[v])
         assert_version(make(tmp_path), v, expected[v])
     assert tmp_files(tmp_path) == []
+
+
+def test_snapshot_whose_directory_fsync_fails_is_not_the_base(tmp_path, faulty, hooks, failing_dir_fsync):
+    """The snapshot is renamed into place but the directory's fsync fails: maintenance
+    raises and the snapshot is not swapped in as the base (it could vanish with a power
+    loss); the file left is whole, and loads that use it are exact."""
+    seed = 27
+    expected = workload(seed, 9)
+    p = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
+    commit_workload(p, seed, 0, 5)
+    hooks["rename"] = lambda name: name.endswith(".snapshot") and failing_dir_fsync(store_dir(tmp_path))
+    with pytest.raises(OSError, match="injected directory fsync failure"):
+        p.do_maintenance()
+    hooks.clear()
+    assert failing_dir_fsync.failed == [store_dir(tmp_path)]
+    assert versions_on_disk(tmp_path)[1] == {5}  # renamed: in place, not known durable
+    assert snapshot_bases(p) == []
+    assert_files_whole(tmp_path)
+    for v in (3, 4, 5):
+        assert_version(p, v, expected[v])
+        assert_version(make(tmp_path), v, expected[v])
+    commit_workload(p, seed, 5, 9, maintenance_every=2)
+    for v in range(6, 10):
+        assert_version(p, v, expected[v])
+        assert_version(make(tmp_path), v, expected[v])
 
 
 def test_failed_snapshot_in_the_registry_unloads_only_that_provider(tmp_path, faulty, clean_registry):
@@ -542,60 +1020,65 @@ def test_failed_reads_while_loading_are_errors_not_data(tmp_path, faulty):
         assert_version(fresh, 7, expected[7])  # nothing half-loaded was kept
 
 
-def test_maintenance_while_a_commit_finishes(tmp_path, monkeypatch):
-    """The registry's thread may run maintenance at any instant, e.g. right after a commit's
-    delta was renamed into place but before the commit returned. It may skip the snapshot of
-    that version or write it, but then the snapshot must be that version, and commits made
-    while it is being written must neither disturb it nor make maintenance fail."""
+@pytest.mark.parametrize("point", ["rename", "published", "returned"])
+def test_maintenance_while_a_commit_finishes(tmp_path, hooks, point):
+    """The registry's thread may run maintenance at any instant of a commit: after its merge
+    and before its rename ("rename"), after the rename and before it returns ("published"),
+    or right after it returned, the snapshot then being written while the task commits on
+    ("returned"). It may skip the snapshot of an unfinished version or write it, but then
+    the snapshot must be that version; commits made while it is being written must neither
+    disturb it nor make maintenance fail."""
     seed = 15
     expected = workload(seed, 12)
-    hold = threading.Event()
-    entered = threading.Event()
-    results, threads = [], []
-    armed = {"on": None}
-    provider = {}
-
-    class Files(statecore.files.StoreFiles):
-        def write_atomic(self, name, write, overwrite=True, on_flushed=None):
-            size = super().write_atomic(name, write, overwrite, on_flushed)
-            if name == armed["on"]:
-                armed["on"] = None
-                time.sleep(0.2)  # the committing thread's merge is done by now
-
-                def maintain():
-                    try:
-                        provider["p"].do_maintenance()
-                        results.append("ok")
-                    except BaseException as e:  # noqa: BLE001 - reported below
-                        results.append(e)
-                t = threading.Thread(target=maintain)
-                t.start()
-                deadline = time.monotonic() + 10
-                while t.is_alive() and not entered.is_set() and time.monotonic() < deadline:
-                    time.sleep(0.001)  # until it writes a snapshot or is done
-                threads.append(t)
-            return size
-
-        def _writer(self, f, name):
-            if name.endswith(".snapshot") and not entered.is_set():
-                entered.set()
-                hold.wait(10)  # until the test's commits below are done
-            return f
-
-    monkeypatch.setattr(statecore.files, "open_store_files", lambda loc, so=None, lc=None: Files(loc, so, lc))
-    p = provider["p"] = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
+    p = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
     commit_workload(p, seed, 0, 3)
-    armed["on"] = "4.delta"
-    commit_workload(p, seed, 3, 4)  # maintenance runs inside this commit
+    entered, hold, progressed = threading.Event(), threading.Event(), threading.Event()
+    threads = []
+
+    def start_maintenance(name=None):
+        def maintain():
+            try:
+                return p.do_maintenance()
+            finally:
+                progressed.set()
+
+        threads.append(run_thread(maintain, name="test-maintenance"))
+        assert progressed.wait(10)  # it finished, or it is writing a snapshot (held below)
+
+    def on_writer(name):
+        if name.endswith(".snapshot") and not entered.is_set():
+            entered.set()
+            progressed.set()
+            assert hold.wait(10)  # until the test's commits below are done
+
+    def at(hook_point):
+        def hook(name):
+            if point == hook_point and fnmatch.fnmatch(name, "4_*.delta") and not threads:
+                start_maintenance()
+        return hook
+
+    hooks.update(writer=on_writer, rename=at("rename"), published=at("published"))
+    commit_workload(p, seed, 3, 4)  # with point != "returned", maintenance runs inside this commit
+    if point == "returned":
+        start_maintenance()
+        assert entered.is_set()  # the snapshot of 4 is being written while the task goes on
     assert len(threads) == 1
-    commit_workload(p, seed, 4, 7)  # meanwhile the task goes on
+    commit_workload(p, seed, 4, 7)
     hold.set()
-    threads[0].join(10)
-    assert results == ["ok"], results
+    (thread, result), = threads
+    thread.join(10)
+    assert result == [None], result
+    hooks.clear()
     assert_files_whole(tmp_path)
-    assert versions_on_disk(tmp_path)[1] <= {4}
-    if entered.is_set():
-        reader = SnapshotReader(os.path.join(store_dir(tmp_path), "4.snapshot"), KEY, VALUE)
+    snapshots = listing(tmp_path).versions("snapshot")
+    if point == "returned":
+        assert snapshots == [4]
+    else:
+        assert set(snapshots) <= {4}  # skipped, or of the version committed (below)
+    if snapshots:
+        [name] = attempts(tmp_path, 4, "snapshot")
+        assert id_of(name) == default_id(make(tmp_path), 4)  # of the version committed
+        reader = SnapshotReader(os.path.join(store_dir(tmp_path), name), KEY, VALUE)
         assert reader.row_count == len(expected[4])
         reader.close()
     for v in range(4, 8):
@@ -623,16 +1106,19 @@ def delta_store(tmp_path, versions=6, seed=16):
 
 
 def delta_offsets(size):
-    # header, its lineage and checksum; the first block's header and payload; the trailer
-    return sorted({0, 1, 8, 40, 50, 64, 71, 72, 80, 100, 104, 200, size // 2, size - 48, size - 20, size - 1})
+    # header, its lineage (own and parent id) and checksum; the first block's header and
+    # payload; the trailer
+    return sorted({0, 1, 8, 40, 48, 50, 56, 63, 64, 71, 72, 80, 100, 104, 200, size // 2, size - 48, size - 20,
+                   size - 1})
 
 
 @pytest.mark.parametrize("where", ["truncate", "flip"])
 def test_damaged_delta_is_an_error_naming_it(tmp_path, where):
     expected = delta_store(tmp_path)
-    path = os.path.join(store_dir(tmp_path), "4.delta")
+    path = version_path(store_dir(tmp_path), 4, "delta")
     good = Path(path).read_bytes()
     assert len(good) > 300
+    before_it_broken = {}  # offset -> the error loading version 3 (collected: every offset is tried)
     for offset in delta_offsets(len(good)):
         if where == "truncate":
             bad = good[:offset]
@@ -640,23 +1126,53 @@ def test_damaged_delta_is_an_error_naming_it(tmp_path, where):
             bad = bytearray(good)
             bad[offset] ^= 0x5A
         replace_file(path, bad)
-        with pytest.raises(StateCorruptionError, match="4.delta") as info:
+        with pytest.raises(StateCorruptionError, match=rf"4_{ID}\.delta") as info:
             make(tmp_path).get_read_store(6)
-        assert info.value.path.endswith("4.delta"), (offset, info.value)
-        assert_version(make(tmp_path), 3, expected[3])  # versions before it are fine
+        assert info.value.path == path, (offset, info.value)
+        try:
+            assert_version(make(tmp_path), 3, expected[3])  # versions before it are fine
+        except (StateCorruptionError, VersionNotFoundError) as e:
+            before_it_broken[offset] = e
+    assert not before_it_broken, (f"damage in 4's delta at offsets {sorted(before_it_broken)} (of {len(good)}) "
+                                  f"makes version 3 unloadable, e.g. {next(iter(before_it_broken.values()))}")
     replace_file(path, good + b"\0")  # a byte too many
-    with pytest.raises(StateCorruptionError, match="4.delta"):
+    with pytest.raises(StateCorruptionError, match=rf"4_{ID}\.delta"):
         make(tmp_path).get_read_store(6)
     replace_file(path, good)
     assert_version(make(tmp_path), 6, expected[6])
 
 
-def test_delta_of_another_version_is_an_error(tmp_path):
+def test_delta_of_another_version_or_attempt_is_an_error(tmp_path):
+    """A file whose checked header disagrees with its name (another version's delta, or
+    another attempt's delta of the same version) is damage naming it, never that version."""
     delta_store(tmp_path)
+    other = tmp_path / "other"
+    delta_store(other)  # the same batches: other attempts, other ids
     d = store_dir(tmp_path)
-    replace_file(os.path.join(d, "4.delta"), Path(d, "5.delta").read_bytes())
-    with pytest.raises(StateCorruptionError, match="4.delta"):
-        make(tmp_path).get_read_store(6)
+    four = version_path(d, 4, "delta")
+    good = Path(four).read_bytes()
+    for source in (version_path(d, 5, "delta"), version_path(store_dir(other), 4, "delta")):
+        replace_file(four, Path(source).read_bytes())
+        with pytest.raises(StateCorruptionError, match=rf"4_{ID}\.delta") as info:
+            make(tmp_path).get_read_store(6)
+        assert info.value.path == four
+    replace_file(four, good)
+    make(tmp_path).get_read_store(6).abort()
+
+
+def test_attempt_whose_parent_is_missing_is_not_found(tmp_path):
+    """Another run's delta copied in under its own name is an attempt of that version whose
+    chain leads nowhere here: asked for by its id, it is not found (it is never data), and
+    the default lineage is not disturbed by it."""
+    expected = delta_store(tmp_path)
+    other = tmp_path / "other"
+    delta_store(other, seed=99)
+    foreign = version_path(store_dir(other), 4, "delta")
+    os.link(foreign, os.path.join(store_dir(tmp_path), os.path.basename(foreign)))
+    with pytest.raises((VersionNotFoundError, StateCorruptionError)):
+        contents(make(tmp_path).get_read_store(4, id_of(os.path.basename(foreign))))
+    for v in (3, 4, 6):
+        assert_version(make(tmp_path), v, expected[v])
 
 
 def snapshot_store(tmp_path, seed=17, n_keys=30_000, deltas_after=2):
@@ -685,9 +1201,9 @@ def snapshot_store(tmp_path, seed=17, n_keys=30_000, deltas_after=2):
         expected[v + 1] = dict(state)
         if v == 1:
             p.do_maintenance()
-            assert "2.snapshot" in names(tmp_path)
+            assert "2.snapshot" in version_names(store_dir(tmp_path))
     p.close()
-    return expected, os.path.join(store_dir(tmp_path), "2.snapshot")
+    return expected, version_path(store_dir(tmp_path), 2, "snapshot")
 
 
 def test_damaged_snapshot_data_is_found_by_the_lookup_that_touches_it(tmp_path):
@@ -707,25 +1223,26 @@ def test_damaged_snapshot_data_is_found_by_the_lookup_that_touches_it(tmp_path):
             try:
                 got = store.get(k)
             except StateCorruptionError as e:
-                assert "2.snapshot" in str(e)
+                assert os.path.basename(path) in str(e)
                 damaged += 1
                 continue
             assert got == want.get(k), k  # never a wrong value
             right += 1
         assert damaged and right
-        with pytest.raises(StateCorruptionError, match="2.snapshot"):
+        with pytest.raises(StateCorruptionError, match=rf"2_{ID}\.snapshot"):
             store.get_batch(keys_of(np.arange(30_000)))
-        with pytest.raises(StateCorruptionError, match="2.snapshot"):
+        with pytest.raises(StateCorruptionError, match=rf"2_{ID}\.snapshot"):
             contents(store)
 
 
-@pytest.mark.parametrize("damage", ["magic", "header", "schema-json", "header-checksum", "footer",
+@pytest.mark.parametrize("damage", ["magic", "header", "lineage", "schema-json", "header-checksum", "footer",
                                     "truncated", "half", "empty", "extended"])
 def test_damaged_snapshot_header_falls_back_to_the_deltas(tmp_path, damage):
     expected, path = snapshot_store(tmp_path, n_keys=3000)
     good = Path(path).read_bytes()
     bad = bytearray(good)
-    flip = {"magic": 0, "header": 48, "schema-json": 140, "header-checksum": 4090, "footer": len(good) - 60}
+    flip = {"magic": 0, "header": 48, "lineage": 117, "schema-json": 140, "header-checksum": 4090,
+            "footer": len(good) - 60}
     if damage in flip:
         bad[flip[damage]] ^= 0x01
     elif damage == "truncated":
@@ -740,115 +1257,191 @@ def test_damaged_snapshot_header_falls_back_to_the_deltas(tmp_path, damage):
     for version in (2, 3, 4):
         assert_version(make(tmp_path), version, expected[version])
     # with the deltas it would fall back to gone, the damage is the error
-    os.remove(os.path.join(store_dir(tmp_path), "1.delta"))
-    with pytest.raises(StateCorruptionError, match="2.snapshot"):
+    os.remove(version_path(store_dir(tmp_path), 1, "delta"))
+    with pytest.raises(StateCorruptionError, match=rf"2_{ID}\.snapshot"):
         make(tmp_path).get_read_store(4)
 
 
+def test_snapshot_of_another_attempt_under_this_ones_name_is_an_error(tmp_path):
+    """A snapshot file whose header is of another attempt than its name says is damage: the
+    load falls back to the deltas (and is exact), never to the other attempt's rows."""
+    expected, path = snapshot_store(tmp_path, n_keys=3000)
+    other = tmp_path / "other"
+    snapshot_store(other, seed=18, n_keys=3000)
+    replace_file(path, Path(version_path(store_dir(other), 2, "snapshot")).read_bytes())
+    for version in (2, 3, 4):
+        assert_version(make(tmp_path), version, expected[version])
+
+
+# -- names of the old layout, and directories named like version files ---------------------------
+def test_old_layout_names_still_load(tmp_path):
+    """A store written with the names of the old layout (``<v>.delta``, ``<v>.snapshot``;
+    their ids are in the checked headers) loads every version, takes new commits (named with
+    ids) on top, and maintenance snapshots and cleans up across both; damage in an old name's
+    header is an error naming it."""
+    seed = 24
+    expected = workload(seed, 12)
+    p = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=100)
+    commit_workload(p, seed, 0, 6, maintenance_every=3)
+    p.close()
+    d = store_dir(tmp_path)
+    for f in listing(tmp_path):
+        os.rename(os.path.join(d, f.name), os.path.join(d, f"{f.version}.{f.kind}"))
+    old = set(names(tmp_path)) - {"_statecore.schema.json"}
+    assert old and all(parse_name(n).commit_id is None for n in old)
+    assert {n for n in old if n.endswith(".snapshot")}  # a snapshot among them
+    for v in range(7):
+        assert_version(make(tmp_path), v, expected[v])
+    # damage in an old name's header: an error naming it (its id comes from that header)
+    four = os.path.join(d, "4.delta")
+    good = Path(four).read_bytes()
+    for bad in (good[:40], bytes([good[0] ^ 1]) + good[1:], good[:50] + bytes([good[50] ^ 1]) + good[51:]):
+        replace_file(four, bad)
+        with pytest.raises(StateCorruptionError, match="4.delta") as info:
+            make(tmp_path).get_read_store(4)
+        assert info.value.path == four
+    replace_file(four, good)
+    # new commits on top of the old names, then maintenance over both
+    q = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
+    commit_workload(q, seed, 6, 12, maintenance_every=2)
+    assert all(parse_name(n).commit_id is not None for n in set(names(tmp_path)) - old - {"_statecore.schema.json"})
+    assert old - set(names(tmp_path))  # cleanup deleted old names too
+    assert_files_whole(tmp_path)
+    for v in range(9, 13):
+        assert_version(q, v, expected[v])
+        assert_version(make(tmp_path), v, expected[v])
+
+
+def test_directories_named_like_version_files_break_no_load(tmp_path):
+    """Directories named like version files (of versions on the lineage, above it, and of the
+    old layout) and like a killed writer's temporary file are never opened as files: every
+    load, commit and maintenance pass works around them (no IsADirectoryError)."""
+    seed = 25
+    expected = workload(seed, 9)
+    p = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
+    commit_workload(p, seed, 0, 5, maintenance_every=3)
+    d = store_dir(tmp_path)
+    dirs = [f"6_{'ab' * 8}.delta", f"5_{'cd' * 8}.delta", f"3_{'ef' * 8}.snapshot", "5.snapshot", "7.delta",
+            f".6_{'ab' * 8}.delta.{'0f' * 16}.tmp"]
+    for n in dirs:
+        os.mkdir(os.path.join(d, n))
+    two_hours_ago = time.time() - 7200
+    os.utime(os.path.join(d, dirs[-1]), (two_hours_ago, two_hours_ago))
+    for v in range(6):
+        assert_version(make(tmp_path), v, expected[v])
+    commit_workload(p, seed, 5, 9, maintenance_every=1)
+    fresh = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
+    fresh.do_maintenance()
+    for v in range(6, 10):
+        assert_version(fresh, v, expected[v])
+        assert_version(make(tmp_path), v, expected[v])
+    assert all(os.path.isdir(os.path.join(d, n)) for n in dirs)
+
+
+# -- durability ----------------------------------------------------------------------------------
+def test_a_new_store_directory_is_durable_before_its_first_commit(tmp_path, monkeypatch):
+    """The store directory (and each parent the provider creates) is fsynced into its parent
+    when created; each commit's rename is fsynced into the store directory."""
+    synced = []
+    real = statecore.files._fsync_dir
+
+    def recording(path):
+        synced.append((path, sorted(os.listdir(path))))
+        return real(path)
+
+    monkeypatch.setattr(statecore.files, "_fsync_dir", recording)
+    root = tmp_path / "ckpt"
+    p = make(root)
+    assert synced == [(str(tmp_path), ["ckpt"]), (str(root), ["0"]), (str(root / "0"), ["0"])]
+    synced.clear()
+    commit(p, 0, [(1, (1, 1.0))])
+    [delta] = attempts(root, 1)
+    assert synced == [(store_dir(root), ["_statecore.schema.json"]),
+                      (store_dir(root), sorted(["_statecore.schema.json", delta]))]
+
+
 # -- maintenance racing the task ---------------------------------------------------------------
-class OrchestratedFiles(statecore.files.StoreFiles):
-    """StoreFiles whose hooks call ``hooks[point](name)`` (points: ``"listed"``, after a listing;
-    ``"writer"``, before a write callback; ``"written"``, after a write_atomic), so a test can
-    stop a thread at an exact point. A hook returning blocks that thread until it returns."""
-
-    hooks = {}
-
-    def list_versions(self):
-        out = super().list_versions()
-        hook = self.hooks.get("listed")
-        if hook:
-            hook(None)
-        return out
-
-    def _writer(self, f, name):
-        hook = self.hooks.get("writer")
-        if hook:
-            hook(name)
-        return f
-
-    def write_atomic(self, name, write, overwrite=True, on_flushed=None):
-        size = super().write_atomic(name, write, overwrite, on_flushed)
-        hook = self.hooks.get("written")
-        if hook:
-            hook(name)
-        return size
-
-
-@pytest.fixture
-def orchestrated(monkeypatch):
-    OrchestratedFiles.hooks = {}
-    monkeypatch.setattr(statecore.files, "open_store_files",
-                        lambda loc, so=None, lc=None: OrchestratedFiles(loc, so, lc))
-    yield OrchestratedFiles.hooks
-    OrchestratedFiles.hooks = {}
-
-
-def run_thread(target):
-    out = []
-
-    def body():
-        try:
-            out.append(target())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=body, name="test-racer")
-    t.start()
-    return t, out
-
-
-def re_execute_while_maintenance_snapshots(tmp_path, hooks, seed, **conf):
-    """Versions 1..4 committed; then maintenance lists the files (the newest is 4); batch 4
-    is re-executed from 3, whose commit records the re-commit; maintenance then freezes the
-    old run's 4 and writes its snapshot while that commit finishes. Returns the provider,
-    the new run's version 4, and maintenance's result."""
+def re_execute_while_maintenance_snapshots(tmp_path, hooks, seed, order, **conf):
+    """Versions 1..4 committed; then maintenance lists the files (the newest is 4, attempt
+    A); batch 4 is re-executed from 3 (attempt B) while maintenance freezes A's version 4 and
+    writes its snapshot, which it finishes after that commit returned. ``order``: maintenance
+    freezes A before B's merge ("freeze-first"), or after it, B's rename then waiting for
+    the snapshot to be under way ("merge-first"). Returns the provider, B's version 4,
+    A's name, and maintenance's result."""
     p = make(tmp_path, min_deltas_for_snapshot=1, **conf)
     commit_workload(p, seed, 0, 4)
+    [abandoned] = attempts(tmp_path, 4)
     new4 = {**workload(seed, 3)[3], -1: (-1, -1.0)}
-    listed, go_freeze, snapshot_writing, commit_done = (threading.Event() for _ in range(4))
+    listed, go_freeze, snapshot_writing, commit_done, committing = (threading.Event() for _ in range(5))
+    seen = []
 
     def on_listed(_):
-        if threading.current_thread().name == "test-racer" and not listed.is_set():
+        name = threading.current_thread().name
+        if name == "test-racer" and not listed.is_set():
             listed.set()
-            go_freeze.wait(10)  # maintenance goes on only once the re-commit was recorded
+            assert go_freeze.wait(10)  # maintenance goes on when the re-execution lets it
+        elif name == "MainThread" and committing.is_set() and order == "freeze-first" and not go_freeze.is_set():
+            go_freeze.set()  # the commit's check for newer attempts, before its merge
+            assert snapshot_writing.wait(10)
 
     def on_writer(name):
-        if name == "4.delta" and listed.is_set() and not go_freeze.is_set():
-            go_freeze.set()
-            snapshot_writing.wait(10)  # the delta lands after maintenance froze the old 4
-        elif name == "4.snapshot" and not snapshot_writing.is_set():
+        if fnmatch.fnmatch(name, "4_*.snapshot") and not snapshot_writing.is_set():
+            seen.append("frozen")
             snapshot_writing.set()
-            commit_done.wait(10)  # the snapshot is finished after the commit returned
+            assert commit_done.wait(10)  # the snapshot is finished after the commit returned
 
-    hooks.update(listed=on_listed, writer=on_writer)
+    def on_merged(_):  # inside the provider's lock: wait for nothing here
+        if committing.is_set():
+            seen.append("merged")
+            go_freeze.set()
+
+    def on_rename(name):
+        if fnmatch.fnmatch(name, "4_*.delta") and order == "merge-first":
+            assert snapshot_writing.wait(10)
+
+    hooks.update(listed=on_listed, writer=on_writer, merged=on_merged, rename=on_rename)
     thread, result = run_thread(p.do_maintenance)
     assert listed.wait(10)
     s = p.get_store(3)
     s.put(-1, (-1, -1.0))
+    committing.set()
     assert s.commit() == 4
     s.abort()
     commit_done.set()
     thread.join(10)
     hooks.clear()
-    assert snapshot_writing.is_set()  # the interleaving happened as intended
-    return p, new4, result
+    assert seen == (["frozen", "merged"] if order == "freeze-first" else ["merged", "frozen"])
+    assert attempts(tmp_path, 4) != [abandoned]  # B's delta replaced A's
+    return p, new4, abandoned, result
 
 
-def test_snapshot_of_the_abandoned_run_never_becomes_the_new_runs_base(tmp_path, orchestrated):
+ORDERS = ["freeze-first", "merge-first"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_snapshot_of_the_abandoned_run_never_becomes_the_new_runs_base(tmp_path, hooks, order):
     """The old run's snapshot of 4 must not be swapped in under the new run's state:
     version 4 read through the provider must be the new run's."""
-    p, new4, _ = re_execute_while_maintenance_snapshots(tmp_path, orchestrated, seed=18, min_versions_to_retain=3)
+    p, new4, abandoned, result = re_execute_while_maintenance_snapshots(tmp_path, hooks, 18, order,
+                                                                        min_versions_to_retain=3)
+    assert result == [None], result
+    # the abandoned attempt's snapshot is on disk (written after the re-execution deleted
+    # what it saw); it is no file of the default lineage
+    assert [id_of(n) for n in attempts(tmp_path, 4, "snapshot")] == [id_of(abandoned)]
+    assert default_id(make(tmp_path), 4) != id_of(abandoned)
     assert_version(make(tmp_path), 4, new4)  # the files are right (lineage check)
     assert_version(p, 4, new4)  # and so must be the provider's memory
     commit(p, 4, [(-2, (-2, -2.0))])
     assert_version(p, 5, {**new4, -2: (-2, -2.0)})
+    assert_version(make(tmp_path), 5, {**new4, -2: (-2, -2.0)})
 
 
-def test_snapshot_of_the_abandoned_run_is_no_base_for_cleanup(tmp_path, orchestrated):
+@pytest.mark.parametrize("order", ORDERS)
+def test_snapshot_of_the_abandoned_run_is_no_base_for_cleanup(tmp_path, hooks, order):
     """The same interleaving, then one more commit and maintenance pass (retention 1): the
     old run's snapshot of 4 must not be taken as the base that lets cleanup delete older
     files, or the new run's versions 4 and 5 (retained) can no longer be loaded."""
-    p, new4, _ = re_execute_while_maintenance_snapshots(tmp_path, orchestrated, seed=18, min_versions_to_retain=1)
+    p, new4, _, _ = re_execute_while_maintenance_snapshots(tmp_path, hooks, 18, order, min_versions_to_retain=1)
     q = make(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=1)  # a restarted query
     assert_version(q, 4, new4)
     assert commit(q, 4, [(-2, (-2, -2.0))]) == 5
@@ -857,10 +1450,10 @@ def test_snapshot_of_the_abandoned_run_is_no_base_for_cleanup(tmp_path, orchestr
     assert_version(make(tmp_path), 4, new4)
 
 
-def test_maintenance_whose_snapshot_a_re_commit_deleted(tmp_path, orchestrated):
-    """Maintenance renamed the snapshot of version 4 into place; before it maps it, batch 4
-    is re-executed and its commit deletes that snapshot of the abandoned run. Maintenance
-    must not fail for that (the registry would unload the provider)."""
+def test_maintenance_whose_snapshot_a_re_commit_deleted(tmp_path, hooks):
+    """Maintenance renamed the snapshot of version 4 into place; before it swaps it in,
+    batch 4 is re-executed and its commit deletes that snapshot of the abandoned run.
+    Maintenance must not fail for that (the registry would unload the provider)."""
     seed = 19
     expected = workload(seed, 4)
     p = make(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=3)
@@ -868,24 +1461,26 @@ def test_maintenance_whose_snapshot_a_re_commit_deleted(tmp_path, orchestrated):
     renamed, commit_done = threading.Event(), threading.Event()
 
     def on_written(name):
-        if name == "4.snapshot" and not renamed.is_set():
+        if fnmatch.fnmatch(name, "4_*.snapshot") and not renamed.is_set():
             renamed.set()
-            commit_done.wait(10)
+            assert commit_done.wait(10)
 
-    orchestrated.update(written=on_written)
+    hooks.update(written=on_written)
     thread, result = run_thread(p.do_maintenance)
     assert renamed.wait(10)
+    assert versions_on_disk(tmp_path)[1] == {4}
     assert commit(p, 3, [(-1, (-1, -1.0))]) == 4
+    assert versions_on_disk(tmp_path)[1] == set()  # the re-execution deleted it
     commit_done.set()
     thread.join(10)
-    orchestrated.clear()
+    hooks.clear()
     new4 = {**expected[3], -1: (-1, -1.0)}
     assert_version(p, 4, new4)
     assert_version(make(tmp_path), 4, new4)
     assert result == [None], result
 
 
-def test_load_racing_another_instances_cleanup(tmp_path, orchestrated):
+def test_load_racing_another_instances_cleanup(tmp_path, hooks):
     """A new provider instance (a restarted query) lists the files to load version 6 while
     the old instance still runs a last maintenance pass whose cleanup deletes the files the
     load picked (a newer snapshot now covers them). Version 6 is within the retention: the
@@ -903,18 +1498,18 @@ def test_load_racing_another_instances_cleanup(tmp_path, orchestrated):
     def on_listed(_):
         if threading.current_thread().name == "test-racer" and not listed.is_set():
             listed.set()
-            cleaned.wait(10)
+            assert cleaned.wait(10)
 
-    orchestrated.update(listed=on_listed)
+    hooks.update(listed=on_listed)
     thread, result = run_thread(lambda: contents(new.get_read_store(6)))
     assert listed.wait(10)
     old.do_maintenance()  # snapshot 6
     commit_workload(old, seed, 6, 7)
-    old.do_maintenance()  # newest 7, retain 1: everything older than 6.snapshot goes
+    old.do_maintenance()  # newest 7, retain 1: everything older than 6's snapshot goes
     assert 3 not in versions_on_disk(tmp_path)[1]
     cleaned.set()
     thread.join(10)
-    orchestrated.clear()
+    hooks.clear()
     assert result == [expected[6]], result
 
 
@@ -922,30 +1517,76 @@ def test_maintenance_deletes_the_temporary_files_a_killed_writer_left(tmp_path):
     p = make(tmp_path, min_deltas_for_snapshot=100)
     commit(p, 0, [(1, (1, 1.0))])
     directory = store_dir(tmp_path)
-    old = os.path.join(directory, ".2.delta." + "0f" * 16 + ".tmp")
-    young = os.path.join(directory, ".2.snapshot." + "1e" * 16 + ".tmp")
-    for path in (old, young):
+    old = [os.path.join(directory, f".2_{'0f' * 8}.delta." + "0f" * 16 + ".tmp"),  # a killed commit's
+           os.path.join(directory, ".2.delta." + "1f" * 16 + ".tmp")]  # the old layout's
+    young = os.path.join(directory, f".2_{'1e' * 8}.snapshot." + "1e" * 16 + ".tmp")
+    for path in old + [young]:
         with open(path, "wb") as f:
             f.write(b"half a file")
     two_hours_ago = time.time() - 7200
-    os.utime(old, (two_hours_ago, two_hours_ago))
+    for path in old:
+        os.utime(path, (two_hours_ago, two_hours_ago))
     p.do_maintenance()
-    assert not os.path.exists(old)
+    assert not any(os.path.exists(path) for path in old)
     assert os.path.exists(young)  # it may belong to a writer still at work
     assert_version(make(tmp_path), 1, {1: (1, 1.0)})
 
 
-def test_a_version_re_committed_by_another_process_is_not_served_from_memory(tmp_path):
-    """Worker processes come and go: one holds version 2 in memory while another, after
-    re-executing batch 2 from version 1, committed a different version 2. The first must
-    not serve (or build on) its own, abandoned, version 2."""
+def test_a_version_re_executed_by_another_process_is_not_served_from_memory(tmp_path):
+    """Worker processes come and go: one holds version 2 (attempt A) in memory while another,
+    after re-executing batch 2 from version 1, committed attempt B of version 2 and deleted
+    A. The first must not serve (or build on) its own, abandoned, version 2."""
     first = make(tmp_path)
     commit(first, 0, [(1, (1, 1.0))])
     commit(first, 1, [(2, (2, 2.0))])
     assert_version(first, 2, {1: (1, 1.0), 2: (2, 2.0)})  # held in memory
+    [a] = attempts(tmp_path, 2)
     second = make(tmp_path)  # another process
     commit(second, 1, [(3, (3, 3.0))])  # batch 2 re-executed there
-    assert_version(first, 2, {1: (1, 1.0), 3: (3, 3.0)})
+    [b] = attempts(tmp_path, 2)
+    assert b != a  # A deleted: B is the only attempt
+    assert_version(first, 2, {1: (1, 1.0), 3: (3, 3.0)}, commit_id=id_of(b))
     commit(first, 2, [(4, (4, 4.0))])
     assert_version(make(tmp_path), 3, {1: (1, 1.0), 3: (3, 3.0), 4: (4, 4.0)})
 
+
+def test_two_attempts_of_a_version_coexist_and_loads_follow_the_right_one(tmp_path):
+    """A task and its retry both open version 2 and both commit version 3 (before, a re-commit
+    overwrote ``3.delta``; now the attempts are two files, neither overwrites the other).
+    The default lineage follows the attempt renamed last (ties: the larger name); a named
+    attempt is loaded as named; the next version builds on the default, and the other
+    attempt stays loadable by its id."""
+    p = make(tmp_path)
+    commit(p, 0, [(1, (1, 1.0))])
+    commit(p, 1, [(2, (2, 2.0))])
+    task, retry = p.get_store(2), make(tmp_path).get_store(2)  # opened before either commits
+    task.put(3, (3, 3.0))
+    retry.put(3, (3, 30.0))
+    assert task.commit() == 3 and retry.commit() == 3
+    a, b = task.commit_id, retry.commit_id
+    assert sorted(id_of(n) for n in attempts(tmp_path, 3)) == sorted([a, b])
+    base = {1: (1, 1.0), 2: (2, 2.0)}
+    by_task, by_retry = {**base, 3: (3, 3.0)}, {**base, 3: (3, 30.0)}
+    d = store_dir(tmp_path)
+    path = {id_of(n): os.path.join(d, n) for n in attempts(tmp_path, 3)}
+    now = time.time()
+    # renamed in that order (set explicitly: filesystem timestamps may be coarser than that)
+    os.utime(path[a], (now - 10, now - 10))
+    os.utime(path[b], (now - 5, now - 5))
+    assert default_id(make(tmp_path), 3) == b
+    assert_version(make(tmp_path), 3, by_retry)
+    assert_version(make(tmp_path), 3, by_task, commit_id=a)
+    assert_version(make(tmp_path), 3, by_retry, commit_id=b)
+    assert_version(p, 3, by_retry)  # the task's own provider too: the default is the retry's
+    # the same instant: the larger name
+    os.utime(path[a], (now, now))
+    os.utime(path[b], (now, now))
+    assert default_id(make(tmp_path), 3) == max(a, b)
+    os.utime(path[a], (now - 10, now - 10))
+    os.utime(path[b], (now - 5, now - 5))
+    # the next batch builds on the default; the other attempt stays loadable by its id
+    assert commit(make(tmp_path), 3, [(4, (4, 4.0))]) == 4
+    assert_version(make(tmp_path), 4, {**by_retry, 4: (4, 4.0)})
+    assert_version(make(tmp_path), 3, by_retry)
+    assert_version(make(tmp_path), 3, by_task, commit_id=a)
+    assert len(attempts(tmp_path, 3)) == 2
