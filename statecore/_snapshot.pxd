@@ -58,7 +58,7 @@ cdef class SnapshotWriter:
     cdef readonly uint64_t file_size
     cdef readonly uint32_t block_size
     cdef readonly uint32_t max_displacement
-    cdef readonly uint64_t hash_collisions  # pairs of distinct keys with equal 64-bit hashes
+    cdef readonly uint64_t hash_collisions  # pairs of keys with equal 64-bit hashes taken as distinct
     cdef readonly Py_ssize_t key_width
     cdef readonly Py_ssize_t value_width
     cdef readonly Py_ssize_t row_width

@@ -723,7 +723,7 @@ cdef class SnapshotWriter:
         -------
         dict
             ``file_size``, ``n_slots``, ``max_displacement``, ``row_count``, ``n_blocks``,
-            ``hash_collisions`` (pairs of distinct keys with equal 64-bit hashes).
+            ``hash_collisions`` (pairs of keys with equal 64-bit hashes taken as distinct).
 
         Raises
         ------
