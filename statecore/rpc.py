@@ -169,6 +169,7 @@ _HEADER = struct.Struct(">BQH")  # an envelope's kind, request id and name lengt
 _HEADER_BYTES = _HEADER.size
 _unpack_header = _HEADER.unpack_from
 _DONTWAIT = socket.MSG_DONTWAIT  # replies are written without waiting (see _ServerConnection)
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # pieces per sendmsg
 
 _request_ids = itertools.count(1)  # next() is atomic under the GIL: one sequence per process
 
@@ -1041,26 +1042,32 @@ class _ServerConnection:
         return True
 
     def write_backlog(self, now):
-        """(The reply writer) Write what the socket takes of the backlog. ``(fd, deadline)``
-        to wait on while some is left, None once it is all written or the peer is dropped."""
+        """(The reply writer) Write what the socket takes of the backlog, without copying it
+        (one ``sendmsg`` of its pieces). ``(fd, deadline)`` to wait on while some is left,
+        None once it is all written or the peer is dropped."""
         with self.lock:
-            if self.closed or self.dropped or not self.backlog:
+            backlog = self.backlog
+            if self.closed or self.dropped or not backlog:
                 return None
-            data = self.backlog[0] if len(self.backlog) == 1 else b"".join(self.backlog)
             try:
-                sent = self.sock.send(data, _DONTWAIT)
+                sent = self.sock.sendmsg(backlog[:_IOV_MAX], (), _DONTWAIT)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
                 self._drop(f"writing its replies failed: {e}", quiet=True)
                 return None
-            if sent == len(data):
-                self.backlog, self.backlog_bytes = [], 0
-                return None
             if sent:
                 self.progress_at = now
-            self.backlog = [memoryview(data)[sent:]]
-            self.backlog_bytes = len(data) - sent
+                self.backlog_bytes -= sent
+                done = 0
+                while done < len(backlog) and sent >= len(backlog[done]):
+                    sent -= len(backlog[done])
+                    done += 1
+                del backlog[:done]
+                if sent:
+                    backlog[0] = memoryview(backlog[0])[sent:]
+                if not backlog:
+                    return None
             timeout = self.env.io_timeout_s
             if now - self.progress_at >= timeout:
                 self._drop(f"it read none of its replies for {timeout:g} s ({self.backlog_bytes} bytes unsent)")

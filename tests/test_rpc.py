@@ -1425,19 +1425,26 @@ def test_a_peer_that_never_reads_its_replies_holds_up_no_one(make_env):
 
 
 def test_replies_a_slow_peer_reads_late_arrive_whole(make_env):
-    """Replies left in the server's backlog are written as the peer reads: all of them, whole."""
+    """Replies left in the server's backlog (large ones, then many small ones in between
+    reads) are written as the peer reads: all of them, whole."""
     env = make_env()
     env.setup_endpoint("tally", Tally())
     with unread_asker(env, 16, 1 << 20) as slow:
-        wait_until(lambda: served(env, slow).backlog_bytes > 0)
+        conn = served(env, slow)
+        wait_until(lambda: conn.backlog_bytes > 0)
+        expected = {i: b"x" * (1 << 20) for i in range(1, 17)}
+        for i in range(17, 317):
+            slow.sendall(raw_frame(ASK, i, b"tally", encode_value(("echo", i))))
+            expected[i] = ("echo", i)
         replies = {}
-        for _ in range(16):
+        for _ in range(len(expected)):
             (size,) = struct.unpack(">I", recv_exact(slow, 4))
             kind, request_id, name_length = struct.unpack(">BQH", recv_exact(slow, 11))
             assert (kind, name_length) == (REPLY, 0)
             replies[request_id] = decode_value(recv_exact(slow, size - 11))
-        assert replies == {i: b"x" * (1 << 20) for i in range(1, 17)}
-        wait_until(lambda: served(env, slow).backlog_bytes == 0)
+        assert replies == expected
+        wait_until(lambda: conn.backlog_bytes == 0 and not conn.backlog)
+        assert not conn.dropped
 
 
 def test_a_peer_that_never_reads_is_dropped_past_the_backlog_bound_or_the_io_timeout(make_env, logs):
