@@ -148,14 +148,19 @@ class Chain:
         return top, ranked[-1][0]
 
     def default_id(self, version):
-        """The id of ``version`` on the default lineage; VersionNotFoundError if the default
-        lineage has no such version (above the newest, or a file of the chain missing)."""
+        """The id of ``version`` on the default lineage: its only attempt, or the one the
+        chain from the newest version passes through; VersionNotFoundError if there is none
+        (above the newest, or a file of the chain missing)."""
         if version == 0:
             return ROOT_COMMIT_ID
         top, commit_id = self.default_top()
         if version > top:
             raise VersionNotFoundError(
                 f"version {version} of {self._where} does not exist: the newest version is {top}")
+        attempts = {self.commit_id(f) for kind in KINDS for f in self.listing.of(kind, version)}
+        if len(attempts) == 1:
+            # The only attempt of the version: no need to read (or trust) the headers above it.
+            return attempts.pop()
         for u in range(top, version, -1):
             parent = self.parent_id(u, commit_id)
             if parent is None:

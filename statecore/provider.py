@@ -550,16 +550,18 @@ class FileStateStoreProvider(StateStoreProvider):
         appeared since are another attempt's: if any is newer, this attempt is stale and
         raises (the caller deletes its file)."""
         self._refuse_if_stale(view, new_version)
-        doomed = [f.name for f in view.listing.newer_than(view.version) if f.name != own_name]
+        doomed = sorted((f for f in view.listing.newer_than(view.version) if f.name != own_name),
+                        key=lambda f: (f.version, f.kind == "delta"), reverse=True)
         if not doomed:
             return
         log.warning("version %d of %s committed again: deleting the files of the abandoned run: %s",
-                    new_version, self, sorted(doomed))
-        self._files.delete(doomed)
-        left = [n for n in doomed if self._files.exists(n)]
-        if left:
-            raise OSError(f"could not delete the abandoned run's files {left} of {self}: "
-                          f"version {new_version} would not be the default lineage")
+                    new_version, self, [f.name for f in doomed])
+        # Newest first, a version's delta before its snapshot, stopping at the first failure:
+        # whatever is left of the abandoned run is a whole prefix of it, which still loads.
+        for f in doomed:
+            if not self._files.delete([f.name]) and self._files.exists(f.name):
+                raise OSError(f"could not delete {self._files.path(f.name)} of the abandoned run of {self}: "
+                              f"version {new_version} would not be the default lineage")
 
     def _head_outgrown(self, state):
         # REQUIRES: self._lock held
