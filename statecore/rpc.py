@@ -983,14 +983,15 @@ class _ServerConnection:
     ``_PENDING_BYTES``), then written together: frames that arrived together are answered
     with one write."""
 
-    __slots__ = ("sock", "peer", "peer_max_frame", "env", "lock", "closed", "dropped", "reader_ident", "pending",
-                 "pending_bytes", "backlog", "backlog_bytes", "progress_at")
+    __slots__ = ("sock", "peer", "peer_max_frame", "env", "lock", "closed", "dropped", "broken", "reader_ident",
+                 "pending", "pending_bytes", "backlog", "backlog_bytes", "progress_at")
 
     def __init__(self, sock, peer, peer_max_frame, env):
         self.sock, self.peer, self.peer_max_frame, self.env = sock, peer, peer_max_frame, env
         self.lock = threading.Lock()  # guards the socket's writing, the backlog and closing
         self.closed = False
-        self.dropped = False
+        self.dropped = False  # the server hung up on it (see the class)
+        self.broken = False  # a write failed (the peer is gone): replies are discarded
         self.reader_ident = threading.get_ident()
         self.pending = []  # the reader's own replies, not yet handed to send()
         self.pending_bytes = 0
@@ -1016,7 +1017,7 @@ class _ServerConnection:
         """Write ``data`` (whole frames) without waiting; the rest goes to the backlog, for
         the env's reply writer. False if the peer is gone (or dropped now: see the class)."""
         with self.lock:
-            if self.closed or self.dropped:
+            if self.closed or self.dropped or self.broken:
                 return False
             if self.backlog:
                 bound = self.env.max_reply_backlog_bytes
@@ -1031,7 +1032,7 @@ class _ServerConnection:
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                self._drop(f"writing a reply failed: {e}", quiet=True)
+                self._break(e)
                 return False
             if sent == len(data):
                 return True
@@ -1047,14 +1048,14 @@ class _ServerConnection:
         None once it is all written or the peer is dropped."""
         with self.lock:
             backlog = self.backlog
-            if self.closed or self.dropped or not backlog:
+            if self.closed or self.dropped or self.broken or not backlog:
                 return None
             try:
                 sent = self.sock.sendmsg(backlog[:_IOV_MAX], (), _DONTWAIT)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                self._drop(f"writing its replies failed: {e}", quiet=True)
+                self._break(e)
                 return None
             if sent:
                 self.progress_at = now
@@ -1079,13 +1080,22 @@ class _ServerConnection:
             if not self.closed:
                 self._drop(reason)
 
-    def _drop(self, reason, quiet=False):
-        """(Lock held) Hang up on the peer: no more replies, its queued messages are skipped,
-        and its reader sees the end of the stream."""
+    def _drop(self, reason):
+        """(Lock held) Hang up on the peer: no more replies, its queued messages are skipped."""
         if not self.dropped:
             self.dropped = True
-            log.log(logging.INFO if quiet else logging.WARNING, "RPC server on %s dropped %s: %s",
-                    self.env._where, _where(self.peer), reason)
+            log.warning("RPC server on %s dropped %s: %s", self.env._where, _where(self.peer), reason)
+        self._hang_up()
+
+    def _break(self, error):
+        """(Lock held) A write failed: the stream may end in half a frame, so nothing more
+        is written; its queued messages are still handled, as the peer sent them."""
+        self.broken = True
+        log.debug("RPC server on %s cannot reply to %s any more: %s", self.env._where, _where(self.peer), error)
+        self._hang_up()
+
+    def _hang_up(self):
+        """(Lock held) Forget the backlog; the reader sees the end of the stream and closes it."""
         self.backlog, self.backlog_bytes = [], 0
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -1165,8 +1175,6 @@ class _ReplyWriter:
                             pass
                     except OSError:
                         pass
-
-
 
 
 class _Dispatcher:
