@@ -1,0 +1,224 @@
+"""Every byte of every file of a small checkpoint, flipped.
+
+A checkpoint of seven deltas (versions 3..9), two snapshots (3 and 6) and the schema file,
+few rows so the files are small. For each byte of each file: flip it (xor 0xFF) and, in a
+fresh process (tests/flip_worker.py: one process per chunk of flips, two at a time; each
+flip starts from a fresh copy of the pristine directory and fresh providers), open every
+version (3..9: the newest and each retained one) and read all of it, run maintenance (a
+snapshot of 9 is due, so maintenance writes one from what it loaded), read every version
+again, then restore the byte and read every version once more. Outcomes:
+
+- ``corrupt``: a load raised StateCorruptionError naming the damaged file, the others
+  returned exact data;
+- ``recovered``: every load returned exact data, and the store logged the damage (a
+  damaged snapshot skipped for an older one plus the deltas);
+- ``unread``: exact data, nothing noticed: a byte nothing reads;
+- ``failure``: anything else: wrong data, another exception or a crash (nonzero exit,
+  signal), StateCorruptionError naming another file, a file maintenance deleted, a version
+  that no longer loads after maintenance (with the byte restored).
+
+The counts per file and outcome are printed (``-s`` shows them). By default (CI) the sweep
+flips every byte of the deltas and of the schema file, and of each snapshot every byte of
+its header fields and schema JSON, its header checksum, its checksums section and footer,
+and every 5th byte of its zero header padding and of its data blocks (rows and slots, all
+under block checksums); ``STATECORE_FULL_FLIPS=1`` flips every byte of every file.
+"""
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+
+WORKER = str(Path(__file__).resolve().parent / "flip_worker.py")
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])
+KEY_SPACE = 16
+CONF = dict(min_deltas_for_snapshot=2, min_versions_to_retain=4, max_versions_to_retain_in_memory=2)
+FULL = os.environ.get("STATECORE_FULL_FLIPS") == "1"
+STRIDE = 5  # over a snapshot's header padding and data blocks, unless FULL
+WORKERS = 2
+CHUNK = 600  # flips per worker process
+SNAPSHOT_HEADER = 4096
+SNAPSHOT_FOOTER = 64
+SNAPSHOT_FIELDS = 136  # fixed header fields; the schema JSON follows (its length at 132)
+
+
+def make(root):
+    return create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, VALUE, StateStoreConf(**CONF))
+
+
+def batch(v):
+    rng = np.random.default_rng(v)
+    ks = [int(k) for k in rng.permutation(KEY_SPACE)]
+    return {k: (v, i / 4) for i, k in enumerate(ks[:5])}, ks[5:7]
+
+
+def commit(p, model):
+    v = max(model)
+    store = p.get_store(v)
+    puts, removes = batch(v + 1)
+    keys = np.zeros(len(puts), KEY)
+    keys["k"] = list(puts)
+    values = np.zeros(len(puts), VALUE)
+    values["n"] = [x[0] for x in puts.values()]
+    values["x"] = [x[1] for x in puts.values()]
+    store.put_batch(keys, values)
+    gone = np.zeros(len(removes), KEY)
+    gone["k"] = removes
+    store.remove_batch(gone)
+    assert store.commit() == v + 1
+    new = dict(model[v])
+    new.update(puts)
+    for k in removes:
+        new.pop(k, None)
+    model[v + 1] = new
+
+
+def build_checkpoint(root):
+    """Deltas 3..9, snapshots 3 and 6, the schema file; returns the model."""
+    p = make(root)
+    model = {0: {}}
+    for top, maintain in ((3, True), (6, True), (8, True), (9, False)):
+        while max(model) < top:
+            commit(p, model)
+        if maintain:
+            p.do_maintenance()
+    p.close()
+    return model
+
+
+def offsets(path, size):
+    """The offsets of ``path`` the sweep flips."""
+    if FULL or not path.name.endswith(".snapshot"):
+        return list(range(size))
+    with open(path, "rb") as f:
+        head = f.read(SNAPSHOT_HEADER)
+        f.seek(100)
+        checksums_offset = int.from_bytes(f.read(8), "little")
+    fields_end = SNAPSHOT_FIELDS + int.from_bytes(head[132:136], "little")
+    every = set(range(fields_end)) | set(range(SNAPSHOT_HEADER - 8, SNAPSHOT_HEADER))
+    every |= set(range(checksums_offset, size))  # block checksums and footer
+    strided = set(range(fields_end, SNAPSHOT_HEADER - 8, STRIDE)) | set(range(SNAPSHOT_HEADER, checksums_offset, STRIDE))
+    return sorted(every | strided)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    root = Path(tempfile.mkdtemp(prefix="statecore-flips-"))
+    try:
+        model = build_checkpoint(root / "pristine")
+        pristine = root / "pristine" / "0" / "0"
+        names = sorted(os.listdir(pristine))
+        kinds = collections.Counter(n.rsplit(".", 1)[1] for n in names)
+        assert kinds == {"delta": 7, "snapshot": 2, "json": 1}, names
+        # What one maintenance pass keeps in the pristine directory (it adds a snapshot of 9).
+        probe = root / "probe"
+        shutil.copytree(pristine, probe / "0" / "0")
+        p = make(probe)
+        for v in range(3, 10):
+            assert {int(k[0]): tuple(x) for k, x in p.get_read_store(v).iterator()} == model[v]
+        p.do_maintenance()
+        after = set(os.listdir(probe / "0" / "0"))
+        assert len(after - set(names)) == 1, "maintenance of the pristine copy should add the snapshot of 9"
+        yield root, pristine, model, sorted(set(names) & after)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_chunk(spec, flips):
+    """Run one worker over ``flips``; a crash is recorded for the flip it was on, and a new
+    worker goes on with the rest. Returns ``[(file, offset, outcome, detail)]``."""
+    results = []
+    while flips:
+        fd, spec_path = tempfile.mkstemp(suffix=".json", prefix="statecore-flips-")
+        work_root = tempfile.mkdtemp(prefix="statecore-flip-work-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(dict(spec, flips=flips, work_root=work_root), f)
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        try:
+            done = subprocess.run([sys.executable, WORKER, spec_path], capture_output=True, text=True,
+                                  timeout=900, env=env)
+        finally:
+            os.unlink(spec_path)
+            shutil.rmtree(work_root, ignore_errors=True)
+        started = None
+        finished = 0
+        for line in done.stdout.splitlines():
+            record = json.loads(line)
+            if "start" in record:
+                started = tuple(record["start"])
+            else:
+                results.append((record["file"], record["offset"], record["outcome"], record["detail"]))
+                finished += 1
+                started = None
+        if done.returncode == 0 and finished == len(flips):
+            break
+        # The worker died on `started` (or before its first flip).
+        crashed = started or tuple(flips[finished])
+        results.append((*crashed, "failure", f"the worker died (exit {done.returncode}): {done.stderr[-500:]}"))
+        flips = flips[finished + 1:]
+    return results
+
+
+def test_every_flipped_byte_is_named_or_harmless(checkpoint):
+    root, pristine, model, must_keep = checkpoint
+    spec = {
+        "pristine": str(pristine),
+        "conf": CONF,
+        "key_space": KEY_SPACE,
+        "expected": {str(v): {str(k): list(x) for k, x in model[v].items()} for v in range(3, 10)},
+        "must_keep": must_keep,
+    }
+    flips = []
+    for name in sorted(os.listdir(pristine)):
+        path = pristine / name
+        flips += [[name, o] for o in offsets(path, path.stat().st_size)]
+    chunks = [flips[i:i + CHUNK] for i in range(0, len(flips), CHUNK)]
+    results, lock = [], threading.Lock()
+    pending = list(reversed(chunks))
+
+    def drain():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                chunk = pending.pop()
+            got = run_chunk(spec, chunk)
+            with lock:
+                results.extend(got)
+
+    threads = [threading.Thread(target=drain) for _ in range(WORKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert sorted((f, o) for f, o, _, _ in results) == sorted((f, o) for f, o in flips), "flips missing"
+    counts = collections.defaultdict(collections.Counter)
+    for name, _, outcome, _ in results:
+        kind = "schema" if name.endswith(".json") else f"{name.split('_')[0].split('.')[0]}.{name.rsplit('.', 1)[1]}"
+        counts[kind][outcome] += 1
+    sizes = {n: (pristine / n).stat().st_size for n in os.listdir(pristine)}
+    print(f"\nbyte-flip sweep ({'every byte' if FULL else f'default: stride {STRIDE} over snapshot padding and data blocks'}"
+          f"), {len(flips)} flips over {len(sizes)} files ({sum(sizes.values())} bytes):")
+    outcomes = ("corrupt", "recovered", "unread", "failure")
+    print(f"  {'file':<16}" + "".join(f"{o:>11}" for o in outcomes))
+    for kind in sorted(counts, key=lambda k: (k == "schema", int(k.split(".")[0]) if k[0].isdigit() else 0, k)):
+        print(f"  {kind:<16}" + "".join(f"{counts[kind][o]:>11}" for o in outcomes))
+    total = collections.Counter()
+    for c in counts.values():
+        total.update(c)
+    print(f"  {'total':<16}" + "".join(f"{total[o]:>11}" for o in outcomes))
+    failures = [r for r in results if r[2] == "failure"]
+    for name, offset, _, detail in failures[:30]:
+        print(f"  FAILURE {name} @ {offset}: {detail}")
+    assert not failures, f"{len(failures)} flips were not caught or harmless; first: {failures[:5]}"
