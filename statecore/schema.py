@@ -95,7 +95,7 @@ class RowSchema:
     """
 
     __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "key", "_struct", "_bytes_fields",
-                 "_bool_fields", "_key_floats", "_single_bytes", "_numeric", "_plain", "_value_types",
+                 "_bool_fields", "_key_floats", "_single_bytes", "_numeric", "_value_types",
                  "_max_bytes", "_pack_values", "_unpack_row")
 
     def __init__(self, dtype, *, key=False):
@@ -117,10 +117,8 @@ class RowSchema:
         self.key = bool(key)
         self._key_floats = tuple(_key_float(name, f, self.dtype.fields[name][1])
                                  for name, f in fields if f.kind == "f") if self.key else ()
-        # Whether struct alone checks values of the _NUMBER_TYPES (no bool or bytes field) ...
+        # Whether struct alone checks values of the _NUMBER_TYPES (no bool or bytes field).
         self._numeric = not (self._bytes_fields or self._bool_fields)
-        # ... and whether its row then needs nothing more (no float key field to normalize).
-        self._plain = self._numeric and not self._key_floats
         self._pack_values = self._struct.pack
         self._unpack_row = self._struct.unpack
         self.fingerprint = xxh64_digest(self.describe_json().encode())
@@ -158,18 +156,18 @@ class RowSchema:
         TypeError naming the field, a value out of the field's range a ValueError.
         """
         kind = type(obj)
-        if self._plain:
-            if kind is int or kind is float:
-                try:  # the per-row fast path: struct checks ints, floats and the field count
-                    return self._pack_values(obj)
-                except (struct.error, OverflowError):
-                    raise self._explain((obj,)) from None
-            if kind is tuple and _NUMBER_TYPES.issuperset(map(type, obj)):
-                try:
-                    return self._pack_values(*obj)
-                except (struct.error, OverflowError):
-                    raise self._explain(obj) from None
-        row = self._encode(obj, kind)
+        if self._numeric and (kind is int or kind is float):
+            try:  # the per-row fast path: struct checks ints, floats and the field count
+                row = self._pack_values(obj)
+            except (struct.error, OverflowError):
+                raise self._explain((obj,)) from None
+        elif self._numeric and kind is tuple and _NUMBER_TYPES.issuperset(map(type, obj)):
+            try:
+                row = self._pack_values(*obj)
+            except (struct.error, OverflowError):
+                raise self._explain(obj) from None
+        else:
+            row = self._encode(obj, kind)
         return self._normalize_row(row) if self._key_floats else row
 
     def _encode(self, obj, kind):
@@ -178,11 +176,6 @@ class RowSchema:
             return self._pack(tuple(obj))
         if kind is float or kind is int:
             if len(self.fields) == 1:
-                if self._numeric:  # a float key's bare number: struct checks it
-                    try:
-                        return self._pack_values(obj)
-                    except (struct.error, OverflowError):
-                        raise self._explain((obj,)) from None
                 return self._pack((obj,))
         elif isinstance(obj, (bytes, bytearray, memoryview)):
             raw = bytes(obj)
