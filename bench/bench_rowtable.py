@@ -64,6 +64,8 @@ def float_key_tables(n, repeat, seed, values):
     scalar_keys = hits["x"][:m].tolist()
     t = Table(f"float64 keys: scalar get, {m:,} calls", m, unit="calls")
     t.add("RowTable.get (-> tuple)", measure(lambda: [table.get(k) for k in scalar_keys], repeat))
+    tuple_keys = [(k,) for k in scalar_keys]
+    t.add("RowTable.get((x,)) (-> tuple)", measure(lambda: [table.get(k) for k in tuple_keys], repeat))
     tables.append(t)
     return tables
 
@@ -113,6 +115,8 @@ def main():
     t = Table(f"scalar get, {m:,} calls", m, unit="calls")
     t.add("dict.get", measure(lambda: [d.get(k) for k in scalar_keys], repeat))
     t.add("RowTable.get (-> tuple)", measure(lambda: [table.get(k) for k in scalar_keys], repeat))
+    tuple_keys = [(k,) for k in scalar_keys]
+    t.add("RowTable.get((k,)) (-> tuple)", measure(lambda: [table.get(k) for k in tuple_keys], repeat))
     raw = [k.to_bytes(8, "little", signed=True) for k in scalar_keys]
     t.add("RowTable.get_row (bytes -> bytes)", measure(lambda: [table.get_row(k) for k in raw], repeat))
     tables.append(t)
