@@ -82,9 +82,8 @@ cdef class SnapshotWriter:
     cdef const uint8_t* call_rows       # the rows of the write_rows call running, else NULL
     cdef uint64_t call_first            # the row index of call_rows[0]; -1 outside a call
 
-    cdef bint same_key(self, uint64_t r, const uint8_t* key) noexcept nogil
-    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, const uint8_t* key,
-                       uint32_t* other) noexcept nogil
+    cdef bint same_key(self, uint64_t r, uint64_t new) noexcept nogil
+    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, uint32_t* other) noexcept nogil
     cdef int index_rows(self, const uint8_t* rows, Py_ssize_t m, uint32_t* tags,
                         Py_ssize_t* bad, uint32_t* other) noexcept nogil
     cdef object _check_open(self)

@@ -528,8 +528,9 @@ cdef class SnapshotWriter:
             raise ValueError("this SnapshotWriter failed earlier; discard what it wrote")
 
     # -- the slot index -------------------------------------------------------------------
-    cdef bint same_key(self, uint64_t r, const uint8_t* key) noexcept nogil:
-        """Whether row ``r``, whose key has the same 64-bit hash as ``key``, has that key.
+    cdef bint same_key(self, uint64_t r, uint64_t new) noexcept nogil:
+        """Whether row ``r`` has the key of row ``new`` (of the current write_rows call),
+        whose key has the same 64-bit hash.
 
         Its bytes decide when it is in the current write_rows call. Rows of earlier calls
         are not kept: on 4- and 8-byte keys XXH64 is one-to-one (every step of it on one
@@ -537,15 +538,15 @@ cdef class SnapshotWriter:
         the keys are taken as distinct, as the tables snapshots are written from guarantee,
         and SnapshotReader.verify() finds a key written twice.
         """
+        cdef uint64_t rw = <uint64_t>self.row_width
         if r >= self.call_first:
-            return rows_equal(self.call_rows + (r - self.call_first) * <uint64_t>self.row_width, key,
-                              <size_t>self.key_width)
+            return rows_equal(self.call_rows + (r - self.call_first) * rw,
+                              self.call_rows + (new - self.call_first) * rw, <size_t>self.key_width)
         return self.key_width == 4 or self.key_width == 8
 
-    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, const uint8_t* key,
-                       uint32_t* other) noexcept nogil:
-        """Robin Hood insert of row ``row`` (index + 1) with key ``key``, or SNAP_DUPLICATE
-        with ``other`` set.
+    cdef int slots_add(self, uint32_t tag, uint32_t hi, uint32_t row, uint32_t* other) noexcept nogil:
+        """Robin Hood insert of row ``row`` (index + 1, a row of the current write_rows
+        call), or SNAP_DUPLICATE with ``other`` set.
 
         A key equal to ours can only sit before the first entry we displace (a lookup stops
         there), so duplicates are looked for up to that point only, among the entries with
@@ -568,7 +569,7 @@ cdef class SnapshotWriter:
                     self.max_displacement = <uint32_t>dist
                 return SNAP_OK
             if searching and s.tag == tag and self.key_hi[s.row - 1] == hi:
-                if self.same_key(s.row - 1, key):
+                if self.same_key(s.row - 1, row - 1):
                     other[0] = s.row - 1
                     return SNAP_DUPLICATE
                 self.hash_collisions += 1
@@ -601,8 +602,7 @@ cdef class SnapshotWriter:
             if i + SLOT_PREFETCH_AHEAD < m:
                 SNAP_PREFETCH(&self.slots[tags[i + SLOT_PREFETCH_AHEAD] & mask])
             rc = self.slots_add(tags[i], self.key_hi[self.rows_written + <uint64_t>i],
-                                <uint32_t>(self.rows_written + <uint64_t>i + 1), rows + <size_t>i * rw,
-                                other)
+                                <uint32_t>(self.rows_written + <uint64_t>i + 1), other)
             if rc < 0:
                 bad[0] = i
                 return rc
