@@ -181,8 +181,10 @@ cdef extern from *:
        file offset in that mapping's damage word (first fault wins), then maps anonymous
        zero pages over the rest of the mapping, from the faulting page on, and returns: the
        access is retried, reads zeros, and the interrupted loop finishes. Readers check the
-       damage word after every call and raise instead of returning anything. Any other
-       SIGBUS goes to the handler installed before (faulthandler's, or the default action).
+       damage word after every call and raise instead of returning anything. (A page the
+       kernel fails to read from the device faults the same way and is handled the same.)
+       Any other SIGBUS goes to the handler installed before (faulthandler's, or the
+       default action).
 
        Entries change only with the GIL held (it orders the changes; a lock of our own could
        be held by another thread at a fork and never released in the child). The handler
