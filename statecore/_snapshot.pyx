@@ -1144,7 +1144,7 @@ cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noe
     cdef uint64_t window = (<uint64_t>VERIFY_WINDOW_BYTES) >> s.block_shift
     cdef const uint8_t* key
     cdef uint32_t tag
-    cdef SnapSlot slot
+    cdef SnapSlot slot, ahead
     cdef int rc
     if window == 0:
         window = 1
@@ -1158,6 +1158,10 @@ cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noe
     if seen == NULL:
         return SNAP_OK
     for pos in range(s.n_slots):
+        if pos + ROW_PREFETCH_AHEAD < s.n_slots:  # the rows are read in slot order: at random
+            memcpy(&ahead, s.base + s.slots_offset + (pos + ROW_PREFETCH_AHEAD) * 8, 8)
+            if ahead.row != 0 and ahead.row <= s.row_count:
+                SNAP_PREFETCH(s.base + s.rows_offset + <uint64_t>(ahead.row - 1) * s.row_width)
         offset = s.slots_offset + pos * 8
         memcpy(&slot, s.base + offset, 8)
         if slot.row == 0:
