@@ -4,7 +4,8 @@ one at a time, and reports what the store made of each.
     python tests/flip_worker.py SPEC_JSON
 
 SPEC_JSON names the pristine store directory (``<root>/0/0``), a scratch root of this
-worker, the store's conf, the versions to read with their expected contents, the names of the
+worker, the store's conf, the versions to read with their expected contents (before maintenance:
+all of them; after it: the retained ones), the names of the
 files a maintenance pass keeps in the pristine directory (none of them may go), and the
 flips: ``[[file name, offset], ...]``. For each flip, from a fresh copy of the pristine
 directory and fresh providers: flip the byte (xor 0xFF); open a provider and read every
@@ -15,7 +16,8 @@ line per flip on stdout: ``{"file", "offset", "outcome", "detail"}`` with outcom
 - ``corrupt``: some load (or opening the provider) raised StateCorruptionError naming the
   damaged file; every other load returned exact data;
 - ``recovered``: every load returned exact data, and the store logged the damage (a
-  damaged snapshot skipped for an older one plus deltas);
+  damaged snapshot skipped for an older one plus deltas, or maintenance finding a damaged
+  file and keeping what stands in for it);
 - ``unread``: every load returned exact data and nothing noticed (a byte nothing reads);
 - ``failure``: anything else (wrong data, another exception, StateCorruptionError naming
   another file, a file maintenance deleted, a version that no longer loads once repaired).
@@ -67,6 +69,7 @@ def main(spec_path):
     conf = StateStoreConf(**spec["conf"])
     expected = {int(v): {int(k): tuple(x) for k, x in c.items()} for v, c in spec["expected"].items()}
     versions = sorted(expected)
+    retained = sorted(spec["retained"])  # what must load after maintenance
     key_space = spec["key_space"]
     all_keys = np.zeros(key_space + 2, KEY)
     all_keys["k"] = np.arange(-1, key_space + 1)
@@ -102,17 +105,18 @@ def main(spec_path):
         if got != expected[v]:
             raise Failure(f"version {v}: wrong data ({len(got)} keys, expected {len(expected[v])})")
 
-    def read_all(p, damaged_path, what):
-        """Each version: exact, or StateCorruptionError naming the damaged file. Returns
-        whether any load named it. The newest is read last: maintenance then holds it."""
-        named = False
-        for v in versions:
+    def read_all(p, damaged_path, what, which):
+        """Each version of ``which``: exact, or StateCorruptionError naming the damaged file.
+        Returns the versions whose load named it. The newest is read last: maintenance then
+        holds it."""
+        named = set()
+        for v in which:
             try:
                 read_version(p, v)
             except StateCorruptionError as e:
                 if damaged_path is None or e.path != damaged_path:
                     raise Failure(f"{what}: version {v}: StateCorruptionError naming another file: {e}")
-                named = True
+                named.add(v)
         return named
 
     def one_flip(name, offset):
@@ -133,18 +137,21 @@ def main(spec_path):
                 raise Failure(f"opening the provider: StateCorruptionError naming another file: {e}")
             p, named = None, True
         if p is not None:
-            named |= read_all(p, path, "before maintenance")
+            before = read_all(p, path, "before maintenance", versions)
             p.do_maintenance()
             p.close()
             missing = sorted(must_keep - set(os.listdir(work)))
             if missing:
                 raise Failure(f"maintenance deleted {missing}")
-            named |= read_all(make(), path, "after maintenance")
+            after = read_all(make(), path, "after maintenance", retained)
+            if after - before:  # maintenance must not take away what loaded
+                raise Failure(f"versions {sorted(after - before)} loaded before maintenance, not after")
+            named = bool(before or after)
         if os.path.exists(path):
             with open(path, "r+b") as f:
                 f.seek(offset)
                 f.write(original)
-        read_all(make(), None, "repaired")
+        read_all(make(), None, "repaired", retained)
         if named:
             return "corrupt", ""
         return ("recovered" if recorder.hits else "unread"), ""

@@ -341,6 +341,30 @@ def test_flipped_lineage_byte_in_an_unreplayed_delta_keeps_good_snapshots(tmp_pa
         assert_reads(checker, u, model[u])
 
 
+@pytest.mark.parametrize("where", ["block", "trailer"])
+def test_flipped_byte_in_a_delta_a_thinned_snapshot_stands_in_for_keeps_it(tmp_path, where):
+    """Snapshots of 3, 4 and 6 (a provider with min_deltas_for_snapshot=0), then a provider
+    with a cadence of 2 thins the one of 4, whose versions would load from 3 and delta 4
+    instead: with a flipped byte in delta 4 (which no load reads while the snapshot of 4
+    is there), the snapshot of 4 must stay."""
+    eager = make(tmp_path, min_deltas_for_snapshot=0)
+    model = {0: {}}
+    for top in (3, 4, 6):
+        commit_upto(eager, model, top)
+        eager.do_maintenance()
+    assert snapshot_versions(tmp_path) == [3, 4, 6], "setup"
+    snapshot = the_file(tmp_path, 4, "snapshot")
+    path = the_file(tmp_path, 4, "delta")
+    flip(path, 72 + 32 + 5 if where == "block" else os.path.getsize(path) - 10)
+    for u in range(3, 7):
+        assert_reads(make(tmp_path), u, model[u])  # nothing reads delta 4 yet
+    thinning = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
+    thinning.do_maintenance()
+    assert os.path.exists(snapshot), "maintenance deleted the snapshot that stands in for a damaged delta"
+    for u in range(3, 7):
+        assert_reads(make(tmp_path), u, model[u])
+
+
 # -- 4. commit() raises though the merge ran ------------------------------------------------
 @pytest.mark.parametrize("merge", ["raises_after_merging", "raises_after_part", "raises_before"])
 def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch, merge):

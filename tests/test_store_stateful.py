@@ -85,8 +85,9 @@ class StoreMachine(RuleBasedStateMachine):
         # back further does not bring older files back.
         self.high_water = 0
 
-    def make(self):
-        return create_and_init_provider(StateStoreId(self.root, 0, 0), KEY, VALUE, StateStoreConf(**CONF))
+    def make(self, **conf):
+        return create_and_init_provider(StateStoreId(self.root, 0, 0), KEY, VALUE,
+                                        StateStoreConf(**dict(CONF, **conf)))
 
     def teardown(self):
         shutil.rmtree(self.root, ignore_errors=True)
@@ -194,11 +195,20 @@ class StoreMachine(RuleBasedStateMachine):
         for v in self.retained():
             assert self.check_version(self.p, v) == "correct"
 
-    @rule(fresh=st.booleans())
-    def maintenance(self, fresh):
-        # also while a store is open: the registry's thread does not wait for tasks
+    @rule(which=st.sampled_from(["live", "fresh", "eager"]))
+    def maintenance(self, which):
+        # also while a store is open: the registry's thread does not wait for tasks.
+        # "eager": another instance with min_deltas_for_snapshot=0 that holds the newest
+        # version, so it writes a snapshot of it; the usual cadence later thins such ones.
         self.high_water = max(self.high_water, self.top)
-        (self.make() if fresh else self.p).do_maintenance()
+        if which == "live":
+            self.p.do_maintenance()
+        else:
+            other = self.make(min_deltas_for_snapshot=0) if which == "eager" else self.make()
+            if which == "eager":
+                other.get_read_store(self.top).abort()
+            other.do_maintenance()
+            other.close()
         for v in self.retained():
             assert self.check_version(self.p, v) == "correct"
 
@@ -270,9 +280,9 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.check_version(self.p, v) == "correct"
 
 
-EXAMPLES = int(os.environ.get("STATECORE_STATEFUL_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("STATECORE_STATEFUL_EXAMPLES", "100"))
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=40, derandomize=True, deadline=None, database=None,
+    max_examples=EXAMPLES, stateful_step_count=50, derandomize=True, deadline=None, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_store_machine = StoreMachine.TestCase
