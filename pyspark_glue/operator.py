@@ -383,11 +383,15 @@ keys_from_arrow = columns_from_arrow  # the name the key side reads best with
 def group_rows(keys):
     """``(order, starts)`` grouping the equal rows of a structured array: ``keys[order]`` is
     sorted so that equal keys are adjacent, and group ``g`` is ``order[starts[g]:starts[g+1]]``
-    (stable: rows of a group keep their input order). Keys are equal when their bytes are,
-    as the store compares them. One sort, no Python loop."""
+    (stable: rows of a group keep their input order). Keys are equal when the store's key
+    rows are: float fields normalized (``-0.0`` is ``0.0``, every NaN one key), the rest
+    compared by bytes. One sort, no Python loop."""
     n = keys.shape[0]
     if keys.dtype.names is not None and len(keys.dtype.names) == 1 and keys.dtype[0].kind in "iub":
         sort_key = keys[keys.dtype.names[0]]
+    elif keys.dtype.names is not None and any(keys.dtype[f].kind == "f" for f in keys.dtype.names):
+        rows = as_schema(keys.dtype, key=True).rows(keys)
+        sort_key = rows.view(f"S{rows.shape[1]}").ravel() if rows.shape[1] else np.zeros(n, "S1")
     else:
         packed = np.ascontiguousarray(keys)
         sort_key = packed.view(f"S{packed.dtype.itemsize}") if packed.dtype.itemsize else np.zeros(n, "S1")

@@ -411,3 +411,35 @@ def test_batches_are_aggregated_in_spark_and_session_settings_restored(spark, tm
     finally:
         for key, value in before.items():
             conf.set(key, value)
+
+
+@pytest.mark.parametrize("pre_aggregate", [True, False])
+def test_float_keys_group_as_spark_groups_them(spark, tmp_path, pre_aggregate):
+    """-0.0 and 0.0 are one key, and every NaN one key, as in Spark's groupBy: with Spark's
+    pre-aggregation and without it (the task groups the raw rows itself)."""
+    from pyspark.sql import functions as F
+
+    from pyspark_glue import RunningAggregate, StatefulOperator, read_state
+
+    key = np.dtype([("x", "<f8")])
+    agg = RunningAggregate(key, "amount", pre_aggregate=pre_aggregate)
+    op = StatefulOperator(str(tmp_path / "state"), 0, 3, ["x"], key, agg.value_schema, agg, agg.output_schema,
+                          coordinator=False)
+    nan_payload = float(np.frombuffer(np.uint64(0x7FF8000000000123).tobytes(), "<f8")[0])
+    batches = [[(0.0, 1), (-0.0, 2), (float("nan"), 3), (1.5, 4)],
+               [(-0.0, 10), (nan_payload, 20), (-float("nan"), 30), (0.0, 40)]]
+    frames = [spark.createDataFrame(rows, "x double, amount long") for rows in batches]
+    for batch_id, df in enumerate(frames):
+        op.process(df, batch_id)
+    op.close()
+
+    def label(x):
+        return "nan" if x != x else repr(x + 0.0)  # -0.0 + 0.0 is 0.0
+
+    everything = frames[0].unionAll(frames[1])
+    expected = {label(r["x"]): (r["count"], r["sum"])
+                for r in everything.groupBy("x").agg(F.count("amount").alias("count"),
+                                                     F.sum("amount").alias("sum")).collect()}
+    got = {label(r["x"]): (r["count"], r["sum"]) for r in read_state(spark, str(tmp_path / "state"), 0).collect()}
+    assert expected == {"0.0": (4, 53), "nan": (3, 53), "1.5": (1, 4)}
+    assert got == expected
