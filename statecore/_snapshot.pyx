@@ -1355,7 +1355,7 @@ cdef class SnapshotReader:
                                                 f"{h.n_slots} slots")
 
         if key_schema is not None:
-            key_schema = as_schema(key_schema)
+            key_schema = as_schema(key_schema, key=True)
             if key_schema.fingerprint != h.key_fingerprint:
                 raise SchemaMismatchError(f"key schema mismatch in snapshot '{self.path}': the file has "
                                           f"{h.key_schema.describe()}, expected {key_schema.describe()}")
@@ -1373,7 +1373,7 @@ cdef class SnapshotReader:
         if self.verified == NULL:
             raise MemoryError(f"cannot allocate the verified-block map of {h.n_blocks} blocks")
         self.header = h
-        self.key_schema = key_schema if key_schema is not None else h.key_schema
+        self.key_schema = key_schema if key_schema is not None else as_schema(h.key_schema, key=True)
         self.value_schema = value_schema if value_schema is not None else h.value_schema
         self.lineage = h.lineage
         self.store_version = h.store_version

@@ -1187,3 +1187,20 @@ def test_threads_share_a_reader_and_close_does_not_pull_the_mapping_away(tmp_pat
         t.join(timeout=30)
     assert outcomes and all(outcomes)
     assert sum(1 for o in outcomes if o is True) >= 6
+
+
+def test_a_reader_without_schemas_finds_float_keys_as_the_store_normalizes_them(tmp_path):
+    """-0.0 finds the key written as 0.0 and any NaN the NaN key, also through a reader
+    built from the file's own schemas."""
+    from statecore import RowTable, SnapshotReader, write_snapshot
+
+    t = RowTable(np.dtype([("x", "<f8")]), np.dtype([("c", "<i8")]))
+    t.put((0.0,), (1,))
+    t.put((float("nan"),), (2,))
+    path = str(tmp_path / "1.snapshot")
+    with open(path, "wb") as f:
+        write_snapshot(f, t, 1)
+    for reader in (SnapshotReader(path), SnapshotReader(path, np.dtype([("x", "<f8")]))):
+        assert reader.get(-0.0) == (1,)
+        assert reader.get(-float("nan")) == (2,)
+        reader.close()
