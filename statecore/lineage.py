@@ -20,10 +20,10 @@ provider passes in, which checks them.
 import re
 from typing import NamedTuple
 
-from statecore.errors import VersionNotFoundError
+from statecore.errors import StateCorruptionError, VersionNotFoundError
 
 __all__ = ["ROOT_COMMIT_ID", "VersionFile", "Listing", "file_name", "parse_name", "parse_commit_id",
-           "Chain"]
+           "check_names_agree", "Chain"]
 
 ROOT_COMMIT_ID = bytes(8)  # version 0: the empty state
 KINDS = ("delta", "snapshot")
@@ -63,6 +63,16 @@ def parse_commit_id(commit_id):
     if isinstance(commit_id, str) and re.fullmatch(r"[0-9a-fA-F]{16}", commit_id):
         return bytes.fromhex(commit_id)
     raise ValueError(f"a commit id is 16 hex digits (or 8 bytes), got {commit_id!r}")
+
+
+def check_names_agree(f, path, version, commit_id):
+    """A version file's checked header must name the version (and id) its file name does: a
+    copy of ``3_<id>.snapshot`` renamed to ``6_<id>.snapshot`` is damage, not version 6."""
+    if version != f.version:
+        raise StateCorruptionError(path, None, f"the file's header is of version {version}, its name says {f.version}")
+    if f.commit_id is not None and commit_id != f.commit_id:
+        raise StateCorruptionError(path, None, f"the file's header is of commit {commit_id.hex()}, its name "
+                                               f"says {f.commit_id.hex()}")
 
 
 class Listing:

@@ -12,7 +12,7 @@ from statecore._delta import DeltaReader
 from statecore._snapshot import SnapshotReader, SnapshotWriter
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
-from statecore.lineage import file_name
+from statecore.lineage import check_names_agree, file_name
 
 __all__ = ["run_maintenance", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -149,21 +149,26 @@ def _cleanup(p):
 
 
 def _verified(p, f):
-    """Whether version file ``f`` is whole (every checksum checked, once per file): files
+    """Whether version file ``f`` would load: its header names the version and attempt its
+    name does, and every checksum holds (checked once per file). Files
     are deleted only on the strength of what will load instead. Damage is logged and keeps
     everything."""
     if f.name in p._verified_files:
         return True
+    path = p._files.path(f.name)
     try:
         if f.kind == "snapshot":
             reader = SnapshotReader(p._files.local_path_for_mapping(f.name), p._key_schema, p._value_schema)
             try:
+                check_names_agree(f, path, reader.store_version, reader.commit_id)  # as a load would
                 reader.verify()
             finally:
                 reader.close()
         else:
             with p._files.open_read(f.name) as source:
-                for _ in DeltaReader(source, p._key_schema, p._value_schema, path=p._files.path(f.name)):
+                reader = DeltaReader(source, p._key_schema, p._value_schema, path=path)
+                check_names_agree(f, path, reader.store_version, reader.commit_id)
+                for _ in reader:
                     pass
     except StateCorruptionError as e:
         log.error("%s of %s is damaged; keeping the files that can stand in for it: %s", f.name, p, e)

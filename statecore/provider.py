@@ -25,7 +25,7 @@ from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMism
                               StateCorruptionError, VersionNotFoundError)
 from statecore.ids import StateStoreId
 from statecore.layers import FrozenView, Layer, State, no_values
-from statecore.lineage import ROOT_COMMIT_ID, Chain, file_name, parse_commit_id
+from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.rowsource import iter_batches, iter_items
 from statecore.schema import RowSchema, key_value_schemas
@@ -345,7 +345,7 @@ class FileStateStoreProvider(StateStoreProvider):
             header = read_snapshot_header(self._files.read_range(f.name, 0, SNAPSHOT_HEADER_SIZE), path)
             parent_id = None
         version, commit_id = header.store_version, header.commit_id
-        _check_names_agree(f, path, version, commit_id)
+        check_names_agree(f, path, version, commit_id)
         if f.commit_id is not None:  # the names of the previous layout can be re-written
             with self._headers_lock:
                 if len(self._headers) >= _HEADER_CACHE_ENTRIES:
@@ -619,7 +619,7 @@ class FileStateStoreProvider(StateStoreProvider):
         path = self._files.path(f.name)
         reader = SnapshotReader(self._files.local_path_for_mapping(f.name), self._key_schema, self._value_schema)
         try:
-            _check_names_agree(f, path, reader.store_version, reader.commit_id)
+            check_names_agree(f, path, reader.store_version, reader.commit_id)
             if reader.commit_id != commit_id:
                 raise StateCorruptionError(path, None, f"the snapshot is of commit {reader.commit_id.hex()}, "
                                                        f"expected {commit_id.hex()}")
@@ -634,7 +634,7 @@ class FileStateStoreProvider(StateStoreProvider):
             with self._files.open_read(f.name) as source:
                 reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
                 own_id, parent_id = reader.commit_id, reader.parent_id
-                _check_names_agree(f, path, reader.store_version, own_id)
+                check_names_agree(f, path, reader.store_version, own_id)
                 if parent_id != state.commit_ids[state.version]:
                     raise StateCorruptionError(path, None, f"delta of version {u} does not follow the "
                                                            f"loaded version {u - 1} (a file of another run)")
@@ -692,16 +692,6 @@ class FileStateStoreProvider(StateStoreProvider):
                 "loadedMapCacheHitCount": self._hits,
                 "loadedMapCacheMissCount": self._misses,
             })
-
-
-def _check_names_agree(f, path, version, commit_id):
-    """A version file's checked header must name the version (and id) its file name does: a
-    copy of ``3_<id>.snapshot`` renamed to ``6_<id>.snapshot`` is damage, not version 6."""
-    if version != f.version:
-        raise StateCorruptionError(path, None, f"the file's header is of version {version}, its name says {f.version}")
-    if f.commit_id is not None and commit_id != f.commit_id:
-        raise StateCorruptionError(path, None, f"the file's header is of commit {commit_id.hex()}, its name "
-                                               f"says {f.commit_id.hex()}")
 
 
 def read_store_schemas(files):
