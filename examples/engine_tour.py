@@ -1,10 +1,11 @@
-"""A tour of the engine: ``python -m statecore.tour [--keys N] [--dir PATH]``.
+"""A tour of the compiled engine, without a store or Spark: ``python examples/engine_tour.py
+[--keys N] [--dir PATH]``.
 
 Builds the state of a running aggregation (count and sum per key) in a RowTable, writes
 the batch's updates as a delta and the full state as a snapshot (each under a temporary
 name, then renamed into place), reopens the snapshot in O(1) and probes it in place,
-replays the delta onto an empty table, and checks that every path gives the same state.
-This is the main job until the PySpark glue lands; it needs no Spark.
+replays the delta onto an empty table, and checks that every path gives the same state:
+the building blocks the versioned store (``statecore.provider``) is made of.
 """
 import argparse
 import os

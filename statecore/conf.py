@@ -1,6 +1,6 @@
 """StateStoreConf: a state store's options, their defaults and checks, and Spark's keys for them.
 
-Spark builds its ``StateStoreConf`` from the session's SQL conf (spec section 5); here
+Spark builds its ``StateStoreConf`` from the session's SQL conf (docs/spark-state-store.md, Configuration); here
 :meth:`StateStoreConf.from_spark_conf` reads the same ``spark.sql.streaming.*`` keys, in
 Spark's syntax (``"10ms"``, ``"1m"``), plus statecore's own ``spark.statecore.*`` keys for
 the fsspec storage options and the local cache directory.
@@ -135,7 +135,7 @@ class StateStoreConf:
 
     @classmethod
     def from_spark_conf(cls, conf):
-        """A conf from Spark configuration keys (spec section 5).
+        """A conf from Spark configuration keys (docs/spark-state-store.md, Configuration).
 
         Reads ``spark.sql.streaming.stateStore.minDeltasForSnapshot``,
         ``spark.sql.streaming.minBatchesToRetain``,

@@ -294,7 +294,7 @@ class StoreFiles:
 
         ``write(fileobj)`` writes the content into a temporary file
         ``.<name>.<uuid4hex>.tmp`` in the same directory, which is then flushed, fsync'ed
-        (local filesystem) and renamed to ``name`` (spec 4.4.1). On the local filesystem
+        (local filesystem) and renamed to ``name`` (docs/spark-state-store.md, Files). On the local filesystem
         the directory is fsync'ed after the rename, so the new name survives a power
         loss. Until the rename, nothing but the temporary file is touched; on any error the
         temporary file is deleted (best effort) and the error re-raised.

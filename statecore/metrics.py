@@ -13,7 +13,7 @@ class StateStoreCustomMetric:
     kind: str = "sum"
 
 
-# What FileStateStoreProvider reports, named as Spark's HDFS provider names them (spec 4.8).
+# What FileStateStoreProvider reports, named as Spark's HDFS provider names them (docs/spark-state-store.md, The store contract).
 FILE_PROVIDER_CUSTOM_METRICS = (
     StateStoreCustomMetric("stateOnCurrentVersionSizeBytes", "estimated size of state only on current version",
                            "size"),

@@ -1,4 +1,4 @@
-"""The store contract (spec section 12), for every provider class, the reference model included;
+"""The store contract (docs/spark-state-store.md), for every provider class, the reference model included;
 then what only the file provider has: files, snapshots, cleanup, lineage, damage."""
 import os
 import uuid
@@ -205,7 +205,7 @@ def test_other_files_in_the_directory_are_ignored(root):
 
 
 def test_snapshots_after_more_than_min_deltas_and_cleanup_like_spark(root):
-    # spec 4.7's example: minDeltasForSnapshot 5, maintenance after every commit ->
+    # Spark's example (docs/spark-state-store.md, Maintenance): minDeltasForSnapshot 5, maintenance after every commit ->
     # snapshots at 6, 12, 18; minBatchesToRetain 2 and commit 20 -> files < 18 deleted
     p = make(root, min_deltas_for_snapshot=5, min_versions_to_retain=2)
     for v in range(20):

@@ -439,7 +439,7 @@ class Run:
         # the sequence did exercise what it is meant to
         assert self.stats["commits"] >= 20 and self.stats["re-executions"] >= 1, self.stats
         assert self.stats["restarts"] >= 1, self.stats
-        # a provider that keeps no version in memory never snapshots (spec 4.7)
+        # a provider that keeps no version in memory never snapshots (Spark's rule: docs/spark-state-store.md, Maintenance)
         assert (self.stats["snapshots seen"] >= 1) == (self.k > 0), self.stats
         assert self.stats["held across commits"] >= 1 and self.stats["failed commits"] >= 1, self.stats
 
