@@ -25,6 +25,7 @@ import pytest
 import statecore
 import statecore.errors
 import statecore.files
+from tests.store_support import contents, store_dir
 from statecore import (IllegalStateError, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
 from statecore.files import FaultInjectingFiles, StoreFiles
@@ -48,10 +49,6 @@ _VERSION_FILE = re.compile(r"^([0-9]+)(?:_([0-9a-f]{16}))?\.(delta|snapshot)$")
 # -- helpers ---------------------------------------------------------------------------------
 def make(root, **conf):
     return create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, VALUE, StateStoreConf(**conf))
-
-
-def store_dir(root):
-    return os.path.join(str(root), "0", "0")
 
 
 def version_files(root):
@@ -133,14 +130,6 @@ def commit_next(provider, model, salt=0):
 def commit_upto(provider, model, top, salt=0):
     while max(model) < top:
         commit_next(provider, model, salt)
-
-
-def contents(store):
-    out = {}
-    for (k,), v in store.iterator():
-        assert k not in out, f"key {k} iterated twice"
-        out[k] = tuple(v)
-    return out
 
 
 ALL_KEYS = np.zeros(KEY_SPACE + 2, KEY)

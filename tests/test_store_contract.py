@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.state_files import version_names, version_path
+from tests.store_support import commit_batch, contents
 from statecore import (FileStateStoreProvider, IllegalStateError, SchemaMismatchError,
                        StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -30,19 +31,6 @@ def root(tmp_path):
 def make(root, provider_class="statecore.FileStateStoreProvider", partition=0, key=KEY, value=VALUE, **conf):
     conf = StateStoreConf(provider_class=provider_class, **conf)
     return create_and_init_provider(StateStoreId(root, 0, partition), key, value, conf)
-
-
-def commit_batch(provider, version, puts=(), removes=()):
-    store = provider.get_store(version)
-    for k, v in puts:
-        store.put(k, v)
-    for k in removes:
-        store.remove(k)
-    return store.commit()
-
-
-def contents(store):
-    return {k[0]: v for k, v in store.iterator()}
 
 
 def test_commit_returns_next_version_and_is_durable(root, provider_class):

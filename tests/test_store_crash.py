@@ -45,6 +45,7 @@ import crash_worker as cw
 import statecore.files
 import statecore.layers
 from state_files import version_names, version_path
+from tests.store_support import commit_batch, contents, store_dir
 from statecore import (DeltaReader, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        StateStoreProviderId, VersionNotFoundError, create_and_init_provider, registry)
 from statecore.files import FaultInjectingFiles, StoreFiles
@@ -59,10 +60,6 @@ ID = r"[0-9a-f]{16}"
 # -- helpers ---------------------------------------------------------------------------------
 def make(root, **conf):
     return create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, VALUE, StateStoreConf(**conf))
-
-
-def store_dir(root):
-    return os.path.join(str(root), "0", "0")
 
 
 def names(root):
@@ -104,14 +101,6 @@ def keys_of(ks):
 
 
 ALL_KEYS = keys_of(np.arange(-1, cw.KEY_SPACE + 1))
-
-
-def contents(store):
-    out = {}
-    for (k,), v in store.iterator():
-        assert k not in out, f"key {k} iterated twice"
-        out[k] = v
-    return out
 
 
 def assert_version(provider, version, expected, commit_id=None):
@@ -163,17 +152,6 @@ def assert_files_whole(root):
                 reader.close()
         assert version == f.version, f.name
         assert f.commit_id is None or commit_id == f.commit_id, f.name
-
-
-def commit(provider, version, puts=(), removes=()):
-    store = provider.get_store(version)
-    for k, v in puts:
-        store.put(k, v)
-    for k in removes:
-        store.remove(k)
-    new_version = store.commit()
-    store.abort()  # what the task-completion hook does; harmless after commit
-    return new_version
 
 
 def workload(seed, versions):
@@ -836,7 +814,7 @@ def test_failed_schema_file_write_at_the_first_commit(tmp_path, faulty):
     with pytest.raises(VersionNotFoundError):
         make(tmp_path).get_read_store(1)
     s.abort()
-    assert commit(p, 0, [(1, (1, 1.0))]) == 1
+    assert commit_batch(p, 0, [(1, (1, 1.0))]) == 1
     assert contents(make(tmp_path).get_read_store(1)) == {1: (1, 1.0)}
     assert "_statecore.schema.json" in names(tmp_path)
 
@@ -876,7 +854,7 @@ def test_failed_re_execution_commit_keeps_the_version_it_builds_on(tmp_path, fau
         assert_version(make(tmp_path), v, expected[v])
     s.abort()
     q = make(tmp_path)
-    assert commit(q, 4, [(-1, (-1, -1.0))]) == 5
+    assert commit_batch(q, 4, [(-1, (-1, -1.0))]) == 5
     assert_version(make(tmp_path), 5, {**expected[4], -1: (-1, -1.0)})
     with pytest.raises(VersionNotFoundError):
         make(tmp_path).get_read_store(6)
@@ -1354,7 +1332,7 @@ def test_a_new_store_directory_is_durable_before_its_first_commit(tmp_path, monk
     p = make(root)
     assert synced == [(str(tmp_path), ["ckpt"]), (str(root), ["0"]), (str(root / "0"), ["0"])]
     synced.clear()
-    commit(p, 0, [(1, (1, 1.0))])
+    commit_batch(p, 0, [(1, (1, 1.0))])
     [delta] = attempts(root, 1)
     assert synced == [(store_dir(root), ["_statecore.schema.json"]),
                       (store_dir(root), sorted(["_statecore.schema.json", delta]))]
@@ -1431,7 +1409,7 @@ def test_snapshot_of_the_abandoned_run_never_becomes_the_new_runs_base(tmp_path,
     assert default_id(make(tmp_path), 4) != id_of(abandoned)
     assert_version(make(tmp_path), 4, new4)  # the files are right (lineage check)
     assert_version(p, 4, new4)  # and so must be the provider's memory
-    commit(p, 4, [(-2, (-2, -2.0))])
+    commit_batch(p, 4, [(-2, (-2, -2.0))])
     assert_version(p, 5, {**new4, -2: (-2, -2.0)})
     assert_version(make(tmp_path), 5, {**new4, -2: (-2, -2.0)})
 
@@ -1444,7 +1422,7 @@ def test_snapshot_of_the_abandoned_run_is_no_base_for_cleanup(tmp_path, hooks, o
     p, new4, _, _ = re_execute_while_maintenance_snapshots(tmp_path, hooks, 18, order, min_versions_to_retain=1)
     q = make(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=1)  # a restarted query
     assert_version(q, 4, new4)
-    assert commit(q, 4, [(-2, (-2, -2.0))]) == 5
+    assert commit_batch(q, 4, [(-2, (-2, -2.0))]) == 5
     q.do_maintenance()
     assert_version(make(tmp_path), 5, {**new4, -2: (-2, -2.0)})
     assert_version(make(tmp_path), 4, new4)
@@ -1469,7 +1447,7 @@ def test_maintenance_whose_snapshot_a_re_commit_deleted(tmp_path, hooks):
     thread, result = run_thread(p.do_maintenance)
     assert renamed.wait(10)
     assert versions_on_disk(tmp_path)[1] == {4}
-    assert commit(p, 3, [(-1, (-1, -1.0))]) == 4
+    assert commit_batch(p, 3, [(-1, (-1, -1.0))]) == 4
     assert versions_on_disk(tmp_path)[1] == set()  # the re-execution deleted it
     commit_done.set()
     thread.join(10)
@@ -1515,7 +1493,7 @@ def test_load_racing_another_instances_cleanup(tmp_path, hooks):
 
 def test_maintenance_deletes_the_temporary_files_a_killed_writer_left(tmp_path):
     p = make(tmp_path, min_deltas_for_snapshot=100)
-    commit(p, 0, [(1, (1, 1.0))])
+    commit_batch(p, 0, [(1, (1, 1.0))])
     directory = store_dir(tmp_path)
     old = [os.path.join(directory, f".2_{'0f' * 8}.delta." + "0f" * 16 + ".tmp"),  # a killed commit's
            os.path.join(directory, ".2.delta." + "1f" * 16 + ".tmp")]  # the old layout's
@@ -1537,16 +1515,16 @@ def test_a_version_re_executed_by_another_process_is_not_served_from_memory(tmp_
     after re-executing batch 2 from version 1, committed attempt B of version 2 and deleted
     A. The first must not serve (or build on) its own, abandoned, version 2."""
     first = make(tmp_path)
-    commit(first, 0, [(1, (1, 1.0))])
-    commit(first, 1, [(2, (2, 2.0))])
+    commit_batch(first, 0, [(1, (1, 1.0))])
+    commit_batch(first, 1, [(2, (2, 2.0))])
     assert_version(first, 2, {1: (1, 1.0), 2: (2, 2.0)})  # held in memory
     [a] = attempts(tmp_path, 2)
     second = make(tmp_path)  # another process
-    commit(second, 1, [(3, (3, 3.0))])  # batch 2 re-executed there
+    commit_batch(second, 1, [(3, (3, 3.0))])  # batch 2 re-executed there
     [b] = attempts(tmp_path, 2)
     assert b != a  # A deleted: B is the only attempt
     assert_version(first, 2, {1: (1, 1.0), 3: (3, 3.0)}, commit_id=id_of(b))
-    commit(first, 2, [(4, (4, 4.0))])
+    commit_batch(first, 2, [(4, (4, 4.0))])
     assert_version(make(tmp_path), 3, {1: (1, 1.0), 3: (3, 3.0), 4: (4, 4.0)})
 
 
@@ -1557,8 +1535,8 @@ def test_two_attempts_of_a_version_coexist_and_loads_follow_the_right_one(tmp_pa
     attempt is loaded as named; the next version builds on the default, and the other
     attempt stays loadable by its id."""
     p = make(tmp_path)
-    commit(p, 0, [(1, (1, 1.0))])
-    commit(p, 1, [(2, (2, 2.0))])
+    commit_batch(p, 0, [(1, (1, 1.0))])
+    commit_batch(p, 1, [(2, (2, 2.0))])
     task, retry = p.get_store(2), make(tmp_path).get_store(2)  # opened before either commits
     task.put(3, (3, 3.0))
     retry.put(3, (3, 30.0))
@@ -1585,7 +1563,7 @@ def test_two_attempts_of_a_version_coexist_and_loads_follow_the_right_one(tmp_pa
     os.utime(path[a], (now - 10, now - 10))
     os.utime(path[b], (now - 5, now - 5))
     # the next batch builds on the default; the other attempt stays loadable by its id
-    assert commit(make(tmp_path), 3, [(4, (4, 4.0))]) == 4
+    assert commit_batch(make(tmp_path), 3, [(4, (4, 4.0))]) == 4
     assert_version(make(tmp_path), 4, {**by_retry, 4: (4, 4.0)})
     assert_version(make(tmp_path), 3, by_retry)
     assert_version(make(tmp_path), 3, by_task, commit_id=a)

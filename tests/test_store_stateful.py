@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.store_support import contents
 from statecore import (StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
 
@@ -47,14 +48,6 @@ def values_array(vs):
     out = np.zeros(len(vs), VALUE)
     out["n"] = [v[0] for v in vs]
     out["x"] = [v[1] for v in vs]
-    return out
-
-
-def contents(store):
-    out = {}
-    for (k,), v in store.iterator():
-        assert k not in out, f"key {k} iterated twice"
-        out[int(k)] = (int(v[0]), float(v[1]))
     return out
 
 
