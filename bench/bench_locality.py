@@ -5,8 +5,9 @@ already loaded in its Python worker, with and without the coordinator's preferre
                                    [--modes prefer,no-prefer,no-coordinator] [--warmup 3] [--json PATH]
 
 Starts ``local-cluster[2,1,1024]`` (two executor JVMs of one core each, so one Python worker
-each; PYSPARK_NOTES section 3: a scratch SPARK_HOME of symlinks so that work directories stay
-out of the venv, SPARK_LOCAL_IP=127.0.0.1), then for each mode runs ``--batches``
+each; a local-cluster writes its executors' work directories under SPARK_HOME, so SPARK_HOME
+is a scratch directory of symlinks to pyspark's files, keeping them out of the venv; and
+SPARK_LOCAL_IP=127.0.0.1), then for each mode runs ``--batches``
 micro-batches of a stateful RDD job through ``map_partitions_with_state_store`` over a fresh
 checkpoint, the modes taking turns batch by batch (after ``--warmup`` throwaway batches of a
 query of their own): each batch hash-partitions ``--rows`` random keys into ``--partitions``

@@ -3,18 +3,27 @@
 - RDD level (:mod:`pyspark_glue.rdd`): :class:`StatefulOperatorStateInfo` and
   :func:`map_partitions_with_state_store` (Spark's ``mapPartitionsWithStateStore``).
 - DataFrame / Structured Streaming level (:mod:`pyspark_glue.operator`):
-  :class:`StatefulOperator` for ``foreachBatch``, :class:`RunningAggregate`, and the Arrow
-  <-> numpy helpers user functions are written with (:func:`keys_from_arrow`,
-  :func:`columns_from_arrow`, :func:`to_record_batch`).
+  :class:`StatefulOperator` for ``foreachBatch``; ready-made functions
+  (:mod:`pyspark_glue.aggregates`: :class:`RunningAggregate`); the Arrow <-> numpy <-> Spark
+  conversions user functions are written with (:mod:`pyspark_glue.arrow`:
+  :func:`keys_from_arrow`, :func:`columns_from_arrow`, :func:`to_record_batch`).
 - Reading state back (:mod:`pyspark_glue.read`): :func:`read_state`.
+- Continuous mode (:mod:`pyspark_glue.continuous`): ``start_continuous``.
+- Checkpoint files beside the stores (:mod:`pyspark_glue.checkpoint`,
+  :mod:`pyspark_glue.operator_files`).
 - Workers and the driver (:mod:`pyspark_glue.executor`, :mod:`pyspark_glue.driver`):
   executor identity, the worker registry's coordinator, the driver's coordinator.
 - The main job: ``python -m pyspark_glue.demo``.
+
+Design notes: ``docs/operator.md``, ``docs/rdd.md``, ``docs/continuous.md``, ``docs/lineage.md``,
+``docs/cluster.md``.
 """
 from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
                               map_partitions_with_state_store)
-from pyspark_glue.operator import (RunningAggregate, StatefulOperator, column_to_numpy, columns_from_arrow,
-                                   keys_from_arrow, spark_schema_of, spark_type_of, to_record_batch)
+from pyspark_glue.aggregates import RunningAggregate
+from pyspark_glue.arrow import (column_to_numpy, columns_from_arrow, keys_from_arrow, spark_schema_of, spark_type_of,
+                                to_record_batch)
+from pyspark_glue.operator import StatefulOperator
 from pyspark_glue.read import read_state
 
 __all__ = [

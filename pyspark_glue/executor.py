@@ -54,7 +54,7 @@ from statecore import registry
 from statecore.coordinator import StateStoreCoordinatorRef
 
 __all__ = ["executor_identity", "worker_executor_id", "spark_location", "ensure_worker_registry",
-           "open_store", "load_counts", "reset_load_counts", "COORDINATOR_RETRY_S"]
+           "open_store", "unload_other_runs", "load_counts", "reset_load_counts", "COORDINATOR_RETRY_S"]
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +281,16 @@ def open_store(provider_id, key_schema, value_schema, version, conf=None, read_o
     store = get(provider_id, key_schema, value_schema, version, conf, key_index_ordinal, commit_id=commit_id)
     _count(already_loaded)
     return store, already_loaded
+
+
+def unload_other_runs(provider_id):
+    """Unload this worker's instances of the same store loaded by other runs: they hold
+    versions of a lineage the new run may have abandoned. Returns the ids unloaded."""
+    others = [other for other in registry.loaded_provider_ids()
+              if other != provider_id and other.store_id == provider_id.store_id]
+    for other in others:
+        registry.unload(other)
+    return others
 
 
 def load_counts():

@@ -1,74 +1,11 @@
 """Stateful partitions: Spark's ``mapPartitionsWithStateStore`` for Python RDDs.
 
 ``map_partitions_with_state_store(rdd, fn, state_info, key_schema, value_schema)`` runs
-``fn(store, rows)`` for every partition ``p`` of ``rdd``, with the store of
-``(state_info.operator_id, p)`` at ``state_info.store_version`` from the worker's
-:mod:`statecore.registry`; ``fn`` returns an iterator, which becomes the partition's output.
-
-Ending the store (Spark's task-completion listener)
-    ``fn`` commits the store if it wants a new version; otherwise it is aborted when the task
-    is done with it. PySpark has no task-completion listener, so the partition's output is a
-    generator whose ``finally`` aborts the store: it runs when the output is exhausted, when
-    ``fn`` or a downstream consumer raises, and when the output is dropped unfinished
-    (``take``: the generator is closed). As a backstop for an output that is never closed
-    (kept alive by a reference cycle, say), the first store opened by a later task in the
-    same worker aborts every store still open from an earlier task attempt. The read variant
-    always aborts.
-
-Keeping the worker
-    PySpark reuses a Python worker only if its task read all its input; otherwise the worker
-    exits and the stores loaded in it are gone. So once the output ends (or is closed
-    early), the rest of the task's input is read and dropped: a read ``fn`` that ignores its
-    rows, or a ``take``, does not cost the worker. Not after ``fn`` raised: PySpark ends the
-    worker then anyway.
-
-Re-execution
-    A second action on the result, or a retried task, runs ``fn`` again on the same version:
-    the store supports re-reading version ``v`` after ``v + 1`` was committed and committing
-    ``v + 1`` again, so a deterministic ``fn`` gives the same output and the same state.
-
-Which attempt of a version (``state_info.commit_ids``)
-    Several attempts of one version may be on disk (a retried task and a zombie that
-    committed late: ``docs/lineage.md``). Without ids, a store opens the default lineage
-    (the attempt renamed last). A driver that knows each partition's winner passes it in
-    ``StatefulOperatorStateInfo(..., commit_ids=[...])``: after ``store.commit()``,
-    ``store.commit_id`` is the new version's id, so ``fn`` can return it with its output
-    and the driver can hand the ids of the rows it collected (the attempts Spark kept) to
-    the next batch's state info. This module records nothing itself (an RDD's output is
-    the caller's); :class:`~pyspark_glue.StatefulOperator` does exactly that.
-
-Preferred locations (with ``coordinator=``)
-    PySpark cannot override ``getPreferredLocations``; instead a one-element-per-partition
-    "pilot" RDD is built on the JVM with ``SparkContext.makeRDD(Seq[(marker, locations)])``
-    and zipped **on the left** of the parent's partitions (PYSPARK_NOTES section 1). The
-    Python stage then has a narrow dependency chain to the pilot, whose partition ``p``
-    prefers ``executor_<host>_<spark executor id>`` of the worker that last reported the
-    store of ``p`` (``coordinator.get_location``, with the worker's ``.<pid>`` stripped: see
-    :mod:`pyspark_glue.executor`). The zip happens on the JVM, on the parent's serialized
-    frames (``pilot.zip(frames.glom()).values()``, pickled for Python by
-    ``SerDeUtil.javaToPython``), and the parent's own pipelined Python function, if any, runs
-    inside our task: a task still uses **one** Python worker, as without the pilot, which
-    matters because the registry lives in that worker (zipping Python RDDs would use three
-    workers per task and move ``fn`` between them). The cost: each partition's serialized
-    rows are held as one list on the JVM and sent to Python as one frame (a partition must
-    stay under 2 GiB serialized). Reaching under the parent's pipelined function uses PySpark
-    internals (``PipelinedRDD._prev_jrdd``, ``.func``, ``_prev_jrdd_deserializer``); a
-    parent that is cached, checkpointed, in a barrier stage or not pickled (a text file) is
-    zipped as it is, its own Python stage, if any, then running in a second worker. The
-    locations are looked up when this function is called (one coordinator ask per partition,
-    and about 0.4 ms of py4j calls per partition to build the pilot: 0.1 s for 200
-    partitions on this machine): build a new RDD per micro-batch, as Spark does. When the
-    coordinator knows no location (the first batch) or is unreachable, there is no pilot and
-    rows stream as usual. The preference is soft (``spark.locality.wait``): a task may still
-    run elsewhere, and then loads its store from the checkpoint files.
-
-Functions defined anywhere
-    ``fn`` is pickled with PySpark's cloudpickle. If its module could not be imported on the
-    workers (it is not ``__main__``, not under ``site-packages`` or the standard library,
-    and not statecore or pyspark: a test module, a script beside the driver, a notebook's
-    helper module), the module's top-level package is registered with
-    ``cloudpickle.register_pickle_by_value``, so that ``fn`` and what it uses from that
-    module travel by value; their module globals are then fresh in every task.
+``fn(store, rows)`` for every partition ``p`` of ``rdd`` with the store of
+``(state_info.operator_id, p)`` at ``state_info.store_version``. This module owns the task
+side (opening the store from the worker's registry, ending it, keeping the worker), the
+preferred locations, and shipping ``fn``'s module to the workers. How each works and why:
+``docs/rdd.md``.
 """
 import dataclasses
 import logging
@@ -85,7 +22,7 @@ from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId, StateStoreProviderId
 
 from pyspark_glue import executor
-from pyspark_glue.logs import checked_commit_ids
+from pyspark_glue.checkpoint import checked_commit_ids
 
 __all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
            "preferred_locations", "load_count_accumulator", "ship_function_module"]
@@ -168,7 +105,7 @@ def _abort_leftovers(attempt):
 
 def _run_partition(partition_id, rows, fn, state_info, key_schema, value_schema, conf, coordinator_address,
                    authkey, read_only, load_accumulator, drain=None):
-    """The partition's output: ``fn(store, rows)``, then the store's end (module docstring).
+    """The partition's output: ``fn(store, rows)``, then the store's end (``docs/rdd.md``).
 
     ``drain``: the task's input iterator, read to its end once the output ends or is closed
     (not when ``fn`` raised): PySpark reuses a Python worker only if the task read all its
@@ -271,9 +208,10 @@ def preferred_locations(state_info, coordinator):
 
 def _pilot_jrdd(sc, locations):
     """A JVM RDD of one marker string per partition, partition ``p`` preferring
-    ``locations[p]`` (``makeRDD`` through py4j: PYSPARK_NOTES section 1). Every py4j call is
-    a round trip, so class handles are looked up once and partitions with the same locations
-    share one Scala list: about two calls per partition."""
+    ``locations[p]``: ``SparkContext.makeRDD`` of ``(marker, locations)`` pairs, the one RDD
+    constructor that takes per-partition preferences, called through py4j. Every py4j call
+    is a round trip, so class handles are looked up once and partitions with the same
+    locations share one Scala list: about two calls per partition."""
     jvm = sc._jvm
     converters = jvm.scala.jdk.javaapi.CollectionConverters
     array_list, tuple2 = jvm.java.util.ArrayList, jvm.scala.Tuple2
@@ -416,7 +354,7 @@ def map_partitions_with_state_store(rdd, fn, state_info, key_schema, value_schem
                                     load_accumulator=None):
     """Spark's ``rdd.mapPartitionsWithStateStore``: an RDD whose partition ``p`` is
     ``fn(store, rows)``, ``store`` being the writable store of partition ``p`` at
-    ``state_info.store_version`` (see the module docstring).
+    ``state_info.store_version`` (``docs/rdd.md``).
 
     Parameters
     ----------

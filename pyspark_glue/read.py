@@ -2,36 +2,11 @@
 operator's stores at one version (what Spark's ``statestore`` data source does for its own
 checkpoints, for statecore's).
 
-No schemas from the caller: every store records its key and value schemas (field names and
-numpy dtypes) in ``_statecore.schema.json`` with its first commit, and the partitions are the
-numbered directories under ``<checkpoint_root>/<operator_id>/`` (plus, if the operator wrote
-one, the partition count of its ``_operator.json``).
-
-Columns: the key fields, then the value fields, then ``partition_id`` (int), flat, named
-after the fields. Types follow :mod:`pyspark_glue.operator`: bool -> boolean, int8/16/32/64
--> byte/short/int/long, float32/64 -> float/double, ``S<n>`` -> binary without trailing NULs;
-Spark has no unsigned integers, so uint8 -> short, uint16 -> int, uint32 -> long (each the
-next wider signed type, every value exact) and uint64 -> decimal(20,0) (exact up to
-2**64 - 1; cast it to long yourself if you know the values fit).
-
-Which attempt of the version: several attempts of one version may be on disk, and the one
-that counts is the one the driver recorded (``docs/lineage.md``). When the operator's batch
-records exist (``<checkpoint_root>/<operator_id>/_commits/``, written by
-:class:`~pyspark_glue.StatefulOperator`), version ``v`` is read at the ids of the record of
-batch ``v - 1``, and the default version is the one the newest record committed. Without
-a record for it, a version is read along the default lineage (the attempt renamed last);
-``commit_ids=`` names the attempts explicitly (continuous mode's
-``query.committed_commit_ids``).
-
-The read runs on the executors, one task per partition, each opening its own read-only
-provider from the files (no registry, so no maintenance thread and nothing written), and
-streaming Arrow batches of ``rows_per_batch`` rows. The DataFrame is lazy: every action
-reads the files again, at the same version.
+This module owns finding what to read on the driver (partitions, schemas, versions, and the
+attempts the batch records name) and the read-only tasks on the executors. The columns,
+types and rules are in ``docs/operator.md`` ("Reading state back") and ``docs/lineage.md``.
 """
-import json
 import logging
-
-import fsspec
 
 from statecore.conf import StateStoreConf
 from statecore.errors import StateCorruptionError, VersionNotFoundError
@@ -39,9 +14,9 @@ from statecore.files import open_store_files
 from statecore.ids import StateStoreId
 from statecore.store import SCHEMA_FILE, create_and_init_provider, read_store_schemas
 
-from pyspark_glue.logs import checked_commit_ids
-from pyspark_glue.operator import (OPERATOR_METADATA_FILE, commit_log, read_commit_record, spark_schema_of,
-                                   to_record_batch)
+from pyspark_glue import operator_files
+from pyspark_glue.arrow import spark_schema_of, to_record_batch
+from pyspark_glue.checkpoint import CheckpointFiles, checked_commit_ids
 
 __all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN"]
 
@@ -50,29 +25,17 @@ log = logging.getLogger(__name__)
 PARTITION_ID_COLUMN = "partition_id"
 
 
-def _operator_dir(checkpoint_root, operator_id):
-    return f"{checkpoint_root.rstrip('/')}/{operator_id}"
-
-
 def _partition_ids(checkpoint_root, operator_id, storage_options):
     """The partitions of an operator: its numbered directories, and those its metadata names."""
-    location = _operator_dir(checkpoint_root, operator_id)
-    fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
+    location = operator_files.operator_dir(checkpoint_root, operator_id)
+    files = CheckpointFiles(location, storage_options)
+    ids = {int(name) for name, is_dir in files.entries() if is_dir and name.isascii() and name.isdigit()}
     try:
-        entries = fs.ls(path, detail=True)
-    except FileNotFoundError:
-        entries = []
-    ids = {int(name) for name, kind in
-           ((e["name"].rstrip("/").rsplit("/", 1)[-1], e.get("type")) for e in entries)
-           if kind == "directory" and name.isdigit()}
-    files = open_store_files(location, storage_options)
-    try:
-        recorded = json.loads(files.read_bytes(OPERATOR_METADATA_FILE))
-        ids.update(range(int(recorded["num_partitions"])))
-    except FileNotFoundError:
-        pass
+        recorded = operator_files.read_metadata(location, storage_options)
+        if recorded is not None:
+            ids.update(range(int(recorded["num_partitions"])))
     except (ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring unreadable %s: %s", files.path(OPERATOR_METADATA_FILE), e)
+        log.warning("ignoring unreadable %s: %s", files.path(operator_files.OPERATOR_METADATA_FILE), e)
     return sorted(ids)
 
 
@@ -134,8 +97,9 @@ def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_d
 
 def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, batch_id=None,
                commit_ids=None, conf=None, rows_per_batch=65536):
-    """The state of operator ``operator_id`` at ``version`` as a DataFrame (see the module
-    docstring for columns, types, and which attempt of the version is read).
+    """The state of operator ``operator_id`` at ``version`` as a DataFrame: the key fields, the
+    value fields, then ``partition_id`` (columns, types and which attempt of the version is
+    read: ``docs/operator.md``, "Reading state back").
 
     Parameters
     ----------
@@ -223,7 +187,8 @@ def _recorded(checkpoint_root, operator_id, store_name, version, conf):
     """``(version, commit_ids)`` the operator's batch records name for ``version`` (None:
     the newest record's), or ``(version, None)`` where there is no such record (a version
     0, a checkpoint without records, a record already deleted)."""
-    records = commit_log(_operator_dir(checkpoint_root, operator_id), conf.storage_options)
+    records = operator_files.commit_log(operator_files.operator_dir(checkpoint_root, operator_id),
+                                        conf.storage_options)
     if version is None:
         newest = records.latest()
         if newest is None:
@@ -233,7 +198,7 @@ def _recorded(checkpoint_root, operator_id, store_name, version, conf):
         return 0, None
     else:
         batch = version - 1
-    record = read_commit_record(records, batch)
+    record = operator_files.read_commit_record(records, batch)
     if record is None or record.get("store_name") != store_name:
         return version, None
     return batch + 1, record["commit_ids"]

@@ -162,8 +162,10 @@ def test_wheel_holds_the_compiled_core_and_pxd_files(wheel):
     for module in PXD:
         assert f"statecore/{module}.pxd" in names, f"{module}.pxd is not in the wheel"
     assert not [n for n in names if n.endswith((".pyx", ".c"))], "sources of the compiled core leaked into the wheel"
-    for package in PACKAGES:
-        expected = {f"{package}/{n}" for n in os.listdir(os.path.join(ROOT, package)) if n.endswith(".py")}
+    for package in PACKAGES:  # every module, sub-packages (pyspark_glue.continuous) included
+        expected = {os.path.relpath(os.path.join(folder, n), ROOT).replace(os.sep, "/")
+                    for folder, dirs, files in os.walk(os.path.join(ROOT, package)) if "__pycache__" not in folder
+                    for n in files if n.endswith(".py")}
         assert expected <= names, sorted(expected - names)
     assert not [n for n in names if n.startswith(("tests/", "bench/"))]
     requires = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)", metadata, re.M)

@@ -8,7 +8,6 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
@@ -17,9 +16,9 @@ from statecore.lineage import parse_name
 from pyspark_glue import read_state
 from pyspark_glue.continuous import (COMMITS_DIR, OFFSETS_DIR, ContinuousQueryException, EpochLog, EpochSink,
                                      FileSource, GeneratorSource)
+from tests.glue_support import VALUE, store_rows, write_parquet
 
 KEY = np.dtype([("key", "<i8")])
-VALUE = np.dtype([("count", "<i8"), ("sum", "<i8")])
 OUTPUT_DDL = "partition int, offset long, key long"
 DEADLINE_S = 120  # generous: the machine may be shared with other Spark jobs
 
@@ -49,12 +48,6 @@ def test_generator_source_is_a_function_of_partition_and_offset():
         source.reader(0, ["", 0])
     with pytest.raises(ValueError, match="partition 3 is not in 0..2"):
         source.rows(3, 0, 10)
-
-
-def write_parquet(directory, name, table):
-    os.makedirs(directory, exist_ok=True)
-    pq.write_table(table, os.path.join(directory, f".{name}.tmp"))
-    os.replace(os.path.join(directory, f".{name}.tmp"), os.path.join(directory, name))
 
 
 def test_file_source_reads_files_as_they_appear_and_seeks(tmp_path):
@@ -180,11 +173,8 @@ def state_from_files(state_root, num_partitions, version, commit_ids=None):
     """The state at ``version``: each partition at ``commit_ids[p]`` (default: the default lineage)."""
     out = {}
     for p in range(num_partitions):
-        provider = create_and_init_provider(StateStoreId(state_root, 0, p), KEY, VALUE, StateStoreConf())
-        store = provider.get_read_store(version, None if commit_ids is None else commit_ids[p])
-        out.update({k[0]: tuple(v) for k, v in store.iterator()})
-        store.abort()
-        provider.close()
+        rows = store_rows(state_root, p, version, KEY, VALUE, None if commit_ids is None else commit_ids[p])
+        out.update({k[0]: v for k, v in rows.items()})
     return out
 
 
@@ -306,8 +296,10 @@ def test_failure_restart_stop_resume_is_exactly_once(spark, tmp_path):
         final.stop()
     assert final.exception() is None
     check_exactly_once(final, source)
-    assert state_from_files(final.state_root, 2, final.last_committed_epoch,
-                            recorded_ids(checkpoint, final.last_committed_epoch)) == expected_state(source, [rows, rows])
+    last = final.last_committed_epoch
+    assert state_from_files(final.state_root, 2, last, recorded_ids(checkpoint, last)) == expected_state(
+        source, [rows, rows])
+
 
 @pytest.mark.spark
 def test_max_restarts_restarts_the_query_from_its_checkpoint(spark, tmp_path):

@@ -4,54 +4,19 @@ statecore on the same directory from this process, changes nothing: neither a la
 engine refuses it) nor one that becomes the engine's default lineage (the record is followed).
 Also a re-executed batch, a re-execution from an older batch, and a checkpoint without records.
 Each state is checked against Spark's own groupBy().agg() over every input."""
-import functools
 import os
 import shutil
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.errors import CommitConflictError
 
+from tests.glue_support import KEY, VALUE, events_df, make_operator, spark_group_by, state_dict, store_rows
 from tests.state_files import version_names
 
-KEY = np.dtype([("user", "<i8"), ("region", "S4")])
-VALUE = np.dtype([("count", "<i8"), ("sum", "<i8")])
-REGIONS = np.array(["eu", "us", "apac", "latm"])
-INPUT_DDL = "user long, region string, amount long"
 JUNK_KEY = (10**6, b"junk")
-
-
-def batch_df(spark, seed, n=300, users=30):
-    rng = np.random.default_rng(seed)
-    table = pa.table({"user": pa.array(rng.integers(0, users, n), pa.int64()),
-                      "region": pa.array(REGIONS[rng.integers(0, len(REGIONS), n)]),
-                      "amount": pa.array(rng.integers(-5, 100, n), pa.int64())})
-    return spark.createDataFrame(table.to_pandas(), INPUT_DDL)
-
-
-def spark_group_by(dfs):
-    """{(user, region bytes): (count, sum)} by Spark's groupBy().agg() over the union of ``dfs``."""
-    from pyspark.sql import DataFrame
-    from pyspark.sql import functions as F
-
-    union = functools.reduce(DataFrame.unionByName, dfs)
-    rows = union.groupBy("user", "region").agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
-    return {(r["user"], r["region"].encode()): (r["count"], r["sum"]) for r in rows.collect()}
-
-
-def as_state(df):
-    return {(r["user"], bytes(r["region"])): (r["count"], r["sum"]) for r in df.collect()}
-
-
-def make_operator(state_root):
-    from pyspark_glue import RunningAggregate, StatefulOperator
-
-    agg = RunningAggregate(KEY, "amount")
-    return StatefulOperator(state_root, 0, 4, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
-                            coordinator=False)
 
 
 def partition_dir(state_root, p):
@@ -71,21 +36,9 @@ def open_zombie(state_root, version, commit_id):
     return provider, store
 
 
-def store_state(state_root, p, version, commit_id=None):
-    """Partition ``p``'s state at ``version`` read by a fresh provider (nothing in memory)."""
-    provider = create_and_init_provider(StateStoreId(state_root, 0, p), KEY, VALUE, StateStoreConf())
-    try:
-        store = provider.get_read_store(version, commit_id)
-        state = {(k[0], k[1]): tuple(v) for k, v in store.iterator()}
-        store.abort()
-        return state
-    finally:
-        provider.close()
-
-
 def check_output(out, expected, df):
     """A batch's output: each key of ``df`` once, with its totals over every input so far."""
-    emitted = as_state(out)
+    emitted = state_dict(out)
     assert set(emitted) == {(r["user"], r["region"].encode()) for r in df.select("user", "region").collect()}
     assert emitted == {k: expected[k] for k in emitted}
 
@@ -95,8 +48,8 @@ def test_a_late_zombie_changes_nothing(spark, tmp_path):
     from pyspark_glue import read_state
 
     state_root = str(tmp_path / "state")
-    dfs = [batch_df(spark, seed) for seed in range(6)]
-    op = make_operator(state_root)
+    dfs = [events_df(spark, seed) for seed in range(6)]
+    op = make_operator(state_root, coordinator=False)
     op.process(dfs[0], 0)
     zombie_provider, zombie = open_zombie(state_root, 1, op.commit_record(0)["commit_ids"][0])  # batch 1, early
     for batch_id in range(1, 5):
@@ -109,11 +62,11 @@ def test_a_late_zombie_changes_nothing(spark, tmp_path):
         "1.delta", "2.delta", "3.delta", "4.delta", "5.delta", "_statecore.schema.json"]  # nothing of the zombie
 
     expected = spark_group_by(dfs[:5])
-    assert as_state(read_state(spark, state_root, 0)) == expected
+    assert state_dict(read_state(spark, state_root, 0)) == expected
     out = op.process(dfs[5], 5)  # the next batch
     expected = spark_group_by(dfs)
     check_output(out, expected, dfs[5])
-    assert as_state(read_state(spark, state_root, 0)) == expected
+    assert state_dict(read_state(spark, state_root, 0)) == expected
     assert JUNK_KEY not in expected
     op.close()
 
@@ -123,8 +76,8 @@ def test_a_zombie_that_wins_the_default_still_changes_nothing(spark, tmp_path):
     from pyspark_glue import read_state
 
     state_root = str(tmp_path / "state")
-    dfs = [batch_df(spark, 100 + seed) for seed in range(5)]
-    op = make_operator(state_root)
+    dfs = [events_df(spark, 100 + seed) for seed in range(5)]
+    op = make_operator(state_root, coordinator=False)
     op.process(dfs[0], 0)
     op.process(dfs[1], 1)
     zombie_provider, zombie = open_zombie(state_root, 2, op.commit_record(1)["commit_ids"][0])  # with batch 2
@@ -136,17 +89,17 @@ def test_a_zombie_that_wins_the_default_still_changes_nothing(spark, tmp_path):
     assert version_names(partition_dir(state_root, 0)).count("3.delta") == 2
 
     # Without the record a reader follows the default lineage, the zombie's (renamed last) ...
-    assert store_state(state_root, 0, 3)[JUNK_KEY] == (10**9, 10**9)
+    assert store_rows(state_root, 0, 3)[JUNK_KEY] == (10**9, 10**9)
     # ... with it, the live attempt; read_state and the next batches follow the record.
-    assert JUNK_KEY not in store_state(state_root, 0, 3, live)
+    assert JUNK_KEY not in store_rows(state_root, 0, 3, commit_id=live)
     expected = spark_group_by(dfs[:3])
-    assert as_state(read_state(spark, state_root, 0)) == expected
-    assert as_state(read_state(spark, state_root, 0, version=3)) == expected
-    assert as_state(read_state(spark, state_root, 0, batch_id=2)) == expected
+    assert state_dict(read_state(spark, state_root, 0)) == expected
+    assert state_dict(read_state(spark, state_root, 0, version=3)) == expected
+    assert state_dict(read_state(spark, state_root, 0, batch_id=2)) == expected
     out = op.process(dfs[3], 3)
     check_output(out, spark_group_by(dfs[:4]), dfs[3])
     op.process(dfs[4], 4)
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs)
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs)
     assert op.commit_record(3)["base_commit_ids"][0] == live
     op.close()
 
@@ -156,36 +109,36 @@ def test_a_re_executed_batch_equals_spark_group_by(spark, tmp_path):
     from pyspark_glue import read_state
 
     state_root = str(tmp_path / "state")
-    dfs = [batch_df(spark, 200 + seed) for seed in range(4)]
-    op = make_operator(state_root)
+    dfs = [events_df(spark, 200 + seed) for seed in range(4)]
+    op = make_operator(state_root, coordinator=False)
     op.process(dfs[0], 0)
-    first_out = as_state(op.process(dfs[1], 1))
+    first_out = state_dict(op.process(dfs[1], 1))
     first = op.commit_record(1)
-    again_out = as_state(op.process(dfs[1], 1))  # foreachBatch re-run after a failure
+    again_out = state_dict(op.process(dfs[1], 1))  # foreachBatch re-run after a failure
     again = op.commit_record(1)
     assert op.last_progress["re_execution"] and again_out == first_out
     assert again["base_commit_ids"] == first["base_commit_ids"] == op.commit_record(0)["commit_ids"]
     assert set(again["commit_ids"]).isdisjoint(first["commit_ids"])  # new attempts, now the recorded ones
     for p in range(4):  # the re-execution deleted the attempts it replaced
         assert version_names(partition_dir(state_root, p)).count("2.delta") == 1
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs[:2])
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:2])
     op.process(dfs[2], 2)
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])
     op.close()
 
-    restarted = make_operator(state_root)  # a restart from an older batch: later records go
+    restarted = make_operator(state_root, coordinator=False)  # a restart from an older batch: later records go
     restarted.process(dfs[1], 1)
     assert restarted.commit_log().epochs() == [0, 1]
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs[:2])
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:2])
     restarted.process(dfs[2], 2)
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])
 
     # A checkpoint written before records existed: the default lineage, then records again.
     winners = restarted.commit_record(2)["commit_ids"]
     shutil.rmtree(os.path.join(state_root, "0", "_commits"))
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])
     restarted.process(dfs[3], 3)
     assert restarted.commit_log().epochs() == [3]
     assert restarted.commit_record(3)["base_commit_ids"] == winners  # no other attempt: the default is right
-    assert as_state(read_state(spark, state_root, 0)) == spark_group_by(dfs)
+    assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs)
     restarted.close()

@@ -8,59 +8,18 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider
 from statecore.errors import SchemaMismatchError
 
+from tests.glue_support import (INPUT_DDL, KEY, events, expected_state, make_operator, state_dict,
+                                 write_parquet)
 from tests.state_files import version_names
-
-KEY = np.dtype([("user", "<i8"), ("region", "S4")])
-REGIONS = np.array(["eu", "us", "apac", "latm"])
-INPUT_DDL = "user long, region string, amount long"
-
-
-def events(seed, n, users=40):
-    """A deterministic table of n events: user, region (a string), amount."""
-    rng = np.random.default_rng(seed)
-    return pa.table({"user": pa.array(rng.integers(0, users, n), pa.int64()),
-                     "region": pa.array(REGIONS[rng.integers(0, len(REGIONS), n)]),
-                     "amount": pa.array(rng.integers(-5, 100, n), pa.int64())})
-
-
-def write_events(directory, name, table):
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, os.path.join(directory, name))  # the file source must never see a partial file
-
-
-def expected_state(tables):
-    """{(user, region bytes): (count, sum)} over every event, in numpy."""
-    out = {}
-    for t in tables:
-        for user, region, amount in zip(*(t.column(c).to_pylist() for c in ("user", "region", "amount"))):
-            count, total = out.get((user, region.encode()), (0, 0))
-            out[(user, region.encode())] = (count + 1, total + amount)
-    return out
-
-
-def state_dict(df):
-    return {(r["user"], bytes(r["region"])): (r["count"], r["sum"]) for r in df.collect()}
 
 
 def delta_exists(root, partition, version, operator_id=0):
     return f"{version}.delta" in version_names(os.path.join(root, str(operator_id), str(partition)))
-
-
-def make_operator(state_root, fn=None, num_partitions=4, **kwargs):
-    from pyspark_glue import RunningAggregate, StatefulOperator
-
-    agg = RunningAggregate(KEY, "amount")
-    fn = agg if fn is None else fn
-    return StatefulOperator(state_root, 0, num_partitions, ["user", "region"], KEY, agg.value_schema, fn,
-                            agg.output_schema, **kwargs)
 
 
 # -- the Arrow/numpy helpers and RunningAggregate, without Spark -----------------------------------
@@ -120,7 +79,7 @@ def test_running_aggregate_groups_within_and_across_batches(tmp_path):
 
 def partial_batch(table):
     """What RunningAggregate.prepare gives a task: one row per (user, region) with count and sum."""
-    from pyspark_glue.operator import PARTIAL_COUNT, PARTIAL_SUM
+    from pyspark_glue.aggregates import PARTIAL_COUNT, PARTIAL_SUM
 
     totals = expected_state([table])
     keys = sorted(totals)
@@ -209,11 +168,11 @@ def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path):
     checkpoint = str(tmp_path / "checkpoint")
     tables = [events(seed, 400) for seed in range(3)]
     for i in range(2):
-        write_events(source, f"events-{i}.parquet", tables[i])
+        write_parquet(source, f"events-{i}.parquet", tables[i])
     run1, seen1, _ = run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=True)
     assert [b for b, _ in seen1] == [0, 1]
     assert {r for _, r in seen1} == {str(run1)}  # the run id is the query's
-    write_events(source, "events-2.parquet", tables[2])
+    write_parquet(source, "events-2.parquet", tables[2])
     run2, seen2, _ = run_stream(spark, source, checkpoint, state_root, sink)  # a restart: new query and run
     assert [b for b, _ in seen2] == [2] and {r for _, r in seen2} == {str(run2)} and run2 != run1
 
@@ -413,6 +372,7 @@ def test_batches_are_aggregated_in_spark_and_session_settings_restored(spark, tm
             conf.set(key, value)
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize("pre_aggregate", [True, False])
 def test_float_keys_group_as_spark_groups_them(spark, tmp_path, pre_aggregate):
     """-0.0 and 0.0 are one key, and every NaN one key, as in Spark's groupBy: with Spark's

@@ -1,0 +1,161 @@
+"""Ready-made ``fn``s for :class:`~pyspark_glue.StatefulOperator` and continuous mode:
+:class:`RunningAggregate` (a running count and sum per key), and :func:`group_rows`, the one
+numpy grouping they share.
+"""
+import numpy as np
+
+from statecore.schema import RowSchema, as_schema
+
+from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, spark_schema_of, to_record_batch
+
+__all__ = ["RunningAggregate", "group_rows", "PARTIAL_COUNT", "PARTIAL_SUM"]
+
+# Columns of the per-batch partial aggregate RunningAggregate.prepare hands to its tasks.
+PARTIAL_COUNT, PARTIAL_SUM = "__statecore_count", "__statecore_sum"
+
+
+def group_rows(keys):
+    """``(order, starts)`` grouping the equal rows of a structured array: ``keys[order]`` is
+    sorted so that equal keys are adjacent, and group ``g`` is ``order[starts[g]:starts[g+1]]``
+    (stable: rows of a group keep their input order). Keys are equal when the store's key
+    rows are: float fields normalized (``-0.0`` is ``0.0``, every NaN one key), the rest
+    compared by bytes. One sort, no Python loop."""
+    n = keys.shape[0]
+    if keys.dtype.names is not None and len(keys.dtype.names) == 1 and keys.dtype[0].kind in "iub":
+        sort_key = keys[keys.dtype.names[0]]
+    elif keys.dtype.names is not None and any(keys.dtype[f].kind == "f" for f in keys.dtype.names):
+        rows = as_schema(keys.dtype, key=True).rows(keys)
+        sort_key = rows.view(f"S{rows.shape[1]}").ravel() if rows.shape[1] else np.zeros(n, "S1")
+    else:
+        packed = np.ascontiguousarray(keys)
+        sort_key = packed.view(f"S{packed.dtype.itemsize}") if packed.dtype.itemsize else np.zeros(n, "S1")
+    order = np.argsort(sort_key, kind="stable")
+    if n == 0:
+        return order, np.zeros(0, dtype=np.intp)
+    ordered = sort_key[order]
+    new_group = np.empty(n, dtype=np.bool_)
+    new_group[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new_group[1:])
+    return order, np.flatnonzero(new_group)
+
+
+class RunningAggregate:
+    """``fn`` for a running count and sum per key (Spark's ``groupBy(keys).agg(count, sum)``
+    in update mode): one row per key updated in the micro-batch, with its new totals.
+
+    In a :class:`~pyspark_glue.StatefulOperator`, :meth:`prepare` has Spark count and sum each micro-batch
+    per key first, so a task merges one row per key: one ``get_batch`` and one ``put_batch``
+    per Arrow batch. Given raw rows instead (other runners call it that way), a batch's keys
+    are grouped with one sort (:func:`group_rows`) and counted and summed with
+    ``np.add.reduceat`` (exact for integer sums). The output is emitted by :meth:`finish`,
+    once per key per micro-batch.
+
+    Parameters
+    ----------
+    key_schema : structured dtype
+        The state key; its fields are read from the columns of the same names (or
+        ``key_columns``).
+    value_column : str
+        The column summed. Nulls count as rows and add nothing to the sum.
+    sum_dtype : dtype, default int64
+        The sum's dtype (the state's int64 sum wraps on overflow, as numpy's does; Spark's
+        per-batch sum in :meth:`prepare` fails on overflow when ANSI mode is on).
+    count_field, sum_field : str
+        Names of the value fields (and output columns).
+    emit : bool, default True
+        Whether to output the updated rows (False: state only, no output).
+    pre_aggregate : bool, default True
+        Whether :meth:`prepare` has Spark aggregate each batch first. It pays when a batch
+        holds several rows per key and costs when most keys come once (Spark's hash
+        aggregation of nearly every row is then dearer than shuffling the rows and grouping
+        them with one numpy sort); bench/RESULTS.md has the figures.
+
+    Attributes
+    ----------
+    value_schema : numpy dtype ``[(count_field, int64), (sum_field, sum_dtype)]``
+    output_schema : StructType of the key fields, then count and sum (None if not emit)
+    """
+
+    def __init__(self, key_schema, value_column, *, key_columns=None, sum_dtype="<i8", count_field="count",
+                 sum_field="sum", emit=True, pre_aggregate=True):
+        self.key_dtype = as_schema(key_schema).dtype
+        self.value_column = value_column
+        self.key_columns = None if key_columns is None else tuple(key_columns)
+        self.count_field, self.sum_field = count_field, sum_field
+        self.value_schema = RowSchema([(count_field, "<i8"), (sum_field, np.dtype(sum_dtype))]).dtype
+        self.sum_dtype = self.value_schema[sum_field]
+        if self.sum_dtype.kind not in "iuf":
+            raise TypeError(f"sum_dtype must be numeric, got {self.sum_dtype}")
+        self.emit = emit
+        self.pre_aggregate = bool(pre_aggregate)
+        self._pending = {}  # id(store) -> [(keys, values)] of the current task
+
+    @property
+    def output_schema(self):
+        return spark_schema_of(self.key_dtype, self.value_schema) if self.emit else None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_pending"] = {}
+        return state
+
+    def prepare(self, df, key_columns):
+        """The micro-batch aggregated per key in Spark (count and sum), before the operator's
+        shuffle: Spark aggregates each input partition first and merges after the shuffle, as
+        its own streaming aggregation does, so only one row per key and batch reaches Python.
+        The operator calls this on the driver; the tasks then see :data:`PARTIAL_COUNT` and
+        :data:`PARTIAL_SUM` columns, each key once per partition."""
+        if not self.pre_aggregate:
+            return df
+        from pyspark.sql import functions as F
+
+        names = self.key_columns or self.key_dtype.names
+        value = F.col(f"`{self.value_column}`")
+        if self.sum_dtype.kind == "f":
+            value = value.cast("double")
+        return df.groupBy(*names).agg(F.count(F.lit(1)).alias(PARTIAL_COUNT),
+                                      F.coalesce(F.sum(value), F.lit(0)).alias(PARTIAL_SUM))
+
+    def __call__(self, store, batch):
+        keys = columns_from_arrow(batch, self.key_dtype, self.key_columns)
+        partial = batch.schema.get_field_index(PARTIAL_COUNT) >= 0
+        if partial:  # from prepare(): the keys are distinct in the whole partition
+            distinct = keys
+            counts = column_to_numpy(column(batch, PARTIAL_COUNT), np.int64, PARTIAL_COUNT)
+            sums = column_to_numpy(column(batch, PARTIAL_SUM), self.sum_dtype, PARTIAL_SUM,
+                                   null_value=0)
+        else:
+            amounts = column_to_numpy(column(batch, self.value_column), self.sum_dtype,
+                                      self.value_column, null_value=0)
+            order, starts = group_rows(keys)
+            distinct = keys[order[starts]]
+            counts = np.diff(np.append(starts, len(keys)))
+            sums = np.add.reduceat(amounts[order], starts) if len(starts) else amounts[:0]
+        if not len(distinct):
+            return None
+        old, found = store.get_batch(distinct)
+        new = np.empty(len(distinct), dtype=self.value_schema)
+        new[self.count_field] = np.where(found, old[self.count_field], 0) + counts
+        new[self.sum_field] = np.where(found, old[self.sum_field], 0) + sums
+        store.put_batch(distinct, new)
+        if self.emit:
+            pending = self._pending.setdefault(id(store), [[], True])
+            pending[0].append((distinct, new))
+            pending[1] = pending[1] and partial
+        return None
+
+    def finish(self, store):
+        parts, distinct = self._pending.pop(id(store), [[], True])
+        if not self.emit or not parts:
+            return None
+        if len(parts) == 1:
+            keys, values = parts[0]
+        elif distinct:  # partial aggregates: every key came once
+            keys = np.concatenate([k for k, _ in parts])
+            values = np.concatenate([v for _, v in parts])
+        else:  # a key may be in several Arrow batches: emit it once, with its final totals
+            everything = np.concatenate([k for k, _ in parts])
+            order, starts = group_rows(everything)
+            keys = everything[order[starts]]
+            values, _found = store.get_batch(keys)
+        return to_record_batch(keys, values)

@@ -1,0 +1,273 @@
+"""Arrow, numpy and Spark types: how a store's numpy rows become Arrow and Spark columns and
+back, for user functions (numpy in, the store's batch calls, Arrow out: no per-row Python).
+
+The type mapping, one rule in both directions, is in ``docs/operator.md`` ("Types").
+"""
+import numpy as np
+import pyarrow as pa
+
+from statecore.schema import as_schema
+
+__all__ = ["arrow_type_of", "spark_type_of", "spark_schema_of", "numpy_to_arrow", "to_record_batch",
+           "column_to_numpy", "column", "columns_from_arrow", "keys_from_arrow", "output_schemas",
+           "conform_output"]
+
+_ARROW_OF_KIND = {  # (kind, itemsize) -> the Arrow type Spark takes for it
+    ("b", 1): pa.bool_(),
+    ("i", 1): pa.int8(), ("i", 2): pa.int16(), ("i", 4): pa.int32(), ("i", 8): pa.int64(),
+    ("u", 1): pa.int16(), ("u", 2): pa.int32(), ("u", 4): pa.int64(), ("u", 8): pa.decimal128(20, 0),
+    ("f", 4): pa.float32(), ("f", 8): pa.float64(),
+}
+_ARROW_NATIVE = {  # (kind, itemsize) -> the Arrow type with exactly the numpy dtype's range
+    ("b", 1): pa.bool_(),
+    ("i", 1): pa.int8(), ("i", 2): pa.int16(), ("i", 4): pa.int32(), ("i", 8): pa.int64(),
+    ("u", 1): pa.uint8(), ("u", 2): pa.uint16(), ("u", 4): pa.uint32(), ("u", 8): pa.uint64(),
+    ("f", 4): pa.float32(), ("f", 8): pa.float64(),
+}
+_WIDENED = {1: np.int16, 2: np.int32, 4: np.int64}  # unsigned itemsize -> the signed dtype Spark gets
+
+
+def arrow_type_of(dtype):
+    """The Arrow type a numpy field of ``dtype`` becomes (``docs/operator.md``, "Types")."""
+    dt = np.dtype(dtype)
+    if dt.kind == "S":
+        return pa.binary()
+    try:
+        return _ARROW_OF_KIND[(dt.kind, dt.itemsize)]
+    except KeyError:
+        raise TypeError(f"no Spark type for numpy dtype {dt}") from None
+
+
+def spark_type_of(dtype):
+    """The Spark SQL type a numpy field of ``dtype`` becomes (``docs/operator.md``, "Types")."""
+    from pyspark.sql import types as T
+
+    t = arrow_type_of(dtype)
+    if pa.types.is_decimal(t):
+        return T.DecimalType(t.precision, t.scale)
+    return {
+        pa.bool_(): T.BooleanType(), pa.int8(): T.ByteType(), pa.int16(): T.ShortType(),
+        pa.int32(): T.IntegerType(), pa.int64(): T.LongType(), pa.float32(): T.FloatType(),
+        pa.float64(): T.DoubleType(), pa.binary(): T.BinaryType(),
+    }[t]
+
+
+def spark_schema_of(*dtypes, extra=()):
+    """A ``StructType`` of the fields of structured ``dtypes`` in order, then ``extra``
+    (``(name, spark type)`` pairs). Every field is nullable, as Spark reads them back."""
+    from pyspark.sql import types as T
+
+    fields = []
+    for dtype in dtypes:
+        schema = as_schema(dtype)
+        fields += [T.StructField(name, spark_type_of(f), True) for name, f in schema.fields]
+    fields += [T.StructField(name, t, True) for name, t in extra]
+    return T.StructType(fields)
+
+
+def _fixed_to_binary(col):
+    """A binary Arrow array of an ``S<n>`` column, each value without its trailing NULs."""
+    col = np.ascontiguousarray(col)
+    m, n = col.shape[0], col.dtype.itemsize
+    matrix = col.view(np.uint8).reshape(m, n)
+    nonzero = matrix != 0
+    lengths = np.where(nonzero.any(axis=1), n - np.argmax(nonzero[:, ::-1], axis=1), 0)
+    offsets = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    data = matrix[np.arange(n)[None, :] < lengths[:, None]]  # row-major: the values, concatenated
+    if offsets[-1] < 2**31:
+        return pa.Array.from_buffers(pa.binary(), m, [None, pa.py_buffer(offsets.astype(np.int32)),
+                                                      pa.py_buffer(data)])
+    large = pa.Array.from_buffers(pa.large_binary(), m, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    return large.cast(pa.binary())  # raises if it cannot be one binary array
+
+
+def numpy_to_arrow(col):
+    """The Arrow array of one numpy column, typed as :func:`arrow_type_of` says."""
+    dt = col.dtype
+    if dt.kind == "S":
+        return _fixed_to_binary(col)
+    col = np.ascontiguousarray(col)
+    if dt.kind == "u":
+        if dt.itemsize == 8:
+            return pa.array(col, type=pa.uint64()).cast(pa.decimal128(20, 0))
+        return pa.array(col.astype(_WIDENED[dt.itemsize]))
+    if (dt.kind, dt.itemsize) not in _ARROW_OF_KIND:
+        raise TypeError(f"no Spark type for numpy dtype {dt}")
+    return pa.array(col)
+
+
+def to_record_batch(*arrays, names=None, **constant_columns):
+    """A ``pyarrow.RecordBatch`` of the fields of the structured ``arrays`` (equal lengths), in
+    order, then one column per keyword holding that constant (an int becomes int32, as a
+    partition id). ``names`` renames the fields (one name per field, in order). Types as
+    :func:`arrow_type_of`; ``S<n>`` values lose their trailing NULs."""
+    columns, out_names = [], []
+    lengths = {len(a) for a in arrays}
+    if len(lengths) > 1:
+        raise ValueError(f"arrays have different lengths {sorted(lengths)}")
+    n = lengths.pop() if lengths else 0
+    for array in arrays:
+        if array.dtype.names is None:
+            raise TypeError(f"expected structured arrays, got dtype {array.dtype}")
+        for name in array.dtype.names:
+            columns.append(numpy_to_arrow(array[name]))
+            out_names.append(name)
+    for name, value in constant_columns.items():
+        if isinstance(value, (bool, np.bool_)):
+            columns.append(pa.array(np.full(n, value, dtype=np.bool_)))
+        elif isinstance(value, (int, np.integer)):
+            columns.append(pa.array(np.full(n, value, dtype=np.int32)))
+        else:
+            columns.append(pa.array([value] * n))
+        out_names.append(name)
+    if names is not None:
+        names = list(names)
+        if len(names) != len(out_names) - len(constant_columns):
+            raise ValueError(f"{len(names)} names for {len(out_names) - len(constant_columns)} fields")
+        out_names[:len(names)] = names
+    return pa.RecordBatch.from_arrays(columns, names=out_names)
+
+
+def _binary_to_fixed(arr, n, name):
+    """The ``S<n>`` numpy column of a string/binary Arrow array without nulls (one scatter)."""
+    t = arr.type
+    m = len(arr)
+    if pa.types.is_fixed_size_binary(t):
+        width = t.byte_width
+        if width > n:
+            raise ValueError(f"column '{name}' holds {width}-byte values; the field is S{n}")
+        data = arr.buffers()[1]
+        raw = np.frombuffer(data, dtype=np.uint8, count=(arr.offset + m) * width)[arr.offset * width:]
+        out = np.zeros((m, n), dtype=np.uint8)
+        out[:, :width] = raw.reshape(m, width)
+        return out.view(f"S{n}").reshape(m)
+    if pa.types.is_string(t):
+        arr, t = arr.cast(pa.binary()), pa.binary()
+    elif pa.types.is_large_string(t):
+        arr, t = arr.cast(pa.large_binary()), pa.large_binary()
+    if not (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        raise TypeError(f"column '{name}' is {t}; an S{n} field takes string or binary columns")
+    off_dtype = np.int64 if pa.types.is_large_binary(t) else np.int32
+    buffers = arr.buffers()
+    offsets = np.frombuffer(buffers[1], dtype=off_dtype, count=arr.offset + m + 1)[arr.offset:].astype(np.int64)
+    lengths = np.diff(offsets)
+    if m and lengths.max() > n:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"column '{name}' holds a {int(lengths[i])}-byte value (row {i}); the field is S{n}")
+    out = np.zeros((m, n), dtype=np.uint8)
+    total = int(offsets[-1] - offsets[0]) if m else 0
+    if total:
+        data = np.frombuffer(buffers[2], dtype=np.uint8)
+        src = np.arange(offsets[0], offsets[-1])
+        rows = np.repeat(np.arange(m), lengths)
+        out[rows, src - np.repeat(offsets[:-1], lengths)] = data[src]
+    return out.view(f"S{n}").reshape(m)
+
+
+def column_to_numpy(arr, dtype, name="?", null_value=None):
+    """The numpy column of dtype ``dtype`` of one Arrow array (``name`` is for messages).
+
+    Numeric and boolean columns cast with Arrow's safe cast (a value out of the dtype's range,
+    or a fraction cast to an integer, is a ``ValueError``); string and binary columns fill
+    ``S<n>``. Nulls are a ``ValueError`` unless ``null_value`` replaces them.
+    """
+    dt = np.dtype(dtype)
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if arr.null_count:
+        if null_value is None:
+            raise ValueError(f"column '{name}' has {arr.null_count} null value(s); state keys cannot be null")
+        arr = arr.fill_null(null_value)
+    if dt.kind == "S":
+        return _binary_to_fixed(arr, dt.itemsize, name)
+    target = _ARROW_NATIVE.get((dt.kind, dt.itemsize))
+    if target is None:
+        raise TypeError(f"field for column '{name}' has dtype {dt}, which no store holds")
+    t = arr.type
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+            or pa.types.is_decimal(t)):
+        raise TypeError(f"column '{name}' is {t}; a {dt} field takes numeric columns")
+    if t != target:
+        try:
+            arr = arr.cast(target, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ValueError(f"column '{name}' ({t}) does not fit the field's dtype {dt}: {e}") from None
+    out = arr.to_numpy(zero_copy_only=False)
+    return out if out.dtype == dt else out.astype(dt)
+
+
+def column(batch, name):
+    """The column ``name`` of a record batch; KeyError naming the batch's columns if absent."""
+    i = batch.schema.get_field_index(name)
+    if i < 0:
+        raise KeyError(f"column '{name}' is not in the batch (columns: {batch.schema.names})")
+    return batch.column(i)
+
+
+def columns_from_arrow(batch, schema, columns=None):
+    """A structured numpy array of ``schema`` (a structured dtype or RowSchema; the
+    canonical packed layout, ready for the store's batch API) from a ``RecordBatch``.
+
+    Field ``i`` comes from column ``columns[i]`` (default: the column named like the field).
+    See :func:`column_to_numpy` for the casts; nulls are refused.
+    """
+    schema = as_schema(schema)
+    names = schema.names if columns is None else tuple(columns)
+    if len(names) != len(schema.names):
+        raise ValueError(f"{len(names)} columns for the {len(schema.names)} fields {schema.names}")
+    out = np.empty(batch.num_rows, dtype=schema.dtype)
+    for field, name in zip(schema.names, names):
+        out[field] = column_to_numpy(column(batch, name), schema.dtype[field], name)
+    return out
+
+
+keys_from_arrow = columns_from_arrow  # the name the key side reads best with
+
+
+def output_schemas(schema):
+    """``(StructType, pyarrow.Schema)`` of an output schema given as a StructType, a DDL
+    string or None (``(None, None)``: no output)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    if schema is None:
+        return None, None
+    if isinstance(schema, str):
+        schema = StructType.fromDDL(schema)
+    if not isinstance(schema, StructType):
+        raise TypeError(f"output_schema must be a StructType, a DDL string or None, got {type(schema).__name__}")
+    return schema, to_arrow_schema(schema, timezone="UTC")
+
+
+def conform_output(out, schema, where):
+    """``out`` (a RecordBatch or Table that ``fn`` returned) as batches of exactly ``schema``, cast
+    safely; ``where`` names the function in errors. Every runner of ``fn`` shares it."""
+    if isinstance(out, pa.Table):
+        return _conform_batches(out.to_batches(), schema, where)
+    if not isinstance(out, pa.RecordBatch):
+        raise TypeError(f"{where} must return a pyarrow.RecordBatch or None, got {type(out).__name__}")
+    return _conform_batches([out], schema, where)
+
+
+def _conform_batches(batches, schema, where):
+    if schema is None:
+        raise ValueError(f"{where} returned rows, but the operator has no output_schema")
+    out = []
+    for batch in batches:
+        if batch.schema.names != schema.names:
+            if sorted(batch.schema.names) != sorted(schema.names):
+                raise ValueError(f"{where} returned columns {batch.schema.names}; the output schema has "
+                                 f"{schema.names}")
+            batch = batch.select(schema.names)
+        columns = []
+        for col, field in zip(batch.columns, schema):
+            if col.type != field.type:
+                try:
+                    col = col.cast(field.type, safe=True)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                    raise ValueError(f"{where}: column '{field.name}' ({col.type}) does not cast to the "
+                                     f"output type {field.type}: {e}") from None
+            columns.append(col)
+        out.append(pa.RecordBatch.from_arrays(columns, schema=schema))
+    return out

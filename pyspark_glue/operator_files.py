@@ -1,0 +1,112 @@
+"""What a :class:`~pyspark_glue.StatefulOperator` keeps under ``<checkpoint>/<operator_id>/``
+beside its stores: ``_operator.json`` (the metadata fixed for the checkpoint's life), the
+batch records ``_commits/<batch_id>`` (which attempt of each partition a batch committed)
+and the outputs ``_output/<batch_id>/``. The operator writes them and
+:func:`~pyspark_glue.read_state` reads them, so both take the layout from here. The rules
+are in ``docs/operator.md`` and ``docs/lineage.md``.
+"""
+from statecore.errors import SchemaMismatchError
+
+from pyspark_glue.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
+
+__all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
+           "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "check_metadata",
+           "compare_metadata", "commit_log", "commit_record", "read_commit_record"]
+
+OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
+OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
+COMMITS_DIR = "_commits"  # <checkpoint>/<operator_id>/_commits/<batch_id>: the batch record
+METADATA_FORMAT = "statecore-operator-1"
+RECORD_FORMAT = "statecore-operator-commit-1"
+
+
+def operator_dir(checkpoint_location, operator_id):
+    return f"{checkpoint_location.rstrip('/')}/{operator_id}"
+
+
+def output_dir(operator_location, batch_id):
+    """Where the output of ``batch_id`` is written (as given to fsspec)."""
+    return f"{operator_location}/{OUTPUT_DIR}/{batch_id}"
+
+
+def delete_outputs_before(operator_location, batch_id, storage_options=None):
+    """Delete the outputs of the batches before ``batch_id`` (best effort)."""
+    files = CheckpointFiles(f"{operator_location}/{OUTPUT_DIR}", storage_options)
+    files.delete_trees(name for b, name in files.numbered().items() if b < batch_id)
+
+
+def read_metadata(operator_location, storage_options=None):
+    """The operator's recorded metadata, or None if there is none; ValueError if unreadable."""
+    try:
+        return CheckpointFiles(operator_location, storage_options).read_json(OPERATOR_METADATA_FILE,
+                                                                             "operator metadata")
+    except FileNotFoundError:
+        return None
+
+
+def check_metadata(operator_location, ours, storage_options=None):
+    """Record ``ours`` on first use, or check it against what was recorded (see
+    :func:`compare_metadata`); returns the recorded metadata."""
+    files = CheckpointFiles(operator_location, storage_options)
+    recorded = files.record_once(OPERATOR_METADATA_FILE, ours, "operator metadata")
+    if recorded is not ours:
+        compare_metadata(ours, recorded, operator_location, storage_options)
+    return recorded
+
+
+def compare_metadata(ours, recorded, operator_location, storage_options=None):
+    """ValueError if the number of partitions, the key columns, their types or the store
+    name differ; SchemaMismatchError if the key or value schema does."""
+    where = CheckpointFiles(operator_location, storage_options).path(OPERATOR_METADATA_FILE)
+    op = f"operator {ours['operator_id']} at {operator_location}"
+    if recorded.get("num_partitions") != ours["num_partitions"]:
+        raise ValueError(
+            f"{op} was created with num_partitions={recorded.get('num_partitions')}, but this operator has "
+            f"num_partitions={ours['num_partitions']}: the number of partitions of a stateful operator is fixed "
+            f"for the life of its checkpoint (keys are routed by hash modulo that number); use "
+            f"{recorded.get('num_partitions')}, or start from a new checkpoint ({where})")
+    if recorded.get("key_columns") != ours["key_columns"]:
+        raise ValueError(f"{op} partitions by key columns {recorded.get('key_columns')}, not {ours['key_columns']} "
+                         f"({where})")
+    if recorded.get("key_column_types") != ours["key_column_types"]:
+        raise ValueError(
+            f"operator {ours['operator_id']}: key columns {ours['key_columns']} have types "
+            f"{ours['key_column_types']}, but the checkpoint was written with {recorded.get('key_column_types')}: "
+            f"rows would be routed to other partitions; cast them back ({where})")
+    if recorded.get("store_name", "default") != ours["store_name"]:
+        raise ValueError(f"{op} uses store name {recorded.get('store_name')!r}, not {ours['store_name']!r} ({where})")
+    for part in ("key_schema", "value_schema"):
+        if [list(f) for f in recorded.get(part, [])] != [list(f) for f in ours[part]]:
+            raise SchemaMismatchError(f"the {part.replace('_', ' ')} {ours[part]} of operator {ours['operator_id']} "
+                                      f"differs from the one its checkpoint was written with: {recorded.get(part)} "
+                                      f"({where})")
+
+
+def commit_log(operator_location, storage_options=None):
+    """The batch records of the operator at ``operator_location`` (``<checkpoint>/<operator_id>``)."""
+    return EpochLog(f"{operator_location}/{COMMITS_DIR}", storage_options)
+
+
+def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids):
+    """The record of a batch whose job succeeded: each partition's winning attempt of
+    version ``batch_id + 1`` and the attempt of ``batch_id`` it opened."""
+    return {"format": RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
+            "num_partitions": num_partitions, "store_name": store_name, "run_id": str(run_id),
+            "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids)}
+
+
+def read_commit_record(records, batch_id):
+    """The record of ``batch_id`` in ``records`` (:func:`commit_log`), checked, its
+    ``commit_ids`` and ``base_commit_ids`` tuples; None if there is none. ValueError naming
+    the file if it is not a batch record."""
+    try:
+        record = records.read(batch_id)
+    except FileNotFoundError:
+        return None
+    where = records.path(batch_id)
+    if (not isinstance(record, dict) or record.get("format") != RECORD_FORMAT
+            or record.get("batch_id") != batch_id or not isinstance(record.get("num_partitions"), int)):
+        raise ValueError(f"{where} is not the record of batch {batch_id} of a statecore operator")
+    for ids in ("commit_ids", "base_commit_ids"):
+        record[ids] = checked_commit_ids(record.get(ids), record["num_partitions"], where)
+    return record

@@ -1,0 +1,70 @@
+"""Which streaming query run a ``foreachBatch`` call belongs to, and a listener for a query's
+end: how :class:`~pyspark_glue.StatefulOperator` loads stores under the query's own run id
+and deactivates a run's store instances when it terminates (``docs/operator.md``, "Query
+runs and the coordinator").
+"""
+import logging
+import re
+import uuid
+
+__all__ = ["streaming_query_run", "termination_listener"]
+
+log = logging.getLogger(__name__)
+
+_THREAD_RUN_ID = re.compile(r"runId = ([0-9a-fA-F-]{36})")
+
+
+def streaming_query_run(df):
+    """``(run_id, session)`` of the streaming query whose ``foreachBatch`` is running, or
+    ``(None, None)`` outside one. ``session`` is the one that started the query (where a
+    listener sees it terminate), if found."""
+    from pyspark.sql import SparkSession
+
+    spark = df.sparkSession
+    query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+    if not query_id:
+        return None, None
+    # foreachBatch runs in a clone of the session that started the query; the original
+    # session (usually the first one created) knows the query.
+    candidates = [SparkSession.getActiveSession(), getattr(SparkSession, "_instantiatedSession", None), spark]
+    for session in candidates:
+        if session is None:
+            continue
+        try:
+            query = session.streams.get(query_id)
+        except Exception:  # a stopped session, a clone without the query
+            continue
+        if query is not None:
+            return uuid.UUID(query.runId), session
+    # Spark names the stream execution thread "... [id = <id>, runId = <runId>]", and py4j
+    # calls from foreachBatch run on that thread.
+    try:
+        name = spark.sparkContext._jvm.java.lang.Thread.currentThread().getName()
+    except Exception:
+        name = ""
+    match = _THREAD_RUN_ID.search(name or "")
+    return (uuid.UUID(match.group(1)), None) if match else (None, None)
+
+
+def termination_listener(on_terminated):
+    """A ``StreamingQueryListener`` calling ``on_terminated(run_id)`` (a ``uuid.UUID``) when a
+    query terminates; an error there is logged, never raised into Spark's listener bus."""
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    class _OnTermination(StreamingQueryListener):
+        def onQueryStarted(self, event):
+            pass
+
+        def onQueryProgress(self, event):
+            pass
+
+        def onQueryIdle(self, event):
+            pass
+
+        def onQueryTerminated(self, event):
+            try:
+                on_terminated(uuid.UUID(str(event.runId)))
+            except Exception as e:
+                log.warning("handling the termination of query run %s failed: %s", event.runId, e)
+
+    return _OnTermination()
