@@ -1,6 +1,26 @@
-"""Shared fixtures: seeded random generators whose seed shows in the test id and repr."""
+"""Shared fixtures (seeded random generators whose seed shows in the test id and repr; one
+Spark session per run) and the suite's layers: every test that uses the ``spark`` fixture is
+marked ``spark``, the standalone-cluster tests also ``cluster``, the benchmark harness tests
+``bench``, so that ``pytest -m "not spark"`` runs the engine's tests alone."""
+import os
+
 import numpy as np
 import pytest
+
+_LAYERS = {"test_glue_cluster.py": ("spark", "cluster"), "test_bench.py": ("bench",)}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster: starts a standalone Spark cluster (also marked spark)")
+    config.addinivalue_line("markers", "bench: runs the benchmark harness")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in _LAYERS.get(os.path.basename(str(item.fspath)), ()):
+            item.add_marker(name)
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker("spark")
 
 
 class Rand(np.random.Generator):
