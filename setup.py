@@ -18,7 +18,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ["_hash", "_rowtable", "_snapshot", "_delta", "_rpccodec"]
+MODULES = ["_hash", "_rowtable", "_snapshot", "_delta"]
 
 # Warnings that Cython's generated code raises on its own; silenced by name so that
 # -Werror still catches ours.

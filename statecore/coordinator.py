@@ -1,4 +1,5 @@
-"""The driver's StateStoreCoordinator and its typed client, StateStoreCoordinatorRef (spec section 7).
+"""The driver's StateStoreCoordinator and its typed client, StateStoreCoordinatorRef
+(docs/spark-state-store.md, The registry and the coordinator).
 
 The coordinator records which executor holds the *active* instance of each state store
 provider, keyed by :class:`~statecore.StateStoreProviderId`. Executors report every load
@@ -7,9 +8,12 @@ active one (``VerifyIfInstanceActive``); the driver asks where a store is loaded
 (``GetLocation``, for preferred locations) and forgets a query's instances when it stops
 (``DeactivateInstances``).
 
-Every message is request/reply, as in Spark since 3.2. Messages are tuples of RPC values,
-the message name first; a provider id travels as the tuple of
-:func:`provider_id_to_message`, the one place that conversion is defined.
+Every message is request/reply, as in Spark since 3.2. The messages are the
+:class:`~statecore.rpc.Message` Structs below, and the endpoint takes exactly their union,
+:data:`CoordinatorMessage` (anything else drops the sender's connection: see
+:mod:`statecore.rpc`); a provider id travels as a :class:`ProviderId`, made and read by
+:func:`provider_id_to_message` and :func:`provider_id_from_message`, the one place that
+conversion is defined.
 
 Thread-safety: the endpoint is driven by :mod:`statecore.rpc`, which hands it one message at
 a time, so it keeps no lock; do not call its handlers from several threads yourself. A
@@ -17,34 +21,90 @@ a time, so it keeps no lock; do not call its handlers from several threads yours
 """
 import logging
 import uuid
+from typing import Optional, Union
+
+import msgspec
 
 from statecore import rpc
+from statecore.errors import EndpointAlreadyRegisteredError
 from statecore.ids import StateStoreId, StateStoreProviderId
 
-__all__ = ["ENDPOINT_NAME", "StateStoreCoordinator", "StateStoreCoordinatorRef", "executor_location", "lookup_handler",
-           "provider_id_from_message", "provider_id_to_message"]
+__all__ = ["ENDPOINT_NAME", "StateStoreCoordinator", "StateStoreCoordinatorRef", "executor_location",
+           "provider_id_from_message", "provider_id_to_message", "ProviderId", "CoordinatorMessage",
+           "ReportActiveInstance", "VerifyIfInstanceActive", "GetLocation", "DeactivateInstances", "StopCoordinator"]
 
 log = logging.getLogger(__name__)
 
 ENDPOINT_NAME = "StateStoreCoordinator"
 
 
+# -- messages ----------------------------------------------------------------------------------
+
+class ProviderId(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """A StateStoreProviderId on the wire: ``[root, operator, partition, store name, run id]``."""
+
+    checkpoint_root_location: str
+    operator_id: int
+    partition_id: int
+    store_name: str
+    query_run_id: uuid.UUID
+
+
+class ReportActiveInstance(rpc.Message):
+    """This executor loaded ``provider_id``; the reply lists those of ``provider_ids_to_check``
+    that are active on another executor."""
+
+    provider_id: ProviderId
+    host: str
+    executor_id: str
+    provider_ids_to_check: list[ProviderId]
+
+
+class VerifyIfInstanceActive(rpc.Message):
+    """Whether ``executor_id`` holds the active instance of ``provider_id`` (a bool)."""
+
+    provider_id: ProviderId
+    executor_id: str
+
+
+class GetLocation(rpc.Message):
+    """Where the active instance of ``provider_id`` is (a location string, or None)."""
+
+    provider_id: ProviderId
+
+
+class DeactivateInstances(rpc.Message):
+    """Forget every instance of the query run ``run_id`` (replies True)."""
+
+    run_id: uuid.UUID
+
+
+class StopCoordinator(rpc.Message):
+    """Unregister the coordinator (replies True once its name is free)."""
+
+
+CoordinatorMessage = Union[ReportActiveInstance, VerifyIfInstanceActive, GetLocation, DeactivateInstances,
+                           StopCoordinator]
+_PROVIDER_IDS = list[ProviderId]  # the reply types the ref decodes as
+_LOCATION = Optional[str]
+
+
 def provider_id_to_message(provider_id):
-    """A provider id as an RPC value: ``(checkpoint_root_location, operator_id, partition_id,
-    store_name, str(query_run_id))``."""
+    """A provider id as a :class:`ProviderId`."""
     if not isinstance(provider_id, StateStoreProviderId):
         raise TypeError(f"expected a StateStoreProviderId, got {type(provider_id).__name__}")
     store_id = provider_id.store_id
-    return (store_id.checkpoint_root_location, store_id.operator_id, store_id.partition_id,
-            store_id.store_name, str(provider_id.query_run_id))
+    return ProviderId(store_id.checkpoint_root_location, store_id.operator_id, store_id.partition_id,
+                      store_id.store_name, provider_id.query_run_id)
 
 
-def provider_id_from_message(value):
-    """The provider id of a :func:`provider_id_to_message` tuple (a list is accepted too)."""
-    if not isinstance(value, (tuple, list)) or len(value) != 5:
-        raise ValueError(f"a provider id is a 5-tuple (root, operator, partition, store name, run id), got {value!r}")
-    root, operator_id, partition_id, store_name, run_id = value
-    return StateStoreProviderId(StateStoreId(root, operator_id, partition_id, store_name), uuid.UUID(run_id))
+def provider_id_from_message(message):
+    """The provider id of a :class:`ProviderId` (ValueError if its fields make none)."""
+    if not isinstance(message, ProviderId):
+        raise TypeError(f"expected a ProviderId, got {type(message).__name__}")
+    store_id = StateStoreId(message.checkpoint_root_location, message.operator_id, message.partition_id,
+                            message.store_name)
+    return StateStoreProviderId(store_id, message.query_run_id)
 
 
 def executor_location(host, executor_id):
@@ -72,38 +132,44 @@ class StateStoreCoordinator(rpc.RpcEndpoint):
         one (the endpoint used as a plain object), ``StopCoordinator`` only logs and replies.
     """
 
+    message_type = CoordinatorMessage
+
     def __init__(self, rpc_env=None):
         super().__init__()
         self.rpc_env = rpc_env
         self.instances = {}
 
     def receive(self, message):
-        raise ValueError(f"StateStoreCoordinator answers asks only; one-way message {_name(message)!r} refused")
+        raise ValueError(f"StateStoreCoordinator answers asks only; one-way message {_name(message)} refused")
 
     def receive_and_reply(self, message):
-        handler = lookup_handler(self._handlers, "StateStoreCoordinator", message)
-        return handler(self, *message[1:])
+        match message:
+            case ReportActiveInstance():
+                return self._report_active_instance(message)
+            case VerifyIfInstanceActive():
+                location = self.instances.get(provider_id_from_message(message.provider_id))
+                return location is not None and location[1] == message.executor_id  # the host is not compared (Spark)
+            case GetLocation():
+                location = self.instances.get(provider_id_from_message(message.provider_id))
+                return None if location is None else executor_location(*location)
+            case DeactivateInstances():
+                return self._deactivate_instances(message.run_id)
+            case StopCoordinator():
+                return self._stop_coordinator()
+        raise ValueError(f"not a StateStoreCoordinator message: {_name(message)}")
 
-    def _report_active_instance(self, provider_id, host, executor_id, provider_ids_to_check):
+    def _report_active_instance(self, message):
+        host, executor_id = message.host, message.executor_id
         where = executor_location(host, executor_id)  # refuses what could not be named as a location
-        provider_id = provider_id_from_message(provider_id)
+        provider_id = provider_id_from_message(message.provider_id)
         location = (host, executor_id)
         log.debug("Reported state store %s is active at %s", provider_id, where)
         self.instances[provider_id] = location
-        to_check = (provider_id_from_message(p) for p in provider_ids_to_check)
-        # Ids not registered at all are left alone (spec 7.3): only another owner unloads.
+        to_check = (provider_id_from_message(p) for p in message.provider_ids_to_check)
+        # Ids not registered at all are left alone: only an instance owned elsewhere is to be unloaded.
         return [provider_id_to_message(p) for p in to_check if self.instances.get(p, location) != location]
 
-    def _verify_if_instance_active(self, provider_id, executor_id):
-        location = self.instances.get(provider_id_from_message(provider_id))
-        return location is not None and location[1] == executor_id  # the host is not compared (Spark)
-
-    def _get_location(self, provider_id):
-        location = self.instances.get(provider_id_from_message(provider_id))
-        return None if location is None else executor_location(*location)
-
     def _deactivate_instances(self, run_id):
-        run_id = uuid.UUID(run_id)
         stale = [p for p in self.instances if p.query_run_id == run_id]
         for provider_id in stale:
             del self.instances[provider_id]
@@ -117,31 +183,10 @@ class StateStoreCoordinator(rpc.RpcEndpoint):
         log.info("StateStoreCoordinator stopped")
         return True
 
-    _handlers = {  # message name -> (handler, number of arguments after the name)
-        "ReportActiveInstance": (_report_active_instance, 4),
-        "VerifyIfInstanceActive": (_verify_if_instance_active, 2),
-        "GetLocation": (_get_location, 1),
-        "DeactivateInstances": (_deactivate_instances, 1),
-        "StopCoordinator": (_stop_coordinator, 0),
-    }
-
 
 def _name(message):
-    if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
-        raise ValueError(f"a message is a tuple whose first item is its name, got {message!r}")
-    return message[0]
-
-
-def lookup_handler(handlers, endpoint, message):
-    """The handler of ``message`` from ``handlers`` (name -> (handler, arity)); ValueError for
-    an unknown name or a wrong number of arguments. Shared with :mod:`statecore.epoch`."""
-    name = _name(message)
-    if name not in handlers:
-        raise ValueError(f"unknown {endpoint} message {name!r}")
-    handler, arity = handlers[name]
-    if len(message) - 1 != arity:
-        raise ValueError(f"{endpoint} message {name!r} takes {arity} arguments, got {len(message) - 1}")
-    return handler
+    """How an error names a message: its class name, or the repr of what is not one."""
+    return type(message).__name__ if isinstance(message, rpc.Message) else repr(message)
 
 
 class StateStoreCoordinatorRef:
@@ -162,9 +207,7 @@ class StateStoreCoordinatorRef:
         to it, so that every ref of a driver shares one coordinator (Spark's ``forDriver``)."""
         try:
             ref = rpc_env.setup_endpoint(ENDPOINT_NAME, StateStoreCoordinator(rpc_env))
-        except ValueError as e:
-            if "already registered" not in str(e):
-                raise
+        except EndpointAlreadyRegisteredError:
             ref = rpc_env.endpoint_ref(rpc_env.address, ENDPOINT_NAME, rpc_env.authkey)
         else:
             log.info("Registered StateStoreCoordinator endpoint")
@@ -190,27 +233,30 @@ class StateStoreCoordinatorRef:
         Raises ``ValueError`` for a host with ``_`` in it (see :func:`executor_location`).
         """
         executor_location(host, executor_id)
-        reply = self._ref.ask(("ReportActiveInstance", provider_id_to_message(provider_id), host, executor_id,
-                               [provider_id_to_message(p) for p in provider_ids_to_check]))
-        return [provider_id_from_message(p) for p in reply]
+        message = ReportActiveInstance(provider_id_to_message(provider_id), host, executor_id,
+                                       [provider_id_to_message(p) for p in provider_ids_to_check])
+        return [provider_id_from_message(p) for p in self._ref.ask(message, reply_type=_PROVIDER_IDS)]
 
     def verify_if_instance_active(self, provider_id, executor_id):
         """Whether ``executor_id`` holds the active instance of ``provider_id``."""
-        return self._ref.ask(("VerifyIfInstanceActive", provider_id_to_message(provider_id), executor_id))
+        if not isinstance(executor_id, str):
+            raise TypeError(f"executor_id must be str, got {type(executor_id).__name__}")
+        return self._ref.ask(VerifyIfInstanceActive(provider_id_to_message(provider_id), executor_id),
+                             reply_type=bool)
 
     def get_location(self, provider_id):
         """``"executor_<host>_<executor_id>"`` of the active instance, or None."""
-        return self._ref.ask(("GetLocation", provider_id_to_message(provider_id)))
+        return self._ref.ask(GetLocation(provider_id_to_message(provider_id)), reply_type=_LOCATION)
 
     def deactivate_instances(self, run_id):
         """Forget every instance of the query run ``run_id`` (a ``uuid.UUID``); returns True."""
         if not isinstance(run_id, uuid.UUID):
             raise TypeError(f"run_id must be a uuid.UUID, got {type(run_id).__name__}")
-        return self._ref.ask(("DeactivateInstances", str(run_id)))
+        return self._ref.ask(DeactivateInstances(run_id), reply_type=bool)
 
     def stop(self):
         """Stop the coordinator: its name is unregistered by the time this returns."""
-        return self._ref.ask(("StopCoordinator",))
+        return self._ref.ask(StopCoordinator(), reply_type=bool)
 
     def __repr__(self):
         return f"StateStoreCoordinatorRef({self.address!r})"

@@ -1,4 +1,5 @@
-"""The EpochCoordinator of continuous processing, and its typed client EpochCoordinatorRef (spec section 9).
+"""The EpochCoordinator of continuous processing, and its typed client EpochCoordinatorRef
+(docs/spark-state-store.md, The epoch coordinator).
 
 The coordinator has three jobs: it keeps the epoch counter that reader tasks poll; it
 collects the end offset each reader partition reports for an epoch and, once every reader
@@ -9,34 +10,88 @@ driver restart in between would drop the sink's commit). Epochs commit strictly 
 increasing order from ``start_epoch``, each once: a complete epoch whose predecessor is
 not committed yet waits for it.
 
-Messages are tuples of RPC values, the name first: the one-way ``("CommitPartitionEpoch",
-partition_id, epoch, message)`` and ``("ReportPartitionOffset", partition_id, epoch,
-offset)``, dropped once writes are stopped; the asks ``("GetCurrentEpoch",)``,
-``("IncrementAndGetEpoch",)``, ``("SetReaderPartitions", n)``, ``("SetWriterPartitions",
-n)``, ``("StopContinuousExecutionWrites",)``, and statecore's own
-``("StopEpochCoordinator",)``, which unregisters the endpoint (Spark's driver stops it
+The messages are the :class:`~statecore.rpc.Message` Structs below, and the endpoint takes
+exactly their union, :data:`EpochMessage` (anything else drops the sender's connection:
+see :mod:`statecore.rpc`): the one-way :class:`CommitPartitionEpoch` and
+:class:`ReportPartitionOffset`, dropped once writes are stopped; the asks
+:class:`GetCurrentEpoch`, :class:`IncrementAndGetEpoch`, :class:`SetReaderPartitions`,
+:class:`SetWriterPartitions`, :class:`StopContinuousExecutionWrites`, and statecore's own
+:class:`StopEpochCoordinator`, which unregisters the endpoint (Spark's driver stops it
 through its RpcEnv instead; a message lets any ref do it after its earlier sends). Commit
-messages and offsets are whatever the tasks send, so they must be RPC values too (None,
-bool, int, float, str, bytes, and tuples, lists and dicts of them); the coordinator never
-looks inside them.
+messages and offsets are whatever the tasks send, so they must be plain RPC values (None,
+bool, int, float, str, bytes, and tuples, lists and dicts of them; a tuple arrives as a
+list); the coordinator never looks inside them.
 
 Thread-safety: the endpoint is driven by :mod:`statecore.rpc`, one message at a time, and
 the callbacks run on that thread; it keeps no lock. An :class:`EpochCoordinatorRef` may be
 shared by threads and pickled into tasks.
 """
 import logging
+from typing import Any, Union
 
 from statecore import rpc
-from statecore.coordinator import lookup_handler
 from statecore.errors import IllegalStateError
 
-__all__ = ["EpochCoordinator", "EpochCoordinatorRef", "endpoint_name"]
+__all__ = ["EpochCoordinator", "EpochCoordinatorRef", "endpoint_name", "EpochMessage", "CommitPartitionEpoch",
+           "ReportPartitionOffset", "GetCurrentEpoch", "IncrementAndGetEpoch", "SetReaderPartitions",
+           "SetWriterPartitions", "StopContinuousExecutionWrites", "StopEpochCoordinator"]
 
 log = logging.getLogger(__name__)
 
 OFFSET_QUEUE_EXCEEDED = "Size of the partition offset queue has exceeded its maximum"
 COMMIT_QUEUE_EXCEEDED = "Size of the partition commit queue has exceeded its maximum"
 EPOCH_QUEUE_EXCEEDED = "Size of the epoch queue has exceeded its maximum"
+
+
+# -- messages ----------------------------------------------------------------------------------
+
+class CommitPartitionEpoch(rpc.Message):
+    """One-way: writer partition ``partition_id``'s commit ``message`` for ``epoch``."""
+
+    partition_id: int
+    epoch: int
+    message: Any
+
+
+class ReportPartitionOffset(rpc.Message):
+    """One-way: reader partition ``partition_id``'s end ``offset`` for ``epoch``."""
+
+    partition_id: int
+    epoch: int
+    offset: Any
+
+
+class GetCurrentEpoch(rpc.Message):
+    """Ask: the current epoch (an int)."""
+
+
+class IncrementAndGetEpoch(rpc.Message):
+    """Ask: start the next epoch; its number (an int)."""
+
+
+class SetReaderPartitions(rpc.Message):
+    """Ask: the number of reader partitions (replies None)."""
+
+    n: int
+
+
+class SetWriterPartitions(rpc.Message):
+    """Ask: the number of writer partitions (replies None)."""
+
+    n: int
+
+
+class StopContinuousExecutionWrites(rpc.Message):
+    """Ask: drop every later commit and offset (replies None)."""
+
+
+class StopEpochCoordinator(rpc.Message):
+    """Ask: unregister the endpoint, after the messages before this one (replies True)."""
+
+
+EpochMessage = Union[CommitPartitionEpoch, ReportPartitionOffset, GetCurrentEpoch, IncrementAndGetEpoch,
+                     SetReaderPartitions, SetWriterPartitions, StopContinuousExecutionWrites, StopEpochCoordinator]
+_ONE_WAY = (CommitPartitionEpoch, ReportPartitionOffset)
 
 
 def endpoint_name(epoch_coordinator_id):
@@ -50,7 +105,8 @@ def _check_int(what, value):
 
 
 class EpochCoordinator(rpc.RpcEndpoint):
-    """The endpoint; its state and messages are Spark's (spec 9.2-9.5), with one change.
+    """The endpoint; its state and messages are Spark's (docs/spark-state-store.md, The epoch
+    coordinator), with one change.
 
     Parameters
     ----------
@@ -72,7 +128,7 @@ class EpochCoordinator(rpc.RpcEndpoint):
         The env and name it is registered under, for ``StopEpochCoordinator``
         (:meth:`EpochCoordinatorRef.create` passes them); without them that message only logs.
 
-    Unlike Spark (spec 9.6), an offset report for an epoch already committed
+    Unlike Spark (the quirk that page ends with), an offset report for an epoch already committed
     (``<= last_committed_epoch``) is logged at debug level and ignored: Spark would call
     ``add_offset`` again and, for the last committed epoch, whose entries are still kept,
     park it in the waiting set, where it would stay for ever and count towards the epoch
@@ -100,19 +156,24 @@ class EpochCoordinator(rpc.RpcEndpoint):
         self._rpc_env = rpc_env  # where EpochCoordinatorRef.create registered it, as `name`
         self._name = name
 
+    message_type = EpochMessage
+
     # One-way messages (CommitPartitionEpoch, ReportPartitionOffset).
 
     def receive(self, message):
-        handler = lookup_handler(self._one_way, "EpochCoordinator", message)
+        if not isinstance(message, _ONE_WAY):
+            raise ValueError(f"not a one-way EpochCoordinator message: {_name(message)}")
+        _check_int("partition_id", message.partition_id)
+        _check_int("epoch", message.epoch)
         if self.query_writes_stopped:
             # Lame-duck tasks of a stopped run must not commit anything (Spark drops them).
-            log.debug("Dropped %s: writes of this query are stopped", message[0])
-            return
-        handler(self, *message[1:])
+            log.debug("Dropped %s: writes of this query are stopped", _name(message))
+        elif type(message) is CommitPartitionEpoch:
+            self._commit_partition_epoch(message.partition_id, message.epoch, message.message)
+        else:
+            self._report_partition_offset(message.partition_id, message.epoch, message.offset)
 
     def _commit_partition_epoch(self, partition_id, epoch, message):
-        _check_int("partition_id", partition_id)
-        _check_int("epoch", epoch)
         log.debug("Got commit from partition %d at epoch %d: %r", partition_id, epoch, message)
         commits = self._commits.setdefault(epoch, {})
         if partition_id in commits:
@@ -123,10 +184,8 @@ class EpochCoordinator(rpc.RpcEndpoint):
         self._check_processing_queue_boundaries()
 
     def _report_partition_offset(self, partition_id, epoch, offset):
-        _check_int("partition_id", partition_id)
-        _check_int("epoch", epoch)
         if epoch <= self.last_committed_epoch:
-            # The spec 9.6 quirk, fixed: see the class docstring.
+            # Spark's quirk, fixed: see the class docstring.
             log.debug("Ignored offset of partition %d for epoch %d: epoch %d is already committed",
                       partition_id, epoch, self.last_committed_epoch)
         else:
@@ -181,33 +240,28 @@ class EpochCoordinator(rpc.RpcEndpoint):
         if len(self.epochs_waiting_to_be_committed) > limit:
             self.query.stop_in_new_thread(IllegalStateError(EPOCH_QUEUE_EXCEEDED))
 
-    _one_way = {
-        "CommitPartitionEpoch": (_commit_partition_epoch, 3),
-        "ReportPartitionOffset": (_report_partition_offset, 3),
-    }
-
     # Asks.
 
     def receive_and_reply(self, message):
-        handler = lookup_handler(self._asks, "EpochCoordinator", message)
-        return handler(self, *message[1:])
-
-    def _get_current_epoch(self):
-        return self.current_driver_epoch
-
-    def _increment_and_get_epoch(self):
-        self.current_driver_epoch += 1
-        return self.current_driver_epoch
-
-    def _set_reader_partitions(self, n):
-        self.num_reader_partitions = _check_int("number of reader partitions", n)
-
-    def _set_writer_partitions(self, n):
-        self.num_writer_partitions = _check_int("number of writer partitions", n)
-
-    def _stop_continuous_execution_writes(self):
-        # An ask, not a send: once it is answered, no message sent before it can still commit.
-        self.query_writes_stopped = True
+        match message:
+            case GetCurrentEpoch():
+                return self.current_driver_epoch
+            case IncrementAndGetEpoch():
+                self.current_driver_epoch += 1
+                return self.current_driver_epoch
+            case SetReaderPartitions(n=n):
+                self.num_reader_partitions = _check_int("number of reader partitions", n)
+                return None
+            case SetWriterPartitions(n=n):
+                self.num_writer_partitions = _check_int("number of writer partitions", n)
+                return None
+            case StopContinuousExecutionWrites():
+                # An ask, not a send: once it is answered, no message sent before it can still commit.
+                self.query_writes_stopped = True
+                return None
+            case StopEpochCoordinator():
+                return self._stop_epoch_coordinator()
+        raise ValueError(f"not an EpochCoordinator ask: {_name(message)}")
 
     def _stop_epoch_coordinator(self):
         # statecore's own message (EpochCoordinatorRef.stop): every earlier message of the
@@ -217,14 +271,10 @@ class EpochCoordinator(rpc.RpcEndpoint):
         log.info("%s stopped", self._name or "EpochCoordinator")
         return True
 
-    _asks = {
-        "GetCurrentEpoch": (_get_current_epoch, 0),
-        "IncrementAndGetEpoch": (_increment_and_get_epoch, 0),
-        "SetReaderPartitions": (_set_reader_partitions, 1),
-        "SetWriterPartitions": (_set_writer_partitions, 1),
-        "StopContinuousExecutionWrites": (_stop_continuous_execution_writes, 0),
-        "StopEpochCoordinator": (_stop_epoch_coordinator, 0),
-    }
+
+def _name(message):
+    """How an error names a message: its class name, or the repr of what is not one."""
+    return type(message).__name__ if isinstance(message, rpc.Message) else repr(message)
 
 
 def _by_partition(entries):
@@ -268,35 +318,37 @@ class EpochCoordinatorRef:
         return self._ref.authkey
 
     def commit_partition_epoch(self, partition_id, epoch, message):
-        """Send writer partition ``partition_id``'s commit message for ``epoch`` (an RPC value)."""
-        self._ref.send(("CommitPartitionEpoch", _check_int("partition_id", partition_id),
-                        _check_int("epoch", epoch), message))
+        """Send writer partition ``partition_id``'s commit message for ``epoch`` (a plain RPC value)."""
+        rpc.check_value(message)
+        self._ref.send(CommitPartitionEpoch(_check_int("partition_id", partition_id), _check_int("epoch", epoch),
+                                            message))
 
     def report_partition_offset(self, partition_id, epoch, offset):
-        """Send reader partition ``partition_id``'s end offset for ``epoch`` (an RPC value)."""
-        self._ref.send(("ReportPartitionOffset", _check_int("partition_id", partition_id),
-                        _check_int("epoch", epoch), offset))
+        """Send reader partition ``partition_id``'s end offset for ``epoch`` (a plain RPC value)."""
+        rpc.check_value(offset)
+        self._ref.send(ReportPartitionOffset(_check_int("partition_id", partition_id), _check_int("epoch", epoch),
+                                             offset))
 
     def get_current_epoch(self):
-        return self._ref.ask(("GetCurrentEpoch",))
+        return self._ref.ask(GetCurrentEpoch(), reply_type=int)
 
     def increment_and_get_epoch(self):
-        return self._ref.ask(("IncrementAndGetEpoch",))
+        return self._ref.ask(IncrementAndGetEpoch(), reply_type=int)
 
     def set_reader_partitions(self, n):
-        self._ref.ask(("SetReaderPartitions", _check_int("n", n)))
+        self._ref.ask(SetReaderPartitions(_check_int("n", n)), reply_type=None)
 
     def set_writer_partitions(self, n):
-        self._ref.ask(("SetWriterPartitions", _check_int("n", n)))
+        self._ref.ask(SetWriterPartitions(_check_int("n", n)), reply_type=None)
 
     def stop_continuous_execution_writes(self):
         """From now on the coordinator drops every commit and offset (those sent before this
         call through this ref are handled first)."""
-        self._ref.ask(("StopContinuousExecutionWrites",))
+        self._ref.ask(StopContinuousExecutionWrites(), reply_type=None)
 
     def stop(self):
         """Unregister the coordinator (after every earlier message of this ref was handled)."""
-        self._ref.ask(("StopEpochCoordinator",))
+        self._ref.ask(StopEpochCoordinator(), reply_type=bool)
 
     def __repr__(self):
         return f"EpochCoordinatorRef({self._ref.name!r} at {self.address!r})"

@@ -13,6 +13,13 @@ __all__ = [
     "SchemaMismatchError",
     "CommitConflictError",
     "AuthenticationError",
+    "RpcError",
+    "RpcTimeoutError",
+    "RpcConnectionError",
+    "RpcProtocolError",
+    "EndpointNotFoundError",
+    "EndpointAlreadyRegisteredError",
+    "REMOTE_ERRORS",
 ]
 
 
@@ -56,3 +63,46 @@ class CommitConflictError(StateStoreError):
 
 class AuthenticationError(StateStoreError, ConnectionError):
     """A peer failed the RPC handshake."""
+
+
+# -- RPC (statecore.rpc re-exports these) -----------------------------------------------------
+
+class RpcError(StateStoreError):
+    """A message could not be delivered or answered. When the remote handler raised,
+    ``remote_type`` names its exception type and ``remote_traceback`` holds its traceback."""
+
+    remote_type = None
+    remote_traceback = None
+
+
+class RpcTimeoutError(RpcError, TimeoutError):
+    """No reply within the ask's ``timeout_s``, or a send held back too long by flow control."""
+
+
+class RpcConnectionError(RpcError, ConnectionError):
+    """The server could not be reached, or the connection broke; the message names the address."""
+
+
+class RpcProtocolError(RpcError):
+    """Bytes that do not follow the wire format: a bad frame, or a message or reply that does
+    not decode as the type its receiver takes."""
+
+
+class EndpointNotFoundError(RpcError, LookupError):
+    """No endpoint of that name is registered at the server (never was, or was stopped)."""
+
+
+class EndpointAlreadyRegisteredError(RpcError, ValueError):
+    """``RpcEnv.setup_endpoint``: the name is taken by an endpoint registered before."""
+
+
+#: The errors that keep their type when they cross the wire: an error reply names the class
+#: by its key here, and the asker raises that class (with ``remote_type`` and
+#: ``remote_traceback`` set as for any remote error). Every other exception of a handler
+#: arrives as a plain :class:`RpcError`. Only RpcError subclasses belong here, so that
+#: ``except RpcError`` still catches every remote failure.
+REMOTE_ERRORS = {
+    "RpcProtocol": RpcProtocolError,
+    "EndpointNotFound": EndpointNotFoundError,
+    "EndpointAlreadyRegistered": EndpointAlreadyRegisteredError,
+}

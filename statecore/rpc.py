@@ -66,57 +66,74 @@ Semantics
 
     Stopping an endpoint (:meth:`RpcEnv.stop_endpoint`, also from inside its own handler)
     unregisters its name at once; messages already queued are still handled, then
-    ``on_stop`` runs. Later asks to the name get an :class:`RpcError` naming it, later
-    sends are dropped and logged.
+    ``on_stop`` runs. Later asks to the name get an :class:`EndpointNotFoundError` naming
+    it, later sends are dropped and logged.
+
+Messages
+    An endpoint declares what it takes in :attr:`RpcEndpoint.message_type`: a union of
+    :class:`Message` Structs (the coordinators: one union per endpoint, defined with it), or
+    ``Any``, plain values (the default, for user endpoints). Each message is decoded as that
+    type by the thread that hands it to the endpoint; one that does not decode (malformed,
+    an unknown message, a field of the wrong type) drops its connection, logged with
+    msgspec's reason. An ask dropped so is answered first with an :class:`RpcProtocolError`
+    when the connection's earlier replies are all written (otherwise its asker sees the
+    connection lost); the client then uses a new connection. Replies are decoded as the
+    ask's ``reply_type`` (``Any`` unless given); one that does not decode is an
+    RpcProtocolError for that ask alone.
+
+    A message or reply is a msgspec Struct (encoded as it is: its fields are the receiver's
+    to check) or a plain value: None, bool, int (-2**63 to 2**64 - 1), float, str, bytes,
+    and tuples, lists and dicts of them, dict keys being None, bool, int, float, str or bytes;
+    Structs may sit inside plain containers. Containers nest at most :data:`MAX_DEPTH` deep.
+    Only these exact types are sent: a subclass, a set, a bytearray, a datetime, ... is a
+    :class:`TypeError` naming its type (excess depth a ValueError), raised before anything
+    is sent (:func:`check_value` is that check). MessagePack has one array type, so a tuple
+    arrives as a list. Decoding is msgspec's: strict about types (an int field takes no
+    bool or float), and no extension type is accepted, with one exception msgspec makes
+    itself: a MessagePack timestamp, which statecore never sends, decodes as a ``datetime``
+    where a plain value goes. Nesting is bounded by msgspec (the interpreter's recursion
+    limit), past :data:`MAX_DEPTH`.
 
 Security
     Both sides prove knowledge of the shared ``authkey`` (HMAC-SHA256 over fresh random
     nonces in both directions, compared in constant time) before a single message is
     decoded. Traffic is neither encrypted nor integrity-protected after the handshake (as
     with ``multiprocessing.connection``): a trusted network is assumed. Nothing from the
-    network is unpickled: values use the tagged encoding below, whose decoder only builds
-    plain data. The authkey travels (pickled) with every ref, as Spark's tasks carry it.
+    network is unpickled: msgspec decodes MessagePack into the declared Structs or plain
+    data, nothing else. The authkey travels (pickled) with every ref, as Spark's tasks
+    carry it.
 
-Wire format (every integer big-endian)
-    Handshake, before anything else (``MAGIC`` is ``b"SCRPC\\0\\0\\1"``, the last byte the
-    protocol version; ``limit`` is the sender's frame-size limit as u32)::
+Wire format
+    Everything, the handshake included, goes in frames: ``length`` (u32, big-endian: the
+    bytes that follow, at most the receiver's limit) then one MessagePack value, written
+    and read by ``msgspec.msgpack`` as one of the Structs below. They are ``array_like``:
+    a Struct is an array of its fields in order, after its tag if it has one. Handshake
+    frames are at most 256 bytes, and the server allows ``handshake_timeout_s`` for all of
+    it (``limit`` is the sender's frame-size limit; inside an HMAC it counts as 4 bytes,
+    big-endian)::
 
-        server -> client  MAGIC | server_nonce[32]
-        client -> server  MAGIC | client_nonce[32] | limit | HMAC(key, b"statecore-rpc client"
-                                                  + server_nonce + client_nonce + limit)
-        server -> client  0x00 (rejected, then closes)
-                        | 0x01 | limit | HMAC(key, b"statecore-rpc server"
-                                               + client_nonce + server_nonce + limit)
+        server -> client  _Hello     ["statecore-rpc/2", server_nonce (bin, 32 bytes)]
+        client -> server  _Proof     ["statecore-rpc/2", client_nonce (bin, 32 bytes), limit,
+                                      HMAC(key, b"statecore-rpc client" + server_nonce + client_nonce + limit)]
+        server -> client  _Accepted  ["accepted", limit,
+                                      HMAC(key, b"statecore-rpc server" + client_nonce + server_nonce + limit)]
+                        | _Refused   ["refused"], then it closes
 
-    The server allows ``handshake_timeout_s`` for all of it. Then frames, both ways::
+    Then each frame is one envelope, tagged by its kind::
 
-        frame    = length u32 (of the rest; at most the receiver's limit) | envelope
-        envelope = kind u8 | request_id u64 | name_length u16 | name (utf-8) | payload (one value)
+        _Send   [1, endpoint, message]
+        _Ask    [2, request_id, endpoint, message]
+        _Reply  [3, request_id, value]
+        _Error  [4, request_id, error, remote_type, text, traceback]
 
-    ``kind`` is 1 send, 2 ask, 3 reply, 4 error. A reply or error carries the ask's request
-    id and an empty name; an error's payload is ``(remote_type, message, traceback)``
-    (``remote_type`` is ``""`` when the RPC layer itself refused the ask, for example an
-    unknown endpoint name). A frame whose body has not fully arrived ``io_timeout_s``
-    after its first byte drops the connection, as does an oversize frame or one that does
-    not decode (a value is decoded when its endpoint takes it: what the connection sent
-    after it is then not handled).
-
-    A value is one tag byte (ASCII), then::
-
-        N None      F False      T True
-        i int       8 bytes, signed two's complement (ints outside [-2**63, 2**63) refuse to encode)
-        f float     8 bytes, IEEE 754 binary64
-        s str       u32 byte length | utf-8
-        b bytes     u32 length | bytes
-        t tuple     u32 count | values
-        l list      u32 count | values
-        d dict      u32 count | (key value) pairs; a key is N, F, T, i, f, s or b; no duplicates
-
-    Containers nest at most :data:`MAX_DEPTH` deep. Only these exact types encode (a
-    subclass, a set or a bytearray is a :class:`TypeError` naming its type, raised before
-    anything is sent); tuples decode as tuples and lists as lists. Decoding is strict: an
-    unknown tag, truncated data, trailing bytes, bad utf-8, a non-scalar or duplicate dict
-    key or excess depth is an :class:`RpcProtocolError`.
+    Clients send only the first two, servers only the last two. An error reply's ``error``
+    is the registered name of its exception type (``statecore.errors.REMOTE_ERRORS``: the
+    asker raises that class) or ``""`` (a plain :class:`RpcError`); ``remote_type`` names
+    the handler's exception type, ``""`` when the RPC layer itself refused the ask (an
+    unknown endpoint name, say). A frame whose body has not fully arrived ``io_timeout_s``
+    after its first byte drops the connection, as does an oversize frame or one whose
+    envelope does not decode (the message inside is decoded when its endpoint takes it:
+    see Messages).
 """
 import collections
 import hmac
@@ -132,14 +149,17 @@ import threading
 import time
 import traceback
 import weakref
+from typing import Annotated, Any, Union
 
-from statecore._rpccodec import (MAX_DEPTH, decode_envelope as _decode_envelope, decode_value,
-                                 encode_frame as _encode_frame, encode_value, type_name as _type_name)
-from statecore.errors import AuthenticationError, StateStoreError
+import msgspec
 
-__all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "endpoint_ref", "close_connections", "RpcError",
-           "RpcTimeoutError", "RpcConnectionError", "RpcProtocolError", "encode_value", "decode_value",
-           "MAX_DEPTH", "DEFAULT_MAX_FRAME_BYTES"]
+from statecore.errors import (REMOTE_ERRORS, AuthenticationError, EndpointAlreadyRegisteredError,
+                              EndpointNotFoundError, RpcConnectionError, RpcError, RpcProtocolError, RpcTimeoutError)
+
+__all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "Message", "endpoint_ref", "close_connections", "RpcError",
+           "RpcTimeoutError", "RpcConnectionError", "RpcProtocolError", "EndpointNotFoundError",
+           "EndpointAlreadyRegisteredError", "check_value", "encode_value", "decode_value", "MAX_DEPTH",
+           "DEFAULT_MAX_FRAME_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -151,49 +171,25 @@ DEFAULT_MAX_OUTBOX_BYTES = 2**20
 DEFAULT_MAX_QUEUED_MESSAGES = 1000
 DEFAULT_MAX_QUEUED_BYTES = 4 * 2**20
 DEFAULT_MAX_REPLY_BACKLOG_BYTES = 16 * 2**20
+MAX_DEPTH = 64  # containers in a plain value nest at most this deep
 _ACCEPT_PAUSE_S = (0.01, 1.0)  # the acceptor's pause after a failure: the first, and the longest
 _ACCEPT_LOG_EVERY_S = 10.0  # at most one warning this often while accepting keeps failing
 _MIN_FRAME_BYTES = 1024  # a limit below this could not carry an error reply
 _MAX_U32 = 2**32 - 1
 
-_MAGIC = b"SCRPC\x00\x00\x01"
+_PROTOCOL = "statecore-rpc/2"
 _NONCE_BYTES = 32
+_HANDSHAKE_FRAME_BYTES = 256
 _CLIENT_LABEL = b"statecore-rpc client"
 _SERVER_LABEL = b"statecore-rpc server"
 
-_SEND, _ASK, _REPLY, _ERROR = 1, 2, 3, 4
-
 _U32 = struct.Struct(">I")
+_pack_u32 = _U32.pack
 _unpack_u32 = _U32.unpack_from
-_HEADER = struct.Struct(">BQH")  # an envelope's kind, request id and name length
-_HEADER_BYTES = _HEADER.size
-_unpack_header = _HEADER.unpack_from
 _DONTWAIT = socket.MSG_DONTWAIT  # replies are written without waiting (see _ServerConnection)
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # pieces per sendmsg
 
 _request_ids = itertools.count(1)  # next() is atomic under the GIL: one sequence per process
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-class RpcError(StateStoreError):
-    """A message could not be delivered or answered. When the remote handler raised,
-    ``remote_type`` names its exception type and ``remote_traceback`` holds its traceback."""
-
-    remote_type = None
-    remote_traceback = None
-
-
-class RpcTimeoutError(RpcError, TimeoutError):
-    """No reply within the ask's ``timeout_s``."""
-
-
-class RpcConnectionError(RpcError, ConnectionError):
-    """The server could not be reached, or the connection broke; the message names the address."""
-
-
-class RpcProtocolError(RpcError):
-    """Bytes that do not follow the wire format (bad frame, undecodable value)."""
 
 
 class _NotSent(Exception):
@@ -206,19 +202,163 @@ class _Backlogged(Exception):
     of it (or lost)."""
 
 
-# -- values ------------------------------------------------------------------------------------
-# The codec and the envelope are compiled (statecore/_rpccodec.pyx): encode_value,
-# decode_value, _encode_frame(kind, request_id, name_bytes, value) -> one complete frame, and
-# _decode_envelope(body) -> (kind, request id, name, value), RpcProtocolError if malformed.
+# -- messages and values -----------------------------------------------------------------------
+
+class Message(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Base of an endpoint's typed messages: each subclass is one message, sent as the array
+    ``[class name, fields...]`` (no field more or less decodes); an endpoint takes the union
+    of its own (``message_type``). Frozen: a message is a value."""
 
 
-def _encode_name(name):
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=_NONCE_BYTES, max_length=_NONCE_BYTES)]
+_Limit = Annotated[int, msgspec.Meta(ge=_MIN_FRAME_BYTES, le=_MAX_U32)]
+_Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+
+
+class _Hello(msgspec.Struct, array_like=True):
+    protocol: str
+    nonce: _Nonce
+
+
+class _Proof(msgspec.Struct, array_like=True):
+    protocol: str
+    nonce: _Nonce
+    limit: _Limit
+    proof: _Mac
+
+
+class _Accepted(msgspec.Struct, array_like=True, tag="accepted"):
+    limit: _Limit
+    proof: _Mac
+
+
+class _Refused(msgspec.Struct, array_like=True, tag="refused"):
+    pass
+
+
+class _Send(msgspec.Struct, array_like=True, tag=1):
+    endpoint: str
+    message: msgspec.Raw  # left encoded until its endpoint takes it
+
+
+class _Ask(msgspec.Struct, array_like=True, tag=2):
+    request_id: int
+    endpoint: str
+    message: msgspec.Raw
+
+
+class _Reply(msgspec.Struct, array_like=True, tag=3):
+    request_id: int
+    value: msgspec.Raw  # decoded by the asking thread, as its reply_type
+
+
+class _Error(msgspec.Struct, array_like=True, tag=4):
+    request_id: int
+    error: str
+    remote_type: str
+    text: str
+    traceback: str
+
+
+def _refuse_extension(code, data):
+    raise msgspec.ValidationError(f"MessagePack extension type {code} is not accepted")
+
+
+_encode = msgspec.msgpack.Encoder().encode  # msgspec's encoders and decoders are safe to share between threads
+_server_envelopes = msgspec.msgpack.Decoder(Union[_Send, _Ask])
+_client_envelopes = msgspec.msgpack.Decoder(Union[_Reply, _Error])
+_decoders = {Any: msgspec.msgpack.Decoder(Any, ext_hook=_refuse_extension)}  # type -> its decoder, made once
+
+
+def _decoder(message_type):
+    decoder = _decoders.get(message_type)
+    if decoder is None:
+        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type, ext_hook=_refuse_extension)
+    return decoder
+
+
+# What msgspec raises for bytes that do not decode (its ValidationError is a DecodeError).
+_DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def _undecodable(error, what=None):
+    """The RpcProtocolError for a decoding failure (one of _DECODE_ERRORS), with msgspec's reason."""
+    reason = "nested too deeply to decode" if isinstance(error, RecursionError) else str(error)
+    return RpcProtocolError(reason if what is None else f"{what}: {reason}")
+
+
+def _decode(decoder, data):
+    """``decoder.decode(data)``; RpcProtocolError if it does not decode. (Hot paths inline this.)"""
+    try:
+        return decoder.decode(data)
+    except _DECODE_ERRORS as e:
+        raise _undecodable(e) from None
+
+
+_SCALARS = frozenset((type(None), bool, int, float, str, bytes))
+
+
+def check_value(value, depth=0):
+    """Raise TypeError (naming the type) unless ``value`` is a plain value, a Struct, or plain
+    containers of them; ValueError if containers nest deeper than MAX_DEPTH (a cycle, say).
+    See "Messages" in the module docstring."""
+    t = type(value)
+    if t is tuple or t is list:
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"cannot send a value nested deeper than {MAX_DEPTH} containers")
+        for item in value:
+            if type(item) not in _SCALARS:
+                check_value(item, depth + 1)
+    elif t is dict:
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"cannot send a value nested deeper than {MAX_DEPTH} containers")
+        for key, item in value.items():
+            if type(key) not in _SCALARS:
+                raise TypeError(f"cannot send a dict key of type {_type_name(type(key))}: keys must be None, "
+                                f"bool, int, float, str or bytes")
+            if type(item) not in _SCALARS:
+                check_value(item, depth + 1)
+    elif t not in _SCALARS and not isinstance(value, msgspec.Struct):
+        raise TypeError(f"cannot send a value of type {_type_name(t)}: supported are None, bool, int, float, str, "
+                        f"bytes, tuple, list, dict and msgspec Structs")
+
+
+def _type_name(t):
+    """How messages name a type: ``set`` for a builtin, ``module.QualName`` otherwise."""
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _frame(envelope):
+    """One complete frame (length, then the envelope), ready for a single write. ValueError
+    for an int outside what MessagePack holds."""
+    try:
+        data = _encode(envelope)
+        return _pack_u32(len(data)) + data
+    except OverflowError as e:
+        raise ValueError(f"cannot send an int outside [-2**63, 2**64 - 1]: {e}") from None
+    except struct.error:
+        raise ValueError(f"message of {len(data)} bytes is too large for one RPC frame") from None
+
+
+def encode_value(value):
+    """A plain value (or Struct) as MessagePack bytes, checked as a message is (check_value)."""
+    check_value(value)
+    try:
+        return _encode(value)
+    except OverflowError as e:
+        raise ValueError(f"cannot send an int outside [-2**63, 2**64 - 1]: {e}") from None
+
+
+def decode_value(data, message_type=Any):
+    """The value in MessagePack ``data`` (any bytes-like object), decoded as ``message_type``
+    as a message to an endpoint is; RpcProtocolError if it does not decode."""
+    return _decode(_decoder(message_type), data)
+
+
+def _check_name(name):
     if not isinstance(name, str) or not name:
         raise ValueError(f"an endpoint name must be a non-empty str, got {name!r}")
-    data = name.encode("utf-8")
-    if len(data) > 0xFFFF:
-        raise ValueError("an endpoint name must be at most 65535 bytes of utf-8")
-    return data
+    return name
 
 
 def _normalize_authkey(authkey):
@@ -275,46 +415,66 @@ def _send_before(sock, data, deadline):
     sock.sendall(data)
 
 
+_HELLO = msgspec.msgpack.Decoder(_Hello)
+_PROOF = msgspec.msgpack.Decoder(_Proof)
+_ANSWER = msgspec.msgpack.Decoder(Union[_Accepted, _Refused])
+
+
+def _send_handshake(sock, message, deadline):
+    _send_before(sock, _frame(message), deadline)
+
+
+def _recv_handshake(sock, decoder, deadline, peer):
+    """The next handshake frame, decoded; RpcProtocolError ("unexpected greeting") for
+    anything else, refused as soon as its length shows it (garbage, an HTTP request)."""
+    size = _unpack_u32(_recv_exact(sock, 4, deadline))[0]
+    if size > _HANDSHAKE_FRAME_BYTES:
+        raise RpcProtocolError(f"not a statecore RPC {peer} (unexpected greeting)")
+    try:
+        message = _decode(decoder, _recv_exact(sock, size, deadline))
+    except RpcProtocolError as e:
+        raise RpcProtocolError(f"not a statecore RPC {peer} (unexpected greeting: {e})") from None
+    if getattr(message, "protocol", _PROTOCOL) != _PROTOCOL:
+        raise RpcProtocolError(f"not a statecore RPC {peer} (unexpected greeting: protocol {message.protocol!r}, "
+                               f"this one speaks {_PROTOCOL!r})")
+    return message
+
+
+def _mac(authkey, label, first_nonce, second_nonce, limit):
+    return hmac.digest(authkey, label + first_nonce + second_nonce + _pack_u32(limit), "sha256")
+
+
 def _client_handshake(sock, authkey, max_frame_bytes, deadline):
     """Prove the authkey to the server and check its proof; returns the server's frame limit."""
-    hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES, deadline)
-    if hello[:len(_MAGIC)] != _MAGIC:
-        raise RpcProtocolError("not a statecore RPC server (unexpected greeting)")
-    server_nonce = hello[len(_MAGIC):]
+    server_nonce = _recv_handshake(sock, _HELLO, deadline, "server").nonce
     client_nonce = secrets.token_bytes(_NONCE_BYTES)
-    limit = _U32.pack(max_frame_bytes)
-    proof = hmac.digest(authkey, _CLIENT_LABEL + server_nonce + client_nonce + limit, "sha256")
-    _send_before(sock, _MAGIC + client_nonce + limit + proof, deadline)
-    if _recv_exact(sock, 1, deadline) != b"\x01":
+    proof = _mac(authkey, _CLIENT_LABEL, server_nonce, client_nonce, max_frame_bytes)
+    _send_handshake(sock, _Proof(_PROTOCOL, client_nonce, max_frame_bytes, proof), deadline)
+    answer = _recv_handshake(sock, _ANSWER, deadline, "server")
+    if type(answer) is _Refused:
         raise AuthenticationError("the server rejected our authkey")
-    answer = _recv_exact(sock, 4 + 32, deadline)
-    server_limit, server_proof = answer[:4], answer[4:]
-    expected = hmac.digest(authkey, _SERVER_LABEL + client_nonce + server_nonce + server_limit, "sha256")
-    if not hmac.compare_digest(server_proof, expected):
+    expected = _mac(authkey, _SERVER_LABEL, client_nonce, server_nonce, answer.limit)
+    if not hmac.compare_digest(answer.proof, expected):
         raise AuthenticationError("the server failed to prove that it knows the authkey")
-    return _U32.unpack(server_limit)[0]
+    return answer.limit
 
 
 def _server_handshake(sock, authkey, max_frame_bytes, deadline):
     """Check the client's proof and prove ours; returns the client's frame limit."""
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
-    _send_before(sock, _MAGIC + server_nonce, deadline)
-    if _recv_exact(sock, len(_MAGIC), deadline) != _MAGIC:  # garbage is refused at once
-        raise RpcProtocolError("not a statecore RPC client (unexpected greeting)")
-    rest = _recv_exact(sock, _NONCE_BYTES + 4 + 32, deadline)
-    client_nonce, limit, proof = rest[:_NONCE_BYTES], rest[_NONCE_BYTES:_NONCE_BYTES + 4], rest[_NONCE_BYTES + 4:]
-    expected = hmac.digest(authkey, _CLIENT_LABEL + server_nonce + client_nonce + limit, "sha256")
-    if not hmac.compare_digest(proof, expected):
+    _send_handshake(sock, _Hello(_PROTOCOL, server_nonce), deadline)
+    hello = _recv_handshake(sock, _PROOF, deadline, "client")
+    expected = _mac(authkey, _CLIENT_LABEL, server_nonce, hello.nonce, hello.limit)
+    if not hmac.compare_digest(hello.proof, expected):
         try:
-            _send_before(sock, b"\x00", deadline)
+            _send_handshake(sock, _Refused(), deadline)
         except OSError:
             pass
         raise AuthenticationError("the client failed to prove that it knows the authkey")
-    own_limit = _U32.pack(max_frame_bytes)
-    _send_before(sock, b"\x01" + own_limit + hmac.digest(
-        authkey, _SERVER_LABEL + client_nonce + server_nonce + own_limit, "sha256"), deadline)
+    proof = _mac(authkey, _SERVER_LABEL, hello.nonce, server_nonce, max_frame_bytes)
+    _send_handshake(sock, _Accepted(max_frame_bytes, proof), deadline)
     sock.settimeout(None)
-    return _U32.unpack(limit)[0]
+    return hello.limit
 
 
 class _Stalled(Exception):
@@ -423,14 +583,13 @@ class _Call:
     """An ask waiting while another thread reads the connection. ``waiter`` is held until
     the call is woken: its reply arrived, the connection broke, or it is its turn to read."""
 
-    __slots__ = ("waiter", "done", "ok", "value")
+    __slots__ = ("waiter", "done", "envelope")
 
     def __init__(self):
         self.waiter = threading.Lock()
         self.waiter.acquire()
         self.done = False
-        self.ok = False
-        self.value = None
+        self.envelope = None  # the _Reply or _Error
 
 
 # The server closed its end (Linux reports it as POLLRDHUP; elsewhere only a full hang-up shows).
@@ -590,7 +749,7 @@ class _ClientConnection:
                 f"the connection was dropped and the messages still in it are lost")
 
     def ask(self, request_id, frame, deadline):
-        """Send an ask and wait for its reply: (ok, value), or None if ``deadline`` passed.
+        """Send an ask and wait for its reply (a _Reply or an _Error), or None if ``deadline`` passed.
         _NotSent if it could not be written; RpcConnectionError if the connection broke after."""
         with self._lock:
             if self._error is not None:
@@ -616,7 +775,7 @@ class _ClientConnection:
             while True:
                 with self._lock:
                     if call.done:
-                        return call.ok, call.value
+                        return call.envelope
                     if self._error is not None:
                         raise self._lost()
                     if not self._reading:
@@ -639,22 +798,26 @@ class _ClientConnection:
         reader, calls, lock = self._reader, self._calls, self._lock
         try:
             if call is not None and call.done:  # the previous reader got ours before handing over
-                return call.ok, call.value
+                return call.envelope
             while True:
                 body = reader.read(deadline)
                 if body is None:
                     return None
-                kind, rid, _name, value = _decode_envelope(body)
-                if kind != _REPLY and kind != _ERROR:
-                    raise RpcProtocolError(f"unexpected message kind {kind} from the server")
+                try:
+                    envelope = _client_envelopes.decode(body)
+                except _DECODE_ERRORS as e:
+                    raise _undecodable(e, "a frame does not decode as a reply") from None
+                if type(envelope) is _Error and envelope.error == _REFUSED and not envelope.remote_type:
+                    self._fail("the server dropped it")  # its last word (see _Dispatcher._handle): no more traffic
+                rid = envelope.request_id
                 if rid == request_id:
-                    return kind == _REPLY, value
+                    return envelope
                 with lock:
                     target = calls.get(rid)
                     if target is None:
                         log.debug("dropped a late reply from %s (the ask had timed out)", _where(self.address))
                         continue
-                    target.done, target.ok, target.value = True, kind == _REPLY, value
+                    target.done, target.envelope = True, envelope
                     if target.waiter.locked():
                         target.waiter.release()
         except (OSError, EOFError, RpcProtocolError, _Stalled) as e:
@@ -824,8 +987,7 @@ class RpcEndpointRef:
 
     def __init__(self, address, name, authkey, _pool=None):
         self.address = _normalize_address(address)
-        self._name_bytes = _encode_name(name)
-        self.name = name
+        self.name = _check_name(name)
         self.authkey = _normalize_authkey(authkey)
         self._pool = _pool
         self._conn = None  # the pool's connection, kept while it works (saves a look-up per message)
@@ -848,8 +1010,11 @@ class RpcEndpointRef:
         handed to the connection's writer. Waits while the connection's outbox is full (see
         "Flow control" in the module docstring); RpcTimeoutError if it stays full.
 
+        ``message``: a Struct of the endpoint's ``message_type``, or a plain value (see
+        "Messages" in the module docstring: TypeError for anything else, before sending).
         At most once: see the module docstring for the case where a send is lost."""
-        frame = _encode_frame(_SEND, 0, self._name_bytes, message)
+        check_value(message)
+        frame = _frame(_Send(self.name, message))
         for attempt in (0, 1):
             conn = self._connection(frame, None, attempt)
             if conn is None:
@@ -863,13 +1028,17 @@ class RpcEndpointRef:
             except _Backlogged as e:
                 raise RpcTimeoutError(f"cannot send to {self!r}: {e}") from None
 
-    def ask(self, message, timeout_s=30.0):
-        """The endpoint's ``receive_and_reply(message)``; RpcError if it raised (naming its
-        exception), RpcTimeoutError after ``timeout_s`` (None: wait for ever)."""
+    def ask(self, message, timeout_s=30.0, reply_type=Any):
+        """The endpoint's ``receive_and_reply(message)``, decoded as ``reply_type`` (``Any``:
+        plain values; RpcProtocolError if it does not decode). RpcError if the handler
+        raised (naming its exception; a class of ``statecore.errors.REMOTE_ERRORS`` keeps
+        its type), RpcTimeoutError after ``timeout_s`` (None: wait for ever). ``message``
+        as for :meth:`send`."""
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        check_value(message)
         request_id = next(_request_ids)
-        frame = _encode_frame(_ASK, request_id, self._name_bytes, message)
+        frame = _frame(_Ask(request_id, self.name, message))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for attempt in (0, 1):
             conn = self._connection(frame, deadline, attempt)
@@ -885,10 +1054,12 @@ class RpcEndpointRef:
                 raise RpcTimeoutError(f"cannot ask {self!r}: {e}") from None
         if result is None:
             raise RpcTimeoutError(f"no reply from {self!r} within {timeout_s:g} s")
-        ok, value = result
-        if ok:
-            return value
-        raise _remote_error(self, value)
+        if type(result) is _Error:
+            raise _remote_error(self, result)
+        try:
+            return _decoder(reply_type).decode(result.value)
+        except _DECODE_ERRORS as e:
+            raise _undecodable(e, f"the reply of {self!r} does not decode as {reply_type!r}") from None
 
     def _connection(self, frame, deadline, attempt):
         """The pooled connection; None if the first attempt to connect failed (one retry)."""
@@ -907,16 +1078,14 @@ class RpcEndpointRef:
         return conn
 
 
-def _remote_error(ref, payload):
-    try:
-        remote_type, text, remote_traceback = payload
-    except (TypeError, ValueError):
-        remote_type, text, remote_traceback = "", repr(payload), ""
-    if remote_type:
-        err = RpcError(f"{ref!r} raised {remote_type}: {text}")
-        err.remote_type, err.remote_traceback = remote_type, remote_traceback
+def _remote_error(ref, error):
+    """The exception an error reply stands for: the registered class it names, else RpcError."""
+    cls = REMOTE_ERRORS.get(error.error, RpcError)
+    if error.remote_type:
+        err = cls(f"{ref!r} raised {error.remote_type}: {error.text}")
+        err.remote_type, err.remote_traceback = error.remote_type, error.traceback
     else:
-        err = RpcError(str(text))
+        err = cls(error.text)
     return err
 
 
@@ -929,7 +1098,14 @@ def endpoint_ref(address, name, authkey):
 # -- server side -------------------------------------------------------------------------------
 
 class RpcEndpoint:
-    """Base class of what an RpcEnv hosts. One message at a time, in each sender's order."""
+    """Base class of what an RpcEnv hosts. One message at a time, in each sender's order.
+
+    ``message_type`` is what its messages are decoded as before they reach ``receive`` or
+    ``receive_and_reply``: plain values (``Any``) unless a subclass declares the union of
+    its :class:`Message` Structs. A message that does not decode as it drops its connection
+    (see "Messages" in the module docstring)."""
+
+    message_type = Any
 
     def receive(self, message):
         """A one-way message (``send``)."""
@@ -941,27 +1117,6 @@ class RpcEndpoint:
 
     def on_stop(self):
         """Called once the endpoint is stopped, after the messages queued before that."""
-
-
-def _parse_header(body):
-    """``(kind, request_id, name)`` of a frame body, its value left encoded: a value is
-    decoded only by the thread that hands it to its endpoint (see _Dispatcher), so what
-    waits in queues is no larger than what came in. RpcProtocolError, worded as
-    ``_decode_envelope`` words it, if the header is malformed."""
-    size = len(body)
-    if size < _HEADER_BYTES:
-        raise RpcProtocolError(f"frame of {size} bytes is shorter than an envelope")
-    kind, request_id, name_length = _unpack_header(body)
-    if not _SEND <= kind <= _ERROR:
-        raise RpcProtocolError(f"unknown message kind {kind}")
-    end = _HEADER_BYTES + name_length
-    if end > size:
-        raise RpcProtocolError("truncated endpoint name")
-    try:
-        name = str(body[_HEADER_BYTES:end], "utf-8")
-    except UnicodeDecodeError:
-        raise RpcProtocolError("endpoint name is not utf-8") from None
-    return kind, request_id, name
 
 
 _PENDING_BYTES = 2**18  # a reader writes the replies it holds once they come to this much
@@ -1075,16 +1230,23 @@ class _ServerConnection:
                 return None
             return self.sock.fileno(), self.progress_at + timeout
 
-    def drop(self, reason):
+    def drop(self, reason, last_frame=None):
         with self.lock:
             if not self.closed:
-                self._drop(reason)
+                self._drop(reason, last_frame)
 
-    def _drop(self, reason):
-        """(Lock held) Hang up on the peer: no more replies, its queued messages are skipped."""
+    def _drop(self, reason, last_frame=None):
+        """(Lock held) Hang up on the peer: no more replies, its queued messages are skipped.
+        ``last_frame`` (an error reply) is written first (after the log record) if the socket
+        takes it at once and no earlier reply still waits; else it is lost."""
         if not self.dropped:
             self.dropped = True
             log.warning("RPC server on %s dropped %s: %s", self.env._where, _where(self.peer), reason)
+            if last_frame is not None and not (self.broken or self.backlog):
+                try:
+                    self.sock.send(last_frame, _DONTWAIT)
+                except OSError:
+                    pass
         self._hang_up()
 
     def _break(self, error):
@@ -1187,10 +1349,11 @@ class _Dispatcher:
     leaves. Since a reader only goes straight in when the queue is empty, messages are
     handled in the order they arrived, so in each connection's order.
 
-    Messages are queued as they came in (frame bodies), and decoded only by the thread that
-    handles them: a value can decode to many times its encoded size, and this way what the
-    queue holds is what the bytes bound says, and one decoded message per endpoint exists
-    at a time.
+    Messages are queued as they came in (envelopes whose message is still encoded: a
+    ``msgspec.Raw`` view of the frame), and decoded as the endpoint's ``message_type`` only
+    by the thread that handles them: a value can decode to many times its encoded size, and
+    this way what the queue holds is what the bytes bound says, and one decoded message per
+    endpoint exists at a time.
 
     At most ``max_queued`` messages, and ``max_queued_bytes`` bytes (the last message may
     pass it), of one connection are queued: a reader whose connection is at either bound
@@ -1204,11 +1367,12 @@ class _Dispatcher:
     def __init__(self, name, endpoint, where, max_queued=DEFAULT_MAX_QUEUED_MESSAGES,
                  max_queued_bytes=DEFAULT_MAX_QUEUED_BYTES):
         self.name, self.endpoint, self.where = name, endpoint, where
+        self.decoder = _decoder(getattr(endpoint, "message_type", Any))
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
         self.room = threading.Condition(self.lock)  # readers waiting for their connection's share to drain
         self.room_waiters = 0
-        self.queue = collections.deque()  # (connection, frame body)
+        self.queue = collections.deque()  # (connection, envelope, frame size)
         self.queued_from = {}  # connection -> [messages, bytes] of it in the queue
         self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.resume_at, self.resume_bytes = max_queued // 2, max_queued_bytes // 2
@@ -1224,9 +1388,9 @@ class _Dispatcher:
         share = self.queued_from.get(conn)
         return share is None or (share[0] <= self.resume_at and share[1] <= self.resume_bytes)
 
-    def deliver(self, conn, body):
-        """Handle (or queue) one frame ``body`` of ``conn``. Waits while ``conn``'s share of
-        the queue is at a bound. False once the endpoint is stopped."""
+    def deliver(self, conn, envelope, size):
+        """Handle (or queue) one envelope of ``conn`` (a frame of ``size`` bytes). Waits while
+        ``conn``'s share of the queue is at a bound. False once the endpoint is stopped."""
         with self.lock:
             while True:
                 if self.stopped:
@@ -1238,14 +1402,13 @@ class _Dispatcher:
                     break
                 share = self.queued_from.get(conn)
                 if share is None or (share[0] < self.max_queued and share[1] < self.max_queued_bytes):
-                    size = len(body)
                     if share is None:
                         self.queued_from[conn] = [1, size]
                     else:
                         share[0] += 1
                         share[1] += size
                     queue = self.queue
-                    queue.append((conn, body))
+                    queue.append((conn, envelope, size))
                     self.queue_bytes += size
                     if len(queue) > self.queue_peak:
                         self.queue_peak = len(queue)
@@ -1266,7 +1429,7 @@ class _Dispatcher:
                     self.room.wait_for(lambda: self._below_resume(conn) or self.stopped or conn.dropped)
                 finally:
                     self.room_waiters -= 1
-        item, drained = (conn, body), 0
+        item, drained = (conn, envelope), 0
         try:
             while True:
                 self._handle(*item)
@@ -1276,7 +1439,7 @@ class _Dispatcher:
                         if self.queue or self.stopped:
                             self.wakeup.notify()
                         return True
-                    item = self._pop()
+                    item = self._pop()[:2]
                 drained += 1
         except BaseException:
             with self.lock:
@@ -1296,7 +1459,7 @@ class _Dispatcher:
         """The oldest queued message (lock held); wakes the readers waiting for room if its
         connection's share just came down to the resume point."""
         item = self.queue.popleft()
-        conn, size = item[0], len(item[1])
+        conn, size = item[0], item[2]
         share = self.queued_from[conn]
         was_above = share[0] > self.resume_at or share[1] > self.resume_bytes
         share[0] -= 1
@@ -1315,7 +1478,7 @@ class _Dispatcher:
         with self.lock:
             while True:
                 if self.queue and not self.busy:
-                    item = self._pop()
+                    item = self._pop()[:2]
                     self.busy = True
                     self.lock.release()
                     try:
@@ -1335,42 +1498,55 @@ class _Dispatcher:
             except Exception:
                 log.exception("on_stop of endpoint %r at %s failed", self.name, self.where)
 
-    def _handle(self, conn, body):
+    def _handle(self, conn, envelope):
         if conn.dropped:  # the server hung up on it: what it sent is not handled
             return
+        asking = type(envelope) is _Ask
         try:
-            kind, request_id, _name, message = _decode_envelope(body)
-        except RpcProtocolError as e:
-            conn.drop(str(e))
+            message = self.decoder.decode(envelope.message)
+        except _DECODE_ERRORS as e:
+            reason = str(_undecodable(e, f"a message to {self.name!r} is not one {type(self.endpoint).__name__} takes"))
+            refusal = None
+            if asking:  # remote_type "": the RPC layer's own; with this name, the asker's connection is done
+                refusal = _error_frame(envelope.request_id, _REFUSED, "", f"{reason} (the server at {self.where} "
+                                       f"dropped the connection)", limit=conn.peer_max_frame)
+            conn.drop(reason, refusal)
             return
         self.handler_ident = threading.get_ident()
         try:
-            if kind == _SEND:
+            if not asking:
                 try:
                     self.endpoint.receive(message)
                 except Exception:
                     log.exception("endpoint %r at %s failed to handle a one-way message", self.name, self.where)
                 return
+            request_id = envelope.request_id
             try:
-                frame = _encode_frame(_REPLY, request_id, b"", self.endpoint.receive_and_reply(message))
+                reply = self.endpoint.receive_and_reply(message)
+                check_value(reply)
+                frame = _frame(_Reply(request_id, reply))
                 if len(frame) - 4 > conn.peer_max_frame:
                     raise ValueError(f"reply of {len(frame) - 4} bytes exceeds the asker's frame limit of "
                                      f"{conn.peer_max_frame} bytes")
             except Exception as e:
                 log.debug("endpoint %r at %s raised for an ask", self.name, self.where, exc_info=True)
-                frame = _error_frame(request_id, _type_name(type(e)), str(e), traceback.format_exc(),
-                                     conn.peer_max_frame)
+                frame = _error_frame(request_id, _REMOTE_NAMES.get(type(e), ""), _type_name(type(e)), str(e),
+                                     traceback.format_exc(), conn.peer_max_frame)
             if not conn.reply(frame):
                 log.debug("could not reply to %s: the asker is gone", _where(conn.peer))
         finally:
             self.handler_ident = None
 
 
-def _error_frame(request_id, remote_type, text, remote_traceback="", limit=_MIN_FRAME_BYTES):
+_REMOTE_NAMES = {cls: name for name, cls in REMOTE_ERRORS.items()}  # the errors that cross the wire by name
+_REFUSED = _REMOTE_NAMES[RpcProtocolError]
+
+
+def _error_frame(request_id, error, remote_type, text, remote_traceback="", limit=_MIN_FRAME_BYTES):
     """An error reply, shortened until it fits the asker's frame ``limit``."""
-    frame = _encode_frame(_ERROR, request_id, b"", (remote_type, text[:16384], remote_traceback[-32768:]))
+    frame = _frame(_Error(request_id, error, remote_type, text[:16384], remote_traceback[-32768:]))
     if len(frame) - 4 > limit:
-        frame = _encode_frame(_ERROR, request_id, b"", (remote_type[:200], text[:500], ""))
+        frame = _frame(_Error(request_id, error[:200], remote_type[:200], text[:500], ""))
     return frame
 
 
@@ -1453,14 +1629,15 @@ class RpcEnv:
     # endpoints
 
     def setup_endpoint(self, name, endpoint):
-        """Register ``endpoint`` under ``name`` and return a ref to it. ValueError ("already
-        registered") if the name is taken."""
-        _encode_name(name)
+        """Register ``endpoint`` under ``name`` and return a ref to it.
+        :class:`EndpointAlreadyRegisteredError` (a ValueError) if the name is taken."""
+        _check_name(name)
         with self._lock:
             if self._stopped:
                 raise RpcError(f"{self!r} was shut down")
             if name in self._endpoints:
-                raise ValueError(f"an endpoint named {name!r} is already registered at {self._where}")
+                raise EndpointAlreadyRegisteredError(f"an endpoint named {name!r} is already registered at "
+                                                     f"{self._where}")
             dispatcher = _Dispatcher(name, endpoint, self._where, self.max_queued_messages, self.max_queued_bytes)
             self._endpoints[name] = dispatcher
             dispatcher.thread.start()
@@ -1620,19 +1797,19 @@ class RpcEnv:
                     if str(e) != "connection closed" and not conn.dropped:
                         log.warning("RPC server on %s: %s %s", self._where, where, e)
                     return
-                kind, request_id, name = _parse_header(body)
-                if kind == _SEND:
-                    dispatcher = endpoints.get(name)
-                    if dispatcher is None or not dispatcher.deliver(conn, body):
+                try:
+                    envelope = _server_envelopes.decode(body)
+                except _DECODE_ERRORS as e:
+                    raise _undecodable(e, "a frame does not decode as a send or an ask") from None
+                name = envelope.endpoint
+                dispatcher = endpoints.get(name)
+                if dispatcher is None or not dispatcher.deliver(conn, envelope, len(body)):
+                    if type(envelope) is _Send:
                         log.warning("RPC server on %s dropped a one-way message from %s to unknown endpoint %r",
                                     self._where, where, name)
-                elif kind == _ASK:
-                    dispatcher = endpoints.get(name)
-                    if dispatcher is None or not dispatcher.deliver(conn, body):
-                        conn.reply(_error_frame(request_id, "", f"no endpoint named {name!r} at {self._where}",
-                                                limit=peer_max))
-                else:
-                    raise RpcProtocolError(f"unexpected message kind {kind} from a client")
+                    else:
+                        conn.reply(_error_frame(envelope.request_id, "EndpointNotFound", "",
+                                                f"no endpoint named {name!r} at {self._where}", limit=peer_max))
         except (RpcProtocolError, _Stalled) as e:
             log.warning("RPC server on %s dropped %s: %s", self._where, where, e)
         except OSError as e:

@@ -1,20 +1,23 @@
-"""StateStoreCoordinator (spec section 7): the endpoint as a plain object, then over RPC, then
-with the executor registry (spec 6.3/6.4)."""
+"""StateStoreCoordinator (docs/spark-state-store.md, The registry and the coordinator): the
+endpoint as a plain object, then over RPC, then with the executor registry."""
 import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import uuid
 
+import msgspec
 import numpy as np
 import pytest
 
 import statecore
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, registry, rpc
-from statecore.coordinator import (StateStoreCoordinator, StateStoreCoordinatorRef, provider_id_from_message,
-                                   provider_id_to_message)
+from statecore.coordinator import (DeactivateInstances, GetLocation, ProviderId, ReportActiveInstance,
+                                   StateStoreCoordinator, StateStoreCoordinatorRef, StopCoordinator,
+                                   VerifyIfInstanceActive, provider_id_from_message, provider_id_to_message)
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("v", "<i8")])
@@ -41,34 +44,40 @@ def coordinator():
     return StateStoreCoordinator(FakeEnv())
 
 
-def ask(coordinator, *message):
-    return coordinator.receive_and_reply(message)
+def plain(message):
+    """A ProviderId as the plain list it travels as."""
+    return [*msgspec.structs.astuple(message)[:4], str(message.query_run_id)]
 
 
 def report(coordinator, provider_id, host, executor_id, to_check=()):
-    reply = ask(coordinator, "ReportActiveInstance", provider_id_to_message(provider_id), host, executor_id,
-                [provider_id_to_message(p) for p in to_check])
+    reply = coordinator.receive_and_reply(ReportActiveInstance(
+        provider_id_to_message(provider_id), host, executor_id, [provider_id_to_message(p) for p in to_check]))
     return [provider_id_from_message(p) for p in reply]
 
 
 def location(coordinator, provider_id):
-    return ask(coordinator, "GetLocation", provider_id_to_message(provider_id))
+    return coordinator.receive_and_reply(GetLocation(provider_id_to_message(provider_id)))
 
 
 def verify(coordinator, provider_id, executor_id):
-    return ask(coordinator, "VerifyIfInstanceActive", provider_id_to_message(provider_id), executor_id)
+    return coordinator.receive_and_reply(VerifyIfInstanceActive(provider_id_to_message(provider_id), executor_id))
 
 
 # The endpoint, called directly.
 
-def test_provider_id_round_trips_as_rpc_values():
+def test_provider_id_round_trips_as_a_message():
     p = pid("s3://bucket/ckpt/state", partition=3, store_name="left-keyToNumValues")
     message = provider_id_to_message(p)
-    assert message == ("s3://bucket/ckpt/state", 0, 3, "left-keyToNumValues", str(p.query_run_id))
+    assert message == ProviderId("s3://bucket/ckpt/state", 0, 3, "left-keyToNumValues", p.query_run_id)
     assert provider_id_from_message(message) == p
-    assert provider_id_from_message(list(message)) == p
-    with pytest.raises(ValueError, match="5-tuple"):
-        provider_id_from_message(message[:4])
+    wire = rpc.encode_value(GetLocation(message))  # [name, [root, operator, partition, store, run id]]
+    assert msgspec.msgpack.decode(wire) == ["GetLocation", ["s3://bucket/ckpt/state", 0, 3, "left-keyToNumValues",
+                                                           str(p.query_run_id)]]
+    assert rpc.decode_value(wire, StateStoreCoordinator.message_type) == GetLocation(message)
+    with pytest.raises(ValueError, match="operator_id"):
+        provider_id_from_message(ProviderId("/ckpt", -1, 0, "default", p.query_run_id))
+    with pytest.raises(TypeError, match="ProviderId"):
+        provider_id_from_message(tuple(msgspec.structs.astuple(message)))
     with pytest.raises(TypeError, match="StateStoreProviderId"):
         provider_id_to_message(p.store_id)
 
@@ -107,7 +116,7 @@ def test_deactivate_removes_the_instances_of_one_run(coordinator):
     kept = pid(run=other_run)
     for p in ids + [kept]:
         report(coordinator, p, "host1", "1")
-    assert ask(coordinator, "DeactivateInstances", str(run)) is True
+    assert coordinator.receive_and_reply(DeactivateInstances(run)) is True
     assert [location(coordinator, p) for p in ids] == [None, None, None]
     assert not any(verify(coordinator, p, "1") for p in ids)
     assert location(coordinator, kept) == "executor_host1_1"
@@ -115,7 +124,7 @@ def test_deactivate_removes_the_instances_of_one_run(coordinator):
 
 def test_stop_unregisters_before_replying(coordinator, caplog):
     with caplog.at_level(logging.INFO, logger="statecore.coordinator"):
-        assert ask(coordinator, "StopCoordinator") is True
+        assert coordinator.receive_and_reply(StopCoordinator()) is True
     assert coordinator.rpc_env.stopped == ["StateStoreCoordinator"]
     assert "StateStoreCoordinator stopped" in caplog.messages
 
@@ -129,14 +138,37 @@ def test_host_with_underscore_is_refused(coordinator):
 
 
 def test_unknown_malformed_and_one_way_messages_are_errors(coordinator):
-    with pytest.raises(ValueError, match="unknown StateStoreCoordinator message 'GetLocations'"):
-        ask(coordinator, "GetLocations", provider_id_to_message(pid()))
-    with pytest.raises(ValueError, match="takes 1 arguments, got 2"):
-        ask(coordinator, "GetLocation", provider_id_to_message(pid()), "extra")
-    with pytest.raises(ValueError, match="first item is its name"):
-        coordinator.receive_and_reply(["GetLocation"])
-    with pytest.raises(ValueError, match="asks only"):
-        coordinator.receive(("GetLocation", provider_id_to_message(pid())))
+    with pytest.raises(ValueError, match=r"not a StateStoreCoordinator message: \('GetLocation',"):
+        coordinator.receive_and_reply(("GetLocation", provider_id_to_message(pid())))
+    class GetLocations(rpc.Message):  # another endpoint's message, say
+        pass
+
+    with pytest.raises(ValueError, match="not a StateStoreCoordinator message: GetLocations"):
+        coordinator.receive_and_reply(GetLocations())
+    with pytest.raises(ValueError, match="asks only; one-way message GetLocation refused"):
+        coordinator.receive(GetLocation(provider_id_to_message(pid())))
+    assert coordinator.instances == {}
+
+
+def test_messages_decode_exactly_as_declared():
+    """What the RPC layer decodes for the endpoint: the union of its messages and nothing
+    else (over the wire, anything else drops the sender's connection: see below)."""
+    union = StateStoreCoordinator.message_type
+    p = provider_id_to_message(pid())
+    for message in (ReportActiveInstance(p, "h", "1", [p, p]), VerifyIfInstanceActive(p, "1"), GetLocation(p),
+                    DeactivateInstances(uuid.uuid4()), StopCoordinator()):
+        assert rpc.decode_value(rpc.encode_value(message), union) == message
+    bad = {
+        "Invalid value 'GetLocations'": ("GetLocations", plain(p)),
+        "of at most length 1, got 2": ("GetLocation", plain(p), "extra"),
+        "Expected `array`, got `str`": ("GetLocation", "not a provider id"),
+        "Expected `int`, got `bool`": ("GetLocation", ["/ckpt", True, 0, "default", str(uuid.uuid4())]),
+        "Invalid UUID": ("DeactivateInstances", "not-a-uuid"),
+        "Expected `array`, got `object`": {"GetLocation": None},
+    }
+    for reason, value in bad.items():
+        with pytest.raises(rpc.RpcProtocolError, match=re.escape(reason)):
+            rpc.decode_value(rpc.encode_value(value), union)
 
 
 # Over RPC.
@@ -194,13 +226,21 @@ def test_ref_refuses_bad_arguments_before_sending(env):
         ref.deactivate_instances(str(uuid.uuid4()))
 
 
-def test_remote_errors_name_the_remote_error(env):
-    StateStoreCoordinatorRef.for_driver(env)
+def test_remote_errors_name_the_remote_error(env, caplog):
+    """Plain values from a raw ref: one that is a coordinator message is handled (and its
+    error comes back); one that is not drops the connection, the asker told why."""
+    driver = StateStoreCoordinatorRef.for_driver(env)
     raw = env.endpoint_ref(env.address, "StateStoreCoordinator", env.authkey)
-    with pytest.raises(rpc.RpcError, match="unknown StateStoreCoordinator message 'Nope'"):
-        raw.ask(("Nope",))
-    with pytest.raises(rpc.RpcError, match="contains '_'"):
-        raw.ask(("ReportActiveInstance", provider_id_to_message(pid()), "my_host", "1", []))
+    with caplog.at_level(logging.WARNING, logger="statecore.rpc"):
+        with pytest.raises(rpc.RpcProtocolError, match="is not one StateStoreCoordinator takes: Invalid value 'Nope'"):
+            raw.ask(("Nope",))
+    assert any("dropped" in m and "Invalid value 'Nope'" in m for m in caplog.messages)
+    a = pid()
+    with pytest.raises(rpc.RpcError, match="contains '_'"):  # a fresh connection
+        raw.ask(("ReportActiveInstance", plain(provider_id_to_message(a)), "my_host", "1",
+                 []))
+    assert raw.ask(("GetLocation", plain(provider_id_to_message(a)))) is None
+    assert driver.get_location(a) is None  # the typed ref was never disturbed
 
 
 EXECUTOR_SCRIPT = """
@@ -238,7 +278,7 @@ def test_for_executor_from_another_process(env):
     assert driver.get_location(StateStoreProviderId(StateStoreId("/ckpt", 0, 1), run)) == "executor_127.0.0.1_2"
 
 
-# With the executor registry (spec 6.3, 6.4).
+# With the executor registry (docs/spark-state-store.md, The registry and the coordinator).
 
 @pytest.fixture(autouse=True)
 def clean_registry():

@@ -1,10 +1,11 @@
-"""EpochCoordinator (spec section 9): the endpoint as a plain object, then over RPC with
-concurrent senders in threads and in other processes."""
+"""EpochCoordinator (docs/spark-state-store.md, The epoch coordinator): the endpoint as a plain
+object, then over RPC with concurrent senders in threads and in other processes."""
 import json
 import logging
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -13,8 +14,10 @@ import pytest
 
 import statecore
 from statecore import IllegalStateError, rpc
-from statecore.epoch import (COMMIT_QUEUE_EXCEEDED, EPOCH_QUEUE_EXCEEDED, OFFSET_QUEUE_EXCEEDED, EpochCoordinator,
-                             EpochCoordinatorRef)
+from statecore.epoch import (COMMIT_QUEUE_EXCEEDED, EPOCH_QUEUE_EXCEEDED, OFFSET_QUEUE_EXCEEDED,
+                             CommitPartitionEpoch, EpochCoordinator, EpochCoordinatorRef, GetCurrentEpoch,
+                             IncrementAndGetEpoch, ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions,
+                             StopContinuousExecutionWrites)
 
 DEADLINE_S = 30
 SUBPROCESS_TIMEOUT_S = 60
@@ -71,19 +74,19 @@ def make(readers=2, writers=2, start_epoch=1, limit=10000):
     """A coordinator told its partition counts, and the record of its callbacks."""
     events = Events()
     coordinator = EpochCoordinator(Writer(events), Query(events), start_epoch, limit)
-    assert coordinator.receive_and_reply(("SetReaderPartitions", readers)) is None
-    assert coordinator.receive_and_reply(("SetWriterPartitions", writers)) is None
+    assert coordinator.receive_and_reply(SetReaderPartitions(readers)) is None
+    assert coordinator.receive_and_reply(SetWriterPartitions(writers)) is None
     return coordinator, events
 
 
 def commit(coordinator, partition, epoch, message=None):
-    coordinator.receive(("CommitPartitionEpoch", partition, epoch, f"c{epoch}.{partition}" if message is None
-                         else message))
+    coordinator.receive(CommitPartitionEpoch(partition, epoch, f"c{epoch}.{partition}" if message is None
+                                             else message))
 
 
 def offset(coordinator, partition, epoch, value=None):
-    coordinator.receive(("ReportPartitionOffset", partition, epoch, f"o{epoch}.{partition}" if value is None
-                         else value))
+    coordinator.receive(ReportPartitionOffset(partition, epoch, f"o{epoch}.{partition}" if value is None
+                                              else value))
 
 
 def complete(coordinator, epoch):
@@ -97,10 +100,10 @@ def complete(coordinator, epoch):
 
 def test_epoch_counter():
     coordinator, _ = make(start_epoch=7)
-    assert coordinator.receive_and_reply(("GetCurrentEpoch",)) == 7
-    assert coordinator.receive_and_reply(("IncrementAndGetEpoch",)) == 8
-    assert coordinator.receive_and_reply(("IncrementAndGetEpoch",)) == 9
-    assert coordinator.receive_and_reply(("GetCurrentEpoch",)) == 9
+    assert coordinator.receive_and_reply(GetCurrentEpoch()) == 7
+    assert coordinator.receive_and_reply(IncrementAndGetEpoch()) == 8
+    assert coordinator.receive_and_reply(IncrementAndGetEpoch()) == 9
+    assert coordinator.receive_and_reply(GetCurrentEpoch()) == 9
     assert coordinator.last_committed_epoch == 6
 
 
@@ -130,7 +133,7 @@ def test_nothing_commits_before_the_partition_counts_are_set():
     coordinator = EpochCoordinator(Writer(events), Query(events), 1)
     offset(coordinator, 0, 1)
     commit(coordinator, 0, 1)
-    assert events.log == []  # counts are 0, so every epoch is "over-complete" (spec 9.6)
+    assert events.log == []  # counts are 0: an epoch is complete only once they are set
 
 
 @pytest.mark.parametrize("order", [[1, 3, 4, 2], [1, 3, 5, 4, 2], [4, 3, 2, 1], [2, 1]], ids=str)
@@ -180,7 +183,7 @@ def test_last_offset_wins():
 
 
 def test_repeated_offset_of_a_complete_waiting_epoch_adds_it_again():
-    # Kept from Spark: only epochs already committed are guarded (see the 9.6 fix below).
+    # Kept from Spark: only epochs already committed are guarded (see the fix below).
     coordinator, events = make()
     complete(coordinator, 2)
     offset(coordinator, 0, 2, "again")
@@ -190,7 +193,7 @@ def test_repeated_offset_of_a_complete_waiting_epoch_adds_it_again():
 
 
 def test_repeated_offset_of_a_committed_epoch_is_ignored(caplog):
-    # Spark (spec 9.6) would add the offsets again and park epoch 1 in the waiting set for ever.
+    # Spark would add the offsets again and park epoch 1 in the waiting set for ever.
     coordinator, events = make()
     complete(coordinator, 1)
     with caplog.at_level(logging.DEBUG, logger="statecore.epoch"):
@@ -228,11 +231,11 @@ def test_cleanup_keeps_only_the_last_committed_epoch():
 def test_stopped_writes_drop_one_way_messages():
     coordinator, events = make()
     offset(coordinator, 0, 1)
-    assert coordinator.receive_and_reply(("StopContinuousExecutionWrites",)) is None
+    assert coordinator.receive_and_reply(StopContinuousExecutionWrites()) is None
     offset(coordinator, 1, 1)
     complete(coordinator, 1)
     assert events.log == [] and coordinator.num_partition_commits == 0 and coordinator.num_partition_offsets == 1
-    assert coordinator.receive_and_reply(("IncrementAndGetEpoch",)) == 2  # asks still answer
+    assert coordinator.receive_and_reply(IncrementAndGetEpoch()) == 2  # asks still answer
 
 
 LIMIT = 3
@@ -283,17 +286,35 @@ def test_backlog_messages_are_sparks():
 
 def test_unknown_malformed_and_misdirected_messages_are_errors():
     coordinator, events = make()
-    with pytest.raises(ValueError, match="unknown EpochCoordinator message 'GetCurrentEpoch'"):
-        coordinator.receive(("GetCurrentEpoch",))
-    with pytest.raises(ValueError, match="unknown EpochCoordinator message 'CommitPartitionEpoch'"):
-        coordinator.receive_and_reply(("CommitPartitionEpoch", 0, 1, None))
-    with pytest.raises(ValueError, match="takes 3 arguments, got 2"):
+    with pytest.raises(ValueError, match="not a one-way EpochCoordinator message: GetCurrentEpoch"):
+        coordinator.receive(GetCurrentEpoch())
+    with pytest.raises(ValueError, match="not an EpochCoordinator ask: CommitPartitionEpoch"):
+        coordinator.receive_and_reply(CommitPartitionEpoch(0, 1, None))
+    with pytest.raises(ValueError, match=r"not a one-way EpochCoordinator message: \('ReportPartitionOffset', 0, 1\)"):
         coordinator.receive(("ReportPartitionOffset", 0, 1))
     with pytest.raises(TypeError, match="epoch must be an int"):
         offset(coordinator, 0, "1")
     with pytest.raises(TypeError, match="number of reader partitions must be an int"):
-        coordinator.receive_and_reply(("SetReaderPartitions", 2.0))
+        coordinator.receive_and_reply(SetReaderPartitions(2.0))
     assert events.log == [] and coordinator.num_partition_offsets == 0
+
+
+def test_messages_decode_exactly_as_declared():
+    """What the RPC layer decodes for the endpoint: its union, ints as ints (no bool, no
+    float), the right number of fields; commit messages and offsets as plain values."""
+    union = EpochCoordinator.message_type
+    for message in (CommitPartitionEpoch(0, 1, {"file": "f", "rows": [1, 2]}), ReportPartitionOffset(3, 4, ["a", 5]),
+                    GetCurrentEpoch(), SetReaderPartitions(2)):
+        assert rpc.decode_value(rpc.encode_value(message), union) == message
+    bad = {
+        "of at least length 4, got 3": ("ReportPartitionOffset", 0, 1),
+        "Expected `int`, got `bool` - at `$[2]`": ("CommitPartitionEpoch", 0, True, None),
+        "Expected `int`, got `float` - at `$[1]`": ("SetReaderPartitions", 2.0),
+        "Invalid value 'Nope'": ("Nope",),
+    }
+    for reason, value in bad.items():
+        with pytest.raises(rpc.RpcProtocolError, match=re.escape(reason)):
+            rpc.decode_value(rpc.encode_value(value), union)
 
 
 # Over RPC.
@@ -336,6 +357,21 @@ def test_every_message_over_rpc(env):
     assert again.get_current_epoch() == 1
 
 
+def test_a_message_it_does_not_take_drops_only_its_connection(env, caplog):
+    ref, events = create(env)
+    ref.set_reader_partitions(1)
+    ref.set_writer_partitions(1)
+    raw = rpc.endpoint_ref(env.address, "EpochCoordinator-run--1", env.authkey)  # plain values, its own connection
+    with caplog.at_level(logging.WARNING, logger="statecore.rpc"):
+        with pytest.raises(rpc.RpcProtocolError, match="is not one EpochCoordinator takes"):
+            raw.ask(("ReportPartitionOffset", 0, 1))  # one field short
+    assert any("is not one EpochCoordinator takes" in m and "of at least length 4, got 3" in m for m in caplog.messages)
+    assert raw.ask(("GetCurrentEpoch",)) == 1  # a new connection; plain values that are its messages do
+    ref.report_partition_offset(0, 1, 0)
+    ref.commit_partition_epoch(0, 1, None)
+    assert ref.get_current_epoch() == 1 and events.committed() == [1]
+
+
 def test_ref_pickles_and_refuses_bad_arguments(env):
     ref, events = create(env)
     ref.set_reader_partitions(1)
@@ -347,6 +383,11 @@ def test_ref_pickles_and_refuses_bad_arguments(env):
     assert events.committed() == [1]
     with pytest.raises(TypeError, match="epoch must be an int"):
         task.commit_partition_epoch(0, 1.0, None)
+    with pytest.raises(TypeError, match="cannot send a value of type set"):  # before anything is sent
+        task.commit_partition_epoch(0, 2, {"files": {"a"}})
+    with pytest.raises(TypeError, match="cannot send a value of type object"):
+        task.report_partition_offset(0, 2, [object()])
+    assert task.get_current_epoch() == 1 and events.committed() == [1]
 
 
 def send_partition(ref, partition, epochs, seed):
