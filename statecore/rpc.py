@@ -77,9 +77,10 @@ Messages
     an unknown message, a field of the wrong type) drops its connection, logged with
     msgspec's reason. An ask dropped so is answered first with an :class:`RpcProtocolError`
     when the connection's earlier replies are all written (otherwise its asker sees the
-    connection lost); the client then uses a new connection. Replies are decoded as the
-    ask's ``reply_type`` (``Any`` unless given); one that does not decode is an
-    RpcProtocolError for that ask alone.
+    connection lost); the client then uses a new connection. A reply is decoded as a plain
+    value and, if the ask names a ``reply_type``, converted to it by msgspec (as strictly
+    as decoding it as that type would); one that does not convert is an RpcProtocolError
+    for that ask alone.
 
     A message or reply is a msgspec Struct (encoded as it is: its fields are the receiver's
     to check) or a plain value: None, bool, int (-2**63 to 2**64 - 1), float, str, bytes,
@@ -249,7 +250,7 @@ class _Ask(msgspec.Struct, array_like=True, tag=2):
 
 class _Reply(msgspec.Struct, array_like=True, tag=3):
     request_id: int
-    value: msgspec.Raw  # decoded by the asking thread, as its reply_type
+    value: Any  # a plain value: the asking thread converts it to its reply_type
 
 
 class _Error(msgspec.Struct, array_like=True, tag=4):
@@ -266,7 +267,7 @@ def _refuse_extension(code, data):
 
 _encode = msgspec.msgpack.Encoder().encode  # msgspec's encoders and decoders are safe to share between threads
 _server_envelopes = msgspec.msgpack.Decoder(Union[_Send, _Ask])
-_client_envelopes = msgspec.msgpack.Decoder(Union[_Reply, _Error])
+_client_envelopes = msgspec.msgpack.Decoder(Union[_Reply, _Error], ext_hook=_refuse_extension)
 _decoders = {Any: msgspec.msgpack.Decoder(Any, ext_hook=_refuse_extension)}  # type -> its decoder, made once
 
 
@@ -1029,8 +1030,8 @@ class RpcEndpointRef:
                 raise RpcTimeoutError(f"cannot send to {self!r}: {e}") from None
 
     def ask(self, message, timeout_s=30.0, reply_type=Any):
-        """The endpoint's ``receive_and_reply(message)``, decoded as ``reply_type`` (``Any``:
-        plain values; RpcProtocolError if it does not decode). RpcError if the handler
+        """The endpoint's ``receive_and_reply(message)``, as ``reply_type`` (``Any``: plain
+        values; RpcProtocolError if it is not one). RpcError if the handler
         raised (naming its exception; a class of ``statecore.errors.REMOTE_ERRORS`` keeps
         its type), RpcTimeoutError after ``timeout_s`` (None: wait for ever). ``message``
         as for :meth:`send`."""
@@ -1056,10 +1057,12 @@ class RpcEndpointRef:
             raise RpcTimeoutError(f"no reply from {self!r} within {timeout_s:g} s")
         if type(result) is _Error:
             raise _remote_error(self, result)
+        if reply_type is Any:
+            return result.value
         try:
-            return _decoder(reply_type).decode(result.value)
-        except _DECODE_ERRORS as e:
-            raise _undecodable(e, f"the reply of {self!r} does not decode as {reply_type!r}") from None
+            return msgspec.convert(result.value, reply_type)  # as strict as decoding it as that type
+        except msgspec.ValidationError as e:
+            raise RpcProtocolError(f"the reply of {self!r} does not decode as {reply_type!r}: {e}") from None
 
     def _connection(self, frame, deadline, attempt):
         """The pooled connection; None if the first attempt to connect failed (one retry)."""
