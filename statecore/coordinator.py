@@ -85,7 +85,7 @@ class StopCoordinator(rpc.Message):
 
 CoordinatorMessage = Union[ReportActiveInstance, VerifyIfInstanceActive, GetLocation, DeactivateInstances,
                            StopCoordinator]
-_PROVIDER_IDS = list[ProviderId]  # the reply types the ref decodes as
+_PROVIDER_IDS = list[ProviderId]  # the reply types the ref asks for
 _LOCATION = Optional[str]
 
 

@@ -136,6 +136,8 @@ class EpochCoordinator(rpc.RpcEndpoint):
     nothing is lost. The backlog check still runs after it, as after every offset report.
     """
 
+    message_type = EpochMessage
+
     def __init__(self, writer, query, start_epoch, epoch_backlog_queue_size=10000, *, rpc_env=None, name=None):
         super().__init__()
         self.writer = writer
@@ -155,8 +157,6 @@ class EpochCoordinator(rpc.RpcEndpoint):
         self.epochs_waiting_to_be_committed = set()
         self._rpc_env = rpc_env  # where EpochCoordinatorRef.create registered it, as `name`
         self._name = name
-
-    message_type = EpochMessage
 
     # One-way messages (CommitPartitionEpoch, ReportPartitionOffset).
 

@@ -228,7 +228,7 @@ def same(a, b):
         return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):  # in order, pair by pair (NaN keys included: the codec keeps the order)
+    if isinstance(a, dict):  # in order, pair by pair (NaN keys included: decoding keeps the order)
         return len(a) == len(b) and all(same(ka, kb) and same(va, vb)
                                         for (ka, va), (kb, vb) in zip(a.items(), b.items()))
     return a == b
