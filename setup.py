@@ -18,7 +18,8 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ["_hash", "_rowtable", "_snapshot", "_delta"]
+MODULES = ["_hash", "_rowtable", "_snapshot", "_snapshot_format", "_snapshot_writer", "_snapshot_reader",
+           "_snapshot_image", "_mapping", "_delta", "_delta_format"]
 
 # Warnings that Cython's generated code raises on its own; silenced by name so that
 # -Werror still catches ours.

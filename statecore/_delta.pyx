@@ -1,13 +1,13 @@
 # cython: language_level=3
 """Delta files: the puts and removes of one store version, lz4-compressed in checksummed blocks.
 
-This module owns the bytes of a delta: :class:`DeltaWriter` encodes records onto any binary
-file object that has ``write()`` (no seeking, so fsspec remote files work), and
+This module writes and reads delta files: :class:`DeltaWriter` encodes records onto any
+binary file object that has ``write()`` (no seeking, so fsspec remote files work), and
 :class:`DeltaReader` decodes a delta from bytes or from a file object read front to back.
 Replaying a delta's blocks in order onto the previous version's state gives the version it
-produces (:func:`apply_delta`). :func:`read_delta_header` checks and decodes a header alone,
-from the file's first HEADER_SIZE bytes; it is the only parser of the header (DeltaReader
-uses it too). The files and their names belong to the Python layer.
+produces (:func:`apply_delta`). The format (constants, the header and its parser
+:func:`read_delta_header`) is ``_delta_format``'s, exported here too; docs/formats.md
+describes it. The files and their names belong to the Python layer.
 
 Damage is never data. Every byte is under a checksum (XXH64, ``statecore._hash``) that is
 checked before the byte is used: a truncated, damaged or spliced delta raises
@@ -15,65 +15,6 @@ checked before the byte is used: a truncated, damaged or spliced delta raises
 
 Thread-safety: a writer or reader is used by one thread at a time. lz4 compression and
 decompression and the checksum loops release the GIL, so other threads run meanwhile.
-
-Format, version 1
------------------
-All integers little-endian. ``xxh64(b, seed)`` is XXH64; the seed is 0 unless stated.
-
-Header, 72 bytes::
-
-    0   magic               8   b"SCDELTA\\x01"
-    8   format_version      u16 1
-    10  compression         u8  0 = none, 1 = lz4 block (no size prefix)
-    11  reserved            u8  0
-    12  key_width           u32 bytes per key row (>= 1)
-    16  value_width         u32 bytes per value row (0 for an empty value schema)
-    20  reserved            u32 0
-    24  key_fingerprint     u64 RowSchema.fingerprint of the key schema
-    32  value_fingerprint   u64 RowSchema.fingerprint of the value schema
-    40  store_version       u64 the version this delta produces
-    48  lineage             16  caller-supplied id (for example the store's run id)
-    64  header_checksum     u64 xxh64(bytes 0..63)
-
-(The fields asked for add up to 67 bytes, so the header is 72, not 64: two reserved
-fields keep every integer aligned to its size.)
-
-Then blocks, in the order the records were written. Block header, 32 bytes::
-
-    0   kind                u8  1 = puts (key and value rows), 2 = removes (key rows)
-    1   reserved            u8, u16  0
-    4   n_records           u32 >= 1
-    8   raw_size            u32 n_records * record width, at most MAX_BLOCK_RAW_SIZE
-    12  stored_size         u32 bytes of payload that follow
-    16  payload_checksum    u64 xxh64(payload as stored, i.e. compressed)
-    24  header_checksum     u64 xxh64(bytes 0..23)
-
-followed by ``stored_size`` payload bytes. The raw (uncompressed) payload of a puts block is
-the block's n key rows, then its n value rows; of a removes block, its n key rows. Keys and
-values are kept apart rather than interleaved because lz4 finds more matches in runs of
-like bytes: on state-like rows (random int64 keys, small int64 counts, float64 sums) that
-layout takes ~9% fewer bytes than interleaved rows (ratio 1.83 against 1.67) and lz4
-compresses it 1.7x as fast (bench/bench_delta.py), and undoing it needs only the widths,
-no schema. One column per field compressed worse on the same rows (ratio 1.67).
-
-Trailer, 48 bytes::
-
-    0   magic               8   b"SCDEND\\x00\\x01"
-    8   n_blocks            u64
-    16  n_puts              u64 records in puts blocks
-    24  n_removes           u64 records in removes blocks
-    32  blocks_checksum     u64 xxh64(the blocks' payload_checksums as u64s, seed = header_checksum)
-    40  trailer_checksum    u64 xxh64(bytes 0..39)
-
-The file ends exactly after the trailer. The blocks checksum catches a block that is
-dropped, duplicated, reordered or taken from another delta (its seed ties it to the header).
-
-Readers check, before using a byte: the header (magic, version, checksum, then widths and
-fingerprints against the schemas they were given); each block header's checksum, then that
-``raw_size == n_records * width`` and ``raw_size <= MAX_BLOCK_RAW_SIZE`` and that
-``stored_size`` is possible for ``raw_size`` (so a bad length can neither make a reader
-allocate much nor read far); the payload checksum before decompressing; the decompressed
-length; and at the end the trailer's checksum and counts and the end of the file.
 """
 cimport cython
 from cpython.buffer cimport PyBUF_READ
@@ -83,15 +24,22 @@ from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy, memmove
 
-from statecore._hash cimport xxh64
+from statecore._delta_format cimport lineage_bytes, lz4_bound, sealed
+from statecore._hash cimport checksum, xxh64
+from statecore._rowtable cimport rows_ptr
 
 import io
-import struct
-import uuid
 
 import lz4.block
 import numpy as np
 
+# The format's names, used here and exported from here as before.
+from statecore._delta_format import (
+    BLOCK_HEADER_SIZE, BLOCK_HEADER_STRUCT, BLOCK_PUTS, BLOCK_REMOVES, COMPRESSION_CODES, COMPRESSION_LZ4,
+    COMPRESSION_NONE, DEFAULT_BLOCK_BYTES, DELTA_HEADER_SIZE, FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT,
+    MAGIC, MAX_BLOCK_RAW_SIZE, TRAILER_MAGIC, TRAILER_SIZE, TRAILER_STRUCT, U64, DeltaHeader,
+    read_delta_header,
+)
 from statecore.errors import IllegalStateError, SchemaMismatchError, StateCorruptionError
 from statecore.schema import as_schema, key_value_schemas
 
@@ -101,82 +49,12 @@ __all__ = [
     "encode_delta", "read_delta", "read_delta_header",
 ]
 
-MAGIC = b"SCDELTA\x01"
-TRAILER_MAGIC = b"SCDEND\x00\x01"
-FORMAT_VERSION = 1
-HEADER_SIZE = 72
-DELTA_HEADER_SIZE = HEADER_SIZE   # what read_delta_header needs: read this many bytes
-BLOCK_HEADER_SIZE = 32
-TRAILER_SIZE = 48
-BLOCK_PUTS = 1
-BLOCK_REMOVES = 2
-COMPRESSION_NONE = 0
-COMPRESSION_LZ4 = 1
-_COMPRESSION_CODES = {"none": COMPRESSION_NONE, "lz4": COMPRESSION_LZ4}
-_COMPRESSION_NAMES = {COMPRESSION_NONE: "none", COMPRESSION_LZ4: "lz4"}
-
-# The most raw bytes one block may hold: what a reader allocates at most per block, whatever
-# a damaged length says. Writers choose smaller blocks (block_bytes); this bounds them all.
-MAX_BLOCK_RAW_SIZE = 4 << 20
-# Raw bytes per block the writer aims for. On 1M state-like rows (bench/bench_delta.py)
-# encoding ran at the same speed from 64 KiB to 4 MiB blocks, decoding was fastest from
-# 512 KiB up (64 KiB: 1.5x slower; 256 KiB: 10% slower) and the ratio gains < 0.3% past
-# 512 KiB; smaller blocks also keep each writer's buffer small.
-DEFAULT_BLOCK_BYTES = 512 << 10
-
-cdef int _PUTS = 1
-cdef int _REMOVES = 2
-
-_HEADER = struct.Struct("<8sHBBIIIQQQ16s")    # bytes 0..63 of the header
-_BLOCK_HEADER = struct.Struct("<BBHIIIQ")      # bytes 0..23 of a block header
-_TRAILER = struct.Struct("<8sQQQQ")            # bytes 0..39 of the trailer
-_U64 = struct.Struct("<Q")
-assert _HEADER.size + 8 == HEADER_SIZE and _BLOCK_HEADER.size + 8 == BLOCK_HEADER_SIZE
-assert _TRAILER.size + 8 == TRAILER_SIZE
+cdef int _PUTS = BLOCK_PUTS
+cdef int _REMOVES = BLOCK_REMOVES
 
 _lz4_compress = lz4.block.compress
 _lz4_decompress = lz4.block.decompress
 _LZ4BlockError = lz4.block.LZ4BlockError
-
-
-cdef uint64_t _checksum(const uint8_t[::1] data, uint64_t seed=0):
-    """xxh64 of a bytes-like object, computed without the GIL."""
-    cdef const uint8_t* p = &data[0] if data.shape[0] else NULL
-    cdef size_t n = <size_t>data.shape[0]
-    cdef uint64_t h
-    with nogil:
-        h = xxh64(p, n, seed)
-    return h
-
-
-cdef bytes _sealed(bytes body, uint64_t seed=0):
-    """``body`` followed by its xxh64 as u64: how every header and the trailer end."""
-    return body + _U64.pack(_checksum(body, seed))
-
-
-cdef Py_ssize_t _lz4_bound(Py_ssize_t raw_size):
-    """The most bytes lz4 block compression can produce from ``raw_size`` bytes (LZ4_COMPRESSBOUND)."""
-    return raw_size + raw_size // 255 + 16
-
-
-def _lineage_bytes(lineage, what):
-    """16 bytes from bytes-like or a uuid.UUID."""
-    if isinstance(lineage, uuid.UUID):
-        return lineage.bytes
-    try:
-        raw = bytes(memoryview(lineage))
-    except TypeError:
-        raise TypeError(f"{what} must be 16 bytes or a uuid.UUID, got {type(lineage).__name__}") from None
-    if len(raw) != 16:
-        raise ValueError(f"{what} must be 16 bytes, got {len(raw)}")
-    return raw
-
-
-cdef inline const uint8_t* _rows_ptr(const uint8_t[:, ::1] rows) noexcept:
-    """First byte of an (n, width) row array, or NULL when it holds no bytes."""
-    if rows.shape[0] == 0 or rows.shape[1] == 0:
-        return NULL
-    return &rows[0, 0]
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -213,26 +91,6 @@ cdef class DeltaWriter:
         For a bad version, lineage, compression or block size, or rows wider than a block.
     """
 
-    cdef object _write
-    cdef readonly object key_schema
-    cdef readonly object value_schema
-    cdef readonly object store_version
-    cdef readonly bytes lineage
-    cdef readonly str compression
-    cdef readonly Py_ssize_t key_width
-    cdef readonly Py_ssize_t value_width
-    cdef readonly Py_ssize_t block_bytes
-    cdef bint _lz4
-    cdef uint8_t* _buf               # the pending block: keys at 0, values at _put_cap * key_width
-    cdef Py_ssize_t _put_cap         # records in a full puts block
-    cdef Py_ssize_t _remove_cap      # records in a full removes block
-    cdef int _pending_kind
-    cdef Py_ssize_t _pending_n
-    cdef uint64_t _n_puts, _n_removes, _n_blocks, _bytes_written, _header_checksum
-    cdef bytearray _block_checksums  # each block's payload checksum as u64, for the trailer
-    cdef bint _finished
-    cdef bint _broken                # a write failed: the file holds part of a block
-
     def __init__(self, fileobj, key_schema, value_schema, store_version, lineage=bytes(16),
                  compression="lz4", block_bytes=DEFAULT_BLOCK_BYTES):
         if self._buf != NULL:  # __init__ called again
@@ -245,9 +103,9 @@ cdef class DeltaWriter:
         if not isinstance(store_version, int) or not 0 <= store_version < (1 << 64):
             raise ValueError(f"store_version must be an int in [0, 2**64), got {store_version!r}")
         self.store_version = int(store_version)
-        self.lineage = _lineage_bytes(lineage, "lineage")
-        if compression not in _COMPRESSION_CODES:
-            raise ValueError(f"compression must be one of {sorted(_COMPRESSION_CODES)}, got {compression!r}")
+        self.lineage = lineage_bytes(lineage, "lineage")
+        if compression not in COMPRESSION_CODES:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSION_CODES)}, got {compression!r}")
         self.compression = compression
         self._lz4 = compression == "lz4"
         if not isinstance(block_bytes, int) or not 1 <= block_bytes <= MAX_BLOCK_RAW_SIZE:
@@ -269,11 +127,11 @@ cdef class DeltaWriter:
         self._block_checksums = bytearray()
         self._finished = False
         self._broken = False
-        header = _sealed(_HEADER.pack(MAGIC, FORMAT_VERSION, _COMPRESSION_CODES[compression], 0,
+        header = sealed(HEADER_STRUCT.pack(MAGIC, FORMAT_VERSION, COMPRESSION_CODES[compression], 0,
                                       self.key_width, self.value_width, 0,
                                       self.key_schema.fingerprint, self.value_schema.fingerprint,
                                       self.store_version, self.lineage))
-        self._header_checksum = _U64.unpack_from(header, HEADER_SIZE - 8)[0]
+        self._header_checksum = U64.unpack_from(header, HEADER_SIZE - 8)[0]
         self._write_all(header)
 
     def __dealloc__(self):
@@ -315,14 +173,14 @@ cdef class DeltaWriter:
         if values is None:
             if self.value_width:
                 raise ValueError("Cannot put a null value")
-            self._append(_PUTS, _rows_ptr(k), NULL, k.shape[0])
+            self._append(_PUTS, rows_ptr(k), NULL, k.shape[0])
             return
         v = values
         if v.shape[1] != self.value_width:
             raise ValueError(f"values must be (n, {self.value_width}) rows, got {v.shape[1]} bytes")
         if v.shape[0] != k.shape[0]:
             raise ValueError(f"{k.shape[0]} keys but {v.shape[0]} value rows")
-        self._append(_PUTS, _rows_ptr(k), _rows_ptr(v), k.shape[0])
+        self._append(_PUTS, rows_ptr(k), rows_ptr(v), k.shape[0])
 
     def remove_rows(self, keys):
         """Append removes: ``keys`` (n, key_width) C-contiguous uint8 (read-only arrays work)."""
@@ -330,7 +188,7 @@ cdef class DeltaWriter:
         cdef const uint8_t[:, ::1] k = keys
         if k.shape[1] != self.key_width:
             raise ValueError(f"keys must be (n, {self.key_width}) rows, got {k.shape[1]} bytes")
-        self._append(_REMOVES, _rows_ptr(k), NULL, k.shape[0])
+        self._append(_REMOVES, rows_ptr(k), NULL, k.shape[0])
 
     cdef void _append(self, int kind, const uint8_t* keys, const uint8_t* values,
                       Py_ssize_t n) except *:
@@ -396,9 +254,9 @@ cdef class DeltaWriter:
         stored = <size_t>PyBytes_GET_SIZE(payload)
         with nogil:
             csum = xxh64(p, stored, 0)
-        self._write_all(_sealed(_BLOCK_HEADER.pack(kind, 0, 0, n, raw_size, stored, csum)))
+        self._write_all(sealed(BLOCK_HEADER_STRUCT.pack(kind, 0, 0, n, raw_size, stored, csum)))
         self._write_all(payload)
-        self._block_checksums += _U64.pack(csum)
+        self._block_checksums += U64.pack(csum)
         self._n_blocks += 1
         if kind == _PUTS:
             self._n_puts += <uint64_t>n
@@ -410,8 +268,8 @@ cdef class DeltaWriter:
         n_blocks, bytes_written)``. The file is neither flushed nor closed."""
         self._check_open()
         self._flush()
-        blocks_checksum = _checksum(self._block_checksums, self._header_checksum)
-        self._write_all(_sealed(_TRAILER.pack(TRAILER_MAGIC, self._n_blocks, self._n_puts,
+        blocks_checksum = checksum(self._block_checksums, self._header_checksum)
+        self._write_all(sealed(TRAILER_STRUCT.pack(TRAILER_MAGIC, self._n_blocks, self._n_puts,
                                               self._n_removes, blocks_checksum)))
         self._finished = True
         PyMem_Free(self._buf)
@@ -441,100 +299,6 @@ def encode_delta(key_schema, value_schema, store_version, puts=None, removes=Non
 
 
 # -- reading --------------------------------------------------------------------------------
-
-@cython.final
-cdef class DeltaHeader:
-    """The checked header of a delta (:func:`read_delta_header`); immutable.
-
-    ``lineage`` is the 16 bytes the writer was given; the store writes its commit id and
-    then its parent's, which ``commit_id`` and ``parent_id`` return.
-    """
-
-    cdef readonly object store_version
-    cdef readonly bytes lineage
-    cdef readonly str compression
-    cdef readonly Py_ssize_t key_width
-    cdef readonly Py_ssize_t value_width
-    cdef readonly object key_fingerprint
-    cdef readonly object value_fingerprint
-    cdef readonly object checksum       # the header checksum (it seeds the blocks checksum)
-
-    @property
-    def commit_id(self):
-        """lineage[:8]."""
-        return self.lineage[:8]
-
-    @property
-    def parent_id(self):
-        """lineage[8:16]."""
-        return self.lineage[8:]
-
-    def __repr__(self):
-        return (f"DeltaHeader(store_version={self.store_version}, lineage={self.lineage.hex()}, "
-                f"key_width={self.key_width}, value_width={self.value_width}, "
-                f"compression={self.compression!r})")
-
-
-def read_delta_header(data, path=None):
-    """Check and decode the header of a delta.
-
-    Parameters
-    ----------
-    data : bytes-like
-        At least the first HEADER_SIZE bytes of the file; bytes after them are ignored.
-    path : str, optional
-        The name errors give.
-
-    Returns
-    -------
-    DeltaHeader
-
-    Raises
-    ------
-    StateCorruptionError
-        Fewer than HEADER_SIZE bytes ("truncated"), or a wrong magic, an unknown format
-        version, a checksum mismatch, an unknown compression, nonzero reserved bytes or
-        impossible widths.
-    """
-    name = str(path) if path is not None else "<delta bytes>"
-    view = memoryview(data).cast("B")
-    if len(view) < HEADER_SIZE:
-        raise StateCorruptionError(name, len(view), f"truncated: the header needs {HEADER_SIZE} bytes, "
-                                                    f"the file ends after {len(view)}")
-    head = bytes(view[:HEADER_SIZE])
-    (magic, version, compression, reserved1, key_width, value_width, reserved2, key_fp, value_fp,
-     store_version, lineage) = _HEADER.unpack_from(head, 0)
-    stored = _U64.unpack_from(head, HEADER_SIZE - 8)[0]
-    computed = _checksum(head[:HEADER_SIZE - 8])
-    if magic != MAGIC:
-        raise StateCorruptionError(name, 0, f"not a statecore delta: magic {magic!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        hint = "" if stored == computed else " (or a damaged header: its checksum does not match)"
-        raise StateCorruptionError(name, 8, f"unknown delta format version {version}; this build reads "
-                                            f"version {FORMAT_VERSION}{hint}")
-    if stored != computed:
-        raise StateCorruptionError(name, HEADER_SIZE - 8, f"header checksum mismatch (stored 0x{stored:016x}, "
-                                                          f"computed 0x{computed:016x})")
-    if compression not in _COMPRESSION_NAMES:
-        raise StateCorruptionError(name, 10, f"unknown compression code {compression}")
-    if reserved1 or reserved2:
-        raise StateCorruptionError(name, 11, "reserved header bytes are not zero")
-    if key_width == 0:
-        raise StateCorruptionError(name, 12, "key width is 0")
-    if key_width + value_width > MAX_BLOCK_RAW_SIZE:
-        raise StateCorruptionError(name, 12, f"rows of {key_width + value_width} bytes exceed the "
-                                             f"{MAX_BLOCK_RAW_SIZE}-byte block limit")
-    cdef DeltaHeader h = DeltaHeader.__new__(DeltaHeader)
-    h.store_version = store_version
-    h.lineage = lineage
-    h.compression = _COMPRESSION_NAMES[compression]
-    h.key_width = key_width
-    h.value_width = value_width
-    h.key_fingerprint = key_fp
-    h.value_fingerprint = value_fp
-    h.checksum = stored
-    return h
-
 
 def _source_name(source):
     for attr in ("path", "name"):
@@ -575,25 +339,6 @@ cdef class DeltaReader:
     SchemaMismatchError
         The key or value schema differs from the file's.
     """
-
-    cdef object _view              # memoryview of a bytes-like source, else None
-    cdef object _read              # read method of a file source, else None
-    cdef Py_ssize_t _pos           # offset of the next unread byte
-    cdef readonly str path
-    cdef readonly DeltaHeader header
-    cdef readonly object store_version
-    cdef readonly bytes lineage
-    cdef readonly str compression
-    cdef readonly Py_ssize_t key_width
-    cdef readonly Py_ssize_t value_width
-    cdef readonly object key_fingerprint
-    cdef readonly object value_fingerprint
-    cdef bint _lz4
-    cdef uint64_t _header_checksum
-    cdef bytearray _block_checksums
-    cdef uint64_t _seen_blocks, _seen_puts, _seen_removes
-    cdef bint _done
-    cdef object _error             # the error that stopped iteration: raised again if asked
 
     def __init__(self, source, key_schema=None, value_schema=None, path=None, expected_lineage=None):
         try:
@@ -651,24 +396,22 @@ cdef class DeltaReader:
 
     # -- header -----------------------------------------------------------------------------
     cdef void _read_header(self, key_schema, value_schema, expected_lineage) except *:
-        cdef DeltaHeader h = read_delta_header(self._take(HEADER_SIZE, "the header"), self.path)
+        cdef _delta_format.DeltaHeader h = read_delta_header(self._take(HEADER_SIZE, "the header"), self.path)
         self.header = h
-        self.compression = h.compression
         self._lz4 = h.compression == "lz4"
-        self.key_width = h.key_width
-        self.value_width = h.value_width
-        self.key_fingerprint = h.key_fingerprint
-        self.value_fingerprint = h.value_fingerprint
-        self.store_version = h.store_version
-        self.lineage = h.lineage
-        self._header_checksum = h.checksum
         self._check_schema("key", key_schema, h.key_width, h.key_fingerprint)
         self._check_schema("value", value_schema, h.value_width, h.value_fingerprint)
         if expected_lineage is not None:
-            expected = _lineage_bytes(expected_lineage, "expected_lineage")
-            if expected != self.lineage:
-                raise self._corrupt(48, f"lineage mismatch: the delta belongs to {self.lineage.hex()}, "
+            expected = lineage_bytes(expected_lineage, "expected_lineage")
+            if expected != h.lineage:
+                raise self._corrupt(48, f"lineage mismatch: the delta belongs to {h.lineage.hex()}, "
                                         f"expected {expected.hex()}")
+
+    def __getattr__(self, name):
+        # The header's fields are the reader's attributes too (store_version, lineage, ...).
+        if not name.startswith("_") and hasattr(DeltaHeader, name):
+            return getattr(self.header, name)
+        raise AttributeError(f"'DeltaReader' object has no attribute '{name}'")
 
     cdef void _check_schema(self, str which, schema, Py_ssize_t width, fingerprint) except *:
         if schema is None:
@@ -703,11 +446,11 @@ cdef class DeltaReader:
             raise
 
     cdef object _read_block(self, Py_ssize_t at, head):
-        cdef Py_ssize_t record_width
+        cdef Py_ssize_t record_width, kw = self.header.key_width, vw = self.header.value_width
         kind, reserved1, reserved2, n, raw_size, stored_size, payload_checksum = \
-            _BLOCK_HEADER.unpack_from(head, 0)
-        stored = _U64.unpack_from(head, BLOCK_HEADER_SIZE - 8)[0]
-        computed = _checksum(head[:BLOCK_HEADER_SIZE - 8])
+            BLOCK_HEADER_STRUCT.unpack_from(head, 0)
+        stored = U64.unpack_from(head, BLOCK_HEADER_SIZE - 8)[0]
+        computed = checksum(head[:BLOCK_HEADER_SIZE - 8])
         if stored != computed:
             raise self._corrupt(at, f"block header checksum mismatch (stored 0x{stored:016x}, "
                                     f"computed 0x{computed:016x})")
@@ -715,19 +458,19 @@ cdef class DeltaReader:
             raise self._corrupt(at, f"unknown block kind {kind}")
         if reserved1 or reserved2:
             raise self._corrupt(at + 1, "reserved block header bytes are not zero")
-        record_width = self.key_width + (self.value_width if kind == BLOCK_PUTS else 0)
+        record_width = kw + (vw if kind == BLOCK_PUTS else 0)
         if n == 0 or raw_size != n * record_width or raw_size > MAX_BLOCK_RAW_SIZE:
             raise self._corrupt(at + 4, f"a block of {n} records of {record_width} bytes cannot have "
                                         f"{raw_size} raw bytes (at most {MAX_BLOCK_RAW_SIZE})")
         if self._lz4:
-            impossible = stored_size == 0 or stored_size > _lz4_bound(raw_size)
+            impossible = stored_size == 0 or stored_size > lz4_bound(raw_size)
         else:
             impossible = stored_size != raw_size
         if impossible:
-            raise self._corrupt(at + 12, f"a {self.compression} block of {raw_size} raw bytes cannot "
+            raise self._corrupt(at + 12, f"a {self.header.compression} block of {raw_size} raw bytes cannot "
                                          f"store {stored_size} bytes")
         payload = self._take(stored_size, "a block payload")
-        computed = _checksum(payload)
+        computed = checksum(payload)
         if computed != payload_checksum:
             raise self._corrupt(at + BLOCK_HEADER_SIZE,
                                 f"block payload checksum mismatch (stored 0x{payload_checksum:016x}, "
@@ -743,20 +486,20 @@ cdef class DeltaReader:
             rows = np.frombuffer(raw, dtype=np.uint8)
         else:
             rows = np.frombuffer(payload, dtype=np.uint8).copy()
-        self._block_checksums += _U64.pack(payload_checksum)
+        self._block_checksums += U64.pack(payload_checksum)
         self._seen_blocks += 1
-        keys = rows[:n * self.key_width].reshape(n, self.key_width)
+        keys = rows[:n * kw].reshape(n, kw)
         if kind == BLOCK_REMOVES:
             self._seen_removes += n
             return (BLOCK_REMOVES, keys, None)
         self._seen_puts += n
-        return (BLOCK_PUTS, keys, rows[n * self.key_width:].reshape(n, self.value_width))
+        return (BLOCK_PUTS, keys, rows[n * kw:].reshape(n, vw))
 
     cdef void _read_trailer(self, Py_ssize_t at, head) except *:
         trailer = bytes(head) + bytes(self._take(TRAILER_SIZE - BLOCK_HEADER_SIZE, "the trailer"))
-        _, n_blocks, n_puts, n_removes, blocks_checksum = _TRAILER.unpack_from(trailer, 0)
-        stored = _U64.unpack_from(trailer, TRAILER_SIZE - 8)[0]
-        computed = _checksum(trailer[:TRAILER_SIZE - 8])
+        _, n_blocks, n_puts, n_removes, blocks_checksum = TRAILER_STRUCT.unpack_from(trailer, 0)
+        stored = U64.unpack_from(trailer, TRAILER_SIZE - 8)[0]
+        computed = checksum(trailer[:TRAILER_SIZE - 8])
         if stored != computed:
             raise self._corrupt(at, f"trailer checksum mismatch (stored 0x{stored:016x}, "
                                     f"computed 0x{computed:016x})")
@@ -764,7 +507,7 @@ cdef class DeltaReader:
             raise self._corrupt(at, f"the trailer counts {n_blocks} blocks, {n_puts} puts and {n_removes} "
                                     f"removes; the file holds {self._seen_blocks}, {self._seen_puts} and "
                                     f"{self._seen_removes}")
-        computed = _checksum(self._block_checksums, self._header_checksum)
+        computed = checksum(self._block_checksums, self.header.checksum)
         if computed != blocks_checksum:
             raise self._corrupt(at, "blocks checksum mismatch: a block was dropped, reordered or "
                                     f"replaced (stored 0x{blocks_checksum:016x}, computed 0x{computed:016x})")
@@ -773,16 +516,6 @@ cdef class DeltaReader:
         self._done = True
 
     # -- state ------------------------------------------------------------------------------
-    @property
-    def commit_id(self):
-        """The header's lineage[:8] (the store's id of the version this delta produces)."""
-        return self.header.commit_id
-
-    @property
-    def parent_id(self):
-        """The header's lineage[8:16] (the store's id of the version before)."""
-        return self.header.parent_id
-
     @property
     def finished(self):
         """True once the trailer and the end of the file were checked."""
@@ -834,8 +567,8 @@ def apply_delta(source, table, path=None, expected_lineage=None, key_schema=None
         while end < len(blocks) and blocks[end][0] == kind:
             end += 1
         # One call per run of same-kind blocks, not per block: a batch put sizes the table
-        # once for the whole run instead of growing it step by step (1M puts onto an empty
-        # table: 95 ms instead of 120), for one more copy of the run. Order is kept.
+        # once for the whole run instead of growing it step by step, for one more copy of
+        # the run. Order is kept.
         run = blocks[start:end]
         keys = run[0][1] if len(run) == 1 else np.concatenate([b[1] for b in run])
         if kind == BLOCK_PUTS:

@@ -111,3 +111,13 @@ cdef inline uint64_t key_hash(const void* key, size_t key_width) noexcept nogil:
 cdef inline uint32_t slot_tag(uint64_t h) noexcept nogil:
     """The 32 bits of a key hash kept in a slot; its low bits pick the home slot."""
     return <uint32_t>h
+
+
+cdef inline uint64_t checksum(const uint8_t[::1] data, uint64_t seed=0) noexcept:
+    """XXH64 of a bytes-like object (the checksum of the file formats), without the GIL."""
+    cdef const uint8_t* p = &data[0] if data.shape[0] else NULL
+    cdef size_t n = <size_t>data.shape[0]
+    cdef uint64_t h
+    with nogil:
+        h = xxh64(p, n, seed)
+    return h

@@ -2,38 +2,26 @@
 """RowTable: an open-addressing hash table over fixed-width binary rows (see _rowtable.pyx)."""
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
 
-cdef struct Slot:
-    uint32_t tag    # slot_tag(key hash); its low bits pick the home slot
-    uint32_t row    # index of the row in the arena + 1; 0 marks an empty slot
+from statecore._probe cimport Slot, SlotIndex
 
 cdef enum:
     ROW_FREE = 0
     ROW_LIVE = 1
     ROW_ZOMBIE = 2   # removed while an iterator was open; kept until the last one closes
 
-# Codes returned by nogil functions; table_raise() maps them to exceptions.
+# Codes returned by nogil functions; _raise_code() maps them to exceptions.
 cdef enum:
     TABLE_OK = 0
     TABLE_NO_MEMORY = -1
     TABLE_FULL = -2
 
 
-cdef inline bint rows_equal(const uint8_t* a, const uint8_t* b, size_t width) noexcept nogil:
-    """Byte equality, with the common key widths compared as machine words (inlined)."""
-    cdef uint64_t x0, y0, x1, y1
-    if width == 8:
-        memcpy(&x0, a, 8)
-        memcpy(&y0, b, 8)
-        return x0 == y0
-    if width == 16:
-        memcpy(&x0, a, 8)
-        memcpy(&y0, b, 8)
-        memcpy(&x1, a + 8, 8)
-        memcpy(&y1, b + 8, 8)
-        return (x0 == y0) & (x1 == y1)
-    return memcmp(a, b, width) == 0
+cdef inline const uint8_t* rows_ptr(const uint8_t[:, ::1] rows) noexcept:
+    """First byte of an (n, width) row array, or NULL when it holds no bytes."""
+    if rows.shape[0] == 0 or rows.shape[1] == 0:
+        return NULL
+    return &rows[0, 0]
 
 
 @cython.final
@@ -69,14 +57,14 @@ cdef class RowTable:
     cdef int mem_resize(self, void** buf, size_t* cur_bytes, size_t new_bytes) noexcept nogil
     cdef void mem_release(self, void** buf, size_t* cur_bytes) noexcept nogil
     cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil
-    cdef void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil
-    cdef void slots_erase(self, uint64_t pos) noexcept nogil
+    cdef inline void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil
     cdef int rows_reserve(self, uint64_t n_rows) noexcept nogil
     cdef int row_alloc(self, uint32_t* row_out) noexcept nogil
     cdef int _push_row(self, uint32_t** stack, uint64_t* n, uint64_t* capacity, size_t* nbytes,
                        uint32_t row) noexcept nogil
     cdef object _check(self, int code)
     cdef void _hash_keys(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags) noexcept nogil
+    cdef inline SlotIndex index(self) noexcept nogil
     cdef inline void _prefetch(self, const uint32_t* tags, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     cdef void _get_many(self, const uint8_t* keys, Py_ssize_t n, uint8_t* values, uint8_t* found,
                         uint32_t* tags) noexcept nogil

@@ -4,10 +4,10 @@
 Layout. Rows (key bytes then value bytes) live in an arena, one contiguous allocation
 indexed by row number; rows never move, so cursors can hold row numbers across updates.
 The index is an open-addressing table of 8-byte slots ``(tag, row + 1)`` with linear
-probing and Robin Hood placement: an entry's distance from its home slot is derived from
-its tag, lookups of absent keys stop as soon as they pass a richer entry, and deletion
-shifts the following entries back, so there are no tombstones and lookups do not degrade
-after many delete/insert cycles. The table grows (doubles) at 3/4 load.
+probing and Robin Hood placement, the rule snapshots are built by too (``_probe.pxd``):
+lookups of absent keys stop as soon as they pass a richer entry, and deletion shifts the
+following entries back, so there are no tombstones and lookups do not degrade after many
+delete/insert cycles. The table grows (doubles) at 3/4 load.
 
 Iteration. A :class:`RowCursor` visits each row that was live when it opened exactly once,
 even while rows are put and removed: while any cursor is open, removed rows become
@@ -18,15 +18,21 @@ Memory. Every buffer comes from ``malloc`` and is registered with tracemalloc un
 
 Thread-safety: none. Callers serialize all calls on one table; batch calls release the GIL,
 so other Python threads run meanwhile, but they must not use the same table.
+
+Length: about 800 lines, because a cdef class lives in one module: RowTable's nogil core
+and its Python API, and its cursor, which reads the table's internals.
 """
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.math cimport log
-from libc.string cimport memcmp, memcpy, memset
+from libc.string cimport memcpy, memset
 
 from statecore._hash cimport key_hash, slot_tag
+from statecore._probe cimport (
+    MAX_ROWS, displacement, probe_erase, probe_find, probe_insert, probe_prefetch, slots_for,
+)
 
 import numpy as np
 
@@ -101,29 +107,17 @@ cdef extern from *:
     #endif
         return realloc(p, actual ? actual : 1);
     }
-    #if defined(__GNUC__) || defined(__clang__)
-    #define SC_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 3)
-    #else
-    #define SC_PREFETCH(p) ((void)(p))
-    #endif
     """
     size_t sc_mem_actual(size_t n) nogil
     void sc_mem_free(void* p, size_t actual) nogil
     void* sc_mem_resize(void* p, size_t old_actual, size_t want) nogil
-    void SC_PREFETCH(const void* p) nogil
 
 # tracemalloc domain of every RowTable buffer ("SC" + 1), for tests of sizeof().
 TRACE_DOMAIN = 0x53430001
 cdef unsigned int _TRACE_DOMAIN = 0x53430001
 
 cdef enum:
-    MIN_SLOTS = 16
     MIN_ROWS = 16
-    SLOT_PREFETCH_AHEAD = 16   # lookups ahead whose home slot is prefetched
-    ROW_PREFETCH_AHEAD = 8     # lookups ahead whose home row is prefetched
-
-# Row numbers are stored + 1 in a uint32 slot field.
-cdef uint64_t MAX_ROWS = 0xFFFFFFFE
 
 
 @cython.boundscheck(False)
@@ -152,13 +146,6 @@ cdef int _cmp_u32(const void* a, const void* b) noexcept nogil:
     cdef uint32_t x = (<const uint32_t*>a)[0]
     cdef uint32_t y = (<const uint32_t*>b)[0]
     return (x > y) - (x < y)
-
-
-cdef inline const uint8_t* _rows_ptr(const uint8_t[:, ::1] rows) noexcept:
-    """First byte of a (n, width) row array, or NULL when it holds no bytes."""
-    if rows.shape[0] == 0 or rows.shape[1] == 0:
-        return NULL
-    return &rows[0, 0]
 
 
 cdef object _raise_code(int code):
@@ -225,70 +212,41 @@ cdef class RowTable:
         buf[0] = NULL
         cur_bytes[0] = 0
 
-    # -- index ----------------------------------------------------------------------------
+    # -- index (the rule is _probe.pxd's) -----------------------------------------------
+    cdef inline SlotIndex index(self) noexcept nogil:
+        """What a probe of the index reads, as it is now (pointers move when buffers grow)."""
+        cdef SlotIndex ix
+        ix.slots = self.slots
+        ix.rows = self.rows
+        ix.mask = self.n_slots - 1
+        ix.row_width = self.row_width
+        ix.key_width = self.key_width
+        ix.row_count = self.rows_used
+        ix.max_displacement = self.max_displacement
+        return ix
+
     cdef uint32_t table_find(self, const uint8_t* key, uint32_t tag, uint64_t* slot_out) noexcept nogil:
         """Row number + 1 of ``key``, or 0; ``slot_out`` gets its slot."""
         if self.n_slots == 0:
             return 0
-        cdef uint64_t mask = self.n_slots - 1
-        cdef uint64_t pos = tag & mask
-        cdef uint64_t dist = 0
-        cdef Slot* s
-        while dist <= self.max_displacement:
-            s = &self.slots[pos]
-            if s.row == 0:
-                return 0
-            if ((pos - (s.tag & mask)) & mask) < dist:
-                return 0  # a richer entry: ours would have displaced it (Robin Hood)
-            if s.tag == tag and rows_equal(self.rows + <uint64_t>(s.row - 1) * self.row_width,
-                                           key, self.key_width):
-                slot_out[0] = pos
-                return s.row
-            pos = (pos + 1) & mask
-            dist += 1
-        return 0
+        cdef SlotIndex ix = self.index()
+        if probe_find(&ix, tag, key, NULL, NULL, slot_out) == 0:
+            return 0
+        return self.slots[slot_out[0]].row
 
-    cdef void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil:
+    cdef inline void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil:
         # REQUIRES: a free slot exists and the key is not in the index.
-        cdef uint64_t mask = self.n_slots - 1
-        cdef uint64_t pos = tag & mask
-        cdef uint64_t dist = 0, resident_dist
-        cdef Slot* s
+        cdef uint64_t farthest
         cdef Slot carried
         carried.tag = tag
         carried.row = row
-        while True:
-            s = &self.slots[pos]
-            if s.row == 0:
-                s[0] = carried
-                if dist > self.max_displacement:
-                    self.max_displacement = <uint32_t>dist
-                return
-            resident_dist = (pos - (s.tag & mask)) & mask
-            if resident_dist < dist:
-                carried, s[0] = s[0], carried
-                if dist > self.max_displacement:
-                    self.max_displacement = <uint32_t>dist
-                dist = resident_dist
-            pos = (pos + 1) & mask
-            dist += 1
-
-    cdef void slots_erase(self, uint64_t pos) noexcept nogil:
-        """Empty slot ``pos`` and shift the entries after it back one step."""
-        cdef uint64_t mask = self.n_slots - 1
-        cdef uint64_t nxt = (pos + 1) & mask
-        while self.slots[nxt].row != 0 and ((nxt - (self.slots[nxt].tag & mask)) & mask) != 0:
-            self.slots[pos] = self.slots[nxt]
-            pos = nxt
-            nxt = (nxt + 1) & mask
-        self.slots[pos].tag = 0
-        self.slots[pos].row = 0
+        probe_insert(self.slots, self.n_slots - 1, carried, NULL, NULL, &farthest)
+        if farthest > self.max_displacement:
+            self.max_displacement = <uint32_t>farthest
 
     cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil:
         """Size the index for ``n_keys`` at no more than 3/4 load; rebuild it if it grows."""
-        cdef uint64_t target = self.n_slots if self.n_slots else MIN_SLOTS
-        while n_keys * 4 > target * 3:
-            target *= 2
+        cdef uint64_t target = slots_for(n_keys, self.n_slots)
         if target == self.n_slots:
             return TABLE_OK
         cdef Slot* old = self.slots
@@ -409,7 +367,7 @@ cdef class RowTable:
             if rc < 0:
                 return rc
             self.row_state[row] = ROW_FREE
-        self.slots_erase(pos)
+        probe_erase(self.slots, self.n_slots - 1, pos)
         self.count -= 1
         return 1
 
@@ -438,28 +396,10 @@ cdef class RowTable:
             tags[i] = slot_tag(key_hash(keys + i * self.key_width, self.key_width))
 
     cdef inline void _prefetch(self, const uint32_t* tags, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-        """Software pipeline for batch lookups: bring the home slot of lookup i+16 toward the
-        cache, and the row of lookup i+8 (its slot, found by tag, arrived meanwhile)."""
-        cdef uint64_t mask = self.n_slots - 1, pos, dist
-        cdef uint32_t tag
-        cdef Slot* s
         if self.n_slots == 0:
             return
-        if i + SLOT_PREFETCH_AHEAD < n:
-            SC_PREFETCH(&self.slots[tags[i + SLOT_PREFETCH_AHEAD] & mask])
-        if i + ROW_PREFETCH_AHEAD < n:
-            tag = tags[i + ROW_PREFETCH_AHEAD]
-            pos = tag & mask
-            dist = 0
-            while dist <= self.max_displacement:
-                s = &self.slots[pos]
-                if s.row == 0:
-                    return
-                if s.tag == tag:
-                    SC_PREFETCH(self.rows + <uint64_t>(s.row - 1) * self.row_width)
-                    return
-                pos = (pos + 1) & mask
-                dist += 1
+        cdef SlotIndex ix = self.index()
+        probe_prefetch(&ix, tags, i, n)
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
@@ -595,7 +535,7 @@ cdef class RowTable:
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
         if n == 0:
             return
-        cdef uint8_t* value_ptr = <uint8_t*>_rows_ptr(values)
+        cdef uint8_t* value_ptr = <uint8_t*>rows_ptr(values)
         with nogil:
             self._get_many(&keys[0, 0], n, value_ptr, &found[0], &tags[0])
 
@@ -612,7 +552,7 @@ cdef class RowTable:
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
         if n == 0:
             return
-        cdef const uint8_t* value_ptr = _rows_ptr(values)
+        cdef const uint8_t* value_ptr = rows_ptr(values)
         cdef uint64_t[::1] bits = self._growth_bitmap(n)
         cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
         cdef uint64_t n_bits = bits.shape[0] * 64
@@ -636,8 +576,8 @@ cdef class RowTable:
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
         if n == 0:
             return
-        cdef const uint8_t* value_ptr = _rows_ptr(values)
-        cdef uint8_t* prior_ptr = <uint8_t*>_rows_ptr(prior)
+        cdef const uint8_t* value_ptr = rows_ptr(values)
+        cdef uint8_t* prior_ptr = <uint8_t*>rows_ptr(prior)
         cdef uint64_t[::1] bits = self._growth_bitmap(n)
         cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
         cdef uint64_t n_bits = bits.shape[0] * 64
@@ -672,7 +612,7 @@ cdef class RowTable:
         if n == 0:
             return keys, values
         cdef uint8_t[:, ::1] kdst = keys
-        cdef uint8_t* vdst = <uint8_t*>_rows_ptr(values)
+        cdef uint8_t* vdst = <uint8_t*>rows_ptr(values)
         cdef const uint8_t* src
         with nogil:
             for i in range(self.rows_used):
@@ -814,7 +754,7 @@ cdef class RowTable:
         cdef uint64_t i, d, total = 0, worst = 0, mask = self.n_slots - 1
         for i in range(self.n_slots):
             if self.slots[i].row != 0:
-                d = (i - (self.slots[i].tag & mask)) & mask
+                d = displacement(self.slots[i].tag, i, mask)
                 total += d
                 if d > worst:
                     worst = d

@@ -1,12 +1,26 @@
 """The compiled core is really compiled: a missing build fails here, loudly, not deep in a test."""
+import ast
 import importlib
 import importlib.machinery
+from pathlib import Path
 
 import pytest
 
 import statecore
 
-COMPILED = ["statecore._hash", "statecore._rowtable", "statecore._snapshot", "statecore._delta", "statecore._rpccodec"]
+
+def _built_modules():
+    """setup.py's MODULES: every module the build compiles."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    return next(ast.literal_eval(node.value) for node in tree.body
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MODULES")
+
+
+COMPILED = [f"statecore.{name}" for name in _built_modules()]
+
+
+def test_the_core_modules_are_built():
+    assert {"statecore._hash", "statecore._rowtable", "statecore._snapshot", "statecore._delta"} <= set(COMPILED)
 
 
 @pytest.mark.parametrize("name", COMPILED)
@@ -16,9 +30,8 @@ def test_module_is_an_extension(name):
 
 
 def test_pxd_files_ship_beside_the_modules():
-    from pathlib import Path
     here = Path(statecore.__file__).parent
-    for name in ("_hash", "_rowtable", "_snapshot"):
+    for name in [m.rpartition(".")[2] for m in COMPILED] + ["_probe"]:
         assert (here / f"{name}.pxd").is_file(), name
 
 

@@ -387,6 +387,18 @@ def test_read_delta_header_decodes_the_checked_header():
     assert DELTA_HEADER_SIZE == HEADER_SIZE == 72
 
 
+def test_the_readers_attributes_are_its_headers():
+    data = encode_delta(I8, I8F8, 3, lineage=b"C" * 8 + b"P" * 8, compression="none")
+    reader = DeltaReader(data)
+    for name in ("store_version", "lineage", "compression", "key_width", "value_width", "key_fingerprint",
+                 "value_fingerprint", "checksum", "commit_id", "parent_id"):
+        assert getattr(reader, name) == getattr(reader.header, name), name
+    with pytest.raises(AttributeError):
+        reader.store_version = 4
+    with pytest.raises(AttributeError, match="no attribute 'row_count'"):
+        reader.row_count
+
+
 def test_a_renamed_copy_keeps_its_version(tmp_path):
     """A copy of 3.delta named 6.delta says 3: what the store compares with the name."""
     (tmp_path / "3.delta").write_bytes(encode_delta(I8, I8F8, 3))

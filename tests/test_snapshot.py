@@ -268,6 +268,20 @@ def test_write_snapshot_streams_a_rowtable(tmp_path):
         assert dict(reader.items()) == dict(table.items())
 
 
+def test_the_slot_index_is_built_by_rowtables_rule(tmp_path):
+    """Same keys, same order, same number of slots: a RowTable's index and a snapshot's slots
+    come out alike (both follow _probe.pxd), down to the farthest displacement."""
+    rng = np.random.default_rng(13)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    for n in (12, 1000, 49_152):  # 49_152: exactly 3/4 of 65_536 slots
+        table = RowTable(key_schema, value_schema, capacity=n)
+        table.put_batch(random_records(rng, key_schema, n), random_records(rng, value_schema, n))
+        with open(tmp_path / "t.snapshot", "wb") as f:
+            info = write_snapshot(f, table, 1)
+        stats = table.probe_stats()
+        assert (info["n_slots"], info["max_displacement"]) == (stats["slots"], stats["max"]), n
+
+
 def test_writer_output_equals_the_reference_encoder(tmp_path):
     rng = np.random.default_rng(3)
     for layout, n, block_size in [("1-byte key", 192, 64), ("multi-field key", 700, 128),
@@ -629,6 +643,23 @@ def test_writer_arguments_out_of_range(kwargs):
     args = {"row_count": 1, "store_version": 0, **kwargs}
     with pytest.raises(ValueError):
         SnapshotWriter(io.BytesIO(), key_schema, value_schema, **args)
+
+
+def test_lineages_are_checked_as_deltas_check_them():
+    key_schema, value_schema = schemas("set")
+    with pytest.raises(TypeError, match="lineage must be 16 bytes or a uuid.UUID"):
+        SnapshotWriter(io.BytesIO(), key_schema, value_schema, 1, 0, lineage=7)
+    with pytest.raises(ValueError, match="lineage must be 16 bytes, got 15"):
+        SnapshotWriter(io.BytesIO(), key_schema, value_schema, 1, 0, lineage=b"x" * 15)
+    writer = SnapshotWriter(io.BytesIO(), key_schema, value_schema, 0, 0, lineage=np.arange(16, dtype=np.uint8))
+    assert writer.finish()["row_count"] == 0
+
+
+def test_the_module_exports_every_name_of_the_format():
+    import statecore._snapshot as snapshot
+    for name in snapshot.__all__ + ["MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MIN_SLOTS", "SLOTS_ALIGN", "MAX_ROWS"]:
+        assert hasattr(snapshot, name), name
+    assert (snapshot.MIN_SLOTS, snapshot.SLOTS_ALIGN, snapshot.MAX_ROWS) == (16, 64, 2**32 - 2)
 
 
 def test_writer_needs_only_write_and_survives_partial_writes(tmp_path):

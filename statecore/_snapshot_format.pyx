@@ -1,0 +1,266 @@
+# cython: language_level=3
+"""The snapshot format, version 1: its constants, the header and footer (encoded here, checked
+here), and the layout every offset follows from. The format is described in
+docs/formats.md; the slot index inside it follows the rule of ``_probe.pxd``.
+
+:func:`read_snapshot_header` is the only parser of the header (the reader uses it, then
+:func:`check_footer`); the writer encodes both with :func:`header_page` and
+:func:`footer_bytes`.
+"""
+cimport cython
+from libc.stdint cimport uint32_t, uint64_t
+
+from statecore cimport _probe
+from statecore._hash cimport HASH_ID_XXH64, checksum
+
+import json
+import os
+import struct
+
+from statecore.errors import StateCorruptionError
+from statecore.schema import RowSchema
+
+MAGIC = b"SCSNAP\0\x01"
+FOOTER_MAGIC = b"SCSNEND\x01"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+SNAPSHOT_HEADER_SIZE = HEADER_SIZE   # what read_snapshot_header needs: read this many bytes
+FOOTER_SIZE = 64
+DEFAULT_BLOCK_SIZE = 65536
+MIN_BLOCK_SIZE = 64
+MAX_BLOCK_SIZE = 1 << 30
+MIN_SLOTS = _probe.MIN_SLOTS
+SLOTS_ALIGN = 64
+MAX_ROWS = _probe.MAX_ROWS
+
+# The fixed fields of the header, then of the footer (offsets in docs/formats.md).
+_HEADER = struct.Struct("<8sIIIIQQQQQIIIQQQQQ16sI")
+_FOOTER = struct.Struct("<8sQQQI20x")
+_U64 = struct.Struct("<Q")
+_HEADER_CHECKSUM_AT = HEADER_SIZE - 8
+_FOOTER_CHECKSUM_AT = FOOTER_SIZE - 8
+_MAX_SCHEMA_JSON = _HEADER_CHECKSUM_AT - _HEADER.size
+
+assert _HEADER.size == 136 and _FOOTER.size == 56
+
+
+def _is_pow2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def is_block_size(n):
+    """Whether ``n`` is a block size the format allows."""
+    return _is_pow2(n) and MIN_BLOCK_SIZE <= n <= MAX_BLOCK_SIZE
+
+
+cdef dict layout(row_count, key_width, value_width, block_size, n_slots=None):
+    """Every size and offset of a snapshot, from what its header states up front (Python
+    ints: no overflow, whatever a damaged header says). ``n_slots`` defaults to the fewest
+    that hold ``row_count`` keys."""
+    if n_slots is None:
+        n_slots = _probe.slots_for(row_count, MIN_SLOTS)
+    rows_end = HEADER_SIZE + row_count * (key_width + value_width)
+    slots_offset = -(-rows_end // SLOTS_ALIGN) * SLOTS_ALIGN
+    checksums_offset = slots_offset + n_slots * 8
+    n_blocks = -(-(checksums_offset - HEADER_SIZE) // block_size)
+    return {
+        "n_slots": n_slots, "rows_offset": HEADER_SIZE, "rows_end": rows_end, "slots_offset": slots_offset,
+        "checksums_offset": checksums_offset, "n_blocks": n_blocks,
+        "file_size": checksums_offset + n_blocks * 8 + FOOTER_SIZE,
+    }
+
+
+def _schema_json(key_schema, value_schema):
+    return json.dumps({"key": key_schema.describe(), "value": value_schema.describe()},
+                      separators=(",", ":")).encode("utf-8")
+
+
+cdef bytes header_page(key_schema, value_schema, store_version, row_count, bytes lineage, block_size,
+                       dict plan, uint64_t* checksum_out):
+    """The header page; ``checksum_out`` gets its checksum. ValueError if the schemas'
+    description does not fit."""
+    schema_json = _schema_json(key_schema, value_schema)
+    if len(schema_json) > _MAX_SCHEMA_JSON:
+        raise ValueError(f"the schemas' description is {len(schema_json)} bytes; a snapshot header "
+                         f"holds at most {_MAX_SCHEMA_JSON}")
+    header = bytearray(HEADER_SIZE)
+    _HEADER.pack_into(header, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, key_schema.width, value_schema.width,
+                      key_schema.fingerprint, value_schema.fingerprint, store_version, row_count,
+                      plan["n_slots"], HASH_ID_XXH64, 0, block_size, plan["n_blocks"], plan["rows_offset"],
+                      plan["slots_offset"], plan["checksums_offset"], plan["file_size"], lineage,
+                      len(schema_json))
+    header[_HEADER.size:_HEADER.size + len(schema_json)] = schema_json
+    checksum_out[0] = checksum(header[:_HEADER_CHECKSUM_AT])
+    _U64.pack_into(header, _HEADER_CHECKSUM_AT, checksum_out[0])
+    return bytes(header)
+
+
+cdef bytes footer_bytes(uint64_t table_checksum, uint64_t file_size, uint64_t header_checksum,
+                        uint32_t max_displacement):
+    footer = bytearray(FOOTER_SIZE)
+    _FOOTER.pack_into(footer, 0, FOOTER_MAGIC, table_checksum, file_size, header_checksum, max_displacement)
+    _U64.pack_into(footer, _FOOTER_CHECKSUM_AT, checksum(footer[:_FOOTER_CHECKSUM_AT]))
+    return bytes(footer)
+
+
+# -- the header ---------------------------------------------------------------------------
+@cython.final
+cdef class SnapshotHeader:
+    """The checked header of a snapshot (:func:`read_snapshot_header`); immutable.
+
+    ``lineage`` is the 16 bytes the writer was given; the store writes its commit id first,
+    which ``commit_id`` returns.
+    """
+
+    @property
+    def commit_id(self):
+        """lineage[:8]."""
+        return self.lineage[:8]
+
+    def __repr__(self):
+        return (f"SnapshotHeader(store_version={self.store_version}, lineage={self.lineage.hex()}, "
+                f"row_count={self.row_count}, key_width={self.key_width}, "
+                f"value_width={self.value_width}, file_size={self.file_size})")
+
+
+def read_snapshot_header(data, path=None):
+    """Check and decode the header page of a snapshot.
+
+    Checks everything the header alone decides: magic, format version, header checksum,
+    header size, hash id, reserved field, widths, and every size and offset against each
+    other (a reader then checks them against the file and its footer).
+
+    Parameters
+    ----------
+    data : bytes-like
+        At least the first HEADER_SIZE bytes of the file; bytes after them are ignored.
+    path : str, optional
+        The name errors give.
+
+    Returns
+    -------
+    SnapshotHeader
+
+    Raises
+    ------
+    StateCorruptionError
+        Fewer than HEADER_SIZE bytes ("truncated"), or any check failed.
+    """
+    name = os.fspath(path) if path is not None else "<snapshot bytes>"
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise StateCorruptionError(name, len(view), f"truncated: the header needs {HEADER_SIZE} bytes, "
+                                                    f"the file ends after {len(view)}")
+    header = bytes(view[:HEADER_SIZE])
+
+    def corrupt(offset, reason):
+        return StateCorruptionError(name, offset, reason)
+
+    if header[:8] != MAGIC:
+        raise corrupt(0, f"bad magic {header[:8]!r} (expected {MAGIC!r}): not a snapshot")
+    (_, version, header_size, kw, vw, key_fp, value_fp, store_version, row_count, n_slots, hash_id,
+     reserved, block_size, n_blocks, rows_offset, slots_offset, checksums_offset, file_size,
+     lineage, json_len) = _HEADER.unpack_from(header)
+    if version != FORMAT_VERSION:
+        raise corrupt(8, f"unknown snapshot format version {version} "
+                         f"(this reader knows version {FORMAT_VERSION})")
+    stored = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
+    actual = checksum(header[:_HEADER_CHECKSUM_AT])
+    if stored != actual:
+        raise corrupt(_HEADER_CHECKSUM_AT, f"header checksum mismatch "
+                                           f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    # Sizes and offsets against each other and against the layout (Python ints: no overflow).
+    if header_size != HEADER_SIZE:
+        raise corrupt(12, f"header size {header_size} (expected {HEADER_SIZE})")
+    if hash_id != HASH_ID_XXH64:
+        raise corrupt(64, f"unknown key hash id {hash_id} (this reader knows {HASH_ID_XXH64}, XXH64)")
+    if reserved != 0:
+        raise corrupt(68, f"reserved header field is {reserved}, not 0")
+    if kw == 0:
+        raise corrupt(16, "key width is 0")
+    if row_count > MAX_ROWS:
+        raise corrupt(48, f"row count {row_count} is more than a snapshot holds ({MAX_ROWS})")
+    if n_slots < MIN_SLOTS or not _is_pow2(n_slots):
+        raise corrupt(56, f"slot count {n_slots} is not a power of two >= {MIN_SLOTS}")
+    if n_slots < _probe.slots_for(row_count, MIN_SLOTS):
+        raise corrupt(56, f"{n_slots} slots cannot hold {row_count} rows at 3/4 load")
+    if not is_block_size(block_size):
+        raise corrupt(72, f"block size {block_size} is not a power of two in "
+                          f"[{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+    if rows_offset != HEADER_SIZE:
+        raise corrupt(84, f"rows section at byte {rows_offset} (expected {HEADER_SIZE})")
+    plan = layout(row_count, kw, vw, block_size, n_slots)
+    if slots_offset != plan["slots_offset"]:
+        raise corrupt(92, f"slots section at byte {slots_offset} (expected {plan['slots_offset']}: "
+                          f"{row_count} rows of {kw + vw} bytes end at byte {plan['rows_end']})")
+    if checksums_offset != plan["checksums_offset"]:
+        raise corrupt(100, f"checksums section at byte {checksums_offset} "
+                           f"(expected {plan['checksums_offset']})")
+    if n_blocks != plan["n_blocks"]:
+        raise corrupt(76, f"{n_blocks} blocks (expected {plan['n_blocks']} of {block_size} bytes)")
+    if file_size != plan["file_size"]:
+        raise corrupt(108, f"the sections end at byte {plan['file_size'] - FOOTER_SIZE}, but the footer "
+                           f"is at byte {file_size - FOOTER_SIZE}")
+    if json_len > _MAX_SCHEMA_JSON:
+        raise corrupt(132, f"schema description of {json_len} bytes does not fit the header")
+    try:
+        described = json.loads(header[_HEADER.size:_HEADER.size + json_len].decode("utf-8"))
+        key_schema = RowSchema.from_description(described["key"])
+        value_schema = RowSchema.from_description(described["value"])
+    except Exception as e:  # behind a valid checksum: only a broken writer gets here
+        raise corrupt(_HEADER.size, f"unreadable schema description: {e!r}") from None
+    if key_schema.width != kw or value_schema.width != vw:
+        raise corrupt(_HEADER.size, f"the schema description gives rows of {key_schema.width} + "
+                                    f"{value_schema.width} bytes, the header {kw} + {vw}")
+    if key_schema.fingerprint != key_fp or value_schema.fingerprint != value_fp:
+        raise corrupt(_HEADER.size, "the schema description does not match the header's fingerprints")
+    cdef SnapshotHeader h = SnapshotHeader.__new__(SnapshotHeader)
+    h.store_version = store_version
+    h.lineage = lineage
+    h.row_count = row_count
+    h.key_width = kw
+    h.value_width = vw
+    h.key_fingerprint = key_fp
+    h.value_fingerprint = value_fp
+    h.key_schema = key_schema
+    h.value_schema = value_schema
+    h.file_size = file_size
+    h.n_slots = n_slots
+    h.block_size = block_size
+    h.n_blocks = n_blocks
+    h.rows_offset = rows_offset
+    h.slots_offset = slots_offset
+    h.checksums_offset = checksums_offset
+    h.checksum = stored
+    return h
+
+
+cdef SnapFooter check_footer(bytes footer, size, SnapshotHeader h, path) except *:
+    """Check the footer of a file of ``size`` bytes against itself, the file and the checked
+    header ``h``; StateCorruptionError naming ``path`` if anything is wrong."""
+    cdef SnapFooter f
+    if h.file_size != size:
+        raise StateCorruptionError(path, 108, f"the header says the file is {h.file_size} bytes, "
+                                              f"but it is {size} bytes")
+    footer_at = size - FOOTER_SIZE
+    if footer[:8] != FOOTER_MAGIC:
+        raise StateCorruptionError(path, footer_at, f"bad footer magic {footer[:8]!r} "
+                                                    f"(expected {FOOTER_MAGIC!r})")
+    stored = _U64.unpack_from(footer, _FOOTER_CHECKSUM_AT)[0]
+    actual = checksum(footer[:_FOOTER_CHECKSUM_AT])
+    if stored != actual:
+        raise StateCorruptionError(path, footer_at + _FOOTER_CHECKSUM_AT, f"footer checksum mismatch "
+                                   f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    _, table_checksum, file_size, header_checksum, max_displacement = _FOOTER.unpack_from(footer)
+    if file_size != size:
+        raise StateCorruptionError(path, footer_at + 16, f"the footer says the file is {file_size} "
+                                                         f"bytes, but it is {size} bytes")
+    if header_checksum != h.checksum:
+        raise StateCorruptionError(path, footer_at + 24, "the footer belongs to another header")
+    if max_displacement >= h.n_slots:
+        raise StateCorruptionError(path, footer_at + 32, f"max displacement {max_displacement} is not "
+                                                         f"below the {h.n_slots} slots")
+    f.table_checksum = table_checksum
+    f.checksum = stored
+    f.max_displacement = max_displacement
+    return f

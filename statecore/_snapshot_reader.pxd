@@ -1,0 +1,46 @@
+# cython: language_level=3
+"""SnapshotReader: a snapshot memory-mapped and probed in place (see _snapshot_reader.pyx)."""
+cimport cython
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+from statecore._mapping cimport Mapping
+from statecore._snapshot_image cimport SnapError, SnapLayout
+
+
+@cython.final
+cdef class SnapshotReader:
+    cdef readonly object path
+    cdef readonly object key_schema
+    cdef readonly object value_schema
+    cdef readonly bytes lineage
+    cdef readonly uint64_t store_version
+    cdef readonly uint64_t row_count
+    cdef readonly uint64_t file_size
+    cdef readonly uint64_t n_slots
+    cdef readonly uint64_t n_blocks
+    cdef readonly uint32_t block_size
+    cdef readonly uint32_t max_displacement
+    cdef readonly Py_ssize_t key_width
+    cdef readonly Py_ssize_t value_width
+    cdef readonly Py_ssize_t row_width
+
+    cdef readonly object header         # the SnapshotHeader read_snapshot_header checked
+    cdef Mapping _mapping               # None once closed; each call holds its own reference
+    cdef bint _closed
+    cdef SnapLayout layout              # base is NULL here: see SnapLayout
+    cdef uint8_t* verified
+    cdef uint8_t table_ok
+
+    cdef object _corrupt(self, offset, reason)
+    cdef object _open(self, int fd, size, key_schema, value_schema, expected_lineage)
+    cdef Mapping _acquire(self)
+    cdef SnapLayout _layout_of(self, Mapping mapping)
+    cdef object _raise_truncated(self, Mapping mapping)
+    cdef object _raise_for(self, const SnapError* err)
+
+
+@cython.final
+cdef class SnapshotCursor:
+    cdef SnapshotReader reader
+    cdef uint64_t pos
+    cdef uint64_t end
