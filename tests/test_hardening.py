@@ -40,7 +40,7 @@ KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])
 KEY_SPACE = 40
 SCHEMA_FILE = "_statecore.schema.json"
-DELTA_LINEAGE_OFFSET = 48  # own id at 48..56, parent id at 56..64 (statecore/_delta.pyx)
+DELTA_LINEAGE_OFFSET = 48  # own id at 48..56, parent id at 56..64 (docs/formats.md, Delta)
 WAIT_S = 20.0
 
 _VERSION_FILE = re.compile(r"^([0-9]+)(?:_([0-9a-f]{16}))?\.(delta|snapshot)$")
