@@ -26,7 +26,7 @@ import statecore
 import statecore.errors
 import statecore.files
 from tests.store_support import contents, store_dir
-from statecore import (IllegalStateError, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
+from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
 from statecore.files import FaultInjectingFiles, StoreFiles
 from statecore.layers import FrozenView, State

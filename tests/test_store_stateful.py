@@ -19,10 +19,9 @@ import shutil
 import tempfile
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.store_support import contents
 from statecore import (StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,

@@ -24,7 +24,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 import two_writers_worker as ww
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
