@@ -29,6 +29,7 @@ import pytest
 
 import statecore
 from statecore import errors, rpc
+from statecore.rpc import handshake, wire
 from statecore.coordinator import GetLocation, ProviderId, StateStoreCoordinator
 from statecore.epoch import GetCurrentEpoch
 from statecore.errors import AuthenticationError, StateStoreError
@@ -438,8 +439,8 @@ def test_random_values_round_trip_alone_and_in_envelopes(rand):
         assert same(decode_value(data), as_sent(value)), (rand, i, value)
         request_id = int(rand.integers(0, 2**64, dtype=np.uint64))
         name = "é✓ndpoint"[:int(rand.integers(1, 9))]
-        body = rpc._frame(rpc._Ask(request_id, name, value))[4:]
-        envelope = rpc._decode(rpc._server_envelopes, body)
+        body = wire._frame(wire._Ask(request_id, name, value))[4:]
+        envelope = wire._decode(wire._server_envelopes, body)
         assert (envelope.request_id, envelope.endpoint) == (request_id, name), (rand, i)
         assert same(decode_value(envelope.message), as_sent(value)), (rand, i, value)
     assert max(sizes) > 4096 and min(sizes) == 1
@@ -454,6 +455,7 @@ FUZZ_DRIVER = r'''
 import json, sys
 from typing import Any
 from statecore import rpc
+from statecore.rpc import handshake, wire
 from statecore.coordinator import CoordinatorMessage
 from statecore.epoch import EpochMessage
 
@@ -465,7 +467,7 @@ for i, (what, hex_data) in enumerate(cases):
     results = []
     try:
         if what == "request":
-            envelope = rpc._decode(rpc._server_envelopes, data)
+            envelope = wire._decode(wire._server_envelopes, data)
             results.append("ok")
             for t in TYPES:
                 try:
@@ -474,10 +476,10 @@ for i, (what, hex_data) in enumerate(cases):
                 except rpc.RpcProtocolError:
                     results.append("error")
         elif what == "reply":  # a client decodes the whole reply at once
-            rpc._decode(rpc._client_envelopes, data)
+            wire._decode(wire._client_envelopes, data)
             results.append("ok")
         else:
-            rpc._decode({"hello": rpc._HELLO, "proof": rpc._PROOF, "answer": rpc._ANSWER}[what], data)
+            wire._decode({"hello": handshake._HELLO, "proof": handshake._PROOF, "answer": handshake._ANSWER}[what], data)
             results.append("ok")
     except rpc.RpcProtocolError:
         results.append("error")
@@ -537,13 +539,13 @@ def sample_messages(rng):
              CommitPartitionEpoch(int(rng.integers(9)), int(rng.integers(9)), value), GetCurrentEpoch()]
     message = typed[int(rng.integers(len(typed)))] if rng.random() < 0.5 else value
     return [
-        ("request", pack(rpc._Ask(request_id, "rec", message))),
-        ("request", pack(rpc._Send("rec", message))),
-        ("reply", pack(rpc._Reply(request_id, value))),
-        ("reply", pack(rpc._Error(request_id, "EndpointNotFound", "KeyError", "text", "traceback"))),
-        ("hello", pack(rpc._Hello(PROTOCOL, os.urandom(32)))),
-        ("proof", pack(rpc._Proof(PROTOCOL, os.urandom(32), 1 << 20, os.urandom(32)))),
-        ("answer", pack(rpc._Accepted(1 << 20, os.urandom(32)))),
+        ("request", pack(wire._Ask(request_id, "rec", message))),
+        ("request", pack(wire._Send("rec", message))),
+        ("reply", pack(wire._Reply(request_id, value))),
+        ("reply", pack(wire._Error(request_id, "EndpointNotFound", "KeyError", "text", "traceback"))),
+        ("hello", pack(handshake._Hello(PROTOCOL, os.urandom(32)))),
+        ("proof", pack(handshake._Proof(PROTOCOL, os.urandom(32), 1 << 20, os.urandom(32)))),
+        ("answer", pack(handshake._Accepted(1 << 20, os.urandom(32)))),
     ]
 
 
@@ -582,7 +584,7 @@ def bad_frames(rng):
     while len(cases) < 12:  # garbage: bodies that are no envelope
         body = rng.integers(0, 256, size=int(rng.integers(1, 64)), dtype=np.uint8).tobytes()
         try:
-            rpc._decode(rpc._server_envelopes, body)
+            wire._decode(wire._server_envelopes, body)
         except RpcProtocolError:
             cases.append(("garbage", frame(body)))
     good = pack([SEND, "tally", ["x", 1]])
@@ -1496,7 +1498,7 @@ def test_the_acceptor_survives_threads_that_fail_to_start(make_env, logs, monkey
     env = make_env()
     env.setup_endpoint("rec", Recorder())
     threads = FailingThreads(3)
-    monkeypatch.setattr(rpc, "threading", threads)
+    monkeypatch.setattr(rpc.server, "threading", threads)
     for _ in range(3):
         with raw_connect(env) as sock:
             sock.settimeout(5)
