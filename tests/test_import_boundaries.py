@@ -157,3 +157,17 @@ def test_the_public_name_rule_itself():
     assert not _is_public("statecore.registry._lock")
     assert not _is_public("statecore.epoch.EpochCoordinatorRef._ask")
     assert not _is_public("statecore._hash")
+
+
+def test_the_wheel_lists_every_package():
+    """An editable install imports any folder, a wheel only the packages pyproject.toml lists:
+    a package left off the list works here and is missing on the executors."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = set()
+    for top in ("statecore", "pyspark_glue"):
+        for folder, _dirs, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files and "__pycache__" not in folder:
+                found.add(os.path.relpath(folder, ROOT).replace(os.sep, "."))
+    assert found == listed
