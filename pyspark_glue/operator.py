@@ -9,179 +9,50 @@ checkpoint files beside the stores in :mod:`pyspark_glue.operator_files`, findin
 streaming query's run in :mod:`pyspark_glue.query_runs`.
 """
 import contextlib
-import dataclasses
 import json
 import logging
 import threading
 import time
 import uuid
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from statecore import registry
 from statecore.conf import StateStoreConf
 from statecore.lineage import ROOT_COMMIT_ID
 from statecore.metrics import StateStoreMetrics
 from statecore.schema import key_value_schemas
 
-from pyspark_glue import executor, operator_files, query_runs
-from pyspark_glue.arrow import conform_output, output_schemas
+from pyspark_glue import operator_files, query_runs
+from pyspark_glue.arrow import output_schemas
 from pyspark_glue.checkpoint import CheckpointFiles
+from pyspark_glue.event_time import Watermarks, check_event_time_column, next_watermark_ms, parse_duration_us
+from pyspark_glue.operator_task import (PARTITION_COLUMN, STATUS_DDL, PartitionTask, StoreSpec,
+                                        partition_function)
 from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
 
 __all__ = ["StatefulOperator", "PARTITION_COLUMN"]
 
 log = logging.getLogger(__name__)
 
-# The partition each row's key hashes to, computed by Spark after the operator's repartition
-# and checked in the task (then dropped): a wrong routing fails the task instead of updating
-# another partition's keys.
-PARTITION_COLUMN = "__statecore_partition"
 _PROVIDER_CLASS_KEY = "spark.sql.streaming.stateStore.providerClass"
 _SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 _ADAPTIVE = "spark.sql.adaptive.enabled"
+_FROM_FN = object()  # an argument left out: taken from fn's attribute of the same name
 
-# -- the task ----------------------------------------------------------------------------------
+def _as_millis(when):
+    """A watermark given by the user: a ``datetime`` (naive: UTC) or int milliseconds."""
+    import datetime
 
-_STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
-               "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
-               "write_s double, commit_s double, custom_metrics string, commit_id string, base_commit_id string")
-_STATUS_SCHEMA = pa.schema([
-    ("partition_id", pa.int32()), ("rows_in", pa.int64()), ("batches_in", pa.int32()), ("rows_out", pa.int64()),
-    ("num_keys", pa.int64()), ("memory_used_bytes", pa.int64()), ("already_loaded", pa.bool_()),
-    ("worker", pa.string()), ("open_s", pa.float64()), ("fn_s", pa.float64()), ("write_s", pa.float64()),
-    ("commit_s", pa.float64()), ("custom_metrics", pa.string()), ("commit_id", pa.string()),
-    ("base_commit_id", pa.string()),
-])
-
-
-@dataclasses.dataclass(frozen=True)
-class _PartitionTask:
-    """Everything a task needs; pickled into the job (nothing here needs the caller's module)."""
-
-    state_info: StatefulOperatorStateInfo
-    store_name: str
-    key_dtype: np.dtype
-    value_dtype: np.dtype
-    conf: StateStoreConf
-    fn: object
-    arrow_schema: object  # pyarrow.Schema of the output, or None
-    output_dir: str  # where part-<p>.parquet goes, or None
-    coordinator_address: tuple
-    authkey: bytes
-    generation: int
+    if isinstance(when, datetime.datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return int(when.timestamp() * 1000)
+    if isinstance(when, int) and not isinstance(when, bool) and when >= 0:
+        return when
+    raise TypeError(f"advance_watermark_to must be a datetime or int milliseconds >= 0, got {when!r}")
 
 
-_generations = {}  # provider id -> generation of the last task that used it in this process
-_generations_lock = threading.Lock()
-
-
-def _retire_stale_instances(task, provider_id, coordinator):
-    """Unload what this worker must not reuse: other runs' instances of the same store, and
-    this run's instance if it was used before a re-execution (another generation) or the
-    coordinator says another worker loaded the store since."""
-    for other in executor.unload_other_runs(provider_id):
-        with _generations_lock:
-            _generations.pop(other, None)
-    with _generations_lock:
-        previous = _generations.get(provider_id)
-        _generations[provider_id] = task.generation
-    if not registry.is_loaded(provider_id):
-        return
-    stale = previous != task.generation
-    if not stale and coordinator is not None:
-        stale = not coordinator.verify_if_instance_active(provider_id, executor.worker_executor_id())
-    if stale:
-        log.info("reloading %s from files (a batch was re-executed, or another worker loaded it since)",
-                 provider_id.store_id)
-        registry.unload(provider_id)
-
-
-def _write_output(task, partition_id, batches):
-    files = CheckpointFiles(task.output_dir, task.conf.storage_options, task.conf.local_cache_dir)
-
-    def write(f):
-        writer = pq.ParquetWriter(f, task.arrow_schema)
-        for batch in batches:
-            writer.write_batch(batch)
-        writer.close()
-
-    files.write_atomic(f"part-{partition_id:05d}.parquet", write)
-
-
-def _checked_partition(batch, partition_id):
-    """``batch`` without :data:`PARTITION_COLUMN`, after checking that every row's key hashes to
-    ``partition_id``: a row in another partition's task would update the wrong store."""
-    i = batch.schema.get_field_index(PARTITION_COLUMN)
-    if i < 0:
-        raise RuntimeError(f"the operator's column {PARTITION_COLUMN} is missing from the task's rows")
-    routed = batch.column(i).to_numpy(zero_copy_only=False)
-    if len(routed) and (routed.min() != partition_id or routed.max() != partition_id):
-        other = int(routed[routed != partition_id][0])
-        raise RuntimeError(
-            f"rows of state partition {other} reached the task of partition {partition_id}: the job's partitioning "
-            f"was changed after the operator's repartition (by adaptive execution or a rule that merges or splits "
-            f"shuffle partitions); no store was changed")
-    return batch.remove_column(i)
-
-
-def _run_partition(task, batches):
-    """The body of partition ``p``'s task (``docs/operator.md``, step 3)."""
-    from pyspark import TaskContext
-
-    started = time.perf_counter()
-    partition_id = TaskContext.get().partitionId()
-    coordinator = executor.ensure_worker_registry(task.coordinator_address, task.authkey)
-    provider_id = task.state_info.provider_id(partition_id, task.store_name)
-    _retire_stale_instances(task, provider_id, coordinator)
-    store, already_loaded = executor.open_store(provider_id, task.key_dtype, task.value_dtype,
-                                                task.state_info.store_version, task.conf,
-                                                commit_id=task.state_info.commit_id(partition_id))
-    opened = time.perf_counter()
-    fn = task.fn
-    outputs, rows_in, batches_in = [], 0, 0
-    try:
-        for batch in batches:
-            batch = _checked_partition(batch, partition_id)
-            rows_in += batch.num_rows
-            batches_in += 1
-            out = fn(store, batch)
-            if out is not None:
-                outputs += conform_output(out, task.arrow_schema, "fn")
-        finish = getattr(fn, "finish", None)
-        if callable(finish):
-            out = finish(store)
-            if out is not None:
-                outputs += conform_output(out, task.arrow_schema, "fn.finish")
-        ran = time.perf_counter()
-        if task.output_dir is not None:
-            _write_output(task, partition_id, outputs)
-        written = time.perf_counter()
-        store.commit()
-    except BaseException:
-        if not store.has_committed:
-            store.abort()
-        raise
-    committed = time.perf_counter()
-    metrics = store.metrics
-    status = {
-        "partition_id": [partition_id], "rows_in": [rows_in], "batches_in": [batches_in],
-        "rows_out": [sum(b.num_rows for b in outputs)], "num_keys": [metrics.num_keys],
-        "memory_used_bytes": [metrics.memory_used_bytes], "already_loaded": [already_loaded],
-        "worker": [executor.worker_executor_id()], "open_s": [opened - started], "fn_s": [ran - opened],
-        "write_s": [written - ran], "commit_s": [committed - written],
-        "custom_metrics": [json.dumps(metrics.custom_metrics)], "commit_id": [store.commit_id],
-        "base_commit_id": [store.base_commit_id],
-    }
-    yield pa.RecordBatch.from_pydict(status, schema=_STATUS_SCHEMA)
-
-
-def _partition_function(task):
-    def run_partition(batches):
-        return _run_partition(task, batches)
-    return run_partition
+def _from_fn(fn, name, given):
+    """An operator argument: as given, or (left out) ``fn``'s attribute of the same name."""
+    return getattr(fn, name, None) if given is _FROM_FN else given
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -251,22 +122,24 @@ class StatefulOperator:
         ``re_execution``, ``seconds``, and ``partitions`` (the per-partition status rows).
     """
 
-    def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns, key_schema, value_schema,
-                 fn, output_schema, conf=None, *, store_name="default", coordinator=True, query_run_id=None,
-                 output_batches_to_retain=2):
+    def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
+                 value_schema=_FROM_FN, fn=None, output_schema=_FROM_FN, conf=None, *, store_name="default",
+                 coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=_FROM_FN,
+                 delay=_FROM_FN):
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
             raise ValueError(f"operator_id must be an int >= 0, got {operator_id!r}")
         if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
             raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
-        if isinstance(key_columns, str):
-            key_columns = [key_columns]
-        key_columns = list(key_columns)
-        if not key_columns or not all(isinstance(c, str) for c in key_columns):
-            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        key_columns = _from_fn(fn, "key_columns", key_columns)
+        if isinstance(key_columns, str):
+            key_columns = [key_columns]
+        key_columns = list(key_columns or ())
+        if not key_columns or not all(isinstance(c, str) for c in key_columns):
+            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
         if not isinstance(output_batches_to_retain, int) or output_batches_to_retain < 1:
             raise ValueError(f"output_batches_to_retain must be an int >= 1, got {output_batches_to_retain!r}")
         if query_run_id is not None and not isinstance(query_run_id, uuid.UUID):
@@ -275,12 +148,22 @@ class StatefulOperator:
         self.operator_id = operator_id
         self.num_partitions = num_partitions
         self.key_columns = key_columns
-        self.key_schema, self.value_schema = key_value_schemas(key_schema, value_schema)
         self.fn = fn
+        self._key_schema_arg = key_schema
+        self._value_schema_arg = value_schema
+        self.key_schema = self.value_schema = None
+        self._take_schemas()
+        self.event_time = _from_fn(fn, "event_time", event_time)
+        if self.event_time is not None and not isinstance(self.event_time, str):
+            raise TypeError(f"event_time must be a column name, got {type(self.event_time).__name__}")
+        delay = _from_fn(fn, "delay", delay)
+        if self.event_time is not None and delay is None:
+            raise ValueError(f"an event-time column ('{self.event_time}') needs a watermark delay")
+        self.delay_us = None if delay is None else parse_duration_us(delay, "the watermark delay")
         self.store_name = store_name
         self.output_batches_to_retain = output_batches_to_retain
         self.last_progress = None
-        self._output_schema_arg = output_schema
+        self._output_schema_arg = _from_fn(fn, "output_schema", output_schema)
         self._conf_arg = conf
         self._coordinator_arg = coordinator
         self._own_run_id = query_run_id or uuid.uuid4()
@@ -291,6 +174,17 @@ class StatefulOperator:
         self._current_run = None
         self._listener = None  # (session, listener)
         self._closed = False
+
+    def _take_schemas(self):
+        """The key and value schemas: the arguments, else ``fn``'s attributes (None while a
+        built-in has not resolved them from the input's columns)."""
+        key = _from_fn(self.fn, "key_schema", self._key_schema_arg)
+        value = _from_fn(self.fn, "value_schema", self._value_schema_arg)
+        if key is not None and value is not None:
+            self.key_schema, self.value_schema = key_value_schemas(key, value)
+        elif key is not None or value is not None or not callable(getattr(self.fn, "resolve_schemas", None)):
+            missing = "key_schema" if key is None else "value_schema"
+            raise ValueError(f"no {missing}: pass it, or give fn an attribute of that name")
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -332,15 +226,28 @@ class StatefulOperator:
         ship_function_module(self.fn)
         self._resolved = True
 
-    def _metadata(self, df):
-        types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
-        missing = [c for c in self.key_columns if c not in types]
+    def _resolve_input(self, df):
+        """Checks of the input before any store changes: the key columns and the event-time
+        column are there (the latter a timestamp); a built-in given only column names takes
+        its schemas from the first batch's (``fn.resolve_schemas``)."""
+        missing = [c for c in self.key_columns if c not in df.columns]
         if missing:
             raise ValueError(f"key column '{missing[0]}' is not in the DataFrame (columns: {df.columns})")
-        return {"format": operator_files.METADATA_FORMAT, "operator_id": self.operator_id,
-                "num_partitions": self.num_partitions, "key_columns": self.key_columns,
-                "key_column_types": [types[c] for c in self.key_columns], "store_name": self.store_name,
-                "key_schema": self.key_schema.describe(), "value_schema": self.value_schema.describe()}
+        if self.event_time is not None:
+            check_event_time_column(df.schema, self.event_time)
+        if self.key_schema is None:
+            self.fn.resolve_schemas(df.schema)
+            self._take_schemas()
+
+    def _metadata(self, df):
+        types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
+        metadata = {"format": operator_files.METADATA_FORMAT, "operator_id": self.operator_id,
+                    "num_partitions": self.num_partitions, "key_columns": self.key_columns,
+                    "key_column_types": [types[c] for c in self.key_columns], "store_name": self.store_name,
+                    "key_schema": self.key_schema.describe(), "value_schema": self.value_schema.describe()}
+        if self.event_time is not None:
+            metadata["event_time"] = self.event_time
+        return metadata
 
     def _check_metadata(self, df):
         ours = self._metadata(df)  # also checks the key columns of every batch
@@ -419,9 +326,14 @@ class StatefulOperator:
 
     # -- a micro-batch -------------------------------------------------------------------------------
 
-    def process(self, df, batch_id):
+    def process(self, df, batch_id, *, advance_watermark_to=None):
         """Run micro-batch ``batch_id`` of ``df`` through the operator (one Spark job) and
         return its output as a DataFrame read from the materialized files.
+
+        With an event-time column, ``advance_watermark_to`` (a ``datetime`` or int
+        milliseconds) raises the batch's eviction watermark to at least that: given an empty
+        ``df`` at the end of a bounded run, it closes what the watermark would close once
+        later data came (``docs/event-time.md``, "Flushing").
 
         Raises
         ------
@@ -440,28 +352,32 @@ class StatefulOperator:
         begun = time.perf_counter()
         spark = df.sparkSession
         self._resolve(spark)
+        self._resolve_input(df)
         self._check_metadata(df)
         run_id, generation, re_execution = self._run_for(df, batch_id)
         records = self.commit_log()
         recorded = records.epochs()
         records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them
+        previous = None if batch_id == 0 else self.commit_record(batch_id - 1)
         state_info = StatefulOperatorStateInfo(self.checkpoint_location, run_id, self.operator_id, batch_id,
-                                               self.num_partitions, self._base_commit_ids(batch_id))
+                                               self.num_partitions, self._base_commit_ids(batch_id, previous))
         output_dir = self.output_dir(batch_id) if self._arrow_schema is not None else None
         coordinator = self.coordinator
-        task = _PartitionTask(
+        watermarks = self._watermarks(batch_id, previous, advance_watermark_to)
+        task = PartitionTask(
             state_info=state_info, store_name=self.store_name, key_dtype=self.key_schema.dtype,
-            value_dtype=self.value_schema.dtype, conf=self.conf, fn=self.fn, arrow_schema=self._arrow_schema,
-            output_dir=output_dir,
+            value_dtype=self.value_schema.dtype, extra_stores=self._extra_stores(batch_id, previous), conf=self.conf,
+            fn=self.fn, arrow_schema=self._arrow_schema, output_dir=output_dir,
             coordinator_address=None if coordinator is None else tuple(coordinator.address),
-            authkey=None if coordinator is None else coordinator.authkey, generation=generation)
+            authkey=None if coordinator is None else coordinator.authkey, generation=generation,
+            event_time=self.event_time, watermarks=watermarks)
         started = time.perf_counter()
         sc = spark.sparkContext
         description = sc.getLocalProperty("spark.job.description")  # streaming sets one per batch
         sc.setJobDescription(f"statecore operator {self.operator_id} batch {batch_id}")
         try:
             with _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
-                rows = self._routed(df).mapInArrow(_partition_function(task), _STATUS_DDL).collect()
+                rows = self._routed(df).mapInArrow(partition_function(task), STATUS_DDL).collect()
         finally:
             sc.setJobDescription(description)
         seconds = time.perf_counter() - started
@@ -470,9 +386,9 @@ class StatefulOperator:
         if seen != list(range(self.num_partitions)):
             raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: expected one task per partition "
                                f"0..{self.num_partitions - 1}, got partitions {seen}")
-        self._record_batch(records, state_info, statuses)
+        self._record_batch(records, state_info, statuses, watermarks)
         records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
-        self._record_progress(batch_id, run_id, statuses, re_execution, seconds)
+        self._record_progress(batch_id, run_id, statuses, re_execution, seconds, watermarks)
         oldest_kept = batch_id - self.output_batches_to_retain + 1
         if oldest_kept > 0:
             operator_files.delete_outputs_before(self.operator_dir, oldest_kept, self.conf.storage_options)
@@ -500,29 +416,73 @@ class StatefulOperator:
         tuples, one id per partition), or None if there is none."""
         return operator_files.read_commit_record(self.commit_log(), batch_id)
 
-    def _base_commit_ids(self, batch_id):
-        """Per partition, the attempt of version ``batch_id`` the batch's tasks open: the
-        winners recorded for ``batch_id - 1``; None (the default lineage) without a record."""
+    def _base_commit_ids(self, batch_id, previous, store_name=None):
+        """Per partition, the attempt of version ``batch_id`` the batch's tasks open for the
+        default store (or ``store_name``): the winners in ``previous``, the record of
+        ``batch_id - 1``; None (the default lineage) without one."""
         if batch_id == 0:
             return (ROOT_COMMIT_ID.hex(),) * self.num_partitions
-        record = self.commit_record(batch_id - 1)
-        if record is None:
-            log.info("operator %s: no record of batch %d under %s; batch %d opens the default lineage",
-                     self.operator_id, batch_id - 1, self.commit_log().location, batch_id)
+        if previous is None:
+            if store_name is None:
+                log.info("operator %s: no record of batch %d under %s; batch %d opens the default lineage",
+                         self.operator_id, batch_id - 1, self.commit_log().location, batch_id)
             return None
-        return record["commit_ids"]
+        if store_name is None:
+            return previous["commit_ids"]
+        return previous["store_commit_ids"].get(store_name)
 
-    def _record_batch(self, records, state_info, statuses):
-        """Write the record of the batch whose job just succeeded: each partition's winner."""
+    def _extra_stores(self, batch_id, previous):
+        """The :class:`StoreSpec` of each store ``fn.state_stores`` declares, at the attempts
+        the previous batch recorded."""
+        declared = getattr(self.fn, "state_stores", None) or {}
+        specs = []
+        for name, (key, value) in sorted(declared.items()):
+            if name == self.store_name:
+                raise ValueError(f"fn.state_stores names the operator's own store {name!r}")
+            key, value = key_value_schemas(key, value)
+            specs.append(StoreSpec(name, key.dtype, value.dtype, self._base_commit_ids(batch_id, previous, name)))
+        return tuple(specs)
+
+    def _watermarks(self, batch_id, previous, advance_to):
+        """The batch's two watermarks (None without an event-time column): the previous
+        batch's eviction watermark for late rows, and for eviction that one advanced by the
+        previous batch's largest event time less the delay (``docs/event-time.md``)."""
+        if self.event_time is None:
+            if advance_to is not None:
+                raise ValueError("advance_watermark_to needs an event-time column")
+            return None
+        if previous is None or previous.get("watermarks") is None:
+            if batch_id > 0:
+                log.info("operator %s: no watermark recorded for batch %d; batch %d starts from 0",
+                         self.operator_id, batch_id - 1, batch_id)
+            late = eviction = 0
+        else:
+            late = previous["watermarks"]["for_eviction_ms"]
+            eviction = next_watermark_ms(late, previous["watermarks"]["max_event_time_us"], self.delay_us)
+        if advance_to is not None:
+            eviction = max(eviction, _as_millis(advance_to))
+        return Watermarks(late, eviction)
+
+    def _record_batch(self, records, state_info, statuses, watermarks):
+        """Write the record of the batch whose job just succeeded: each partition's winner
+        of each store, and the batch's watermarks and largest event time."""
         batch_id = state_info.store_version
         if state_info.commit_ids is not None:
             opened = tuple(s["base_commit_id"] for s in statuses)
             if opened != state_info.commit_ids:
                 raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: the tasks opened version "
                                    f"{batch_id} at {opened}, not at the recorded {state_info.commit_ids}")
+        per_store = [json.loads(s["store_commit_ids"]) for s in statuses]
+        store_commit_ids = {name: [ids[name][1] for ids in per_store] for name in (per_store[0] if per_store else {})}
+        marks = None
+        if watermarks is not None:
+            maxima = [s["max_event_time_us"] for s in statuses if s["max_event_time_us"] is not None]
+            marks = {"for_late_events_ms": watermarks.for_late_events, "for_eviction_ms": watermarks.for_eviction,
+                     "max_event_time_us": max(maxima) if maxima else None}
         records.write(batch_id, operator_files.commit_record(
             batch_id, self.num_partitions, self.store_name, state_info.query_run_id,
-            [s["commit_id"] for s in statuses], [s["base_commit_id"] for s in statuses]))
+            [s["commit_id"] for s in statuses], [s["base_commit_id"] for s in statuses],
+            store_commit_ids=store_commit_ids, watermarks=marks))
 
     def _routed(self, df):
         """``df`` (after ``fn.prepare``, if any) hash-partitioned by the key columns into the
@@ -540,7 +500,7 @@ class StatefulOperator:
         return (df.repartition(self.num_partitions, *self.key_columns)
                 .withColumn(PARTITION_COLUMN, F.expr(f"pmod(hash({keys}), {self.num_partitions})")))
 
-    def _record_progress(self, batch_id, run_id, statuses, re_execution, seconds):
+    def _record_progress(self, batch_id, run_id, statuses, re_execution, seconds, watermarks):
         metrics = StateStoreMetrics.combine(
             StateStoreMetrics(s["num_keys"], s["memory_used_bytes"], json.loads(s["custom_metrics"]))
             for s in statuses)
@@ -554,3 +514,10 @@ class StatefulOperator:
             "stores_loaded_from_files": len(statuses) - loaded, "re_execution": re_execution,
             "seconds": seconds, "partitions": statuses,
         }
+        if watermarks is not None:
+            maxima = [s["max_event_time_us"] for s in statuses if s["max_event_time_us"] is not None]
+            self.last_progress.update({
+                "watermark_for_late_events_ms": watermarks.for_late_events,
+                "watermark_for_eviction_ms": watermarks.for_eviction,
+                "max_event_time_ms": max(maxima) // 1000 if maxima else None,
+                "late_rows": sum(s["late_rows"] for s in statuses)})

@@ -73,6 +73,9 @@ def compare_metadata(ours, recorded, operator_location, storage_options=None):
             f"operator {ours['operator_id']}: key columns {ours['key_columns']} have types "
             f"{ours['key_column_types']}, but the checkpoint was written with {recorded.get('key_column_types')}: "
             f"rows would be routed to other partitions; cast them back ({where})")
+    if recorded.get("event_time") != ours.get("event_time"):
+        raise ValueError(f"{op} keeps event time by column {recorded.get('event_time')!r}, not "
+                         f"{ours.get('event_time')!r}: its state expires by that column's watermark ({where})")
     if recorded.get("store_name", "default") != ours["store_name"]:
         raise ValueError(f"{op} uses store name {recorded.get('store_name')!r}, not {ours['store_name']!r} ({where})")
     for part in ("key_schema", "value_schema"):
@@ -87,12 +90,18 @@ def commit_log(operator_location, storage_options=None):
     return EpochLog(f"{operator_location}/{COMMITS_DIR}", storage_options)
 
 
-def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids):
+def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
+                  store_commit_ids=None, watermarks=None):
     """The record of a batch whose job succeeded: each partition's winning attempt of
-    version ``batch_id + 1`` and the attempt of ``batch_id`` it opened."""
+    version ``batch_id + 1`` and the attempt of ``batch_id`` it opened; the winners of the
+    operator's other stores (``{name: [id per partition]}``); with event time, the batch's
+    watermarks and largest event time (``{"for_late_events_ms", "for_eviction_ms",
+    "max_event_time_us"}``)."""
     return {"format": RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
             "num_partitions": num_partitions, "store_name": store_name, "run_id": str(run_id),
-            "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids)}
+            "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids),
+            "store_commit_ids": {name: list(ids) for name, ids in (store_commit_ids or {}).items()},
+            "watermarks": watermarks}
 
 
 def read_commit_record(records, batch_id):
@@ -109,4 +118,15 @@ def read_commit_record(records, batch_id):
         raise ValueError(f"{where} is not the record of batch {batch_id} of a statecore operator")
     for ids in ("commit_ids", "base_commit_ids"):
         record[ids] = checked_commit_ids(record.get(ids), record["num_partitions"], where)
+    others = record.get("store_commit_ids") or {}
+    if not isinstance(others, dict):
+        raise ValueError(f"{where}: store_commit_ids is not a mapping of store names")
+    record["store_commit_ids"] = {name: checked_commit_ids(ids, record["num_partitions"], where)
+                                  for name, ids in others.items()}
+    marks = record.get("watermarks")
+    if marks is not None and (not isinstance(marks, dict) or not all(
+            isinstance(marks.get(k), int) for k in ("for_late_events_ms", "for_eviction_ms"))
+            or not (marks.get("max_event_time_us") is None or isinstance(marks["max_event_time_us"], int))):
+        raise ValueError(f"{where}: watermarks {marks!r} are not a batch's watermarks")
+    record.setdefault("watermarks", None)
     return record

@@ -115,17 +115,17 @@ def test_running_aggregate_merges_partial_aggregates_like_raw_rows(tmp_path):
 
 
 def test_rows_of_another_partition_fail_the_task_before_fn():
-    from pyspark_glue.operator import PARTITION_COLUMN, _checked_partition
+    from pyspark_glue.operator_task import PARTITION_COLUMN, checked_partition
 
     batch = pa.RecordBatch.from_pydict({"user": [1, 2], PARTITION_COLUMN: pa.array([3, 3], pa.int32())})
-    assert _checked_partition(batch, 3).schema.names == ["user"]
+    assert checked_partition(batch, 3).schema.names == ["user"]
     empty = batch.slice(0, 0)
-    assert _checked_partition(empty, 0).num_rows == 0
+    assert checked_partition(empty, 0).num_rows == 0
     wrong = pa.RecordBatch.from_pydict({"user": [1, 2], PARTITION_COLUMN: pa.array([3, 1], pa.int32())})
     with pytest.raises(RuntimeError, match="rows of state partition 1 reached the task of partition 3"):
-        _checked_partition(wrong, 3)
+        checked_partition(wrong, 3)
     with pytest.raises(RuntimeError, match=f"column {PARTITION_COLUMN} is missing"):
-        _checked_partition(pa.RecordBatch.from_pydict({"user": [1]}), 0)
+        checked_partition(pa.RecordBatch.from_pydict({"user": [1]}), 0)
 
 
 # -- on Spark --------------------------------------------------------------------------------------

@@ -1,0 +1,249 @@
+"""The task of a :class:`~pyspark_glue.StatefulOperator` micro-batch: one per state partition.
+
+It checks that its rows were routed to it, opens the partition's stores (the default one and
+any ``fn.state_stores``) at the attempts the driver recorded, runs ``fn`` (``open``, each Arrow
+batch, ``finish``), writes the output, commits every store, and returns one status row. What
+the steps are and why is in ``docs/operator.md``; the event-time part in ``docs/event-time.md``.
+"""
+import dataclasses
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from statecore import registry
+from statecore.conf import StateStoreConf
+
+from pyspark_glue import executor
+from pyspark_glue.arrow import conform_output
+from pyspark_glue.checkpoint import CheckpointFiles
+from pyspark_glue.event_time import Watermarks, event_times_us
+from pyspark_glue.rdd import StatefulOperatorStateInfo
+
+__all__ = ["PARTITION_COLUMN", "PartitionContext", "partition_function", "STATUS_DDL"]
+
+log = logging.getLogger(__name__)
+
+# The partition each row's key hashes to, computed by Spark after the operator's repartition
+# and checked in the task (then dropped): a wrong routing fails the task instead of updating
+# another partition's keys.
+PARTITION_COLUMN = "__statecore_partition"
+
+STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
+              "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
+              "write_s double, commit_s double, custom_metrics string, commit_id string, base_commit_id string, "
+              "store_commit_ids string, max_event_time_us long, late_rows long")
+_STATUS_SCHEMA = pa.schema([
+    ("partition_id", pa.int32()), ("rows_in", pa.int64()), ("batches_in", pa.int32()), ("rows_out", pa.int64()),
+    ("num_keys", pa.int64()), ("memory_used_bytes", pa.int64()), ("already_loaded", pa.bool_()),
+    ("worker", pa.string()), ("open_s", pa.float64()), ("fn_s", pa.float64()), ("write_s", pa.float64()),
+    ("commit_s", pa.float64()), ("custom_metrics", pa.string()), ("commit_id", pa.string()),
+    ("base_commit_id", pa.string()), ("store_commit_ids", pa.string()), ("max_event_time_us", pa.int64()),
+    ("late_rows", pa.int64()),
+])
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+    """One of the operator's stores besides the default one: its name and numpy schemas, and
+    per partition the attempt to open (None: the default lineage)."""
+
+    name: str
+    key_dtype: np.dtype
+    value_dtype: np.dtype
+    commit_ids: tuple = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionTask:
+    """Everything a task needs; pickled into the job (nothing here needs the caller's module)."""
+
+    state_info: StatefulOperatorStateInfo
+    store_name: str
+    key_dtype: np.dtype
+    value_dtype: np.dtype
+    extra_stores: tuple  # StoreSpec
+    conf: StateStoreConf
+    fn: object
+    arrow_schema: object  # pyarrow.Schema of the output, or None
+    output_dir: str  # where part-<p>.parquet goes, or None
+    coordinator_address: tuple
+    authkey: bytes
+    generation: int
+    event_time: str = None  # the event-time column, or None
+    watermarks: Watermarks = None
+
+
+class PartitionContext:
+    """What ``fn.open(context)`` is given: the partition, its stores, the batch's watermarks.
+
+    Attributes
+    ----------
+    partition_id, batch_id : int
+    store : StateStore
+        The default store (the one ``fn`` is called with).
+    stores : dict
+        Every store of the partition by name: the default one (under the operator's
+        ``store_name``) and those ``fn.state_stores`` declares.
+    watermarks : Watermarks or None
+        The batch's two watermarks (None without an event-time column).
+    late_rows : int
+        Rows ``fn`` dropped as late; ``fn`` adds to it (it is summed into ``last_progress``).
+    """
+
+    def __init__(self, partition_id, batch_id, stores, store_name, watermarks):
+        self.partition_id, self.batch_id = partition_id, batch_id
+        self.stores = stores
+        self.store = stores[store_name]
+        self.watermarks = watermarks
+        self.late_rows = 0
+
+
+_generations = {}  # provider id -> generation of the last task that used it in this process
+_generations_lock = threading.Lock()
+
+
+def _retire_stale_instances(task, provider_id, coordinator):
+    """Unload what this worker must not reuse: other runs' instances of the same store, and
+    this run's instance if it was used before a re-execution (another generation) or the
+    coordinator says another worker loaded the store since."""
+    for other in executor.unload_other_runs(provider_id):
+        with _generations_lock:
+            _generations.pop(other, None)
+    with _generations_lock:
+        previous = _generations.get(provider_id)
+        _generations[provider_id] = task.generation
+    if not registry.is_loaded(provider_id):
+        return
+    stale = previous != task.generation
+    if not stale and coordinator is not None:
+        stale = not coordinator.verify_if_instance_active(provider_id, executor.worker_executor_id())
+    if stale:
+        log.info("reloading %s from files (a batch was re-executed, or another worker loaded it since)",
+                 provider_id.store_id)
+        registry.unload(provider_id)
+
+
+def _write_output(task, partition_id, batches):
+    files = CheckpointFiles(task.output_dir, task.conf.storage_options, task.conf.local_cache_dir)
+
+    def write(f):
+        writer = pq.ParquetWriter(f, task.arrow_schema)
+        for batch in batches:
+            writer.write_batch(batch)
+        writer.close()
+
+    files.write_atomic(f"part-{partition_id:05d}.parquet", write)
+
+
+def checked_partition(batch, partition_id):
+    """``batch`` without :data:`PARTITION_COLUMN`, after checking that every row's key hashes to
+    ``partition_id``: a row in another partition's task would update the wrong store."""
+    i = batch.schema.get_field_index(PARTITION_COLUMN)
+    if i < 0:
+        raise RuntimeError(f"the operator's column {PARTITION_COLUMN} is missing from the task's rows")
+    routed = batch.column(i).to_numpy(zero_copy_only=False)
+    if len(routed) and (routed.min() != partition_id or routed.max() != partition_id):
+        other = int(routed[routed != partition_id][0])
+        raise RuntimeError(
+            f"rows of state partition {other} reached the task of partition {partition_id}: the job's partitioning "
+            f"was changed after the operator's repartition (by adaptive execution or a rule that merges or splits "
+            f"shuffle partitions); no store was changed")
+    return batch.remove_column(i)
+
+
+def _open_stores(task, partition_id, coordinator):
+    """``({name: store}, already_loaded of the default store)``, every store at the batch's version."""
+    info = task.state_info
+    specs = [(task.store_name, task.key_dtype, task.value_dtype, info.commit_id(partition_id))]
+    specs += [(s.name, s.key_dtype, s.value_dtype, None if s.commit_ids is None else s.commit_ids[partition_id])
+              for s in task.extra_stores]
+    stores, already_loaded = {}, None
+    try:
+        for name, key_dtype, value_dtype, commit_id in specs:
+            provider_id = info.provider_id(partition_id, name)
+            _retire_stale_instances(task, provider_id, coordinator)
+            store, loaded = executor.open_store(provider_id, key_dtype, value_dtype, info.store_version, task.conf,
+                                                commit_id=commit_id)
+            stores[name] = store
+            if already_loaded is None:
+                already_loaded = loaded
+    except BaseException:
+        for store in stores.values():
+            store.abort()
+        raise
+    return stores, already_loaded
+
+
+def _run_partition(task, batches):
+    """The body of partition ``p``'s task (``docs/operator.md``, step 3)."""
+    from pyspark import TaskContext
+
+    started = time.perf_counter()
+    partition_id = TaskContext.get().partitionId()
+    coordinator = executor.ensure_worker_registry(task.coordinator_address, task.authkey)
+    stores, already_loaded = _open_stores(task, partition_id, coordinator)
+    store = stores[task.store_name]
+    opened = time.perf_counter()
+    fn = task.fn
+    context = PartitionContext(partition_id, task.state_info.store_version, stores, task.store_name,
+                               task.watermarks)
+    outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
+    try:
+        open_ = getattr(fn, "open", None)
+        if callable(open_):
+            open_(context)
+        for batch in batches:
+            batch = checked_partition(batch, partition_id)
+            rows_in += batch.num_rows
+            batches_in += 1
+            if task.event_time is not None and batch.num_rows:
+                batch_max = int(event_times_us(batch, task.event_time).max())
+                max_event_time = batch_max if max_event_time is None else max(max_event_time, batch_max)
+            out = fn(store, batch)
+            if out is not None:
+                outputs += conform_output(out, task.arrow_schema, "fn")
+        finish = getattr(fn, "finish", None)
+        if callable(finish):
+            out = finish(store)
+            if out is not None:
+                outputs += conform_output(out, task.arrow_schema, "fn.finish")
+        ran = time.perf_counter()
+        if task.output_dir is not None:
+            _write_output(task, partition_id, outputs)
+        written = time.perf_counter()
+        for name, other in stores.items():  # the default store last: its commit id is the batch's
+            if name != task.store_name:
+                other.commit()
+        store.commit()
+    except BaseException:
+        for s in stores.values():
+            if not s.has_committed:
+                s.abort()
+        raise
+    committed = time.perf_counter()
+    metrics = store.metrics
+    status = {
+        "partition_id": [partition_id], "rows_in": [rows_in], "batches_in": [batches_in],
+        "rows_out": [sum(b.num_rows for b in outputs)], "num_keys": [metrics.num_keys],
+        "memory_used_bytes": [metrics.memory_used_bytes], "already_loaded": [already_loaded],
+        "worker": [executor.worker_executor_id()], "open_s": [opened - started], "fn_s": [ran - opened],
+        "write_s": [written - ran], "commit_s": [committed - written],
+        "custom_metrics": [json.dumps(metrics.custom_metrics)], "commit_id": [store.commit_id],
+        "base_commit_id": [store.base_commit_id],
+        "store_commit_ids": [json.dumps({name: [s.base_commit_id, s.commit_id] for name, s in stores.items()
+                                         if name != task.store_name})],
+        "max_event_time_us": [max_event_time], "late_rows": [int(context.late_rows)],
+    }
+    yield pa.RecordBatch.from_pydict(status, schema=_STATUS_SCHEMA)
+
+
+def partition_function(task):
+    """The function ``mapInArrow`` runs: partition ``p``'s task over its Arrow batches."""
+    def run_partition(batches):
+        return _run_partition(task, batches)
+    return run_partition
