@@ -10,7 +10,8 @@ import fsspec
 import pytest
 
 import statecore.files
-from statecore.files import FaultInjectingFiles, PendingFile, StoreFiles, open_store_files
+from statecore.faults import FaultInjectingFiles
+from statecore.files import PendingFile, StoreFiles, open_store_files
 from statecore.lineage import Listing, VersionFile, parse_name
 
 LOGGER = "statecore.files"

@@ -28,7 +28,8 @@ import statecore.files
 from tests.store_support import contents, store_dir
 from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
-from statecore.files import FaultInjectingFiles, StoreFiles
+from statecore.faults import FaultInjectingFiles
+from statecore.files import StoreFiles
 from statecore.layers import FrozenView, State
 
 # The old code had no CommitConflictError: a stand-in that nothing raises.

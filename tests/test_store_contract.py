@@ -352,11 +352,11 @@ def test_cache_hits_and_misses(root):
 
 @pytest.mark.parametrize("step", ["write", "flush", "fsync", "rename"])
 def test_failed_delta_write_undoes_the_merge_in_the_same_provider(root, monkeypatch, step):
-    from statecore import files
+    from statecore import faults, files
     injected = []
 
     def faulty(location, storage_options=None, local_cache_dir=None):
-        f = files.FaultInjectingFiles(location, storage_options, local_cache_dir)
+        f = faults.FaultInjectingFiles(location, storage_options, local_cache_dir)
         injected.append(f)
         return f
 

@@ -20,7 +20,7 @@ order (write and fsync on the writer thread, merge, rename, supersede, record).
 
 Then: I/O faults injected at every step of a commit (its delta's write, flush, fsync and
 rename, the directory fsync, the listings and deletes after the rename, the merge itself),
-of maintenance's snapshot write, and of cleanup's deletes (statecore.files.FaultInjectingFiles);
+of maintenance's snapshot write, and of cleanup's deletes (statecore.faults.FaultInjectingFiles);
 damaged deltas and snapshots; names of the old layout; directories named like version files;
 and maintenance interleaved with the task at exact points (a re-executed batch, a load, a
 commit between its merge and its return), each pinned by hooks in the store's files.
@@ -48,7 +48,8 @@ from state_files import version_names, version_path
 from tests.store_support import commit_batch, contents, store_dir
 from statecore import (DeltaReader, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        StateStoreProviderId, VersionNotFoundError, create_and_init_provider, registry)
-from statecore.files import FaultInjectingFiles, StoreFiles
+from statecore.faults import FaultInjectingFiles
+from statecore.files import StoreFiles
 from statecore.lineage import parse_name
 
 REPO = Path(__file__).resolve().parents[1]

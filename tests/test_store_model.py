@@ -14,12 +14,12 @@ pass, the highest ``newest - min_versions_to_retain``: every version from ``floo
 newest must load exactly; an older one may raise VersionNotFoundError, and if it loads
 (from memory) it must be exact.
 
-The file provider's files are a ``FaultInjectingFiles``: some commits fail at a random step
-of the delta write; the provider must then serve the previous versions exactly (the merge
-it ran meanwhile undone), and the same store's next commit attempt must succeed. A commit
-that re-executes a batch deletes the abandoned run's later files before it writes its delta
-(by design), so after such a commit fails, the versions above the one it was writing may be
-gone from the files (``lost_above``) until a commit succeeds again.
+The file provider's files are a ``statecore.faults.FaultInjectingFiles``: some commits fail
+at a random step of the delta write; the provider must then serve the previous versions
+exactly (the merge it ran meanwhile undone), and the same store's next commit attempt must
+succeed. A commit that re-executes a batch deletes the abandoned run's later files before
+it writes its delta (by design), so after such a commit fails, the versions above the one
+it was writing may be gone from the files (``lost_above``) until a commit succeeds again.
 """
 import collections
 import os
@@ -27,6 +27,7 @@ import os
 import numpy as np
 import pytest
 
+import statecore.faults
 import statecore.files
 from statecore import (IllegalStateError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -450,7 +451,7 @@ def test_file_provider_matches_the_model(tmp_path, monkeypatch, rand, schema, k)
     opened = []
 
     def open_store_files(location, storage_options=None, local_cache_dir=None):
-        opened.append(statecore.files.FaultInjectingFiles(location, storage_options, local_cache_dir))
+        opened.append(statecore.faults.FaultInjectingFiles(location, storage_options, local_cache_dir))
         return opened[-1]
 
     monkeypatch.setattr(statecore.files, "open_store_files", open_store_files)
