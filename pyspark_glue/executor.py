@@ -2,44 +2,10 @@
 opening stores with a count of how often a store was already loaded.
 
 Runs inside PySpark's Python workers (and in the driver for local tests); it imports no
-pyspark, so it can be called from any task body (RDD ``mapPartitions``, ``mapInArrow``, ...).
-
-Identity
-    Spark does not tell a Python worker which executor it belongs to (``TaskContext`` has no
-    executor id), so :func:`executor_identity` finds it, in this order:
-
-    1. ``SPARK_LOG_URL_STDERR`` (standalone and local-cluster: the executor's environment,
-       inherited by the Python workers) holds ``...executorId=<id>...``;
-    2. ``SPARK_EXECUTOR_ID`` (Kubernetes sets it; not tested here);
-    3. the process ancestry: the executor JVM (``CoarseGrainedExecutorBackend``, the
-       grandparent of a worker) carries ``--executor-id`` and ``--hostname``;
-    4. otherwise ``"driver"``: local mode, where the tasks run in the driver JVM.
-
-    The host is ``--hostname`` of the executor JVM, else ``SPARK_EXECUTOR_POD_IP``
-    (Kubernetes), else ``SPARK_LOCAL_IP``, else ``127.0.0.1``.
-
-Worker ids: what the coordinator sees
-    Each Python worker process has its own :mod:`statecore.registry`, and an executor runs
-    one worker per task slot (more when RDD and ``mapInArrow`` tasks mix), so the id a
-    worker reports to the coordinator is ``"<spark executor id>.<pid>"``
-    (:func:`worker_executor_id`), for example ``"1.48213"`` or ``"driver.48213"``. The
-    coordinator then records the *process* that last loaded a store: a maintenance pass in
-    another worker of the same executor finds its copy no longer active and unloads it.
-
-    ``coordinator.get_location(provider_id)`` therefore answers
-    ``"executor_<host>_<spark executor id>.<pid>"``. Spark's scheduler needs
-    ``"executor_<host>_<spark executor id>"`` (an ``ExecutorCacheTaskLocation``; it splits
-    on the first ``_`` after the prefix, so a host may not contain ``_``):
-    :func:`spark_location` strips the ``.<pid>`` part. Spark's executor ids ("0", "1", ...,
-    "driver") never contain ``.``.
-
-Worker reuse
-    Stores stay in memory across tasks only if Python workers are reused
-    (``spark.python.worker.reuse``, default true; the executor then sets
-    ``SPARK_REUSE_WORKER=1``): :func:`ensure_worker_registry` logs a warning once per
-    process when it is off. Even with reuse, idle workers are killed after about a minute
-    and a partition may run in another worker of its executor; a store opened again in a
-    new process maps its local snapshot and replays the deltas since.
+pyspark, so any task body (RDD ``mapPartitions``, ``mapInArrow``, ...) may call it. How an
+executor is identified, why a worker reports ``"<spark executor id>.<pid>"``, and what
+worker reuse means for loaded stores: docs/cluster.md, "Executor identity and the
+coordinator".
 
 Thread-safety: every function may be called from any thread of a worker.
 """
@@ -131,8 +97,8 @@ def _compute_identity():
 
 
 def executor_identity():
-    """``(host, spark_executor_id)`` of the executor this process works for (see the module
-    docstring for where each comes from); ``"driver"`` in local mode. Cached per process."""
+    """``(host, spark_executor_id)`` of the executor this process works for (where each comes
+    from: docs/cluster.md); ``"driver"`` in local mode. Cached per process."""
     global _identity
     pid = os.getpid()
     with _lock:

@@ -1,54 +1,40 @@
 """The files of one store directory, on any fsspec filesystem: the only way state files are touched.
 
 :class:`StoreFiles` owns everything statecore does with the files of a store directory
-(``<root>/<operator>/<partition>[/<store>]``): listing the ``<v>.delta`` and
-``<v>.snapshot`` files by Spark's naming rule, reading them whole or in part, writing them
-atomically (a temporary file in the same directory, then a rename), deleting them, and
-giving the snapshot reader a local path it can memory-map (a copy in a local cache
-directory when the filesystem is remote). The formats of the files themselves are owned by
-the compiled modules (``_delta``, ``_snapshot``); this module moves bytes, never reads them.
+(``<root>/<operator>/<partition>[/<store>]``): listing the version files, reading them whole
+or in part, writing them atomically (a temporary file in the same directory, then a
+rename), deleting them, and giving the snapshot reader a local path it can memory-map (on a
+remote filesystem, a copy made by :mod:`statecore.localcache`). Which name holds which
+version and attempt (``<v>_<16 hex id>.delta`` / ``.snapshot``) is :mod:`statecore.lineage`'s;
+the formats of the files are the compiled modules' (``_delta``, ``_snapshot``). This module
+moves bytes, never reads them.
 
 The store obtains its files through :func:`open_store_files`, so tests replace that one
-function (or use :class:`FaultInjectingFiles`) to fail any step of any file operation.
+function (with :class:`statecore.faults.FaultInjectingFiles`) to fail any step of any file
+operation.
 
 Thread-safety: a ``StoreFiles`` may be shared by several threads (a task thread and the
 maintenance thread). It keeps no mutable state after construction; the only shared thing
 it writes is the local cache directory, where every file appears by an atomic rename.
 """
-import collections
 import errno
-import fnmatch
-import hashlib
-import json
 import logging
 import os
 import re
-import threading
 import time
 import uuid
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.utils import tokenize
 
 from statecore.lineage import Listing, parse_name
+from statecore.localcache import LocalCache
 
-__all__ = ["StoreFiles", "PendingFile", "FaultInjectingFiles", "open_store_files"]
+__all__ = ["StoreFiles", "PendingFile", "open_store_files"]
 
 logger = logging.getLogger(__name__)
 
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # write_atomic's temporary names
-# One copy at a time per cached file in this process (striped locks, a fixed number):
-# threads mapping the same snapshot wait for the first copy instead of each downloading it.
-_COPYING = tuple(threading.Lock() for _ in range(64))
-
-# Keys of fsspec's info() that change when a file is re-written (which of them a
-# filesystem gives varies: local and memory give mtime/created, S3 ETag and LastModified,
-# GCS generation and crc32c, ...). They key the local cache together with the size.
-_IDENTITY_KEYS = (
-    "mtime", "created", "LastModified", "last_modified", "updated", "ETag", "etag",
-    "VersionId", "version_id", "generation", "checksum", "md5Hash", "content_md5", "crc32c",
-)
 
 
 class StoreFiles:
@@ -78,7 +64,7 @@ class StoreFiles:
     Notes
     -----
     File names passed to the methods are relative to the directory and use ``/``
-    (``"12.delta"``, ``"_metadata/schema"``).
+    (``"12_<16 hex id>.delta"``, ``"_commits/3"``).
     """
 
     def __init__(self, location, storage_options=None, local_cache_dir=None):
@@ -96,6 +82,8 @@ class StoreFiles:
         self._root = root.rstrip("/") or "/"
         self.local_cache_dir = (os.path.abspath(local_cache_dir)
                                 if local_cache_dir is not None else None)
+        self._cache = (LocalCache(self.fs, self.storage_options, self.local_cache_dir)
+                       if self.local_cache_dir is not None and not self.is_local else None)
 
     def __repr__(self):
         return f"{type(self).__name__}({self.location!r})"
@@ -112,17 +100,7 @@ class StoreFiles:
         return self._root.rstrip("/") + "/" + name
 
     def path(self, name):
-        """The full path (local) or URL (other filesystems) of ``name``, for messages.
-
-        Parameters
-        ----------
-        name : str
-            A file name relative to the directory.
-
-        Returns
-        -------
-        str
-        """
+        """The full path (local) or URL (other filesystems) of ``name``, for messages."""
         full = self._full(name)
         return full if self.is_local else self.fs.unstrip_protocol(full)
 
@@ -132,7 +110,7 @@ class StoreFiles:
     # -- hooks ----------------------------------------------------------------------------
 
     # Visible for tests. Called before each step of a file operation ("flush", "fsync",
-    # "rename", "delete", "read"); FaultInjectingFiles raises from here.
+    # "rename", "delete", "read"); statecore.faults.FaultInjectingFiles raises from here.
     def _step(self, step, name):
         pass
 
@@ -192,70 +170,34 @@ class StoreFiles:
     # -- reading ----------------------------------------------------------------------------
 
     def exists(self, name):
-        """Whether the file ``name`` exists.
-
-        Parameters
-        ----------
-        name : str
-
-        Returns
-        -------
-        bool
-        """
+        """Whether the file ``name`` exists."""
         full = self._full(name)
         if self.is_local:
             return os.path.exists(full)
         self.fs.invalidate_cache(full)
         return self.fs.exists(full)
 
-    def read_bytes(self, name):
-        """The whole content of ``name``.
-
-        Parameters
-        ----------
-        name : str
-
-        Returns
-        -------
-        bytes
-
-        Raises
-        ------
-        FileNotFoundError
-            If the file does not exist.
-        """
+    def _reading(self, name):
+        """The path of ``name``, after the "read" step every read takes first."""
         full = self._full(name)
         self._step("read", name)
+        return full
+
+    def read_bytes(self, name):
+        """The whole content of ``name``; FileNotFoundError if it does not exist."""
+        full = self._reading(name)
         if self.is_local:
             with open(full, "rb") as f:
                 return f.read()
         return self.fs.cat_file(full)
 
     def read_range(self, name, start, length):
-        """``length`` bytes of ``name`` from byte ``start`` (fewer if the file ends first).
-
-        Reads only that range, so a header can be checked without fetching a whole
-        remote file.
-
-        Parameters
-        ----------
-        name : str
-        start, length : int
-            Non-negative.
-
-        Returns
-        -------
-        bytes
-
-        Raises
-        ------
-        FileNotFoundError
-            If the file does not exist.
-        """
+        """``length`` bytes of ``name`` from byte ``start`` (both >= 0; fewer bytes if the file
+        ends first); FileNotFoundError if it does not exist. Reads only that range, so a
+        header can be checked without fetching a whole remote file."""
         if start < 0 or length < 0:
             raise ValueError(f"start and length must be >= 0, got {start} and {length}")
-        full = self._full(name)
-        self._step("read", name)
+        full = self._reading(name)
         if self.is_local:
             with open(full, "rb") as f:
                 f.seek(start)
@@ -266,26 +208,30 @@ class StoreFiles:
         return self.fs.cat_file(full, start, start + length)
 
     def open_read(self, name):
-        """A binary file object reading ``name``; use it as a context manager.
-
-        Parameters
-        ----------
-        name : str
-
-        Returns
-        -------
-        file object
-
-        Raises
-        ------
-        FileNotFoundError
-            If the file does not exist.
-        """
-        full = self._full(name)
-        self._step("read", name)
+        """A binary file object reading ``name`` (a context manager); FileNotFoundError if
+        it does not exist."""
+        full = self._reading(name)
         if self.is_local:
             return open(full, "rb")
         return self.fs.open(full, "rb")
+
+    def local_path_for_mapping(self, name):
+        """A local path holding the content of ``name``, that can be memory-mapped.
+
+        On the local filesystem this is the file itself; on any other, a copy in
+        ``local_cache_dir`` (:class:`statecore.localcache.LocalCache`), made once and reused
+        while the source keeps its size and version. FileNotFoundError if the file does not
+        exist; ValueError if the filesystem is not local and no ``local_cache_dir`` was given.
+        """
+        full = self._reading(name)
+        if self.is_local:
+            os.stat(full)  # FileNotFoundError here, as on other filesystems
+            return full
+        if self._cache is None:
+            raise ValueError(
+                f"local_cache_dir (spark.statecore.localCacheDir) is required to map "
+                f"{self.path(name)}: {type(self.fs).__name__} is not a local filesystem")
+        return self._cache.copy_of(full, self.path(name))
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -413,19 +359,8 @@ class StoreFiles:
     # -- deleting ---------------------------------------------------------------------------
 
     def delete(self, names):
-        """Delete files, best effort: missing files and failures are skipped (failures logged).
-
-        Also drops local cached copies of the deleted files.
-
-        Parameters
-        ----------
-        names : iterable of str
-
-        Returns
-        -------
-        list of str
-            The names that were deleted.
-        """
+        """Delete files, best effort: missing files and failures are skipped (failures
+        logged); local cached copies of the deleted files go too. Returns the names deleted."""
         deleted = []
         for name in names:
             full = self._full(name)
@@ -441,8 +376,8 @@ class StoreFiles:
                 logger.warning("Could not delete file %s: %s", self.path(name), e)
                 continue
             deleted.append(name)
-            if not self.is_local and self.local_cache_dir is not None:
-                self._drop_cached(full, keep=None)
+            if self._cache is not None:
+                self._cache.drop(full)
         return deleted
 
     def temporary_files(self, older_than_s):
@@ -479,102 +414,6 @@ class StoreFiles:
                 return value.timestamp()
         return None
 
-    # -- mapping ----------------------------------------------------------------------------
-
-    def local_path_for_mapping(self, name):
-        """A local path holding the content of ``name``, that can be memory-mapped.
-
-        On the local filesystem this is the file itself. On any other, the file is copied
-        once into ``local_cache_dir`` (to a temporary name, then renamed) and the copy is
-        reused while the source keeps its size and version (mtime, ETag, ... as the
-        filesystem reports them), so a re-written file is copied afresh. Older copies of
-        the same source are then removed; a process that has mapped one keeps its pages.
-
-        Parameters
-        ----------
-        name : str
-
-        Returns
-        -------
-        str
-
-        Raises
-        ------
-        FileNotFoundError
-            If the file does not exist.
-        ValueError
-            If the filesystem is not local and no ``local_cache_dir`` was given.
-        """
-        full = self._full(name)
-        self._step("read", name)
-        if self.is_local:
-            os.stat(full)  # FileNotFoundError here, as on other filesystems
-            return full
-        if self.local_cache_dir is None:
-            raise ValueError(
-                f"local_cache_dir (spark.statecore.localCacheDir) is required to map "
-                f"{self.path(name)}: {type(self.fs).__name__} is not a local filesystem")
-        os.makedirs(self.local_cache_dir, exist_ok=True)
-        base = full.rsplit("/", 1)[1]
-        # Sources change under a name only when a version is committed again; copying
-        # while that happens yields a copy of the wrong size, so look again.
-        for _ in range(3):
-            self.fs.invalidate_cache(full)
-            info = self.fs.info(full)
-            size = info["size"]
-            identity = _digest(json.dumps(
-                [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))
-            cached = os.path.join(self.local_cache_dir,
-                                  f"{self._source_id(full)}-{identity[:16]}-{base}")
-            with _COPYING[hash(cached) % len(_COPYING)]:
-                if self._copy_to_cache(full, cached, size):
-                    return cached
-        raise OSError(errno.EAGAIN, "file kept changing while it was copied", self.path(name))
-
-    def _copy_to_cache(self, full, cached, size):
-        """Make ``cached`` a whole copy of ``full`` (``size`` bytes), unless it is one already;
-        False if the source did not have that size while it was copied."""
-        try:
-            if os.path.getsize(cached) == size:
-                return True
-        except FileNotFoundError:
-            pass
-        tmp = os.path.join(self.local_cache_dir, f".{os.path.basename(cached)}.{uuid.uuid4().hex}.tmp")
-        try:
-            self.fs.get_file(full, tmp)
-            if os.path.getsize(tmp) != size:
-                os.unlink(tmp)
-                return False
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # a copy torn by a power loss would read as corrupt
-            finally:
-                os.close(fd)
-            os.replace(tmp, cached)
-        except BaseException:
-            _quietly(os.unlink, tmp)
-            raise
-        self._drop_cached(full, keep=cached)
-        return True
-
-    def _source_id(self, full):
-        """Names one source file across filesystems and endpoints (part of cache names)."""
-        fs_type = f"{type(self.fs).__module__}.{type(self.fs).__qualname__}"
-        return _digest(f"{fs_type}\0{self.fs.unstrip_protocol(full)}\0"
-                       f"{tokenize(self.storage_options)}")[:24]
-
-    def _drop_cached(self, full, keep):
-        """Remove cached copies of ``full`` other than ``keep`` (best effort)."""
-        prefix = self._source_id(full) + "-"
-        try:
-            names = os.listdir(self.local_cache_dir)
-        except OSError:
-            return
-        for n in names:
-            p = os.path.join(self.local_cache_dir, n)
-            if n.startswith(prefix) and p != keep:
-                _quietly(os.unlink, p)
-
 
 class PendingFile:
     """A file written and made durable under a temporary name, not yet visible under its own."""
@@ -593,10 +432,6 @@ class PendingFile:
         if not self.done:
             self.done = True
             _quietly(self.files._unlink_tmp, self.tmp)
-
-
-def _digest(text):
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _quietly(fn, *args):
@@ -640,137 +475,8 @@ def _fsync_dir(path):
 
 
 def open_store_files(location, storage_options=None, local_cache_dir=None):
-    """The :class:`StoreFiles` of a store directory; the store gets its files only from here.
-
-    Tests replace this function (``monkeypatch.setattr(statecore.files,
-    "open_store_files", ...)``) to hand the store a :class:`FaultInjectingFiles`.
-
-    Parameters
-    ----------
-    location : str
-    storage_options : dict, optional
-    local_cache_dir : str, optional
-
-    Returns
-    -------
-    StoreFiles
-    """
+    """The :class:`StoreFiles` of a store directory (arguments as its constructor's); the
+    store gets its files only from here. Tests replace this function
+    (``monkeypatch.setattr(statecore.files, "open_store_files", ...)``) to hand the store a
+    :class:`statecore.faults.FaultInjectingFiles`."""
     return StoreFiles(location, storage_options, local_cache_dir)
-
-
-# Visible for tests.
-class FaultInjectingFiles(StoreFiles):
-    """StoreFiles that fail a chosen step of the operations on chosen files (for tests).
-
-    Steps: ``"write"`` (inside the ``write_atomic`` callback), ``"flush"``, ``"fsync"``,
-    ``"rename"`` (of ``write_atomic``), ``"delete"`` and ``"read"`` (``read_bytes``,
-    ``read_range``, ``open_read``, ``local_path_for_mapping``). An armed step raises
-    ``OSError("injected fault at <step> of <name>")``. ``calls`` counts how many times each
-    step ran (``"write"``: once per ``write_atomic``); ``raised`` how many faults fired.
-
-    Thread-safe: arming and counting take a lock.
-    """
-
-    STEPS = ("write", "flush", "fsync", "rename", "delete", "read")
-
-    def __init__(self, location, storage_options=None, local_cache_dir=None):
-        super().__init__(location, storage_options, local_cache_dir)
-        self._lock = threading.Lock()
-        self._faults = []  # [step, pattern, remaining or None, after_bytes]
-        self._pending = threading.local()  # this thread's armed, not yet fired write fault
-        self.calls = collections.Counter()
-        self.raised = collections.Counter()
-
-    def arm(self, step, pattern="*", times=1, after_bytes=0):
-        """Make ``step`` fail for file names matching ``pattern``.
-
-        Parameters
-        ----------
-        step : str
-            One of :attr:`STEPS`.
-        pattern : str, default "*"
-            A glob (``fnmatch``) over the file name relative to the directory.
-        times : int or None, default 1
-            How many faults to raise before disarming; None: every time.
-        after_bytes : int, default 0
-            ``"write"`` only: the callback's writes go through until this many bytes are
-            in the temporary file, then the write that crosses it stores the bytes up to
-            it and raises (a torn write). If the callback writes less, the fault fires
-            when it returns.
-        """
-        if step not in self.STEPS:
-            raise ValueError(f"unknown step {step!r}; steps are {self.STEPS}")
-        if times is not None and times < 1:
-            raise ValueError(f"times must be >= 1 or None, got {times}")
-        with self._lock:
-            self._faults.append([step, pattern, times, after_bytes])
-
-    def disarm(self, step=None):
-        """Remove the faults armed for ``step`` (all steps if None)."""
-        with self._lock:
-            self._faults = [f for f in self._faults if step is not None and f[0] != step]
-
-    def _take(self, step, name):
-        """Consume and return the first fault armed for (step, name), or None. REQUIRES: lock."""
-        for fault in self._faults:
-            if fault[0] == step and fnmatch.fnmatchcase(name, fault[1]):
-                if fault[2] is not None:
-                    fault[2] -= 1
-                    if fault[2] == 0:
-                        self._faults.remove(fault)
-                return fault
-        return None
-
-    def _fire(self, step, name):
-        with self._lock:
-            self.raised[step] += 1
-        raise OSError(f"injected fault at {step} of {name}")
-
-    def _step(self, step, name):
-        pending = getattr(self._pending, "writer", None)
-        if step == "flush" and pending is not None and pending.name == name:
-            # The callback returned without crossing after_bytes: the write fault fires now.
-            self._pending.writer = None
-            if not pending.fired:
-                pending.fired = True
-                self._fire("write", name)
-        with self._lock:
-            self.calls[step] += 1
-            fault = self._take(step, name)
-        if fault is not None:
-            self._fire(step, name)
-
-    def _writer(self, f, name):
-        with self._lock:
-            self.calls["write"] += 1
-            fault = self._take("write", name)
-        self._pending.writer = None
-        if fault is None:
-            return f
-        writer = _FaultyWriter(f, self, name, fault[3])
-        self._pending.writer = writer
-        return writer
-
-
-class _FaultyWriter:
-    """A writable file that raises once ``after_bytes`` bytes went through (a torn write)."""
-
-    def __init__(self, f, files, name, after_bytes):
-        self._f = f
-        self._files = files
-        self.name = name
-        self._left = after_bytes
-        self.fired = False
-
-    def write(self, data):
-        view = memoryview(data).cast("B")
-        if not self.fired and len(view) > self._left:
-            if self._left:
-                self._f.write(view[:self._left])
-            self.fired = True
-            self._files._fire("write", self.name)
-        self._left -= len(view)
-        return self._f.write(view)
-
-    def __getattr__(self, attr):
-        return getattr(self._f, attr)

@@ -4,30 +4,28 @@
 layer, invisible to everyone else until ``commit()`` writes ``<v+1>_<id>.delta`` and merges
 the layer into the provider's in-memory state (:mod:`statecore.layers`): no version is ever
 copied. A version not in memory is loaded from the newest good snapshot on its lineage and
-the deltas after it (:mod:`statecore.lineage`). Snapshots and cleanup are
-:mod:`statecore.maintenance`'s. The locks, what each guards, and the rules a commit follows
-against stale attempts are in ``docs/provider-rules.md``.
+the deltas after it (:mod:`statecore.lineage`). The store objects are
+:mod:`statecore.file_stores`'s, snapshots and cleanup :mod:`statecore.maintenance`'s. The
+locks, what each guards, and the rules a commit follows against stale attempts are in
+``docs/provider-rules.md``.
 """
 import json
 import logging
 import os
 import threading
-import weakref
-
-import numpy as np
 
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
 from statecore._snapshot import HEADER_SIZE as SNAPSHOT_HEADER_SIZE, SnapshotReader, read_snapshot_header
 from statecore.conf import StateStoreConf
-from statecore.contracts import ReadStateStore, StateStore, StateStoreProvider
+from statecore.contracts import StateStoreProvider
 from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
                               StateCorruptionError, VersionNotFoundError)
+from statecore.file_stores import FileReadStore, FileStore, View
 from statecore.ids import StateStoreId
-from statecore.layers import FrozenView, Layer, State, no_values
+from statecore.layers import FrozenView, State
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
-from statecore.rowsource import iter_batches, iter_items
 from statecore.schema import RowSchema, key_value_schemas
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "SCHEMA_FILE"]
@@ -44,218 +42,10 @@ MAX_SCHEMA_FILE_BYTES = 1 << 20
 _HEADER_CACHE_ENTRIES = 4096
 
 
-# -- stores ------------------------------------------------------------------------------------
-class _View:
-    """One version of a provider's State, pinned while the store that reads it is open, with
-    the directory listing taken when it opened (what a commit from it may supersede)."""
-
-    def __init__(self, provider, state, version, listing):
-        self.provider = provider
-        self.state = state
-        self.version = version
-        self.commit_id = state.commit_ids[version]
-        self.listing = listing
-        provider._pin(state, version)
-        self._finalizer = weakref.finalize(self, provider._unpin, state, version)
-
-    def release(self):
-        self._finalizer()
-
-    def lookup(self, key_rows, extra_layers=()):
-        with self.provider._lock:
-            return self.state.lookup(self.version, key_rows, extra_layers)
-
-    def get_row(self, key, extra_layers=()):
-        with self.provider._lock:
-            return self.state.get_row(self.version, key, extra_layers)
-
-    def iter_rows(self, extra_layers=()):
-        """Row chunks of the version. Rows are copied out without the provider lock: while
-        the iteration is registered, no commit merges into this state (it freezes it and
-        goes on in a new one), so nothing it reads changes."""
-        lock = self.provider._lock
-        with lock:
-            self.state.iterating += 1
-        try:
-            yield from self.state.iter_rows(self.version, extra_layers)
-        finally:
-            with lock:
-                self.state.iterating -= 1
-
-
-class _FileReadStore(ReadStateStore):
-    _kind = "FileReadStateStore"
-
-    def __init__(self, provider, view):
-        self._provider = provider
-        self._view = view
-        self._key_schema = provider._key_schema
-        self._value_schema = provider._value_schema
-
-    def __repr__(self):
-        sid = self._provider.state_store_id
-        return f"{self._kind}[id=(op={sid.operator_id},part={sid.partition_id}),dir={self._provider._dir}]"
-
-    @property
-    def id(self):
-        return self._provider.state_store_id
-
-    @property
-    def version(self):
-        return self._view.version
-
-    @property
-    def base_commit_id(self):
-        """The id (16 hex digits) of the version this store opened."""
-        return self._view.commit_id.hex()
-
-    def _layers(self):
-        return ()
-
-    def get(self, key):
-        value = self._view.get_row(self._key_schema.encode(key), self._layers())
-        return None if value is None else self._value_schema.decode(value)
-
-    def get_rows(self, key_rows, values_out, found_out):
-        values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
-        values_out[...] = values
-        found_out[...] = found
-
-    def get_batch(self, keys):
-        key_rows = self._key_schema.rows(keys)
-        values, found = self._view.lookup(key_rows, self._layers())
-        return self._value_schema.from_rows(values).copy(), found
-
-    def _iteration_layers(self):
-        return ()
-
-    def iterator(self):
-        return iter_items(_ChunkCursor(self._view.iter_rows(self._iteration_layers())), self._key_schema,
-                          self._value_schema)
-
-    def iter_batches(self, rows_per_batch=65536):
-        """Yield ``(keys, values)`` structured arrays covering every key once."""
-        return iter_batches(_ChunkCursor(self._view.iter_rows(self._iteration_layers())),
-                            self._key_schema, self._value_schema, rows_per_batch)
-
-    def abort(self):
-        self._view.release()
-
-    def _num_keys(self):
-        with self._provider._lock:
-            return self._view.state.count(self._view.version)
-
-    @property
-    def metrics(self):
-        return self._provider._metrics(self._num_keys())
-
-
-class _ChunkCursor:
-    """Adapts a generator of row chunks to the ``next_rows`` cursor protocol."""
-
-    def __init__(self, chunks):
-        self._chunks = chunks
-        self._pending = None
-
-    def next_rows(self, max_rows):
-        if self._pending is None or not len(self._pending):
-            self._pending = next(self._chunks, None)
-            if self._pending is None:
-                return None
-        out, self._pending = self._pending[:max_rows], self._pending[max_rows:]
-        return out
-
-    def close(self):
-        self._chunks.close()
-
-
-_UPDATING, _COMMITTED, _ABORTED = "UPDATING", "COMMITTED", "ABORTED"
-
-
-class _FileStore(_FileReadStore, StateStore):
-    _kind = "FileStateStore"
-
-    def __init__(self, provider, view):
-        super().__init__(provider, view)
-        self._update = Layer(self._key_schema, self._value_schema)
-        self._state = _UPDATING
-        self._commit_id = None
-
-    def _layers(self):
-        return (self._update,)
-
-    def _iteration_layers(self):
-        # Iteration sees the updates as they were when it began: puts made while iterating
-        # (eviction loops) then cannot hide a key that is still to be visited.
-        return (self._update.copy(),)
-
-    def _check_updating(self, verb):
-        if self._state != _UPDATING:
-            raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
-
-    def put(self, key, value):
-        if value is None:
-            raise ValueError("Cannot put a null value")
-        self._check_updating("put")
-        self._update.put_row(self._key_schema.encode(key), self._value_schema.encode(value))
-
-    def remove(self, key):
-        self._check_updating("remove")
-        self._update.delete_row(self._key_schema.encode(key))
-
-    def put_batch(self, keys, values):
-        if values is None and self._value_schema.width:
-            raise ValueError("Cannot put a null value")
-        self._check_updating("put")
-        key_rows = self._key_schema.rows(keys)
-        value_rows = self._value_schema.rows(values) if values is not None else no_values(key_rows.shape[0])
-        if value_rows.shape[0] != key_rows.shape[0]:
-            raise ValueError(f"{key_rows.shape[0]} keys but {value_rows.shape[0]} values")
-        self._update.put_rows(key_rows, value_rows)
-
-    def remove_batch(self, keys):
-        self._check_updating("remove")
-        self._update.delete_rows(self._key_schema.rows(keys))
-
-    def commit(self):
-        self._check_updating("commit")
-        new_version, self._committed_num_keys, commit_id = self._provider._commit(self._view, self._update)
-        self._commit_id = commit_id
-        self._state = _COMMITTED
-        return new_version
-
-    @property
-    def commit_id(self):
-        return None if self._commit_id is None else self._commit_id.hex()
-
-    def abort(self):
-        self._state = _ABORTED
-        self._update = Layer(self._key_schema, self._value_schema)
-        self._view.release()
-
-    @property
-    def has_committed(self):
-        return self._state == _COMMITTED
-
-    def _num_keys(self):
-        if self._state == _COMMITTED:
-            return self._committed_num_keys
-        base = super()._num_keys()
-        put_keys, _ = self._update.puts.export_rows()
-        del_keys, _ = self._update.dels.export_rows()
-        _, put_found = self._view.lookup(put_keys)
-        _, del_found = self._view.lookup(del_keys)
-        return base + int((~put_found).sum()) - int(del_found.sum())
-
-    @property
-    def metrics(self):
-        return self._provider._metrics(self._num_keys(), update_bytes=self._update.sizeof())
-
-
-# -- the provider ----------------------------------------------------------------------------
 class FileStateStoreProvider(StateStoreProvider):
     """The default provider: deltas and snapshots on any fsspec filesystem (see the module
-    docstring and ``docs/provider-rules.md``)."""
+    docstring and ``docs/provider-rules.md``). Its stores call back into it (``_lock``,
+    ``_pin``/``_unpin``, ``_commit``, ``_metrics``)."""
 
     def __init__(self):
         self._lock = threading.RLock()  # guards _latest, _pins, every State's contents
@@ -298,10 +88,10 @@ class FileStateStoreProvider(StateStoreProvider):
         return FILE_PROVIDER_CUSTOM_METRICS
 
     def get_store(self, version, commit_id=None):
-        return _FileStore(self, self._view_of(version, commit_id))
+        return FileStore(self, self._view_of(version, commit_id))
 
     def get_read_store(self, version, commit_id=None):
-        return _FileReadStore(self, self._view_of(version, commit_id))
+        return FileReadStore(self, self._view_of(version, commit_id))
 
     def close(self):
         with self._lock:
@@ -384,7 +174,7 @@ class FileStateStoreProvider(StateStoreProvider):
             if latest is not None and latest.holds(version):
                 if latest.commit_ids[version] == target:
                     self._hits += 1
-                    return _View(self, latest, version, listing)
+                    return View(self, latest, version, listing)
                 # Another attempt's version is the one asked for (a batch re-executed in
                 # another process, or the driver named another winner): load that one.
                 log.warning("version %d of %s in memory is attempt %s, not %s; loading it from files",
@@ -398,7 +188,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 self._latest is None or version >= self._latest.version or self._latest.commit_ids.get(version) != target)
             if keep:
                 self._latest = state
-            return _View(self, state, version, listing)
+            return View(self, state, version, listing)
 
     def _pin(self, state, version):
         with self._lock:

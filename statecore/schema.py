@@ -258,17 +258,21 @@ class RowSchema:
     # -- many rows ------------------------------------------------------------------------
     def check_dtype(self, dtype):
         """TypeError naming the first field where ``dtype`` differs (byte order aside)."""
-        names = dtype.names or ()
-        if tuple(names) != self.names:
-            missing = [n for n in self.names if n not in names]
-            extra = [n for n in names if n not in self.names]
-            if missing:
-                raise TypeError(f"field '{missing[0]}' is missing; expected fields {self.names}")
-            if extra:
-                raise TypeError(f"field '{extra[0]}' is not in the schema; expected fields {self.names}")
-            raise TypeError(f"fields are in order {tuple(names)}; expected {self.names}")
+        names = tuple(dtype.names or ())
+        if names != self.names:
+            self._check_names(names)
+            raise TypeError(f"fields are in order {names}; expected {self.names}")
         for name, expected in self.fields:
             self._check_field(name, dtype.fields[name][0], expected)
+
+    def _check_names(self, names):
+        """TypeError naming the first field missing from ``names``, else the first not in the schema."""
+        missing = [n for n in self.names if n not in names]
+        extra = [n for n in names if n not in self.names]
+        if missing:
+            raise TypeError(f"field '{missing[0]}' is missing; expected fields {self.names}")
+        if extra:
+            raise TypeError(f"field '{extra[0]}' is not in the schema; expected fields {self.names}")
 
     @staticmethod
     def _check_field(name, got, expected):
@@ -332,13 +336,7 @@ class RowSchema:
             raise TypeError(f"a batch for fields {self.names} must be a structured array or a mapping, "
                             f"got a plain {batch.dtype} array")
         if hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
-            keys = list(batch.keys())
-            missing = [n for n in self.names if n not in keys]
-            extra = [k for k in keys if k not in self.names]
-            if missing:
-                raise TypeError(f"field '{missing[0]}' is missing; expected fields {self.names}")
-            if extra:
-                raise TypeError(f"field '{extra[0]}' is not in the schema; expected fields {self.names}")
+            self._check_names(list(batch.keys()))
             lengths = set()
             for name, expected in self.fields:
                 col = batch[name]

@@ -1,5 +1,5 @@
-"""Shared fixtures (seeded random generators whose seed shows in the test id and repr; one
-Spark session per run) and the suite's layers: every test that uses the ``spark`` fixture is
+"""Shared fixtures (seeded random generators whose seed shows in the test id and repr; the
+directories statecore.files fsyncs; one Spark session per run) and the suite's layers: every test that uses the ``spark`` fixture is
 marked ``spark``, the standalone-cluster tests also ``cluster``, the benchmark harness tests
 ``bench``, so that ``pytest -m "not spark"`` runs the engine's tests alone."""
 import os
@@ -37,6 +37,22 @@ class Rand(np.random.Generator):
 @pytest.fixture(params=[0, 1, 2], ids=lambda s: f"seed{s}")
 def rand(request):
     return Rand(request.param)
+
+
+@pytest.fixture
+def synced_dirs(monkeypatch):
+    """Records each directory statecore.files fsyncs, with its entries at that moment."""
+    import statecore.files
+
+    synced = []
+    real = statecore.files._fsync_dir
+
+    def recording(path):
+        synced.append((path, sorted(os.listdir(path))))
+        return real(path)
+
+    monkeypatch.setattr(statecore.files, "_fsync_dir", recording)
+    return synced
 
 
 @pytest.fixture(scope="session")

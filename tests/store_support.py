@@ -1,8 +1,15 @@
 """What the store tests share: opening a provider on a directory, committing a batch of
-per-row updates, reading a store back as a dict."""
+per-row or batch updates and keeping a model of each version, reading a store back as a dict,
+handing every provider a FaultInjectingFiles, and a maintenance thread racing the test."""
+import contextlib
 import os
+import threading
 
+import numpy as np
+
+import statecore.files
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from statecore.faults import FaultInjectingFiles
 
 
 def open_provider(root, key, value, partition=0, **conf):
@@ -27,6 +34,42 @@ def commit_batch(provider, version, puts=(), removes=()):
     return new_version
 
 
+def write_batch(store, key, value, puts, removes):
+    """One ``put_batch`` of ``puts`` ({k: value tuple}) and one ``remove_batch`` of ``removes``
+    (a list of k), for a one-field ``key`` dtype and the ``value`` dtype."""
+    keys = np.zeros(len(puts), key)
+    keys[key.names[0]] = list(puts)
+    values = np.zeros(len(puts), value)
+    for i, name in enumerate(value.names):
+        values[name] = [v[i] for v in puts.values()]
+    store.put_batch(keys, values)
+    gone = np.zeros(len(removes), key)
+    gone[key.names[0]] = removes
+    store.remove_batch(gone)
+
+
+def applied(before, puts, removes):
+    """The contents ``before`` ({k: value}) after ``puts`` and ``removes``."""
+    after = dict(before)
+    after.update(puts)
+    for k in removes:
+        after.pop(k, None)
+    return after
+
+
+def commit_changes(provider, model, changes, key, value):
+    """Commit the version after the newest one in ``model`` ({version: contents}) with
+    :func:`write_batch` of ``changes(version)`` (``(puts, removes)``), and add it to the model;
+    returns the committed store."""
+    v = max(model)
+    store = provider.get_store(v)
+    puts, removes = changes(v + 1)
+    write_batch(store, key, value, puts, removes)
+    assert store.commit() == v + 1
+    model[v + 1] = applied(model[v], puts, removes)
+    return store
+
+
 def contents(store):
     """The store's iterator as a dict (a one-field key by its value); every key must come once."""
     out = {}
@@ -35,3 +78,40 @@ def contents(store):
         assert key not in out, f"key {key} iterated twice"
         out[key] = tuple(v)
     return out
+
+
+def inject_faulty_files(monkeypatch, files_class=FaultInjectingFiles):
+    """Every provider opened from now on gets a ``files_class`` (a FaultInjectingFiles);
+    returns the list they are appended to, newest last."""
+    made = []
+
+    def open_store_files(location, storage_options=None, local_cache_dir=None):
+        made.append(files_class(location, storage_options, local_cache_dir))
+        return made[-1]
+
+    monkeypatch.setattr(statecore.files, "open_store_files", open_store_files)
+    return made
+
+
+@contextlib.contextmanager
+def maintaining(provider):
+    """A thread running ``provider.do_maintenance()`` over and over for the ``with`` block;
+    yields the list of what it raised (it stops at the first exception)."""
+    stop = threading.Event()
+    errors = []
+
+    def maintain():
+        while not stop.is_set():
+            try:
+                provider.do_maintenance()
+            except Exception as e:  # reported through the list
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=maintain)
+    thread.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        thread.join()

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.store_support import commit_changes
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 
 WORKER = str(Path(__file__).resolve().parent / "flip_worker.py")
@@ -73,27 +74,6 @@ def batch(v):
     return {k: (v, i / 4) for i, k in enumerate(ks[:5])}, ks[5:7]
 
 
-def commit(p, model):
-    v = max(model)
-    store = p.get_store(v)
-    puts, removes = batch(v + 1)
-    keys = np.zeros(len(puts), KEY)
-    keys["k"] = list(puts)
-    values = np.zeros(len(puts), VALUE)
-    values["n"] = [x[0] for x in puts.values()]
-    values["x"] = [x[1] for x in puts.values()]
-    store.put_batch(keys, values)
-    gone = np.zeros(len(removes), KEY)
-    gone["k"] = removes
-    store.remove_batch(gone)
-    assert store.commit() == v + 1
-    new = dict(model[v])
-    new.update(puts)
-    for k in removes:
-        new.pop(k, None)
-    model[v + 1] = new
-
-
 def build_checkpoint(root):
     """Deltas 3..10, snapshots 3, 6 and 7, the schema file; returns the model. The snapshot
     of 7 is one version after 6 (written by a provider with min_deltas_for_snapshot=0): the
@@ -103,7 +83,7 @@ def build_checkpoint(root):
     model = {0: {}}
     for top in (3, 6, 7, 8, 10):
         while max(model) < top:
-            commit(p, model)
+            commit_changes(p, model, batch, KEY, VALUE)
         if top == 7:
             eager = create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, VALUE,
                                              StateStoreConf(**dict(CONF, min_deltas_for_snapshot=0)))

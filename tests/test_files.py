@@ -10,8 +10,10 @@ import fsspec
 import pytest
 
 import statecore.files
-from statecore.files import FaultInjectingFiles, PendingFile, StoreFiles, open_store_files
+from statecore.faults import FaultInjectingFiles
+from statecore.files import PendingFile, StoreFiles, open_store_files
 from statecore.lineage import Listing, VersionFile, parse_name
+from tests.store_support import inject_faulty_files
 
 LOGGER = "statecore.files"
 
@@ -319,15 +321,9 @@ def test_faults_match_by_glob_and_count(tmp_path):
 
 
 def test_fault_injection_reaches_the_store_through_the_factory(tmp_path, monkeypatch):
-    made = []
-
-    def faulty(location, storage_options=None, local_cache_dir=None):
-        made.append(FaultInjectingFiles(location, storage_options, local_cache_dir))
-        made[-1].arm("rename")
-        return made[-1]
-
-    monkeypatch.setattr(statecore.files, "open_store_files", faulty)
+    made = inject_faulty_files(monkeypatch)
     files = statecore.files.open_store_files(str(tmp_path))
+    files.arm("rename")
     with pytest.raises(OSError, match="injected fault at rename"):
         files.write_atomic("1.delta", writer(b"x"))
     assert made == [files] and os.listdir(tmp_path) == []
@@ -418,11 +414,10 @@ def test_write_pending_callback_error_leaves_nothing(location):
     assert raw_names(files) == []
 
 
-def test_write_pending_fsyncs_the_temporary_file_before_it_returns(tmp_path, monkeypatch):
-    """The pending file is durable before the merge's outcome is known: its bytes were
-    fsynced under the temporary name; publishing then fsyncs the directory."""
-    files = StoreFiles(str(tmp_path))
-    synced = []  # (st_dev, st_ino) of every fsynced descriptor
+@pytest.fixture
+def synced(monkeypatch):
+    """(st_dev, st_ino) of every descriptor fsynced during the test."""
+    synced = []
     real_fsync = os.fsync
 
     def recording_fsync(fd):
@@ -431,6 +426,13 @@ def test_write_pending_fsyncs_the_temporary_file_before_it_returns(tmp_path, mon
         return real_fsync(fd)
 
     monkeypatch.setattr(statecore.files.os, "fsync", recording_fsync)
+    return synced
+
+
+def test_write_pending_fsyncs_the_temporary_file_before_it_returns(tmp_path, synced):
+    """The pending file is durable before the merge's outcome is known: its bytes were
+    fsynced under the temporary name; publishing then fsyncs the directory."""
+    files = StoreFiles(str(tmp_path))
     pending = files.write_pending(f"5_{ID_A}.delta", writer(b"payload"))
     tmp = os.stat(pending.tmp)
     assert synced == [(tmp.st_dev, tmp.st_ino)]  # the file, nothing else yet
@@ -441,20 +443,6 @@ def test_write_pending_fsyncs_the_temporary_file_before_it_returns(tmp_path, mon
 
 
 # -- durability of directories ---------------------------------------------------------------------
-
-@pytest.fixture
-def synced_dirs(monkeypatch):
-    """Records each directory statecore.files fsyncs, with its entries at that moment."""
-    synced = []
-    real = statecore.files._fsync_dir
-
-    def recording(path):
-        synced.append((path, sorted(os.listdir(path))))
-        return real(path)
-
-    monkeypatch.setattr(statecore.files, "_fsync_dir", recording)
-    return synced
-
 
 def test_new_directories_are_fsynced_into_their_parents(tmp_path, synced_dirs):
     files = StoreFiles(str(tmp_path / "ckpt" / "0" / "3"))
@@ -476,17 +464,8 @@ def test_a_write_into_a_new_directory_syncs_its_parent_and_itself(tmp_path, sync
     assert synced_dirs == [(store, ["_metadata"]), (store + "/_metadata", ["schema"])]
 
 
-def test_new_directories_are_fsynced_by_descriptor(tmp_path, monkeypatch):
+def test_new_directories_are_fsynced_by_descriptor(tmp_path, synced):
     """The same through os.fsync: the descriptors synced are the new directories' parents."""
-    synced = []
-    real_fsync = os.fsync
-
-    def recording_fsync(fd):
-        st = os.fstat(fd)
-        synced.append((st.st_dev, st.st_ino))
-        return real_fsync(fd)
-
-    monkeypatch.setattr(statecore.files.os, "fsync", recording_fsync)
     (tmp_path / "ckpt").mkdir()
     StoreFiles(str(tmp_path / "ckpt" / "0" / "3")).mkdirs()
     ident = [(os.stat(p).st_dev, os.stat(p).st_ino) for p in (tmp_path / "ckpt", tmp_path / "ckpt" / "0")]

@@ -23,6 +23,16 @@ def partition_dir(state_root, p):
     return os.path.join(state_root, "0", str(p))
 
 
+def started(spark, tmp_path, seeds):
+    """The state root, a batch of events per seed, and an operator (no coordinator) that has
+    processed the first batch as batch 0."""
+    state_root = str(tmp_path / "state")
+    dfs = [events_df(spark, seed) for seed in seeds]
+    op = make_operator(state_root, coordinator=False)
+    op.process(dfs[0], 0)
+    return state_root, dfs, op
+
+
 def open_zombie(state_root, version, commit_id):
     """An attempt of batch ``version`` on partition 0, opened from this process (its own
     provider on the same directory, as a task in another worker would be): it overwrites
@@ -47,10 +57,7 @@ def check_output(out, expected, df):
 def test_a_late_zombie_changes_nothing(spark, tmp_path):
     from pyspark_glue import read_state
 
-    state_root = str(tmp_path / "state")
-    dfs = [events_df(spark, seed) for seed in range(6)]
-    op = make_operator(state_root, coordinator=False)
-    op.process(dfs[0], 0)
+    state_root, dfs, op = started(spark, tmp_path, range(6))
     zombie_provider, zombie = open_zombie(state_root, 1, op.commit_record(0)["commit_ids"][0])  # batch 1, early
     for batch_id in range(1, 5):
         op.process(dfs[batch_id], batch_id)
@@ -75,10 +82,7 @@ def test_a_late_zombie_changes_nothing(spark, tmp_path):
 def test_a_zombie_that_wins_the_default_still_changes_nothing(spark, tmp_path):
     from pyspark_glue import read_state
 
-    state_root = str(tmp_path / "state")
-    dfs = [events_df(spark, 100 + seed) for seed in range(5)]
-    op = make_operator(state_root, coordinator=False)
-    op.process(dfs[0], 0)
+    state_root, dfs, op = started(spark, tmp_path, range(100, 105))
     op.process(dfs[1], 1)
     zombie_provider, zombie = open_zombie(state_root, 2, op.commit_record(1)["commit_ids"][0])  # with batch 2
     op.process(dfs[2], 2)  # the live attempt commits version 3 ...
@@ -108,10 +112,7 @@ def test_a_zombie_that_wins_the_default_still_changes_nothing(spark, tmp_path):
 def test_a_re_executed_batch_equals_spark_group_by(spark, tmp_path):
     from pyspark_glue import read_state
 
-    state_root = str(tmp_path / "state")
-    dfs = [events_df(spark, 200 + seed) for seed in range(4)]
-    op = make_operator(state_root, coordinator=False)
-    op.process(dfs[0], 0)
+    state_root, dfs, op = started(spark, tmp_path, range(200, 204))
     first_out = state_dict(op.process(dfs[1], 1))
     first = op.commit_record(1)
     again_out = state_dict(op.process(dfs[1], 1))  # foreachBatch re-run after a failure

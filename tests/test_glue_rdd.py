@@ -76,6 +76,13 @@ def keys_rdd(sc, keys):
     return sc.parallelize([(k, None) for k in keys], 2).partitionBy(PARTS).keys()
 
 
+def batch_rdd(sc, root, run, version, keys, fn=bump_counts, coordinator=None, **kwargs):
+    """``fn`` over :func:`keys_rdd` of ``keys`` with each partition's store at ``version``
+    (map_partitions_with_state_store, this module's schemas and CONF)."""
+    return map_partitions_with_state_store(keys_rdd(sc, keys), fn, info(root, run, version), KEY, VALUE, CONF,
+                                           coordinator, **kwargs)
+
+
 def state_at(sc, root, run, version):
     rdd = map_partitions_with_read_state_store(sc.parallelize([], PARTS), dump_state, info(root, run, version), KEY,
                                                VALUE, CONF)
@@ -314,8 +321,7 @@ def test_versions_advance_and_earlier_ones_stay_unchanged(spark, tmp_path):
     assert state_at(sc, tmp_path, run, 0) == {}
     states = []
     for version, batch in enumerate(BATCHES):
-        out = map_partitions_with_state_store(keys_rdd(sc, batch), bump_counts, info(tmp_path, run, version), KEY,
-                                              VALUE, CONF).collect()
+        out = batch_rdd(sc, tmp_path, run, version, batch).collect()
         want = expected_counts(*BATCHES[:version + 1])
         assert sorted((k, n) for k, n, _ in out) == sorted((k, want[k]) for k in set(batch))
         states.append(want)
@@ -330,10 +336,8 @@ def test_versions_advance_and_earlier_ones_stay_unchanged(spark, tmp_path):
 def test_recomputing_a_partition_gives_the_same_result(spark, tmp_path):
     sc = spark.sparkContext
     run = uuid.uuid4()
-    map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE,
-                                    CONF).collect()
-    rdd = map_partitions_with_state_store(keys_rdd(sc, BATCHES[1]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,
-                                          CONF)
+    batch_rdd(sc, tmp_path, run, 0, BATCHES[0]).collect()
+    rdd = batch_rdd(sc, tmp_path, run, 1, BATCHES[1])
     first = sorted((k, n) for k, n, _ in rdd.collect())
     assert sorted((k, n) for k, n, _ in rdd.collect()) == first  # a second action re-runs every task
     assert rdd.map(lambda t: t[:2]).take(1)[0] in first  # a partial one, too
@@ -359,18 +363,15 @@ def test_workers_survive_tasks_that_ignore_or_stop_reading_their_rows(spark, tmp
 def test_gets_only_tasks_abort_and_write_nothing(spark, tmp_path):
     sc = spark.sparkContext
     run = uuid.uuid4()
-    map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE,
-                                    CONF).collect()
+    batch_rdd(sc, tmp_path, run, 0, BATCHES[0]).collect()
     before = files_of(tmp_path)
-    out = map_partitions_with_state_store(keys_rdd(sc, [3, 17, 99]), bump_counts_no_commit, info(tmp_path, run, 1),
-                                          KEY, VALUE, CONF).collect()
+    out = batch_rdd(sc, tmp_path, run, 1, [3, 17, 99], bump_counts_no_commit).collect()
     assert sorted(out) == [(3, 4), (17, 3), (99, 1)]
     assert files_of(tmp_path) == before
     assert not any(short_name(os.path.basename(name)) == "2.delta" for name in before)
     assert state_at(sc, tmp_path, run, 1) == expected_counts(BATCHES[0])
     # Version 1 is still the one to build on.
-    out = map_partitions_with_state_store(keys_rdd(sc, [3]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,
-                                          CONF).collect()
+    out = batch_rdd(sc, tmp_path, run, 1, [3]).collect()
     assert [(k, n) for k, n, _ in out] == [(3, 4)]
 
 
@@ -384,14 +385,12 @@ def test_recovery_in_new_worker_processes_loads_from_files(spark, tmp_path):
     run = uuid.uuid4()
     old_pids = set()
     for version, batch in enumerate(BATCHES[:2]):
-        out = map_partitions_with_state_store(keys_rdd(sc, batch), bump_counts, info(tmp_path, run, version), KEY,
-                                              VALUE, CONF).collect()
+        out = batch_rdd(sc, tmp_path, run, version, batch).collect()
         old_pids |= {pid for _, _, pid in out}
     sc.environment["STATECORE_TEST_FRESH_WORKERS"] = uuid.uuid4().hex
     try:
         loads = glue.load_count_accumulator(sc)
-        out = map_partitions_with_state_store(keys_rdd(sc, BATCHES[2]), bump_counts, info(tmp_path, run, 2), KEY,
-                                              VALUE, CONF, load_accumulator=loads).collect()
+        out = batch_rdd(sc, tmp_path, run, 2, BATCHES[2], load_accumulator=loads).collect()
         new_pids = {pid for _, _, pid in out}
         recovered = state_at(sc, tmp_path, run, 3)  # also fresh workers: built while the variable is set
     finally:
@@ -409,8 +408,7 @@ def test_locations_reach_the_coordinator_and_become_preferences(spark, tmp_path)
     coordinator = driver.coordinator_for(spark)
     assert driver.coordinator_for(sc).address == coordinator.address  # one per SparkContext
     run = uuid.uuid4()
-    plain = map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE,
-                                            CONF, coordinator)
+    plain = batch_rdd(sc, tmp_path, run, 0, BATCHES[0], coordinator=coordinator)
     jsc = sc._jsc.sc()
     assert [str(jsc.getPreferredLocs(plain._jrdd.rdd(), p)) for p in range(PARTS)] == ["List()"] * PARTS
     pids = {pid for _, _, pid in plain.collect()}
@@ -420,8 +418,7 @@ def test_locations_reach_the_coordinator_and_become_preferences(spark, tmp_path)
 
     # The next batches' tasks prefer where their stores are: a pipelined parent, a text file, a DataFrame.
     loads = glue.load_count_accumulator(sc)
-    piloted = map_partitions_with_state_store(keys_rdd(sc, BATCHES[1]), bump_counts, info(tmp_path, run, 1), KEY,
-                                              VALUE, CONF, coordinator, load_accumulator=loads)
+    piloted = batch_rdd(sc, tmp_path, run, 1, BATCHES[1], coordinator=coordinator, load_accumulator=loads)
     assert [str(jsc.getPreferredLocs(piloted._jrdd.rdd(), p)) for p in range(PARTS)] == [
         "List(executor_127.0.0.1_driver)"] * PARTS
     want = expected_counts(*BATCHES[:2])
@@ -442,8 +439,7 @@ def test_locations_reach_the_coordinator_and_become_preferences(spark, tmp_path)
     # Stopping the query forgets its instances: no preferences any more.
     driver.deactivate(spark, run)
     assert all(coordinator.get_location(info(tmp_path, run, 0).provider_id(p)) is None for p in range(PARTS))
-    again = map_partitions_with_state_store(keys_rdd(sc, []), worker_pid, info(tmp_path, run, 4), KEY, VALUE, CONF,
-                                            coordinator)
+    again = batch_rdd(sc, tmp_path, run, 4, [], worker_pid, coordinator=coordinator)
     assert [str(jsc.getPreferredLocs(again._jrdd.rdd(), p)) for p in range(PARTS)] == ["List()"] * PARTS
     identities = again.collect()
     assert {ident for _, ident, _ in identities} == {("127.0.0.1", "driver")}
@@ -456,12 +452,11 @@ def test_a_coordinator_that_went_away_is_not_fatal(spark, tmp_path):
     env = RpcEnv()
     coordinator = StateStoreCoordinatorRef.for_driver(env)
     run = uuid.uuid4()
-    map_partitions_with_state_store(keys_rdd(sc, BATCHES[0]), bump_counts, info(tmp_path, run, 0), KEY, VALUE, CONF,
-                                    coordinator).collect()
+    batch_rdd(sc, tmp_path, run, 0, BATCHES[0], coordinator=coordinator).collect()
     assert coordinator.get_location(info(tmp_path, run, 0).provider_id(0)) is not None
     env.shutdown()
-    out = map_partitions_with_state_store(keys_rdd(sc, BATCHES[1]), bump_counts, info(tmp_path, run, 1), KEY, VALUE,
-                                          CONF, coordinator).collect()  # driver and workers cannot reach it
+    # Neither the driver nor the workers can reach it now.
+    out = batch_rdd(sc, tmp_path, run, 1, BATCHES[1], coordinator=coordinator).collect()
     want = expected_counts(*BATCHES[:2])
     assert sorted((k, n) for k, n, _ in out) == sorted((k, want[k]) for k in set(BATCHES[1]))
 

@@ -24,11 +24,10 @@ import pytest
 
 import statecore
 import statecore.errors
-import statecore.files
-from tests.store_support import contents, store_dir
+from tests.store_support import applied, commit_changes, contents, inject_faulty_files, store_dir, write_batch
 from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
-from statecore.files import FaultInjectingFiles, StoreFiles
+from statecore.files import StoreFiles
 from statecore.layers import FrozenView, State
 
 # The old code had no CommitConflictError: a stand-in that nothing raises.
@@ -96,40 +95,26 @@ def batch(v, salt=0):
     return puts, ks[9:12]
 
 
-def applied(before, puts, removes):
-    after = dict(before)
-    after.update(puts)
-    for k in removes:
-        after.pop(k, None)
-    return after
-
-
 def write(store, puts, removes):
-    keys = np.zeros(len(puts), KEY)
-    keys["k"] = list(puts)
-    values = np.zeros(len(puts), VALUE)
-    values["n"] = [p[0] for p in puts.values()]
-    values["x"] = [p[1] for p in puts.values()]
-    store.put_batch(keys, values)
-    gone = np.zeros(len(removes), KEY)
-    gone["k"] = removes
-    store.remove_batch(gone)
+    write_batch(store, KEY, VALUE, puts, removes)
 
 
 def commit_next(provider, model, salt=0):
     """Commit the next version from the newest one in ``model`` ({version: contents})."""
-    v = max(model)
-    store = provider.get_store(v)
-    puts, removes = batch(v + 1, salt)
-    write(store, puts, removes)
-    assert store.commit() == v + 1
-    model[v + 1] = applied(model[v], puts, removes)
-    return store
+    return commit_changes(provider, model, lambda v: batch(v, salt), KEY, VALUE)
 
 
 def commit_upto(provider, model, top, salt=0):
     while max(model) < top:
         commit_next(provider, model, salt)
+
+
+def committed(root, top, **conf):
+    """A provider made with ``conf`` that committed versions 1..``top``, and their model."""
+    p = make(root, **conf)
+    model = {0: {}}
+    commit_upto(p, model, top)
+    return p, model
 
 
 ALL_KEYS = np.zeros(KEY_SPACE + 2, KEY)
@@ -224,9 +209,7 @@ def run_bounded(body, timeout_s=60, extra_address_space=1 << 30):
 @pytest.mark.parametrize("reader", ["read_store", "store"])
 @pytest.mark.parametrize("target", ["newest", "older"])
 def test_iteration_returns_its_version_while_other_stores_commit(tmp_path, monkeypatch, target, reader):
-    p = make(tmp_path, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
-    model = {0: {}}
-    commit_upto(p, model, 3)
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
     p.do_maintenance()  # version 3 on a mapped snapshot: the iteration crosses layers and base
     commit_upto(p, model, 4)
     v = 4 if target == "newest" else 3
@@ -357,9 +340,7 @@ def test_flipped_byte_in_a_delta_a_thinned_snapshot_stands_in_for_keeps_it(tmp_p
 # -- 4. commit() raises though the merge ran ------------------------------------------------
 @pytest.mark.parametrize("merge", ["raises_after_merging", "raises_after_part", "raises_before"])
 def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch, merge):
-    p = make(tmp_path)
-    model = {0: {}}
-    commit_upto(p, model, 3)
+    p, model = committed(tmp_path, 3)
     v = 3
     original = State.merge
     saw = []
@@ -402,17 +383,9 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
 # -- 5. the snapshot's fsync (or rename) fails ------------------------------------------------
 @pytest.mark.parametrize("step", ["fsync", "rename"])
 def test_failed_snapshot_write_is_not_swapped_in(tmp_path, monkeypatch, step):
-    made = []
-
-    def faulty(location, storage_options=None, local_cache_dir=None):
-        made.append(FaultInjectingFiles(location, storage_options, local_cache_dir))
-        return made[-1]
-
-    monkeypatch.setattr(statecore.files, "open_store_files", faulty)
-    p = make(tmp_path, min_deltas_for_snapshot=2)
+    made = inject_faulty_files(monkeypatch)
+    p, model = committed(tmp_path, 4, min_deltas_for_snapshot=2)
     files = made[-1]
-    model = {0: {}}
-    commit_upto(p, model, 4)
     files.arm(step, "*.snapshot")
     try:
         p.do_maintenance()
@@ -440,9 +413,7 @@ def test_failed_snapshot_write_is_not_swapped_in(tmp_path, monkeypatch, step):
 # -- 7. a zombie's late commit ---------------------------------------------------------------
 @pytest.mark.parametrize("live", ["same_provider", "other_provider", "during_the_commit"])
 def test_zombie_commit_is_refused_and_removes_nothing(tmp_path, monkeypatch, live):
-    zp = make(tmp_path)
-    model = {0: {}}
-    commit_upto(zp, model, 1)
+    zp, model = committed(tmp_path, 1)
     lp = zp if live == "same_provider" else make(tmp_path)
     zombie = zp.get_store(1)
     zombie_batch = batch(2, salt=7)
@@ -556,9 +527,7 @@ def test_huge_version_is_not_found_promptly_in_bounded_memory(tmp_path):
 
 @pytest.mark.parametrize("deleted", ["snapshot", "delta"])
 def test_maintenance_survives_a_file_deleted_between_listing_and_reading(tmp_path, monkeypatch, deleted):
-    p = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
-    model = {0: {}}
-    commit_upto(p, model, 3)
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2, min_versions_to_retain=3)
     p.do_maintenance()
     commit_upto(p, model, 6)
     # the next cleanup's base, or a delta whose header the next pass reads to follow the lineage
@@ -641,9 +610,7 @@ def test_unreadable_schema_file_is_corruption(tmp_path, shape):
 def test_directory_with_a_version_file_name_is_ignored(tmp_path, layout):
     if layout == "previous" and not NEW_LAYOUT:
         pytest.skip("same as with_id in the previous layout")
-    p = make(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=2)
-    model = {0: {}}
-    commit_upto(p, model, 3)
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=1, min_versions_to_retain=2)
     name = f"5_{'ab' * 8}.delta" if NEW_LAYOUT and layout == "with_id" else "5.delta"
     os.mkdir(os.path.join(store_dir(tmp_path), name))
     fresh = make(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=2)
@@ -662,9 +629,7 @@ def test_directory_with_a_version_file_name_is_ignored(tmp_path, layout):
 
 @pytest.mark.parametrize("which", ["newest_delta", "middle_delta", "snapshot"])
 def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which):
-    p = make(tmp_path, min_deltas_for_snapshot=2)
-    model = {0: {}}
-    commit_upto(p, model, 3)
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2)
     p.do_maintenance()
     commit_upto(p, model, 6)
     version, kind = {"newest_delta": (6, "delta"), "middle_delta": (5, "delta"), "snapshot": (3, "snapshot")}[which]
@@ -711,9 +676,7 @@ def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_p
     """Maintenance writes a snapshot of 4 (blocked half-way) while versions 5 and 6 are
     committed over the frozen 4 and version 6 is iterated (blocked half-way); the snapshot
     is swapped in under the iteration, 7 is committed, then the iteration finishes."""
-    p = make(tmp_path, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
-    model = {0: {}}
-    commit_upto(p, model, 4)
+    p, model = committed(tmp_path, 4, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
     snap_reached, snap_go = threading.Event(), threading.Event()
     iter_reached, iter_go = threading.Event(), threading.Event()
     original_snapshot_rows, original_iter_rows = State.snapshot_rows, State.iter_rows

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.state_files import version_names, version_path
-from tests.store_support import commit_batch, contents
+from tests.store_support import commit_batch, contents, inject_faulty_files, maintaining, store_dir
 from statecore import (FileStateStoreProvider, IllegalStateError, SchemaMismatchError,
                        StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -31,6 +31,15 @@ def root(tmp_path):
 def make(root, provider_class="statecore.FileStateStoreProvider", partition=0, key=KEY, value=VALUE, **conf):
     conf = StateStoreConf(provider_class=provider_class, **conf)
     return create_and_init_provider(StateStoreId(root, 0, partition), key, value, conf)
+
+
+def commit_one_key_each(p, versions, maintain=False):
+    """Commit versions 1..``versions``, version v + 1 putting key v = (v, 0.0); with
+    ``maintain``, a maintenance pass after each commit."""
+    for v in range(versions):
+        commit_batch(p, v, [(v, (v, 0.0))])
+        if maintain:
+            p.do_maintenance()
 
 
 def test_commit_returns_next_version_and_is_durable(root, provider_class):
@@ -105,8 +114,7 @@ def test_batch_api_matches_scalar_api(root, provider_class):
 
 def test_re_execution_overwrites_later_versions(root, provider_class):
     p = make(root, provider_class)
-    for v in range(4):
-        commit_batch(p, v, [(v, (v, 0.0))])
+    commit_one_key_each(p, 4)
     # batch 2 runs again from version 2 with other input
     assert commit_batch(p, 2, [(100, (100, 0.0))]) == 3
     assert contents(p.get_read_store(3)) == {0: (0, 0.0), 1: (1, 0.0), 100: (100, 0.0)}
@@ -186,7 +194,7 @@ def test_nothing_is_written_before_commit_and_abort_leaves_nothing(root):
 def test_other_files_in_the_directory_are_ignored(root):
     p = make(root)
     commit_batch(p, 0, [(1, (1, 1.0))])
-    d = os.path.join(root, "0", "0")
+    d = store_dir(root)
     for name in (".1.delta.abc.tmp", "notes.txt", "x.delta", "2.delta.bak", "_metadata"):
         Path(d, name).write_bytes(b"")
     assert make(root).get_read_store(1).get(1) == (1, 1.0)
@@ -244,9 +252,7 @@ def test_old_deltas_are_still_deleted_when_snapshots_are_thinned(root, monkeypat
 
 def test_no_snapshot_at_exactly_min_deltas(root):
     p = make(root, min_deltas_for_snapshot=5)
-    for v in range(5):
-        commit_batch(p, v, [(v, (v, 0.0))])
-        p.do_maintenance()
+    commit_one_key_each(p, 5, maintain=True)
     assert not [f for f in store_files(root) if f.endswith(".snapshot")]
     commit_batch(p, 5, [(5, (5, 0.0))])
     p.do_maintenance()
@@ -287,9 +293,7 @@ def test_memory_filesystem(tmp_path):
     root = f"{bucket}/state"
     try:
         p = make(root, min_deltas_for_snapshot=1, local_cache_dir=str(tmp_path / "cache"))
-        for v in range(4):
-            commit_batch(p, v, [(v, (v, 0.0))])
-            p.do_maintenance()
+        commit_one_key_each(p, 4, maintain=True)
         assert contents(make(root, local_cache_dir=str(tmp_path / "cache")).get_read_store(4)) == {
             k: (k, 0.0) for k in range(4)}
     finally:
@@ -299,10 +303,9 @@ def test_memory_filesystem(tmp_path):
 
 def test_stale_snapshot_of_an_abandoned_run_is_never_read(root):
     p = make(root, min_deltas_for_snapshot=3)
-    for v in range(6):
-        commit_batch(p, v, [(v, (v, 0.0))])
+    commit_one_key_each(p, 6)
     p.do_maintenance()
-    d = os.path.join(root, "0", "0")
+    d = store_dir(root)
     assert "6.snapshot" in store_files(root)
     stale_path = version_path(d, 6, "snapshot")
     stale = Path(stale_path).read_bytes()
@@ -319,10 +322,9 @@ def test_stale_snapshot_of_an_abandoned_run_is_never_read(root):
 
 def test_damaged_snapshot_falls_back_to_deltas_and_damaged_delta_is_an_error(root):
     p = make(root, min_deltas_for_snapshot=2)
-    for v in range(5):
-        commit_batch(p, v, [(v, (v, 0.0))])
+    commit_one_key_each(p, 5)
     p.do_maintenance()
-    d = os.path.join(root, "0", "0")
+    d = store_dir(root)
     snap = version_path(d, 5, "snapshot")
     data = bytearray(Path(snap).read_bytes())
     data[10] ^= 0xFF  # in the header: found when the store opens
@@ -352,15 +354,7 @@ def test_cache_hits_and_misses(root):
 
 @pytest.mark.parametrize("step", ["write", "flush", "fsync", "rename"])
 def test_failed_delta_write_undoes_the_merge_in_the_same_provider(root, monkeypatch, step):
-    from statecore import files
-    injected = []
-
-    def faulty(location, storage_options=None, local_cache_dir=None):
-        f = files.FaultInjectingFiles(location, storage_options, local_cache_dir)
-        injected.append(f)
-        return f
-
-    monkeypatch.setattr(files, "open_store_files", faulty)
+    injected = inject_faulty_files(monkeypatch)
     p = make(root)
     commit_batch(p, 0, [(k, (k, 0.0)) for k in range(20)])
     commit_batch(p, 1, [(k, (k, 1.0)) for k in range(10, 30)], removes=[0, 1])
@@ -388,24 +382,10 @@ def test_maintenance_racing_commits_keeps_every_version_exact(root):
     # Regression: a snapshot pass that froze a state while its commit was still in flight
     # let the commit re-install the frozen state; later commits then mutated the tables the
     # snapshot writer was iterating (wrong row counts, and a crash).
-    import threading
     p = make(root, min_deltas_for_snapshot=1, min_versions_to_retain=5)
-    stop = threading.Event()
-    errors = []
-
-    def maintain():
-        while not stop.is_set():
-            try:
-                p.do_maintenance()
-            except Exception as e:  # a failure here is the bug
-                errors.append(e)
-                return
-
-    thread = threading.Thread(target=maintain)
-    thread.start()
     model = {}
     rng = np.random.default_rng(11)
-    try:
+    with maintaining(p) as errors:  # a failure there is the bug
         for v in range(60):
             s = p.get_store(v)
             keys = rng.choice(5000, 400, replace=False)
@@ -418,9 +398,6 @@ def test_maintenance_racing_commits_keeps_every_version_exact(root):
             for k in keys[300:]:
                 model.pop(int(k), None)
             assert s.commit() == v + 1
-    finally:
-        stop.set()
-        thread.join()
     assert not errors, errors
     assert contents(p.get_read_store(60)) == model
     assert p.get_read_store(60).metrics.num_keys == len(model)

@@ -20,7 +20,7 @@ order (write and fsync on the writer thread, merge, rename, supersede, record).
 
 Then: I/O faults injected at every step of a commit (its delta's write, flush, fsync and
 rename, the directory fsync, the listings and deletes after the rename, the merge itself),
-of maintenance's snapshot write, and of cleanup's deletes (statecore.files.FaultInjectingFiles);
+of maintenance's snapshot write, and of cleanup's deletes (statecore.faults.FaultInjectingFiles);
 damaged deltas and snapshots; names of the old layout; directories named like version files;
 and maintenance interleaved with the task at exact points (a re-executed batch, a load, a
 commit between its merge and its return), each pinned by hooks in the store's files.
@@ -45,10 +45,11 @@ import crash_worker as cw
 import statecore.files
 import statecore.layers
 from state_files import version_names, version_path
-from tests.store_support import commit_batch, contents, store_dir
+from tests.store_support import commit_batch, contents, inject_faulty_files, store_dir
 from statecore import (DeltaReader, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        StateStoreProviderId, VersionNotFoundError, create_and_init_provider, registry)
-from statecore.files import FaultInjectingFiles, StoreFiles
+from statecore.faults import FaultInjectingFiles
+from statecore.files import StoreFiles
 from statecore.lineage import parse_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +122,14 @@ def assert_version(provider, version, expected, commit_id=None):
             assert store.get(k) == expected.get(k)
     finally:
         store.abort()
+
+
+def assert_versions(provider, root, versions, expected):
+    """Each of ``versions`` reads ``expected[v]`` through ``provider``, then through a fresh
+    provider on ``root``."""
+    for v in versions:
+        assert_version(provider, v, expected[v])
+        assert_version(make(root), v, expected[v])
 
 
 def default_id(provider, version):
@@ -229,13 +238,8 @@ class HookedFiles(FaultInjectingFiles):
 def faulty(monkeypatch):
     """Every provider created in the test gets a HookedFiles (a FaultInjectingFiles); the
     list holds them. The merge of every commit calls HOOKS["merge"] and HOOKS["merged"]."""
-    made = []
     HOOKS.clear()
-
-    def open_store_files(location, storage_options=None, local_cache_dir=None):
-        made.append(HookedFiles(location, storage_options, local_cache_dir))
-        return made[-1]
-
+    made = inject_faulty_files(monkeypatch, HookedFiles)
     merge = statecore.layers.State.merge
 
     def hooked_merge(self, *args, **kwargs):
@@ -248,7 +252,6 @@ def faulty(monkeypatch):
             hook(None)
         return out
 
-    monkeypatch.setattr(statecore.files, "open_store_files", open_store_files)
     monkeypatch.setattr(statecore.layers.State, "merge", hooked_merge)
     yield made
     HOOKS.clear()
@@ -694,9 +697,7 @@ def test_failed_commit_changes_nothing(tmp_path, faulty, hooks, step, after_byte
     # the next attempt succeeds, and the workload goes on
     commit_workload(p, seed, 6, 9, maintenance_every=3 if over_snapshot else None)
     assert contents(reader) == expected[6]
-    for v in (7, 8, 9):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, (7, 8, 9), expected)
     assert tmp_files(tmp_path) == []
 
 
@@ -796,9 +797,7 @@ def test_failed_merge_leaves_no_file(tmp_path, faulty, hooks, fails, when):
             provider.get_read_store(4)
     assert s.commit() == 4
     commit_workload(p, seed, 4, 5)
-    for v in (4, 5):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, (4, 5), expected)
     assert contents(reader) == expected[3]
 
 
@@ -898,9 +897,7 @@ def test_failed_snapshot_write_in_maintenance(tmp_path, faulty, step, after_byte
     assert len(snapshot_bases(p)) == 1
     assert_files_whole(tmp_path)
     commit_workload(p, seed, 8, 12, maintenance_every=2)
-    for v in range(9, 13):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, range(9, 13), expected)
     assert tmp_files(tmp_path) == []
 
 
@@ -920,13 +917,9 @@ def test_snapshot_whose_directory_fsync_fails_is_not_the_base(tmp_path, faulty, 
     assert versions_on_disk(tmp_path)[1] == {5}  # renamed: in place, not known durable
     assert snapshot_bases(p) == []
     assert_files_whole(tmp_path)
-    for v in (3, 4, 5):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, (3, 4, 5), expected)
     commit_workload(p, seed, 5, 9, maintenance_every=2)
-    for v in range(6, 10):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, range(6, 10), expected)
 
 
 def test_failed_snapshot_in_the_registry_unloads_only_that_provider(tmp_path, faulty, clean_registry):
@@ -1059,13 +1052,9 @@ def test_maintenance_while_a_commit_finishes(tmp_path, hooks, point):
         reader = SnapshotReader(os.path.join(store_dir(tmp_path), name), KEY, VALUE)
         assert reader.row_count == len(expected[4])
         reader.close()
-    for v in range(4, 8):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, range(4, 8), expected)
     commit_workload(p, seed, 7, 12, maintenance_every=2)
-    for v in range(9, 13):
-        assert_version(p, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(p, tmp_path, range(9, 13), expected)
 
 
 # -- damaged files -----------------------------------------------------------------------------
@@ -1285,9 +1274,7 @@ def test_old_layout_names_still_load(tmp_path):
     assert all(parse_name(n).commit_id is not None for n in set(names(tmp_path)) - old - {"_statecore.schema.json"})
     assert old - set(names(tmp_path))  # cleanup deleted old names too
     assert_files_whole(tmp_path)
-    for v in range(9, 13):
-        assert_version(q, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(q, tmp_path, range(9, 13), expected)
 
 
 def test_directories_named_like_version_files_break_no_load(tmp_path):
@@ -1310,31 +1297,21 @@ def test_directories_named_like_version_files_break_no_load(tmp_path):
     commit_workload(p, seed, 5, 9, maintenance_every=1)
     fresh = make(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=3)
     fresh.do_maintenance()
-    for v in range(6, 10):
-        assert_version(fresh, v, expected[v])
-        assert_version(make(tmp_path), v, expected[v])
+    assert_versions(fresh, tmp_path, range(6, 10), expected)
     assert all(os.path.isdir(os.path.join(d, n)) for n in dirs)
 
 
 # -- durability ----------------------------------------------------------------------------------
-def test_a_new_store_directory_is_durable_before_its_first_commit(tmp_path, monkeypatch):
+def test_a_new_store_directory_is_durable_before_its_first_commit(tmp_path, synced_dirs):
     """The store directory (and each parent the provider creates) is fsynced into its parent
     when created; each commit's rename is fsynced into the store directory."""
-    synced = []
-    real = statecore.files._fsync_dir
-
-    def recording(path):
-        synced.append((path, sorted(os.listdir(path))))
-        return real(path)
-
-    monkeypatch.setattr(statecore.files, "_fsync_dir", recording)
     root = tmp_path / "ckpt"
     p = make(root)
-    assert synced == [(str(tmp_path), ["ckpt"]), (str(root), ["0"]), (str(root / "0"), ["0"])]
-    synced.clear()
+    assert synced_dirs == [(str(tmp_path), ["ckpt"]), (str(root), ["0"]), (str(root / "0"), ["0"])]
+    synced_dirs.clear()
     commit_batch(p, 0, [(1, (1, 1.0))])
     [delta] = attempts(root, 1)
-    assert synced == [(store_dir(root), ["_statecore.schema.json"]),
+    assert synced_dirs == [(store_dir(root), ["_statecore.schema.json"]),
                       (store_dir(root), sorted(["_statecore.schema.json", delta]))]
 
 

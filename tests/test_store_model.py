@@ -14,12 +14,12 @@ pass, the highest ``newest - min_versions_to_retain``: every version from ``floo
 newest must load exactly; an older one may raise VersionNotFoundError, and if it loads
 (from memory) it must be exact.
 
-The file provider's files are a ``FaultInjectingFiles``: some commits fail at a random step
-of the delta write; the provider must then serve the previous versions exactly (the merge
-it ran meanwhile undone), and the same store's next commit attempt must succeed. A commit
-that re-executes a batch deletes the abandoned run's later files before it writes its delta
-(by design), so after such a commit fails, the versions above the one it was writing may be
-gone from the files (``lost_above``) until a commit succeeds again.
+The file provider's files are a ``statecore.faults.FaultInjectingFiles``: some commits fail
+at a random step of the delta write; the provider must then serve the previous versions
+exactly (the merge it ran meanwhile undone), and the same store's next commit attempt must
+succeed. A commit that re-executes a batch deletes the abandoned run's later files before
+it writes its delta (by design), so after such a commit fails, the versions above the one
+it was writing may be gone from the files (``lost_above``) until a commit succeeds again.
 """
 import collections
 import os
@@ -27,9 +27,9 @@ import os
 import numpy as np
 import pytest
 
-import statecore.files
 from statecore import (IllegalStateError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
+from tests.store_support import inject_faulty_files, maintaining
 
 FILE = "statecore.FileStateStoreProvider"
 MODEL = "models.DictStateStoreProvider"
@@ -447,13 +447,7 @@ class Run:
 @pytest.mark.parametrize("schema", [Counts(), Sets()], ids=lambda s: s.name)
 @pytest.mark.parametrize("k", [0, 1, 2, 3], ids=lambda k: f"K{k}")
 def test_file_provider_matches_the_model(tmp_path, monkeypatch, rand, schema, k):
-    opened = []
-
-    def open_store_files(location, storage_options=None, local_cache_dir=None):
-        opened.append(statecore.files.FaultInjectingFiles(location, storage_options, local_cache_dir))
-        return opened[-1]
-
-    monkeypatch.setattr(statecore.files, "open_store_files", open_store_files)
+    opened = inject_faulty_files(monkeypatch)
     Run(tmp_path, rand, schema, k, opened).run(n_steps=250)
 
 
@@ -481,30 +475,15 @@ def test_maintenance_thread_racing_the_task(tmp_path, seed, k):
     fails, and every version read, in this provider or a fresh one, is exactly the model's.
     (A stress test: what it finds depends on timing; test_store_crash.py pins the
     interleavings it found, one by one.)"""
-    import threading
-
     from conftest import Rand
 
     rand = Rand(seed)
     schema = Counts()
     conf = StateStoreConf(min_deltas_for_snapshot=1, min_versions_to_retain=3, max_versions_to_retain_in_memory=k)
     p = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), schema.key, schema.value, conf)
-    stop = threading.Event()
-    errors = []
-
-    def maintain():
-        while not stop.is_set():
-            try:
-                p.do_maintenance()
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-                return
-
-    thread = threading.Thread(target=maintain)
-    thread.start()
     versions = {0: {}}
     v = high = 0  # the newest version now, and ever (cleanup keeps high - 3 on)
-    try:
+    with maintaining(p) as errors:
         for step in range(150):
             high = max(high, v)
             back = int(rand.integers(1, 3))
@@ -530,9 +509,6 @@ def test_maintenance_thread_racing_the_task(tmp_path, seed, k):
                     assert contents(r) == versions[u], (step, u)
                     assert r.metrics.num_keys == len(versions[u])
                     r.abort()
-    finally:
-        stop.set()
-        thread.join()
     assert errors == []
     p.do_maintenance()
     fresh = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), schema.key, schema.value, conf)

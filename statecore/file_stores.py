@@ -1,0 +1,226 @@
+"""The stores a :class:`~statecore.provider.FileStateStoreProvider` hands out: the contract's
+reads and updates over one pinned version of the provider's in-memory state.
+
+A :class:`View` pins a version while its store is open. :class:`FileReadStore` reads it
+(under the provider's lock; iteration without it, see :meth:`View.iter_rows`);
+:class:`FileStore` adds a private layer of updates, invisible to everyone else until
+``commit()`` hands it to the provider, which writes and merges it. Lifecycle errors use
+Spark's wording.
+"""
+import weakref
+
+import numpy as np
+
+from statecore.contracts import ReadStateStore, StateStore
+from statecore.errors import IllegalStateError
+from statecore.layers import Layer, no_values
+from statecore.rowsource import iter_batches, iter_items
+
+__all__ = ["View", "FileReadStore", "FileStore"]
+
+
+class View:
+    """One version of a provider's State, pinned while the store that reads it is open, with
+    the directory listing taken when it opened (what a commit from it may supersede)."""
+
+    def __init__(self, provider, state, version, listing):
+        self.provider = provider
+        self.state = state
+        self.version = version
+        self.commit_id = state.commit_ids[version]
+        self.listing = listing
+        provider._pin(state, version)
+        self._finalizer = weakref.finalize(self, provider._unpin, state, version)
+
+    def release(self):
+        self._finalizer()
+
+    def lookup(self, key_rows, extra_layers=()):
+        with self.provider._lock:
+            return self.state.lookup(self.version, key_rows, extra_layers)
+
+    def get_row(self, key, extra_layers=()):
+        with self.provider._lock:
+            return self.state.get_row(self.version, key, extra_layers)
+
+    def iter_rows(self, extra_layers=()):
+        """Row chunks of the version. Rows are copied out without the provider lock: while
+        the iteration is registered, no commit merges into this state (it freezes it and
+        goes on in a new one), so nothing it reads changes."""
+        lock = self.provider._lock
+        with lock:
+            self.state.iterating += 1
+        try:
+            yield from self.state.iter_rows(self.version, extra_layers)
+        finally:
+            with lock:
+                self.state.iterating -= 1
+
+
+class FileReadStore(ReadStateStore):
+    _kind = "FileReadStateStore"
+
+    def __init__(self, provider, view):
+        self._provider = provider
+        self._view = view
+        self._key_schema = provider._key_schema
+        self._value_schema = provider._value_schema
+
+    def __repr__(self):
+        sid = self._provider.state_store_id
+        return f"{self._kind}[id=(op={sid.operator_id},part={sid.partition_id}),dir={self._provider._dir}]"
+
+    @property
+    def id(self):
+        return self._provider.state_store_id
+
+    @property
+    def version(self):
+        return self._view.version
+
+    @property
+    def base_commit_id(self):
+        """The id (16 hex digits) of the version this store opened."""
+        return self._view.commit_id.hex()
+
+    def _layers(self):
+        return ()
+
+    def get(self, key):
+        value = self._view.get_row(self._key_schema.encode(key), self._layers())
+        return None if value is None else self._value_schema.decode(value)
+
+    def get_rows(self, key_rows, values_out, found_out):
+        values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
+        values_out[...] = values
+        found_out[...] = found
+
+    def get_batch(self, keys):
+        key_rows = self._key_schema.rows(keys)
+        values, found = self._view.lookup(key_rows, self._layers())
+        return self._value_schema.from_rows(values).copy(), found
+
+    def _iteration_layers(self):
+        return ()
+
+    def iterator(self):
+        return iter_items(_ChunkCursor(self._view.iter_rows(self._iteration_layers())), self._key_schema,
+                          self._value_schema)
+
+    def iter_batches(self, rows_per_batch=65536):
+        """Yield ``(keys, values)`` structured arrays covering every key once."""
+        return iter_batches(_ChunkCursor(self._view.iter_rows(self._iteration_layers())),
+                            self._key_schema, self._value_schema, rows_per_batch)
+
+    def abort(self):
+        self._view.release()
+
+    def _num_keys(self):
+        with self._provider._lock:
+            return self._view.state.count(self._view.version)
+
+    @property
+    def metrics(self):
+        return self._provider._metrics(self._num_keys())
+
+
+class _ChunkCursor:
+    """Adapts a generator of row chunks to the ``next_rows`` cursor protocol."""
+
+    def __init__(self, chunks):
+        self._chunks = chunks
+        self._pending = None
+
+    def next_rows(self, max_rows):
+        if self._pending is None or not len(self._pending):
+            self._pending = next(self._chunks, None)
+            if self._pending is None:
+                return None
+        out, self._pending = self._pending[:max_rows], self._pending[max_rows:]
+        return out
+
+    def close(self):
+        self._chunks.close()
+
+
+_UPDATING, _COMMITTED, _ABORTED = "UPDATING", "COMMITTED", "ABORTED"
+
+
+class FileStore(FileReadStore, StateStore):
+    _kind = "FileStateStore"
+
+    def __init__(self, provider, view):
+        super().__init__(provider, view)
+        self._update = Layer(self._key_schema, self._value_schema)
+        self._state = _UPDATING
+        self._commit_id = None
+
+    def _layers(self):
+        return (self._update,)
+
+    def _iteration_layers(self):
+        # Iteration sees the updates as they were when it began: puts made while iterating
+        # (eviction loops) then cannot hide a key that is still to be visited.
+        return (self._update.copy(),)
+
+    def _check_updating(self, verb):
+        if self._state != _UPDATING:
+            raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
+
+    def put(self, key, value):
+        if value is None:
+            raise ValueError("Cannot put a null value")
+        self._check_updating("put")
+        self._update.put_row(self._key_schema.encode(key), self._value_schema.encode(value))
+
+    def remove(self, key):
+        self._check_updating("remove")
+        self._update.delete_row(self._key_schema.encode(key))
+
+    def put_batch(self, keys, values):
+        if values is None and self._value_schema.width:
+            raise ValueError("Cannot put a null value")
+        self._check_updating("put")
+        key_rows = self._key_schema.rows(keys)
+        value_rows = self._value_schema.rows(values) if values is not None else no_values(key_rows.shape[0])
+        if value_rows.shape[0] != key_rows.shape[0]:
+            raise ValueError(f"{key_rows.shape[0]} keys but {value_rows.shape[0]} values")
+        self._update.put_rows(key_rows, value_rows)
+
+    def remove_batch(self, keys):
+        self._check_updating("remove")
+        self._update.delete_rows(self._key_schema.rows(keys))
+
+    def commit(self):
+        self._check_updating("commit")
+        new_version, self._committed_num_keys, commit_id = self._provider._commit(self._view, self._update)
+        self._commit_id = commit_id
+        self._state = _COMMITTED
+        return new_version
+
+    @property
+    def commit_id(self):
+        return None if self._commit_id is None else self._commit_id.hex()
+
+    def abort(self):
+        self._state = _ABORTED
+        self._update = Layer(self._key_schema, self._value_schema)
+        self._view.release()
+
+    @property
+    def has_committed(self):
+        return self._state == _COMMITTED
+
+    def _num_keys(self):
+        if self._state == _COMMITTED:
+            return self._committed_num_keys
+        base = super()._num_keys()
+        put_keys, _ = self._update.puts.export_rows()
+        del_keys, _ = self._update.dels.export_rows()
+        _, put_found = self._view.lookup(put_keys)
+        _, del_found = self._view.lookup(del_keys)
+        return base + int((~put_found).sum()) - int(del_found.sum())
+
+    @property
+    def metrics(self):
+        return self._provider._metrics(self._num_keys(), update_bytes=self._update.sizeof())
