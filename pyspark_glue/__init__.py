@@ -21,6 +21,7 @@ Design notes: ``docs/operator.md``, ``docs/rdd.md``, ``docs/continuous.md``, ``d
 from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
                               map_partitions_with_state_store)
 from pyspark_glue.aggregates import RunningAggregate
+from pyspark_glue.deduplicate import Deduplicate
 from pyspark_glue.arrow import (column_to_numpy, columns_from_arrow, keys_from_arrow, spark_schema_of, spark_type_of,
                                 to_record_batch)
 from pyspark_glue.operator import StatefulOperator
@@ -32,6 +33,7 @@ __all__ = [
     "map_partitions_with_read_state_store",
     "StatefulOperator",
     "RunningAggregate",
+    "Deduplicate",
     "keys_from_arrow",
     "columns_from_arrow",
     "column_to_numpy",

@@ -9,7 +9,7 @@ import pyarrow as pa
 from statecore.schema import as_schema
 
 __all__ = ["arrow_type_of", "spark_type_of", "spark_schema_of", "numpy_to_arrow", "to_record_batch",
-           "column_to_numpy", "column", "columns_from_arrow", "keys_from_arrow", "output_schemas",
+           "column_to_numpy", "column", "columns_from_arrow", "keys_from_arrow", "output_schemas", "dtype_of_columns",
            "conform_output"]
 
 _ARROW_OF_KIND = {  # (kind, itemsize) -> the Arrow type Spark takes for it
@@ -185,6 +185,10 @@ def column_to_numpy(arr, dtype, name="?", null_value=None):
     if target is None:
         raise TypeError(f"field for column '{name}' has dtype {dt}, which no store holds")
     t = arr.type
+    if pa.types.is_timestamp(t) or pa.types.is_date32(t):  # as Spark holds them: microseconds, days
+        arr = arr.cast(pa.timestamp("us", t.tz)) if pa.types.is_timestamp(t) else arr
+        arr = arr.cast(pa.int64() if pa.types.is_timestamp(arr.type) else pa.int32())
+        t = arr.type
     if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
             or pa.types.is_decimal(t)):
         raise TypeError(f"column '{name}' is {t}; a {dt} field takes numeric columns")
@@ -223,6 +227,36 @@ def columns_from_arrow(batch, schema, columns=None):
 
 
 keys_from_arrow = columns_from_arrow  # the name the key side reads best with
+
+
+# Spark's simple type names -> the numpy dtype a store field holds them in.
+_DTYPE_OF_SPARK = {"bigint": "<i8", "int": "<i4", "smallint": "<i2", "tinyint": "i1", "double": "<f8",
+                   "float": "<f4", "boolean": "?", "timestamp": "<i8", "timestamp_ntz": "<i8", "date": "<i4"}
+
+
+def dtype_of_columns(spark_schema, columns, widths=None, what="key"):
+    """The packed structured dtype holding ``columns`` of a Spark schema, one field each (named
+    like the column): numbers, booleans, timestamps (microseconds), dates (days); strings and
+    binaries as ``S<n>`` with ``n`` from ``widths`` (ValueError naming the column without it)."""
+    widths = dict(widths or {})
+    fields = {f.name: f.dataType.simpleString() for f in spark_schema.fields}
+    out = []
+    for name in columns:
+        if name not in fields:
+            raise ValueError(f"{what} column '{name}' is not in the DataFrame (columns: {list(fields)})")
+        t = fields[name]
+        if t in ("string", "binary"):
+            width = widths.get(name)
+            if not isinstance(width, int) or width < 1:
+                raise ValueError(f"{what} column '{name}' is a {t}: give its width in bytes (e.g. "
+                                 f"key_widths={{'{name}': 16}}); longer values are refused, never cut")
+            out.append((name, f"S{width}"))
+        elif t in _DTYPE_OF_SPARK:
+            out.append((name, _DTYPE_OF_SPARK[t]))
+        else:
+            raise ValueError(f"{what} column '{name}' has type {t}, which a state key cannot hold (numbers, "
+                             f"booleans, timestamps, dates, strings and binaries can)")
+    return as_schema(np.dtype(out)).dtype
 
 
 def output_schemas(schema):

@@ -163,7 +163,8 @@ class StatefulOperator:
         self.store_name = store_name
         self.output_batches_to_retain = output_batches_to_retain
         self.last_progress = None
-        self._output_schema_arg = _from_fn(fn, "output_schema", output_schema)
+        self._output_schema_arg = output_schema  # resolved with the input's schema (a built-in's may depend on it)
+        self.output_schema = self._arrow_schema = None
         self._conf_arg = conf
         self._coordinator_arg = coordinator
         self._own_run_id = query_run_id or uuid.uuid4()
@@ -182,7 +183,7 @@ class StatefulOperator:
         value = _from_fn(self.fn, "value_schema", self._value_schema_arg)
         if key is not None and value is not None:
             self.key_schema, self.value_schema = key_value_schemas(key, value)
-        elif key is not None or value is not None or not callable(getattr(self.fn, "resolve_schemas", None)):
+        elif not callable(getattr(self.fn, "resolve_schemas", None)):
             missing = "key_schema" if key is None else "value_schema"
             raise ValueError(f"no {missing}: pass it, or give fn an attribute of that name")
 
@@ -217,7 +218,6 @@ class StatefulOperator:
         elif not isinstance(conf, StateStoreConf):
             conf = StateStoreConf.from_spark_conf(conf)
         self.conf = conf
-        self.output_schema, self._arrow_schema = output_schemas(self._output_schema_arg)
         coordinator = self._coordinator_arg
         if coordinator is True:
             from pyspark_glue import driver
@@ -238,6 +238,9 @@ class StatefulOperator:
         if self.key_schema is None:
             self.fn.resolve_schemas(df.schema)
             self._take_schemas()
+        if self._arrow_schema is None:
+            self.output_schema, self._arrow_schema = output_schemas(
+                _from_fn(self.fn, "output_schema", self._output_schema_arg))
 
     def _metadata(self, df):
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields}

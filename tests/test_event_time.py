@@ -1,0 +1,121 @@
+"""Event time through StatefulOperator, checked against Spark itself: the same files as
+micro-batches through Spark's own operator and through statecore's built-in, the same rows
+out, the same late rows dropped, across a stop and restart; the watermark records; state
+that stays bounded; bad input refused before any store changes."""
+import collections
+import datetime
+
+import numpy as np
+import pytest
+
+from pyspark_glue import Deduplicate, StatefulOperator
+from tests.event_time_support import (SCHEMA, no_data_batches_at_end, run_spark_phase, run_statecore_phase,
+                                      write_batch_files, write_empty_files)
+
+
+def dedup_batches(rng, n_batches, rows_per_batch, keys, step_s, jitter_s, late_fraction):
+    """Batches of ``(id, ts, payload)``: event times advance ``step_s`` per batch with
+    ``jitter_s`` of disorder; ``late_fraction`` of rows lag far behind (late, or on time for
+    keys long forgotten); a key's rows within one batch are identical (which duplicate Spark
+    keeps then does not matter), across batches they differ."""
+    batches = []
+    for b in range(n_batches):
+        base = 100 + b * step_s
+        ids = rng.integers(0, keys, rows_per_batch)
+        ts = base + rng.uniform(-jitter_s, jitter_s, rows_per_batch)
+        lagging = rng.random(rows_per_batch) < late_fraction
+        ts[lagging] -= rng.uniform(2 * step_s, 6 * step_s, int(lagging.sum()))
+        first = {}
+        for i, t in zip(ids.tolist(), np.round(ts, 3).tolist()):
+            first.setdefault(i, t)
+        batches.append([(i, first[i], f"p{b}-{i}") for i in ids.tolist()])
+    return batches
+
+
+def as_multiset(rows):
+    return collections.Counter(rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_deduplicate_matches_spark_dropDuplicatesWithinWatermark_across_a_restart(spark, tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    batches = dedup_batches(rng, n_batches=8, rows_per_batch=120, keys=60, step_s=4.0, jitter_s=3.0,
+                            late_fraction=0.15)
+    theirs_in, ours_in = str(tmp_path / "spark-in"), str(tmp_path / "ours-in")
+    spark_seen, ours_seen = [], []
+    op = StatefulOperator(str(tmp_path / "state"), 0, 3, fn=Deduplicate(["id"], "ts", "5 seconds"))
+    for phase, (lo, hi) in enumerate([(0, 5), (5, 8)]):
+        write_batch_files(theirs_in, batches[lo:hi], first_index=lo)
+        start = len(spark_seen)
+        run_spark_phase(spark, theirs_in, str(tmp_path / "spark-ckpt"),
+                        lambda df: df.withWatermark("ts", "5 seconds").dropDuplicatesWithinWatermark(["id"]),
+                        spark_seen)
+        write_batch_files(ours_in, batches[lo:hi], first_index=lo)
+        write_empty_files(ours_in, hi - 1, no_data_batches_at_end(spark_seen, start))
+        if phase == 1:  # a restart: a new operator and a new run of the query
+            op.close()
+            op = StatefulOperator(str(tmp_path / "state"), 0, 3, fn=Deduplicate(["id"], "ts", "5 seconds"))
+        run_statecore_phase(spark, ours_in, str(tmp_path / "ours-ckpt"), op, ours_seen)
+    op.close()
+    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen]
+    total_late = sum(e[2] for e in spark_seen)
+    assert total_late > 0, "the input must have late rows for the test to mean anything"
+    for theirs, ours in zip(spark_seen, ours_seen):
+        assert as_multiset(ours[1]) == as_multiset(theirs[1]), f"batch {theirs[0]}"
+        assert ours[2] == theirs[2], f"late rows of batch {theirs[0]}"
+    kept = sum(len(e[1]) for e in spark_seen)
+    assert 0 < kept < sum(len(b) for b in batches)
+
+
+def test_watermarks_are_recorded_per_batch_and_replayed_by_a_re_execution(spark, tmp_path):
+    op = StatefulOperator(str(tmp_path / "state"), 0, 2, fn=Deduplicate(["id"], "ts", "10 seconds"))
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+    def batch(*seconds):
+        rows = [(i, t0 + datetime.timedelta(seconds=s), "x") for i, s in enumerate(seconds)]
+        return spark.createDataFrame(rows, SCHEMA)
+
+    epoch_ms = int(t0.timestamp() * 1000)
+    op.process(batch(30, 50), 0)
+    assert (op.last_progress["watermark_for_late_events_ms"], op.last_progress["watermark_for_eviction_ms"]) == (0, 0)
+    assert op.last_progress["max_event_time_ms"] == epoch_ms + 50_000
+    op.process(batch(20), 1)
+    assert op.last_progress["watermark_for_late_events_ms"] == 0
+    assert op.last_progress["watermark_for_eviction_ms"] == epoch_ms + 40_000
+    op.process(batch(35, 41), 2)  # 35 is at or below 40: late
+    assert op.last_progress["watermark_for_late_events_ms"] == epoch_ms + 40_000
+    assert op.last_progress["late_rows"] == 1
+    record = op.commit_record(2)["watermarks"]
+    assert record == {"for_late_events_ms": epoch_ms + 40_000, "for_eviction_ms": epoch_ms + 40_000,
+                      "max_event_time_us": (epoch_ms + 41_000) * 1000}
+    op.process(batch(35, 41), 2)  # a re-execution: the same watermarks
+    assert op.commit_record(2)["watermarks"] == record
+    op.close()
+    again = StatefulOperator(str(tmp_path / "state"), 0, 2, fn=Deduplicate(["id"], "ts", "10 seconds"))
+    again.process(batch(), 3, advance_watermark_to=t0 + datetime.timedelta(hours=1))
+    assert again.last_progress["watermark_for_eviction_ms"] == epoch_ms + 3_600_000
+    assert again.last_progress["state_keys"] == 0, "every key's expiry is below the advanced watermark"
+    again.close()
+
+
+def test_state_stays_bounded_over_a_sliding_key_space(spark, tmp_path):
+    """20 batches; each brings new ids over a sliding range, event time a minute per batch;
+    with a 30 s delay, the number of live keys and the newest snapshot stay flat."""
+    rng = np.random.default_rng(3)
+    state = str(tmp_path / "state")
+    op = StatefulOperator(state, 0, 2, fn=Deduplicate(["id"], "ts", "30 seconds"),
+                          conf={"spark.sql.streaming.stateStore.minDeltasForSnapshot": "2"})
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    live = []
+    for b in range(20):
+        ids = rng.integers(b * 500, b * 500 + 2000, 3000)
+        rows = [(int(i), t0 + datetime.timedelta(seconds=60 * b + float(s)), "x")
+                for i, s in zip(ids, rng.uniform(0, 30, len(ids)))]
+        op.process(spark.createDataFrame(rows, SCHEMA), b)
+        live.append(op.last_progress["state_keys"])
+        op.close()  # a fresh operator each batch: the state is reloaded from files, snapshots written
+        op = StatefulOperator(state, 0, 2, fn=Deduplicate(["id"], "ts", "30 seconds"),
+                              conf={"spark.sql.streaming.stateStore.minDeltasForSnapshot": "2"})
+    op.close()
+    assert max(live[5:]) <= 1.2 * min(live[5:]), live
+    assert max(live) < 5000, live
