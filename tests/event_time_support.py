@@ -15,13 +15,16 @@ SCHEMA = "id long, ts timestamp, payload string"
 
 
 def write_batch_files(directory, batches, first_index=0):
-    """One JSON-lines file per batch of ``(id, ts seconds, payload)`` rows; mtimes in order."""
+    """One JSON-lines file per batch of rows (dicts, or ``(id, ts, payload)`` tuples), ``ts``
+    in seconds after 2026-01-01; mtimes in order."""
     os.makedirs(directory, exist_ok=True)
     for i, rows in enumerate(batches, start=first_index):
         path = os.path.join(directory, f"batch-{i:04d}.json")
         with open(path, "w") as f:
-            for row_id, seconds, payload in rows:
-                f.write(json.dumps({"id": row_id, "ts": _iso(seconds), "payload": payload}) + "\n")
+            for row in rows:
+                if not isinstance(row, dict):
+                    row = dict(zip(("id", "ts", "payload"), row))
+                f.write(json.dumps(dict(row, ts=_iso(row["ts"]))) + "\n")
         os.utime(path, (1_000_000 + 10 * i, 1_000_000 + 10 * i))
 
 
@@ -41,18 +44,24 @@ def _iso(seconds):
     return t.isoformat()
 
 
-def _source(spark, directory):
-    return spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(directory)
+def _source(spark, directory, schema):
+    return spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(directory)
 
 
-def run_spark_phase(spark, directory, checkpoint, transform, seen):
-    """Spark's own query over the files not yet read; appends ``(batch_id, rows, late_rows)``
-    per batch to ``seen`` (rows as tuples), data or not."""
+def _rows(df, columns):
+    """The rows of ``df`` as tuples of ``columns`` (nested rows as tuples too), in that order."""
+    return [tuple(tuple(r[c]) if hasattr(r[c], "asDict") else r[c] for c in columns) for r in df.collect()]
+
+
+def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA, columns=None):
+    """Spark's own query over the files not yet read; appends ``(batch_id, rows, late_rows,
+    input rows)`` per batch to ``seen`` (rows as tuples of ``columns``), data or not."""
     def collect(df, batch_id):
-        seen.append([batch_id, [tuple(r) for r in df.collect()], None])
+        seen.append([batch_id, _rows(df, columns or df.columns), None])
 
-    query = (transform(_source(spark, directory)).writeStream.foreachBatch(collect)
-             .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
+    writer = transform(_source(spark, directory, schema)).writeStream.foreachBatch(collect)
+    writer = writer.outputMode(getattr(transform, "output_mode", "append"))
+    query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
     query.awaitTermination()
     late = {p["batchId"]: sum(op.get("numRowsDroppedByWatermark", 0) for op in p.get("stateOperators", []))
             for p in query.recentProgress}
@@ -64,14 +73,14 @@ def run_spark_phase(spark, directory, checkpoint, transform, seen):
     return query
 
 
-def run_statecore_phase(spark, directory, checkpoint, operator, seen):
+def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCHEMA, columns=None):
     """statecore's query over the files not yet read; appends ``(batch_id, rows, late_rows)``
     per batch to ``seen``."""
     def process(df, batch_id):
         out = operator.process(df, batch_id)
-        seen.append([batch_id, [tuple(r) for r in out.collect()], operator.last_progress.get("late_rows", 0)])
+        seen.append([batch_id, _rows(out, columns or out.columns), operator.last_progress.get("late_rows", 0)])
 
-    query = (_source(spark, directory).writeStream.foreachBatch(process)
+    query = (_source(spark, directory, schema).writeStream.foreachBatch(process)
              .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
     query.awaitTermination()
     if query.exception() is not None:
@@ -88,3 +97,25 @@ def no_data_batches_at_end(seen, phase_start):
         count += 1
     assert not any(flags), f"Spark ran a batch without data between data batches: {seen[phase_start:]}"
     return count
+
+
+def compare_with_spark(spark, tmp_path, batches, phases, spark_transform, make_operator, schema=SCHEMA,
+                       columns=None):
+    """Both queries over ``batches`` in ``phases`` (``[(first, end)]`` file ranges, a restart
+    with a new operator between phases); returns ``(spark_seen, ours_seen)`` after checking
+    they ran the same batches."""
+    theirs_in, ours_in = str(tmp_path / "spark-in"), str(tmp_path / "ours-in")
+    spark_seen, ours_seen = [], []
+    for lo, hi in phases:
+        write_batch_files(theirs_in, batches[lo:hi], first_index=lo)
+        start = len(spark_seen)
+        run_spark_phase(spark, theirs_in, str(tmp_path / "spark-ckpt"), spark_transform, spark_seen, schema, columns)
+        write_batch_files(ours_in, batches[lo:hi], first_index=lo)
+        write_empty_files(ours_in, hi - 1, no_data_batches_at_end(spark_seen, start))
+        operator = make_operator()  # a restart: a new operator and a new run of the query
+        try:
+            run_statecore_phase(spark, ours_in, str(tmp_path / "ours-ckpt"), operator, ours_seen, schema, columns)
+        finally:
+            operator.close()
+    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen]
+    return spark_seen, ours_seen

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from pyspark_glue import Deduplicate, StatefulOperator
-from tests.event_time_support import (SCHEMA, no_data_batches_at_end, run_spark_phase, run_statecore_phase,
-                                      write_batch_files, write_empty_files)
+from tests.event_time_support import SCHEMA, compare_with_spark
 
 
 def dedup_batches(rng, n_batches, rows_per_batch, keys, step_s, jitter_s, late_fraction):
@@ -41,23 +40,10 @@ def test_deduplicate_matches_spark_dropDuplicatesWithinWatermark_across_a_restar
     rng = np.random.default_rng(seed)
     batches = dedup_batches(rng, n_batches=8, rows_per_batch=120, keys=60, step_s=4.0, jitter_s=3.0,
                             late_fraction=0.15)
-    theirs_in, ours_in = str(tmp_path / "spark-in"), str(tmp_path / "ours-in")
-    spark_seen, ours_seen = [], []
-    op = StatefulOperator(str(tmp_path / "state"), 0, 3, fn=Deduplicate(["id"], "ts", "5 seconds"))
-    for phase, (lo, hi) in enumerate([(0, 5), (5, 8)]):
-        write_batch_files(theirs_in, batches[lo:hi], first_index=lo)
-        start = len(spark_seen)
-        run_spark_phase(spark, theirs_in, str(tmp_path / "spark-ckpt"),
-                        lambda df: df.withWatermark("ts", "5 seconds").dropDuplicatesWithinWatermark(["id"]),
-                        spark_seen)
-        write_batch_files(ours_in, batches[lo:hi], first_index=lo)
-        write_empty_files(ours_in, hi - 1, no_data_batches_at_end(spark_seen, start))
-        if phase == 1:  # a restart: a new operator and a new run of the query
-            op.close()
-            op = StatefulOperator(str(tmp_path / "state"), 0, 3, fn=Deduplicate(["id"], "ts", "5 seconds"))
-        run_statecore_phase(spark, ours_in, str(tmp_path / "ours-ckpt"), op, ours_seen)
-    op.close()
-    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen]
+    spark_seen, ours_seen = compare_with_spark(
+        spark, tmp_path, batches, [(0, 5), (5, 8)],
+        lambda df: df.withWatermark("ts", "5 seconds").dropDuplicatesWithinWatermark(["id"]),
+        lambda: StatefulOperator(str(tmp_path / "state"), 0, 3, fn=Deduplicate(["id"], "ts", "5 seconds")))
     total_late = sum(e[2] for e in spark_seen)
     assert total_late > 0, "the input must have late rows for the test to mean anything"
     for theirs, ours in zip(spark_seen, ours_seen):
@@ -119,3 +105,88 @@ def test_state_stays_bounded_over_a_sliding_key_space(spark, tmp_path):
     op.close()
     assert max(live[5:]) <= 1.2 * min(live[5:]), live
     assert max(live) < 5000, live
+
+
+def amount_batches(rng, n_batches, rows_per_batch, keys, step_s, jitter_s, late_fraction, null_fraction=0.1):
+    """Rows ``{id, ts, amount}`` with event time advancing ``step_s`` per batch, some rows far
+    behind, some amounts null."""
+    batches = []
+    for b in range(n_batches):
+        ts = 100 + b * step_s + rng.uniform(-jitter_s, jitter_s, rows_per_batch)
+        lagging = rng.random(rows_per_batch) < late_fraction
+        ts[lagging] -= rng.uniform(2 * step_s, 5 * step_s, int(lagging.sum()))
+        amounts = rng.integers(-50, 1000, rows_per_batch)
+        nulls = rng.random(rows_per_batch) < null_fraction
+        batches.append([{"id": int(i), "ts": round(float(t), 3), "amount": None if n else int(a)}
+                        for i, t, a, n in zip(rng.integers(0, keys, rows_per_batch), ts, amounts, nulls)])
+    return batches
+
+
+AMOUNT_SCHEMA = "id long, ts timestamp, amount long"
+WINDOW_AGGREGATES = {"n": ("count", "*"), "n_amount": ("count", "amount"), "total": ("sum", "amount"),
+                     "lo": ("min", "amount"), "hi": ("max", "amount")}
+
+
+@pytest.mark.parametrize("window,slide,mode", [("10 seconds", None, "append"), ("10 seconds", "4 seconds", "append"),
+                                               ("6 seconds", "3 seconds", "update")])
+def test_windowed_aggregate_matches_spark_across_a_restart(spark, tmp_path, window, slide, mode):
+    from pyspark.sql import functions as F
+
+    from pyspark_glue import WindowedAggregate
+
+    rng = np.random.default_rng(11)
+    batches = amount_batches(rng, n_batches=8, rows_per_batch=150, keys=8, step_s=5.0, jitter_s=4.0,
+                             late_fraction=0.1)
+
+    def spark_query(df):
+        w = F.window("ts", window, slide) if slide else F.window("ts", window)
+        return (df.withWatermark("ts", "3 seconds").groupBy(w, "id")
+                .agg(F.count("*").alias("n"), F.count("amount").alias("n_amount"), F.sum("amount").alias("total"),
+                     F.min("amount").alias("lo"), F.max("amount").alias("hi")))
+
+    def ours():
+        return StatefulOperator(str(tmp_path / "state"), 0, 3, fn=WindowedAggregate(
+            ["id"], "ts", "3 seconds", window, slide, aggregates=WINDOW_AGGREGATES, output_mode=mode))
+
+    columns = ["id", "window", "n", "n_amount", "total", "lo", "hi"]
+    original = spark.conf.get("spark.sql.streaming.outputMode", None)
+    spark_seen, ours_seen = compare_with_spark(
+        spark, tmp_path, batches, [(0, 5), (5, 8)],
+        spark_query if mode == "append" else _in_update_mode(spark_query), ours, AMOUNT_SCHEMA, columns)
+    assert sum(e[2] for e in spark_seen) > 0, "the input must have late rows for the test to mean anything"
+    assert sum(len(e[1]) for e in spark_seen) > 10
+    inputs = iter(batches)
+    records = ours()
+    for theirs, mine in zip(spark_seen, ours_seen):
+        assert as_multiset(mine[1]) == as_multiset(theirs[1]), f"batch {theirs[0]}"
+        # Late rows: statecore counts the (row, window) pairs it drops; Spark drops the same
+        # pairs but counts them after its partial aggregation: one per (window, key).
+        rows = next(inputs) if theirs[3] else []
+        late_ms = records.commit_record(theirs[0])["watermarks"]["for_late_events_ms"]
+        pairs = late_pairs(records.fn, rows, late_ms)
+        assert mine[2] == len(pairs), f"late rows of batch {theirs[0]}"
+        assert theirs[2] == len(set(pairs)), f"late (window, key) groups of batch {theirs[0]}"
+    records.close()
+    assert original == spark.conf.get("spark.sql.streaming.outputMode", None)
+
+
+def late_pairs(windowed, rows, late_ms):
+    """The ``(window start, id)`` of each (row, window) pair whose window ended at or before
+    ``late_ms``, computed from the input rows alone."""
+    epoch = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc).timestamp()
+    times = np.array([round((epoch + r["ts"]) * 1_000_000) for r in rows], dtype=np.int64)
+    which, starts = windowed.windows_of(times)
+    late = starts + windowed.window_us <= late_ms * 1000
+    return [(int(s), rows[w]["id"]) for w, s in zip(which[late], starts[late])]
+
+
+class _in_update_mode:
+    """A transform whose query the harness starts in update mode."""
+
+    output_mode = "update"
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, df):
+        return self.transform(df)

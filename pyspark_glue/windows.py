@@ -1,0 +1,188 @@
+"""``WindowedAggregate``: Spark's ``groupBy(window(event_time, window, slide), keys).agg(...)``
+with a watermark, in append or update mode.
+
+A row counts in every window ``[start, start + window)`` that holds its event time, starts
+aligned to the slide (one window when tumbling). A (row, window) pair is late, and dropped,
+when the window's end is at or below the previous batch's watermark: with sliding windows a
+row may be late for one window and counted in the next. In append mode a window is emitted
+once, at the end of the first batch whose eviction watermark reaches its end (ties emitted),
+then removed; in update mode each batch emits the windows it changed, and windows are
+removed (not emitted again) when the watermark passes them. State: one row per (window, key)
+and an :class:`~statecore.expiry.ExpiryIndex` by window end (``docs/event-time.md``).
+"""
+import numpy as np
+import pyarrow as pa
+
+from statecore.expiry import ExpiryIndex
+
+from pyspark_glue.aggregate_specs import Aggregates
+from pyspark_glue.aggregates import group_rows
+from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
+from pyspark_glue.event_time import event_times_us, parse_duration_us
+
+__all__ = ["WindowedAggregate", "WINDOW_START"]
+
+WINDOW_START = "__window_start"
+_HEADS, _ENTRIES = "expiry_heads", "expiry_entries"
+OUTPUT_MODES = ("append", "update")
+
+
+def window_struct(starts, ends, timestamp_type):
+    """Spark's ``window`` column, ``struct<start, end>``, from microsecond arrays."""
+    tz = "UTC" if timestamp_type == "timestamp" else None
+    return pa.StructArray.from_arrays([pa.array(starts, pa.timestamp("us", tz)), pa.array(ends, pa.timestamp("us", tz))],
+                                      names=["start", "end"])
+
+
+def window_spark_type(timestamp_type):
+    from pyspark.sql.types import StructField, StructType, TimestampNTZType, TimestampType
+
+    t = TimestampType() if timestamp_type == "timestamp" else TimestampNTZType()
+    return StructType([StructField("start", t, True), StructField("end", t, True)])
+
+
+class WindowedAggregate:
+    """``fn`` for :class:`~pyspark_glue.StatefulOperator`: aggregates per key and time window.
+
+    Parameters
+    ----------
+    key_columns : sequence of str
+    event_time : str
+        A timestamp column.
+    delay : str or datetime.timedelta
+        The watermark delay.
+    window, slide : str or datetime.timedelta
+        The window's length and the distance between window starts (default: ``window``,
+        tumbling windows). Both positive, the window at least the slide.
+    aggregates : dict
+        Output column -> ``(function, column)``: ``count`` (``"*"`` or a column: its
+        non-null values), ``sum``, ``min``, ``max`` (null over only nulls, as in Spark).
+    output_mode : "append" or "update"
+    key_widths : dict, optional
+        Bytes per value of each string or binary key column.
+
+    Output: the key columns, ``window`` (``struct<start, end>``), the aggregates in order.
+    """
+
+    def __init__(self, key_columns, event_time, delay, window, slide=None, aggregates=None, output_mode="append",
+                 *, key_widths=None):
+        if isinstance(key_columns, str):
+            key_columns = [key_columns]
+        self.key_columns = list(key_columns)
+        if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
+            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
+        if not isinstance(event_time, str) or not event_time:
+            raise ValueError(f"event_time must be a column name, got {event_time!r}")
+        self.event_time = event_time
+        self.delay = delay
+        self.delay_us = parse_duration_us(delay, "the watermark delay")
+        self.window_us = parse_duration_us(window, "the window", positive=True, months=False)
+        self.slide_us = self.window_us if slide is None else parse_duration_us(slide, "the slide", positive=True,
+                                                                                months=False)
+        if self.window_us < self.slide_us:
+            raise ValueError(f"the window ({window!r}) must not be shorter than its slide ({slide!r})")
+        if output_mode not in OUTPUT_MODES:
+            raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
+        self.output_mode = output_mode
+        self.aggregates = Aggregates(aggregates if aggregates is not None else {"count": ("count", "*")})
+        self.key_widths = dict(key_widths or {})
+        self.key_schema = self.value_schema = self.output_schema = None
+        self._tasks = {}  # id(default store) -> [PartitionContext, windows updated (update mode)]
+
+    def resolve_schemas(self, spark_schema):
+        """The state's key and value schemas and the output schema, from the input's columns."""
+        self.user_keys = dtype_of_columns(spark_schema, self.key_columns, self.key_widths)
+        self.key_schema = np.dtype([(WINDOW_START, "<i8")] + self.user_keys.descr)
+        self.aggregates.bind(spark_schema)
+        self.value_schema = np.dtype(self.aggregates.state_fields)
+        from pyspark.sql.types import StructField, StructType
+
+        types = {f.name: f.dataType for f in spark_schema.fields}
+        self.timestamp_type = types[self.event_time].simpleString()
+        self.output_schema = StructType(
+            [StructField(c, types[c], True) for c in self.key_columns]
+            + [StructField("window", window_spark_type(self.timestamp_type), True)]
+            + [StructField(name, t, True) for name, t in self.aggregates.output_fields()])
+
+    @property
+    def state_stores(self):
+        schemas = ExpiryIndex.schemas(self.key_schema)
+        return {_HEADS: schemas["heads"], _ENTRIES: schemas["entries"]}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_tasks"] = {}
+        return state
+
+    def open(self, context):
+        self._tasks[id(context.store)] = [context, []]
+
+    def _index(self, context):
+        return ExpiryIndex(context.stores[_HEADS], context.stores[_ENTRIES], self.key_schema)
+
+    def windows_of(self, times):
+        """``(row, start)`` of every window each event time falls in."""
+        overlapping = -(-self.window_us // self.slide_us)
+        last_start = times - times % self.slide_us
+        starts = last_start[:, None] - np.arange(overlapping, dtype=np.int64)[None, :] * self.slide_us
+        inside = times[:, None] < starts + self.window_us
+        rows = np.broadcast_to(np.arange(len(times))[:, None], starts.shape)
+        return rows[inside], starts[inside]
+
+    def __call__(self, store, batch):
+        context, updated = self._tasks[id(store)]
+        times = event_times_us(batch, self.event_time)
+        rows, starts = self.windows_of(times)
+        on_time = starts + self.window_us > context.watermarks.for_late_events_us
+        context.late_rows += int(len(rows) - on_time.sum())
+        rows, starts = rows[on_time], starts[on_time]
+        if not len(rows):
+            return None
+        user_keys = columns_from_arrow(batch, self.user_keys, self.key_columns)
+        keys = np.empty(len(rows), dtype=self.key_schema)
+        keys[WINDOW_START] = starts
+        for name in self.user_keys.names:
+            keys[name] = user_keys[name][rows]
+        order, group_starts = group_rows(keys)
+        distinct = keys[order[group_starts]]
+        inputs = {c: (None if v is None else v[rows], nn[rows])
+                  for c, (v, nn) in self.aggregates.inputs(batch).items()}
+        new = np.zeros(len(distinct), dtype=self.value_schema)
+        self.aggregates.aggregate(inputs, order, group_starts, new)
+        old, found = store.get_batch(distinct)
+        self.aggregates.merge(old, found, new)
+        store.put_batch(distinct, new)
+        if not found.all():
+            self._index(context).add(distinct[WINDOW_START][~found] + self.window_us, distinct[~found])
+        if self.output_mode == "update":
+            updated.append(distinct)
+        return None
+
+    def _output(self, keys, values):
+        columns = [numpy_to_arrow(keys[name]) for name in self.user_keys.names]
+        columns.append(window_struct(keys[WINDOW_START], keys[WINDOW_START] + self.window_us, self.timestamp_type))
+        aggregates = self.aggregates.output_columns(values)
+        names = self.key_columns + ["window"] + list(aggregates)
+        return pa.RecordBatch.from_arrays(columns + list(aggregates.values()), names=names)
+
+    def finish(self, store):
+        """Emit (append mode: the windows the eviction watermark closes; update mode: the
+        windows this batch changed) and forget the closed windows."""
+        context, updated = self._tasks.pop(id(store))
+        out = []
+        if updated:
+            everything = np.concatenate(updated)
+            order, starts = group_rows(everything)
+            keys = everything[order[starts]]
+            values, _ = store.get_batch(keys)
+            out.append(self._output(keys, values))
+        _, closed = self._index(context).pop_until(context.watermarks.for_eviction_us)
+        if len(closed):
+            values, found = store.get_batch(closed)
+            closed, values = closed[found], values[found]
+            if self.output_mode == "append" and len(closed):
+                out.append(self._output(closed, values))
+            store.remove_batch(closed)
+        if not out:
+            return None
+        return pa.Table.from_batches(out)
