@@ -22,6 +22,7 @@ from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_rea
                               map_partitions_with_state_store)
 from pyspark_glue.aggregates import RunningAggregate
 from pyspark_glue.deduplicate import Deduplicate
+from pyspark_glue.sessions import SessionWindow
 from pyspark_glue.windows import WindowedAggregate
 from pyspark_glue.arrow import (column_to_numpy, columns_from_arrow, keys_from_arrow, spark_schema_of, spark_type_of,
                                 to_record_batch)
@@ -36,6 +37,7 @@ __all__ = [
     "RunningAggregate",
     "Deduplicate",
     "WindowedAggregate",
+    "SessionWindow",
     "keys_from_arrow",
     "columns_from_arrow",
     "column_to_numpy",

@@ -143,6 +143,25 @@ class Aggregates:
             reduce = {"sum": np.add, "min": np.minimum, "max": np.maximum}[function]
             out[name] = reduce.reduceat(filled, starts) if len(starts) else filled[:0]
 
+    def combine(self, states, starts):
+        """Partial results ``states`` (structured, of the state fields) combined per group, the
+        groups being the runs ``states[starts[g]:starts[g+1]]``: one row per group."""
+        out = np.zeros(len(starts), dtype=states.dtype)
+        if not len(starts):
+            return out
+        for name, function, _col in self.specs:
+            if function in ("count", "sum"):
+                out[name] = np.add.reduceat(states[name], starts)
+                if function == "count":
+                    continue
+            else:
+                filled = np.where(states[_NON_NULL + name] > 0, states[name],
+                                  _null_fill(states.dtype[name], function)).astype(states.dtype[name], copy=False)
+                reduce = np.minimum if function == "min" else np.maximum
+                out[name] = reduce.reduceat(filled, starts)
+            out[_NON_NULL + name] = np.add.reduceat(states[_NON_NULL + name], starts)
+        return out
+
     def merge(self, old, found, new):
         """``new`` combined into ``old`` where ``found`` (in place in ``new``)."""
         for name, function, _col in self.specs:

@@ -1,0 +1,186 @@
+"""``SessionWindow``: Spark's ``groupBy(session_window(event_time, gap), keys).agg(...)`` with a
+watermark, in append mode.
+
+Each on-time row opens a session ``[event time, event time + gap)``; sessions of a key that
+overlap or touch merge, with the sessions the key already has in state. A row is late, and
+dropped, when its own session's end is at or below the previous batch's watermark (judged
+row by row, before merging). A session is emitted once, at the end of the first batch whose
+eviction watermark reaches its end, then removed; a later on-time row opens a new session
+even where it overlaps the emitted one. State: each key's open sessions as a
+:class:`~statecore.keyed_lists.KeyedLists` (the default store holds how many), and an
+:class:`~statecore.expiry.ExpiryIndex` by session end (``docs/event-time.md``).
+"""
+import numpy as np
+import pyarrow as pa
+
+from statecore.expiry import ExpiryIndex
+from statecore.keyed_lists import COUNT_FIELD, KeyedLists
+
+from pyspark_glue.aggregate_specs import Aggregates
+from pyspark_glue.aggregates import group_rows
+from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
+from pyspark_glue.event_time import event_times_us, parse_duration_us
+from pyspark_glue.windows import window_spark_type, window_struct
+
+__all__ = ["SessionWindow", "segmented_running_max"]
+
+_START, _END = "__start", "__end"
+_SESSIONS = "sessions"
+_HEADS, _ENTRIES = "expiry_heads", "expiry_entries"
+
+
+def segmented_running_max(values, group_starts):
+    """The running maximum of ``values`` restarted at each index in ``group_starts`` (which
+    includes 0): log2(n) vectorized passes, no Python loop per element."""
+    out = np.array(values, copy=True)
+    n = len(out)
+    group = np.zeros(n, dtype=np.int64)
+    if n:
+        group[group_starts[1:]] = 1
+        group = np.cumsum(group)
+    step = 1
+    while step < n:
+        same = group[step:] == group[:-step]
+        np.maximum(out[step:], np.where(same, out[:-step], out[step:]), out=out[step:])
+        step *= 2
+    return out
+
+
+class SessionWindow:
+    """``fn`` for :class:`~pyspark_glue.StatefulOperator`: aggregates per key and session.
+
+    Parameters
+    ----------
+    key_columns : sequence of str
+    event_time : str
+        A timestamp column.
+    delay : str or datetime.timedelta
+        The watermark delay.
+    gap : str or datetime.timedelta
+        The session gap (positive): a session ends ``gap`` after its last row.
+    aggregates : dict
+        As for :class:`~pyspark_glue.WindowedAggregate`.
+    key_widths : dict, optional
+        Bytes per value of each string or binary key column.
+
+    Output: the key columns, ``session_window`` (``struct<start, end>``), the aggregates.
+    """
+
+    def __init__(self, key_columns, event_time, delay, gap, aggregates=None, *, key_widths=None):
+        if isinstance(key_columns, str):
+            key_columns = [key_columns]
+        self.key_columns = list(key_columns)
+        if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
+            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
+        if not isinstance(event_time, str) or not event_time:
+            raise ValueError(f"event_time must be a column name, got {event_time!r}")
+        self.event_time = event_time
+        self.delay = delay
+        self.delay_us = parse_duration_us(delay, "the watermark delay")
+        self.gap_us = parse_duration_us(gap, "the session gap", positive=True, months=False)
+        self.aggregates = Aggregates(aggregates if aggregates is not None else {"count": ("count", "*")})
+        self.key_widths = dict(key_widths or {})
+        self.key_schema = self.value_schema = self.output_schema = None
+        self._tasks = {}  # id(default store) -> PartitionContext
+
+    def resolve_schemas(self, spark_schema):
+        """The state's schemas and the output schema, from the input's columns."""
+        from pyspark.sql.types import StructField, StructType
+
+        self.key_schema = dtype_of_columns(spark_schema, self.key_columns, self.key_widths)
+        self.value_schema = np.dtype([(COUNT_FIELD, "<i8")])
+        self.aggregates.bind(spark_schema)
+        self.session_dtype = np.dtype([(_START, "<i8"), (_END, "<i8")] + self.aggregates.state_fields)
+        types = {f.name: f.dataType for f in spark_schema.fields}
+        self.timestamp_type = types[self.event_time].simpleString()
+        self.output_schema = StructType(
+            [StructField(c, types[c], True) for c in self.key_columns]
+            + [StructField("session_window", window_spark_type(self.timestamp_type), True)]
+            + [StructField(name, t, True) for name, t in self.aggregates.output_fields()])
+
+    @property
+    def state_stores(self):
+        expiry = ExpiryIndex.schemas(self.key_schema)
+        sessions = KeyedLists.schemas(self.key_schema, self.session_dtype)
+        return {_SESSIONS: sessions["entries"], _HEADS: expiry["heads"], _ENTRIES: expiry["entries"]}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_tasks"] = {}
+        return state
+
+    def open(self, context):
+        self._tasks[id(context.store)] = context
+
+    def _lists(self, context):
+        return KeyedLists(context.store, context.stores[_SESSIONS], self.key_schema, self.session_dtype)
+
+    def _index(self, context):
+        return ExpiryIndex(context.stores[_HEADS], context.stores[_ENTRIES], self.key_schema)
+
+    def __call__(self, store, batch):
+        context = self._tasks[id(store)]
+        times = event_times_us(batch, self.event_time)
+        on_time = times + self.gap_us > context.watermarks.for_late_events_us
+        context.late_rows += int(len(times) - on_time.sum())
+        rows = np.flatnonzero(on_time)
+        if not len(rows):
+            return None
+        keys = columns_from_arrow(batch, self.key_schema, self.key_columns)[rows]
+        fresh = np.zeros(len(rows), dtype=self.session_dtype)  # each row its own session
+        fresh[_START] = times[rows]
+        fresh[_END] = times[rows] + self.gap_us
+        per_row = np.arange(len(rows))
+        self.aggregates.aggregate(self.aggregates.inputs(batch, rows), per_row, per_row, fresh)
+        order, starts = group_rows(keys)
+        distinct = keys[order[starts]]
+        row_owner = np.empty(len(rows), dtype=np.int64)
+        row_owner[order] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(rows))))
+        lists = self._lists(context)
+        counts = lists.counts(distinct)
+        held_owner, held = lists.read(distinct, counts)
+        owner = np.concatenate([held_owner, row_owner])
+        sessions = np.concatenate([held, fresh])
+        merged_owner, merged = self._merge(owner, sessions)
+        lists.replace(distinct, merged_owner, merged, counts)
+        self._index(context).add(merged[_END], distinct[merged_owner])
+        return None
+
+    def _merge(self, owner, sessions):
+        """The sessions of each owner merged where they overlap or touch: ``(owner, session)``
+        sorted by owner, then start."""
+        order = np.lexsort((sessions[_START], owner))
+        owner, sessions = owner[order], sessions[order]
+        group_starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        reach = segmented_running_max(sessions[_END], group_starts)
+        opens = np.ones(len(sessions), dtype=bool)
+        opens[1:] = sessions[_START][1:] > reach[:-1]
+        opens[group_starts] = True
+        runs = np.flatnonzero(opens)
+        merged = self.aggregates.combine(sessions, runs)
+        merged[_START] = sessions[_START][runs]
+        merged[_END] = np.maximum.reduceat(sessions[_END], runs)
+        return owner[runs], merged
+
+    def finish(self, store):
+        """Emit and forget the sessions the eviction watermark closes."""
+        context = self._tasks.pop(id(store))
+        limit = context.watermarks.for_eviction_us
+        _, due = self._index(context).pop_until(limit)
+        if not len(due):
+            return None
+        order, starts = group_rows(due)
+        keys = due[order[starts]]
+        lists = self._lists(context)
+        counts = lists.counts(keys)
+        owner, sessions = lists.read(keys, counts)
+        closed = sessions[_END] <= limit
+        if not closed.any():
+            return None
+        lists.replace(keys, owner[~closed], sessions[~closed], counts)
+        out_keys, out = keys[owner[closed]], sessions[closed]
+        columns = [numpy_to_arrow(out_keys[name]) for name in self.key_schema.names]
+        columns.append(window_struct(out[_START], out[_END], self.timestamp_type))
+        aggregates = self.aggregates.output_columns(out)
+        return pa.RecordBatch.from_arrays(columns + list(aggregates.values()),
+                                          names=self.key_columns + ["session_window"] + list(aggregates))
