@@ -68,13 +68,11 @@ cdef class RowTable:
     cdef inline void _prefetch(self, const uint32_t* tags, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     cdef void _get_many(self, const uint8_t* keys, Py_ssize_t n, uint8_t* values, uint8_t* found,
                         uint32_t* tags) noexcept nogil
-    cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                       uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil
+    cdef inline int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                              uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
+                              uint64_t n_bits) noexcept nogil
     cdef int _reserve_for(self, const uint32_t* tags, Py_ssize_t n, uint64_t* bitmap,
                           uint64_t n_bits) noexcept nogil
-    cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                            uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
-                            uint64_t n_bits) noexcept nogil
     cdef int _remove_many(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
                           Py_ssize_t* removed) noexcept nogil
 

@@ -445,27 +445,12 @@ cdef class RowTable:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                       uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil:
-        cdef Py_ssize_t i
-        cdef int rc
-        cdef size_t kw = self.key_width, vw = self.value_width
-        self._hash_keys(keys, n, tags)
-        rc = self._reserve_for(tags, n, bitmap, n_bits)
-        if rc < 0:
-            return rc
-        for i in range(n):
-            self._prefetch(tags, i, n)
-            rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
-            if rc < 0:
-                return rc
-        return TABLE_OK
-
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
-    cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                            uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
-                            uint64_t n_bits) noexcept nogil:
+    cdef inline int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                              uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
+                              uint64_t n_bits) noexcept nogil:
+        """Put ``values`` at ``keys``, one probe per key. Unless NULL (put_rows passes NULL
+        for both), ``prior`` gets what was there (zeros where the key is new) and ``found`` 1
+        where the key was present (exchange_rows)."""
         cdef Py_ssize_t i
         cdef int rc
         cdef uint64_t pos
@@ -479,14 +464,16 @@ cdef class RowTable:
         for i in range(n):
             self._prefetch(tags, i, n)
             row = self.table_find(keys + i * kw, tags[i], &pos)
-            found[i] = row != 0
+            if found != NULL:
+                found[i] = row != 0
             if row != 0:
                 if vw:
                     dst = self.rows + <uint64_t>(row - 1) * self.row_width + kw
-                    memcpy(prior + i * vw, dst, vw)
+                    if prior != NULL:
+                        memcpy(prior + i * vw, dst, vw)
                     memcpy(dst, values + i * vw, vw)
                 continue
-            if vw:
+            if prior != NULL and vw:
                 memset(prior + i * vw, 0, vw)
             rc = self.table_insert_new(keys + i * kw, values + i * vw if vw else NULL, tags[i])
             if rc < 0:
@@ -557,7 +544,7 @@ cdef class RowTable:
         cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
         cdef uint64_t n_bits = bits.shape[0] * 64
         with nogil:
-            rc = self._put_many(&keys[0, 0], value_ptr, n, &tags[0], bitmap_ptr, n_bits)
+            rc = self._put_many(&keys[0, 0], value_ptr, n, NULL, NULL, &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
 
     def exchange_rows(self, const uint8_t[:, ::1] keys not None, const uint8_t[:, ::1] values not None,
@@ -582,8 +569,7 @@ cdef class RowTable:
         cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
         cdef uint64_t n_bits = bits.shape[0] * 64
         with nogil:
-            rc = self._exchange_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0],
-                                     bitmap_ptr, n_bits)
+            rc = self._put_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
 
     def remove_rows(self, const uint8_t[:, ::1] keys not None):
