@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""RowTable: an open-addressing hash table over fixed-width binary rows (see _rowtable.pyx)."""
+"""RowTable: an open-addressing hash table over fixed-width binary rows, and RowSource, what
+it shares with SnapshotReader (see _rowtable.pyx)."""
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
@@ -24,14 +25,20 @@ cdef inline const uint8_t* rows_ptr(const uint8_t[:, ::1] rows) noexcept:
     return &rows[0, 0]
 
 
-@cython.final
-cdef class RowTable:
+cdef class RowSource:
     cdef readonly object key_schema
     cdef readonly object value_schema
     cdef readonly Py_ssize_t key_width
     cdef readonly Py_ssize_t value_width
     cdef readonly Py_ssize_t row_width
 
+    cdef void _set_schemas(self, key_schema, value_schema) except *
+    cdef Py_ssize_t _lookup_size(self, const uint8_t[:, ::1] keys, uint8_t[:, ::1] values,
+                                 uint8_t[::1] found) except -1
+
+
+@cython.final
+cdef class RowTable(RowSource):
     cdef Slot* slots
     cdef uint64_t n_slots           # a power of two, or 0 before the first insert
     cdef uint32_t max_displacement  # an upper bound on every entry's distance from home
