@@ -1,9 +1,9 @@
 # cython: language_level=3
 """The delta format, version 1: its constants and record layouts, the header (DeltaHeader,
 :func:`read_delta_header`, its only parser), and what the headers of both file formats
-share: the 16-byte lineage field (:func:`lineage_bytes`) and how a parser takes its bytes
-(:func:`header_bytes`). The format is described in docs/formats.md; ``_delta`` writes and
-reads it.
+share: the 16-byte lineage field (:func:`lineage_bytes`), how a parser takes its bytes
+(:func:`header_bytes`) and how a reader shows its header's fields (:func:`header_field`).
+The format is described in docs/formats.md; ``_delta`` writes and reads it.
 """
 cimport cython
 from libc.stdint cimport uint64_t
@@ -76,6 +76,14 @@ cdef bytes header_bytes(data, Py_ssize_t size, name):
         raise StateCorruptionError(name, len(view), f"truncated: the header needs {size} bytes, "
                                                     f"the file ends after {len(view)}")
     return bytes(view[:size])
+
+
+cdef object header_field(reader, header, str name):
+    """The one rule of both readers' ``__getattr__``: a field of the reader's checked header
+    (``store_version``, ``lineage``, ``commit_id``, ...) is the reader's attribute too."""
+    if header is not None and not name.startswith("_") and hasattr(type(header), name):
+        return getattr(header, name)
+    raise AttributeError(f"'{type(reader).__name__}' object has no attribute '{name}'")
 
 
 @cython.final

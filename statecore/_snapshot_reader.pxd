@@ -11,16 +11,9 @@ from statecore._snapshot_image cimport SnapError, SnapLayout
 @cython.final
 cdef class SnapshotReader(RowSource):
     cdef readonly object path
-    cdef readonly bytes lineage
-    cdef readonly uint64_t store_version
+    cdef readonly object header         # the checked SnapshotHeader; its fields are the reader's too
     cdef readonly uint64_t row_count
-    cdef readonly uint64_t file_size
-    cdef readonly uint64_t n_slots
-    cdef readonly uint64_t n_blocks
-    cdef readonly uint32_t block_size
     cdef readonly uint32_t max_displacement
-
-    cdef readonly object header         # the SnapshotHeader read_snapshot_header checked
     cdef Mapping _mapping               # None once closed; each call holds its own reference
     cdef bint _closed
     cdef SnapLayout layout              # base is NULL here: see SnapLayout

@@ -23,7 +23,7 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
 
-from statecore._delta_format cimport lineage_bytes
+from statecore._delta_format cimport header_field, lineage_bytes
 from statecore._hash cimport key_hash, slot_tag
 from statecore._probe cimport Slot
 from statecore._rowtable cimport RowSource, rows_ptr
@@ -50,7 +50,8 @@ cdef class SnapshotReader(RowSource):
     Opening reads and checks the header and the footer only (O(1) whatever the size); data
     blocks are checked on first touch (see the module docstring). Everything returned is a
     copy (bytes, tuples, arrays), so nothing outlives the mapping. The API mirrors RowTable
-    (their shared reads are RowSource's).
+    (their shared reads are RowSource's); the fields of ``header`` (store_version, lineage,
+    commit_id, n_blocks, ...) are the reader's attributes too.
 
     Parameters
     ----------
@@ -124,13 +125,7 @@ cdef class SnapshotReader(RowSource):
         self.header = h
         self._set_schemas(key_schema if key_schema is not None else as_schema(h.key_schema, key=True),
                           value_schema if value_schema is not None else h.value_schema)
-        self.lineage = h.lineage
-        self.store_version = h.store_version
         self.row_count = h.row_count
-        self.file_size = size
-        self.n_slots = h.n_slots
-        self.n_blocks = h.n_blocks
-        self.block_size = h.block_size
         self.max_displacement = f.max_displacement
         self.table_ok = 0
         self.layout.base = NULL
@@ -142,7 +137,7 @@ cdef class SnapshotReader(RowSource):
         self.layout.n_blocks = h.n_blocks
         self.layout.table_checksum = f.table_checksum
         self.layout.block_shift = h.block_size.bit_length() - 1
-        self.layout.index.mask = self.n_slots - 1
+        self.layout.index.mask = h.n_slots - 1
         self.layout.index.row_width = self.row_width
         self.layout.index.key_width = self.key_width
         self.layout.index.row_count = self.row_count
@@ -266,6 +261,9 @@ cdef class SnapshotReader(RowSource):
             self._raise_truncated(mapping)
         return SnapshotCursor(self)
 
+    def __getattr__(self, name):
+        return header_field(self, self.header, name)
+
     # -- checks ---------------------------------------------------------------------------
     def verify(self, bint index=True):
         """Check every checksum (they cover the rows and the slots) and, unless ``index`` is
@@ -292,11 +290,6 @@ cdef class SnapshotReader(RowSource):
 
     # -- lifetime -------------------------------------------------------------------------
     @property
-    def commit_id(self):
-        """The header's lineage[:8] (the store's id of the version this snapshot holds)."""
-        return self.lineage[:8]
-
-    @property
     def closed(self):
         return self._closed
 
@@ -319,7 +312,7 @@ cdef class SnapshotReader(RowSource):
 
     def __repr__(self):
         state = "closed" if self._closed else f"{self.row_count} rows"
-        return f"SnapshotReader('{self.path}', version {self.store_version}, {state})"
+        return f"SnapshotReader('{self.path}', version {self.header.store_version}, {state})"
 
 
 # REQUIRES: src holds m rows of w bytes, skip m entries, dst room for the unskipped rows:
