@@ -24,7 +24,7 @@ from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy, memmove
 
-from statecore._delta_format cimport lineage_bytes, lz4_bound, sealed
+from statecore._delta_format cimport header_field, lineage_bytes, lz4_bound, sealed
 from statecore._hash cimport checksum, xxh64
 from statecore._rowtable cimport rows_ptr
 
@@ -408,10 +408,7 @@ cdef class DeltaReader:
                                         f"expected {expected.hex()}")
 
     def __getattr__(self, name):
-        # The header's fields are the reader's attributes too (store_version, lineage, ...).
-        if not name.startswith("_") and hasattr(DeltaHeader, name):
-            return getattr(self.header, name)
-        raise AttributeError(f"'DeltaReader' object has no attribute '{name}'")
+        return header_field(self, self.header, name)
 
     cdef void _check_schema(self, str which, schema, Py_ssize_t width, fingerprint) except *:
         if schema is None:

@@ -18,5 +18,7 @@ cdef class DeltaHeader:
 
 
 cdef bytes lineage_bytes(object lineage, str what)
+cdef bytes header_bytes(data, Py_ssize_t size, name)
+cdef object header_field(reader, header, str name)
 cdef bytes sealed(bytes body, uint64_t seed=*)
 cdef Py_ssize_t lz4_bound(Py_ssize_t raw_size)

@@ -1,8 +1,9 @@
 # cython: language_level=3
 """The delta format, version 1: its constants and record layouts, the header (DeltaHeader,
-:func:`read_delta_header`, its only parser) and the 16-byte lineage field that the headers
-of both file formats carry (:func:`lineage_bytes`). The format is described in
-docs/formats.md; ``_delta`` writes and reads it.
+:func:`read_delta_header`, its only parser), and what the headers of both file formats
+share: the 16-byte lineage field (:func:`lineage_bytes`), how a parser takes its bytes
+(:func:`header_bytes`) and how a reader shows its header's fields (:func:`header_field`).
+The format is described in docs/formats.md; ``_delta`` writes and reads it.
 """
 cimport cython
 from libc.stdint cimport uint64_t
@@ -67,6 +68,24 @@ cdef bytes lineage_bytes(object lineage, str what):
     return raw
 
 
+cdef bytes header_bytes(data, Py_ssize_t size, name):
+    """The header a parser checks: the first ``size`` bytes of ``data`` (bytes-like; bytes
+    after them are ignored). Fewer raise StateCorruptionError naming ``name``, "truncated"."""
+    view = memoryview(data).cast("B")
+    if len(view) < size:
+        raise StateCorruptionError(name, len(view), f"truncated: the header needs {size} bytes, "
+                                                    f"the file ends after {len(view)}")
+    return bytes(view[:size])
+
+
+cdef object header_field(reader, header, str name):
+    """The one rule of both readers' ``__getattr__``: a field of the reader's checked header
+    (``store_version``, ``lineage``, ``commit_id``, ...) is the reader's attribute too."""
+    if header is not None and not name.startswith("_") and hasattr(type(header), name):
+        return getattr(header, name)
+    raise AttributeError(f"'{type(reader).__name__}' object has no attribute '{name}'")
+
+
 @cython.final
 cdef class DeltaHeader:
     """The checked header of a delta (:func:`read_delta_header`); immutable.
@@ -92,32 +111,15 @@ cdef class DeltaHeader:
 
 
 def read_delta_header(data, path=None):
-    """Check and decode the header of a delta.
+    """Check and decode the header of a delta: a :class:`DeltaHeader`.
 
-    Parameters
-    ----------
-    data : bytes-like
-        At least the first HEADER_SIZE bytes of the file; bytes after them are ignored.
-    path : str, optional
-        The name errors give.
-
-    Returns
-    -------
-    DeltaHeader
-
-    Raises
-    ------
-    StateCorruptionError
-        Fewer than HEADER_SIZE bytes ("truncated"), or a wrong magic, an unknown format
-        version, a checksum mismatch, an unknown compression, nonzero reserved bytes or
-        impossible widths.
+    ``data`` (bytes-like) holds at least the file's first HEADER_SIZE bytes, ``path`` is the
+    name errors give (see :func:`header_bytes`). StateCorruptionError if the header is
+    truncated, or for a wrong magic, an unknown format version, a checksum mismatch, an
+    unknown compression, nonzero reserved bytes or impossible widths.
     """
     name = str(path) if path is not None else "<delta bytes>"
-    view = memoryview(data).cast("B")
-    if len(view) < HEADER_SIZE:
-        raise StateCorruptionError(name, len(view), f"truncated: the header needs {HEADER_SIZE} bytes, "
-                                                    f"the file ends after {len(view)}")
-    head = bytes(view[:HEADER_SIZE])
+    head = header_bytes(data, HEADER_SIZE, name)
     (magic, version, compression, reserved1, key_width, value_width, reserved2, key_fp, value_fp,
      store_version, lineage) = HEADER_STRUCT.unpack_from(head, 0)
     stored = U64.unpack_from(head, HEADER_SIZE - 8)[0]

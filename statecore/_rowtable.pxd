@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""RowTable: an open-addressing hash table over fixed-width binary rows (see _rowtable.pyx)."""
+"""RowTable: an open-addressing hash table over fixed-width binary rows, and RowSource, what
+it shares with SnapshotReader (see _rowtable.pyx)."""
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
@@ -24,14 +25,20 @@ cdef inline const uint8_t* rows_ptr(const uint8_t[:, ::1] rows) noexcept:
     return &rows[0, 0]
 
 
-@cython.final
-cdef class RowTable:
+cdef class RowSource:
     cdef readonly object key_schema
     cdef readonly object value_schema
     cdef readonly Py_ssize_t key_width
     cdef readonly Py_ssize_t value_width
     cdef readonly Py_ssize_t row_width
 
+    cdef void _set_schemas(self, key_schema, value_schema) except *
+    cdef Py_ssize_t _lookup_size(self, const uint8_t[:, ::1] keys, uint8_t[:, ::1] values,
+                                 uint8_t[::1] found) except -1
+
+
+@cython.final
+cdef class RowTable(RowSource):
     cdef Slot* slots
     cdef uint64_t n_slots           # a power of two, or 0 before the first insert
     cdef uint32_t max_displacement  # an upper bound on every entry's distance from home
@@ -68,13 +75,11 @@ cdef class RowTable:
     cdef inline void _prefetch(self, const uint32_t* tags, Py_ssize_t i, Py_ssize_t n) noexcept nogil
     cdef void _get_many(self, const uint8_t* keys, Py_ssize_t n, uint8_t* values, uint8_t* found,
                         uint32_t* tags) noexcept nogil
-    cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                       uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil
+    cdef inline int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                              uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
+                              uint64_t n_bits) noexcept nogil
     cdef int _reserve_for(self, const uint32_t* tags, Py_ssize_t n, uint64_t* bitmap,
                           uint64_t n_bits) noexcept nogil
-    cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                            uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
-                            uint64_t n_bits) noexcept nogil
     cdef int _remove_many(self, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
                           Py_ssize_t* removed) noexcept nogil
 

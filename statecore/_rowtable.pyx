@@ -19,6 +19,9 @@ Memory. Every buffer comes from ``malloc`` and is registered with tracemalloc un
 Thread-safety: none. Callers serialize all calls on one table; batch calls release the GIL,
 so other Python threads run meanwhile, but they must not use the same table.
 
+Its base, :class:`RowSource`, holds what SnapshotReader shares with it: the schemas, their
+widths and the schema-level reads.
+
 Length: about 800 lines, because a cdef class lives in one module: RowTable's nogil core
 and its Python API, and its cursor, which reads the table's internals.
 """
@@ -156,8 +159,54 @@ cdef object _raise_code(int code):
     raise AssertionError(f"unknown RowTable code {code}")
 
 
+@cython.auto_pickle(False)
+cdef class RowSource:
+    """What RowTable and SnapshotReader share: the two schemas and their widths, and the
+    schema-level reads of :mod:`statecore.rowsource`, made of the primitives each subclass
+    provides: ``get_row``, ``get_rows`` and ``cursor()``."""
+
+    cdef void _set_schemas(self, key_schema, value_schema) except *:
+        """Take two RowSchemas (the key schema made with ``key=True``) and their widths."""
+        self.key_schema = key_schema
+        self.value_schema = value_schema
+        self.key_width = key_schema.width
+        self.value_width = value_schema.width
+        self.row_width = self.key_width + self.value_width
+
+    cdef Py_ssize_t _lookup_size(self, const uint8_t[:, ::1] keys, uint8_t[:, ::1] values,
+                                 uint8_t[::1] found) except -1:
+        """The number of keys of a ``get_rows`` call, once its arrays are checked (ValueError)."""
+        cdef Py_ssize_t n = keys.shape[0]
+        if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
+            raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values, "
+                             f"got {keys.shape[1]} and {values.shape[1]} bytes")
+        if values.shape[0] != n or found.shape[0] != n:
+            raise ValueError(f"{n} keys but {values.shape[0]} value rows and {found.shape[0]} found flags")
+        return n
+
+    def get(self, key):
+        """The value tuple of ``key`` (tuple, scalar, record or bytes), or None."""
+        return lookup_one(self.get_row, self.key_schema, self.value_schema, key)
+
+    def __contains__(self, key):
+        return self.get_row(self.key_schema.encode(key)) is not None
+
+    def get_batch(self, keys):
+        """``(values, found)`` for a batch of keys; see :func:`statecore.rowsource.lookup_batch`."""
+        return lookup_batch(self.get_rows, self.key_schema, self.value_schema, keys)
+
+    def items(self):
+        """Yield ``(key_tuple, value_tuple)`` for each row ``cursor()`` visits."""
+        return iter_items(self.cursor(), self.key_schema, self.value_schema)
+
+    def iter_batches(self, Py_ssize_t rows_per_batch=65536):
+        """Yield ``(keys, values)`` structured-array copies covering each row ``cursor()``
+        visits exactly once."""
+        return iter_batches(self.cursor(), self.key_schema, self.value_schema, rows_per_batch)
+
+
 @cython.final
-cdef class RowTable:
+cdef class RowTable(RowSource):
     """A hash map from key rows to value rows of two fixed-width schemas.
 
     Parameters
@@ -169,10 +218,8 @@ cdef class RowTable:
     """
 
     def __cinit__(self, key_schema, value_schema, Py_ssize_t capacity=0):
-        self.key_schema, self.value_schema = key_value_schemas(key_schema, value_schema)
-        self.key_width = self.key_schema.width
-        self.value_width = self.value_schema.width
-        self.row_width = self.key_width + self.value_width
+        key_schema, value_schema = key_value_schemas(key_schema, value_schema)
+        self._set_schemas(key_schema, value_schema)
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         if capacity:
@@ -445,27 +492,12 @@ cdef class RowTable:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    cdef int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                       uint32_t* tags, uint64_t* bitmap, uint64_t n_bits) noexcept nogil:
-        cdef Py_ssize_t i
-        cdef int rc
-        cdef size_t kw = self.key_width, vw = self.value_width
-        self._hash_keys(keys, n, tags)
-        rc = self._reserve_for(tags, n, bitmap, n_bits)
-        if rc < 0:
-            return rc
-        for i in range(n):
-            self._prefetch(tags, i, n)
-            rc = self.table_put(keys + i * kw, values + i * vw if vw else NULL, tags[i])
-            if rc < 0:
-                return rc
-        return TABLE_OK
-
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
-    cdef int _exchange_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
-                            uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
-                            uint64_t n_bits) noexcept nogil:
+    cdef inline int _put_many(self, const uint8_t* keys, const uint8_t* values, Py_ssize_t n,
+                              uint8_t* prior, uint8_t* found, uint32_t* tags, uint64_t* bitmap,
+                              uint64_t n_bits) noexcept nogil:
+        """Put ``values`` at ``keys``, one probe per key. Unless NULL (put_rows passes NULL
+        for both), ``prior`` gets what was there (zeros where the key is new) and ``found`` 1
+        where the key was present (exchange_rows)."""
         cdef Py_ssize_t i
         cdef int rc
         cdef uint64_t pos
@@ -479,14 +511,16 @@ cdef class RowTable:
         for i in range(n):
             self._prefetch(tags, i, n)
             row = self.table_find(keys + i * kw, tags[i], &pos)
-            found[i] = row != 0
+            if found != NULL:
+                found[i] = row != 0
             if row != 0:
                 if vw:
                     dst = self.rows + <uint64_t>(row - 1) * self.row_width + kw
-                    memcpy(prior + i * vw, dst, vw)
+                    if prior != NULL:
+                        memcpy(prior + i * vw, dst, vw)
                     memcpy(dst, values + i * vw, vw)
                 continue
-            if vw:
+            if prior != NULL and vw:
                 memset(prior + i * vw, 0, vw)
             rc = self.table_insert_new(keys + i * kw, values + i * vw if vw else NULL, tags[i])
             if rc < 0:
@@ -526,12 +560,7 @@ cdef class RowTable:
     def get_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,
                  uint8_t[::1] found not None):
         """Look up ``keys`` (n, key_width) into ``values`` (n, value_width) and ``found`` (n,)."""
-        cdef Py_ssize_t n = keys.shape[0]
-        if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
-            raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values, "
-                             f"got {keys.shape[1]} and {values.shape[1]} bytes")
-        if values.shape[0] != n or found.shape[0] != n:
-            raise ValueError(f"{n} keys but {values.shape[0]} value rows and {found.shape[0]} found flags")
+        cdef Py_ssize_t n = self._lookup_size(keys, values, found)
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
         if n == 0:
             return
@@ -557,7 +586,7 @@ cdef class RowTable:
         cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
         cdef uint64_t n_bits = bits.shape[0] * 64
         with nogil:
-            rc = self._put_many(&keys[0, 0], value_ptr, n, &tags[0], bitmap_ptr, n_bits)
+            rc = self._put_many(&keys[0, 0], value_ptr, n, NULL, NULL, &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
 
     def exchange_rows(self, const uint8_t[:, ::1] keys not None, const uint8_t[:, ::1] values not None,
@@ -582,8 +611,7 @@ cdef class RowTable:
         cdef uint64_t* bitmap_ptr = &bits[0] if bits.shape[0] else NULL
         cdef uint64_t n_bits = bits.shape[0] * 64
         with nogil:
-            rc = self._exchange_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0],
-                                     bitmap_ptr, n_bits)
+            rc = self._put_many(&keys[0, 0], value_ptr, n, prior_ptr, &found[0], &tags[0], bitmap_ptr, n_bits)
         self._check(rc)
 
     def remove_rows(self, const uint8_t[:, ::1] keys not None):
@@ -656,10 +684,6 @@ cdef class RowTable:
         return rc == 1
 
     # -- the schema-level API -------------------------------------------------------------
-    def get(self, key):
-        """The value tuple of ``key`` (tuple, scalar, record or bytes), or None."""
-        return lookup_one(self.get_row, self.key_schema, self.value_schema, key)
-
     def put(self, key, value):
         """Insert or overwrite; ``value`` is a tuple, scalar, record or bytes of the value schema."""
         if value is None:
@@ -670,15 +694,8 @@ cdef class RowTable:
         """Remove ``key``; True if it was there."""
         return self.remove_row(self.key_schema.encode(key))
 
-    def __contains__(self, key):
-        return self.get_row(self.key_schema.encode(key)) is not None
-
     def __len__(self):
         return self.count
-
-    def get_batch(self, keys):
-        """``(values, found)`` for a batch of keys; see :func:`statecore.rowsource.lookup_batch`."""
-        return lookup_batch(self.get_rows, self.key_schema, self.value_schema, keys)
 
     def put_batch(self, keys, values=None):
         """Insert or overwrite a batch; ``values`` may be None for an empty value schema."""
@@ -698,15 +715,6 @@ cdef class RowTable:
     def cursor(self):
         """A :class:`RowCursor` over the rows live now (see the module docstring)."""
         return RowCursor(self)
-
-    def items(self):
-        """Yield ``(key_tuple, value_tuple)`` for each row live when iteration began."""
-        return iter_items(RowCursor(self), self.key_schema, self.value_schema)
-
-    def iter_batches(self, Py_ssize_t rows_per_batch=65536):
-        """Yield ``(keys, values)`` structured-array copies covering each row live when
-        iteration began exactly once."""
-        return iter_batches(RowCursor(self), self.key_schema, self.value_schema, rows_per_batch)
 
     def reset(self):
         """Remove every row but keep the memory, for refilling with a batch of about the same

@@ -11,6 +11,7 @@ cimport cython
 from libc.stdint cimport uint32_t, uint64_t
 
 from statecore cimport _probe
+from statecore._delta_format cimport header_bytes
 from statecore._hash cimport HASH_ID_XXH64, checksum
 
 import json
@@ -124,34 +125,17 @@ cdef class SnapshotHeader:
 
 
 def read_snapshot_header(data, path=None):
-    """Check and decode the header page of a snapshot.
+    """Check and decode the header page of a snapshot: a :class:`SnapshotHeader`.
 
-    Checks everything the header alone decides: magic, format version, header checksum,
-    header size, hash id, reserved field, widths, and every size and offset against each
-    other (a reader then checks them against the file and its footer).
-
-    Parameters
-    ----------
-    data : bytes-like
-        At least the first HEADER_SIZE bytes of the file; bytes after them are ignored.
-    path : str, optional
-        The name errors give.
-
-    Returns
-    -------
-    SnapshotHeader
-
-    Raises
-    ------
-    StateCorruptionError
-        Fewer than HEADER_SIZE bytes ("truncated"), or any check failed.
+    ``data`` (bytes-like) holds at least the file's first HEADER_SIZE bytes, ``path`` is the
+    name errors give (see ``_delta_format.header_bytes``). StateCorruptionError if the
+    header is truncated, or if any check of what the header alone decides fails: magic,
+    format version, header checksum, header size, hash id, reserved field, widths, and every
+    size and offset against each other (a reader then checks them against the file and its
+    footer).
     """
     name = os.fspath(path) if path is not None else "<snapshot bytes>"
-    view = memoryview(data).cast("B")
-    if len(view) < HEADER_SIZE:
-        raise StateCorruptionError(name, len(view), f"truncated: the header needs {HEADER_SIZE} bytes, "
-                                                    f"the file ends after {len(view)}")
-    header = bytes(view[:HEADER_SIZE])
+    header = header_bytes(data, HEADER_SIZE, name)
 
     def corrupt(offset, reason):
         return StateCorruptionError(name, offset, reason)

@@ -31,6 +31,16 @@ cdef enum:
     VERIFY_WINDOW_BYTES = 4 << 20   # verify() reads ahead this much
 
 
+cdef inline int snap_error(SnapError* err, int code, uint64_t offset, uint64_t expected,
+                           uint64_t got) noexcept nogil:
+    """Fill ``err`` and return ``code``: how every nogil function here reports damage."""
+    err.code = code
+    err.offset = offset
+    err.expected = expected
+    err.got = got
+    return code
+
+
 # -- lazy verification (nogil) ------------------------------------------------------------
 cdef int snapshot_verify_block(const SnapLayout* s, uint64_t b, SnapError* err) noexcept nogil:
     """Check data block ``b`` (and, first, the checksum table) and mark it verified."""
@@ -39,11 +49,7 @@ cdef int snapshot_verify_block(const SnapLayout* s, uint64_t b, SnapError* err) 
         willneed(s.base, s.checksums_offset, s.checksums_offset + s.n_blocks * 8)
         got = xxh64(s.base + s.checksums_offset, s.n_blocks * 8, 0)
         if got != s.table_checksum:
-            err.code = SNAP_BAD_TABLE
-            err.offset = s.checksums_offset
-            err.expected = s.table_checksum
-            err.got = got
-            return SNAP_BAD_TABLE
+            return snap_error(err, SNAP_BAD_TABLE, s.checksums_offset, s.table_checksum, got)
         SNAP_STORE_FLAG(s.table_ok, 1)
     start = s.rows_offset + (b << s.block_shift)
     length = s.checksums_offset - start
@@ -52,11 +58,7 @@ cdef int snapshot_verify_block(const SnapLayout* s, uint64_t b, SnapError* err) 
     memcpy(&expected, s.base + s.checksums_offset + b * 8, 8)
     got = xxh64(s.base + start, length, 0)
     if got != expected:
-        err.code = SNAP_BAD_BLOCK
-        err.offset = start
-        err.expected = expected
-        err.got = got
-        return SNAP_BAD_BLOCK
+        return snap_error(err, SNAP_BAD_BLOCK, start, expected, got)
     SNAP_STORE_FLAG(&s.verified[b], 1)
     return SNAP_OK
 
@@ -129,11 +131,7 @@ cdef int check_mapped(void* ctx, uint64_t pos, uint32_t row) noexcept nogil:
     if row == 0:
         return touch(s, s.slots_offset + pos * sizeof(Slot), sizeof(Slot), err)
     if row > s.index.row_count:  # cannot pass a checksum; checked all the same
-        err.code = SNAP_BAD_SLOT
-        err.offset = s.slots_offset + pos * sizeof(Slot)
-        err.expected = s.index.row_count
-        err.got = row
-        return SNAP_BAD_SLOT
+        return snap_error(err, SNAP_BAD_SLOT, s.slots_offset + pos * sizeof(Slot), s.index.row_count, row)
     return touch(s, s.rows_offset + <uint64_t>(row - 1) * s.index.row_width,
                           s.index.row_width, err)
 
@@ -160,69 +158,60 @@ cdef int snapshot_find(const SnapLayout* s, const uint8_t* key, uint32_t tag, ui
     return find(s, key, tag, row_out, err)
 
 
-# REQUIRES: keys holds n rows of key_width bytes, values n rows of value_width bytes (or is
-# NULL when value_width is 0), found and tags n entries: checked by SnapshotReader.get_rows;
-# tests/test_snapshot.py covers 0 keys, 1 key, misses, and batches longer than the
-# prefetch distance.
+# REQUIRES: keys holds n rows of key_width bytes, tags n entries; values n rows of
+# value_width bytes (NULL when value_width is 0) and found n entries, or both NULL; mask
+# row_count entries, or NULL. Checked by SnapshotReader.get_rows and mark_rows;
+# tests/test_snapshot.py covers 0 keys, 1 key and misses (get_rows), hits and misses
+# (mark_rows), and batches longer than the prefetch distance (both).
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef int snapshot_get_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* values,
-                           uint8_t* found, uint32_t* tags, SnapError* err) noexcept nogil:
+cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
+                          uint8_t* values, uint8_t* found, uint8_t* mask, SnapError* err) noexcept nogil:
+    """The batch lookup of snapshot_get_many and snapshot_mark_many: hash every key, then
+    find them in turn (pipelined). For key i, ``found[i]`` and its value (zeros if absent)
+    into ``values``, and ``mask[row - 1]`` = 1 for the row it is in; a NULL output is
+    skipped (get_many passes mask NULL, mark_many values and found)."""
     cdef Py_ssize_t i
     cdef uint64_t row
     cdef size_t kw = s.index.key_width, vw = s.index.row_width - kw
     cdef int rc
+    for i in range(n):
+        tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
+    for i in range(n):
+        probe_prefetch(&s.index, tags, i, n)
+        rc = find(s, keys + <size_t>i * kw, tags[i], &row, err)
+        if rc < 0:
+            return rc
+        if mask != NULL and row != 0:
+            mask[row - 1] = 1
+        if found != NULL:
+            found[i] = row != 0
+            if vw:
+                if row != 0:
+                    memcpy(values + <size_t>i * vw, s.index.rows + (row - 1) * s.index.row_width + kw, vw)
+                else:
+                    memset(values + <size_t>i * vw, 0, vw)
+    return SNAP_OK
+
+
+cdef int snapshot_get_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* values,
+                           uint8_t* found, uint32_t* tags, SnapError* err) noexcept nogil:
     if <uint64_t>n >= s.n_blocks:
         # A batch this large touches most blocks: one read of everything beats a read per
         # block (the mapping has no readahead). Cheap when the pages are cached already.
         snapshot_announce_all(s)
-    for i in range(n):
-        tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
-    for i in range(n):
-        probe_prefetch(&s.index, tags, i, n)
-        rc = find(s, keys + <size_t>i * kw, tags[i], &row, err)
-        if rc < 0:
-            return rc
-        found[i] = row != 0
-        if vw:
-            if row != 0:
-                memcpy(values + <size_t>i * vw, s.index.rows + (row - 1) * s.index.row_width + kw, vw)
-            else:
-                memset(values + <size_t>i * vw, 0, vw)
-    return SNAP_OK
+    return find_many(s, keys, n, tags, values, found, NULL, err)
 
 
-# REQUIRES: keys holds n rows of key_width bytes, tags n entries, mask row_count entries:
-# checked by SnapshotReader.mark_rows; tests/test_snapshot.py covers hits, misses and
-# batches longer than the prefetch distance.
-@cython.boundscheck(False)
-@cython.wraparound(False)
 cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* mask,
                             uint32_t* tags, SnapError* err) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef uint64_t row
-    cdef size_t kw = s.index.key_width
-    cdef int rc
-    for i in range(n):
-        tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
-    for i in range(n):
-        probe_prefetch(&s.index, tags, i, n)
-        rc = find(s, keys + <size_t>i * kw, tags[i], &row, err)
-        if rc < 0:
-            return rc
-        if row != 0:
-            mask[row - 1] = 1
-    return SNAP_OK
+    return find_many(s, keys, n, tags, NULL, NULL, mask, err)
 
 
 cdef inline int index_error(SnapError* err, uint64_t offset, const char* what, uint64_t expected,
                             uint64_t got) noexcept nogil:
-    err.code = SNAP_BAD_INDEX
-    err.offset = offset
     err.what = what
-    err.expected = expected
-    err.got = got
-    return SNAP_BAD_INDEX
+    return snap_error(err, SNAP_BAD_INDEX, offset, expected, got)
 
 
 cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noexcept nogil:
@@ -258,11 +247,7 @@ cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noe
         if slot.row == 0:
             continue
         if slot.row > ix.row_count:
-            err.code = SNAP_BAD_SLOT
-            err.offset = offset
-            err.expected = ix.row_count
-            err.got = slot.row
-            return SNAP_BAD_SLOT
+            return snap_error(err, SNAP_BAD_SLOT, offset, ix.row_count, slot.row)
         d = displacement(slot.tag, pos, ix.mask)
         if d > ix.max_displacement:
             return index_error(err, offset, "an entry lies farther from its home slot than max_displacement",

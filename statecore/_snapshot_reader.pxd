@@ -4,27 +4,16 @@ cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
 from statecore._mapping cimport Mapping
+from statecore._rowtable cimport RowSource
 from statecore._snapshot_image cimport SnapError, SnapLayout
 
 
 @cython.final
-cdef class SnapshotReader:
+cdef class SnapshotReader(RowSource):
     cdef readonly object path
-    cdef readonly object key_schema
-    cdef readonly object value_schema
-    cdef readonly bytes lineage
-    cdef readonly uint64_t store_version
+    cdef readonly object header         # the checked SnapshotHeader; its fields are the reader's too
     cdef readonly uint64_t row_count
-    cdef readonly uint64_t file_size
-    cdef readonly uint64_t n_slots
-    cdef readonly uint64_t n_blocks
-    cdef readonly uint32_t block_size
     cdef readonly uint32_t max_displacement
-    cdef readonly Py_ssize_t key_width
-    cdef readonly Py_ssize_t value_width
-    cdef readonly Py_ssize_t row_width
-
-    cdef readonly object header         # the SnapshotHeader read_snapshot_header checked
     cdef Mapping _mapping               # None once closed; each call holds its own reference
     cdef bint _closed
     cdef SnapLayout layout              # base is NULL here: see SnapLayout

@@ -23,10 +23,10 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
 
-from statecore._delta_format cimport lineage_bytes
+from statecore._delta_format cimport header_field, lineage_bytes
 from statecore._hash cimport key_hash, slot_tag
 from statecore._probe cimport Slot
-from statecore._rowtable cimport rows_ptr
+from statecore._rowtable cimport RowSource, rows_ptr
 from statecore._snapshot_format cimport SnapFooter, SnapshotHeader, check_footer
 from statecore._snapshot_image cimport (
     SNAP_BAD_BLOCK, SNAP_BAD_INDEX, SNAP_BAD_SLOT, SNAP_BAD_TABLE, SNAP_OK, snapshot_find, snapshot_get_many,
@@ -39,18 +39,19 @@ import numpy as np
 
 from statecore._snapshot_format import FOOTER_SIZE, HEADER_SIZE, read_snapshot_header
 from statecore.errors import SchemaMismatchError, StateCorruptionError
-from statecore.rowsource import iter_batches, iter_items, lookup_batch, lookup_one
 from statecore.schema import as_schema
 
 
 # -- the reader ---------------------------------------------------------------------------
 @cython.final
-cdef class SnapshotReader:
+cdef class SnapshotReader(RowSource):
     """A snapshot file, memory-mapped read-only; lookups and iteration in place.
 
     Opening reads and checks the header and the footer only (O(1) whatever the size); data
     blocks are checked on first touch (see the module docstring). Everything returned is a
-    copy (bytes, tuples, arrays), so nothing outlives the mapping. The API mirrors RowTable.
+    copy (bytes, tuples, arrays), so nothing outlives the mapping. The API mirrors RowTable
+    (their shared reads are RowSource's); the fields of ``header`` (store_version, lineage,
+    commit_id, n_blocks, ...) are the reader's attributes too.
 
     Parameters
     ----------
@@ -122,19 +123,10 @@ cdef class SnapshotReader:
         if self.verified == NULL:
             raise MemoryError(f"cannot allocate the verified-block map of {h.n_blocks} blocks")
         self.header = h
-        self.key_schema = key_schema if key_schema is not None else as_schema(h.key_schema, key=True)
-        self.value_schema = value_schema if value_schema is not None else h.value_schema
-        self.lineage = h.lineage
-        self.store_version = h.store_version
+        self._set_schemas(key_schema if key_schema is not None else as_schema(h.key_schema, key=True),
+                          value_schema if value_schema is not None else h.value_schema)
         self.row_count = h.row_count
-        self.file_size = size
-        self.n_slots = h.n_slots
-        self.n_blocks = h.n_blocks
-        self.block_size = h.block_size
         self.max_displacement = f.max_displacement
-        self.key_width = h.key_width
-        self.value_width = h.value_width
-        self.row_width = h.key_width + h.value_width
         self.table_ok = 0
         self.layout.base = NULL
         self.layout.verified = self.verified
@@ -145,7 +137,7 @@ cdef class SnapshotReader:
         self.layout.n_blocks = h.n_blocks
         self.layout.table_checksum = f.table_checksum
         self.layout.block_shift = h.block_size.bit_length() - 1
-        self.layout.index.mask = self.n_slots - 1
+        self.layout.index.mask = h.n_slots - 1
         self.layout.index.row_width = self.row_width
         self.layout.index.key_width = self.key_width
         self.layout.index.row_count = self.row_count
@@ -198,12 +190,7 @@ cdef class SnapshotReader:
         found) and ``found`` (n,). Raises StateCorruptionError if a touched block is damaged
         or the file was truncated; ``values`` and ``found`` then hold nothing to use."""
         cdef Mapping mapping = self._acquire()
-        cdef Py_ssize_t n = keys.shape[0]
-        if keys.shape[1] != self.key_width or values.shape[1] != self.value_width:
-            raise ValueError(f"rows must be (n, {self.key_width}) keys and (n, {self.value_width}) values, "
-                             f"got {keys.shape[1]} and {values.shape[1]} bytes")
-        if values.shape[0] != n or found.shape[0] != n:
-            raise ValueError(f"{n} keys but {values.shape[0]} value rows and {found.shape[0]} found flags")
+        cdef Py_ssize_t n = self._lookup_size(keys, values, found)
         if n == 0:
             return
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
@@ -263,20 +250,9 @@ cdef class SnapshotReader:
             self._raise_for(&err)
         return value
 
-    # -- the schema-level API -------------------------------------------------------------
-    def get(self, key):
-        """The value tuple of ``key`` (tuple, scalar, record or bytes), or None."""
-        return lookup_one(self.get_row, self.key_schema, self.value_schema, key)
-
-    def __contains__(self, key):
-        return self.get_row(self.key_schema.encode(key)) is not None
-
+    # -- the schema-level API (the rest is RowSource's) ------------------------------------
     def __len__(self):
         return self.row_count
-
-    def get_batch(self, keys):
-        """``(values, found)`` for a batch of keys; see :func:`statecore.rowsource.lookup_batch`."""
-        return lookup_batch(self.get_rows, self.key_schema, self.value_schema, keys)
 
     def cursor(self):
         """A :class:`SnapshotCursor` over every row, in file order."""
@@ -285,13 +261,8 @@ cdef class SnapshotReader:
             self._raise_truncated(mapping)
         return SnapshotCursor(self)
 
-    def items(self):
-        """Yield ``(key_tuple, value_tuple)`` for every row, in file order."""
-        return iter_items(self.cursor(), self.key_schema, self.value_schema)
-
-    def iter_batches(self, Py_ssize_t rows_per_batch=65536):
-        """Yield ``(keys, values)`` structured-array copies covering every row exactly once."""
-        return iter_batches(self.cursor(), self.key_schema, self.value_schema, rows_per_batch)
+    def __getattr__(self, name):
+        return header_field(self, self.header, name)
 
     # -- checks ---------------------------------------------------------------------------
     def verify(self, bint index=True):
@@ -319,11 +290,6 @@ cdef class SnapshotReader:
 
     # -- lifetime -------------------------------------------------------------------------
     @property
-    def commit_id(self):
-        """The header's lineage[:8] (the store's id of the version this snapshot holds)."""
-        return self.lineage[:8]
-
-    @property
     def closed(self):
         return self._closed
 
@@ -346,7 +312,7 @@ cdef class SnapshotReader:
 
     def __repr__(self):
         state = "closed" if self._closed else f"{self.row_count} rows"
-        return f"SnapshotReader('{self.path}', version {self.store_version}, {state})"
+        return f"SnapshotReader('{self.path}', version {self.header.store_version}, {state})"
 
 
 # REQUIRES: src holds m rows of w bytes, skip m entries, dst room for the unskipped rows:

@@ -19,7 +19,7 @@ import pytest
 import xxhash
 
 from statecore._hash import hash_rows
-from statecore._rowtable import RowTable
+from statecore._rowtable import RowSource, RowTable
 from statecore._snapshot import (
     DEFAULT_BLOCK_SIZE,
     FOOTER_MAGIC,
@@ -477,6 +477,23 @@ def test_read_snapshot_header_decodes_the_checked_header(tmp_path):
     with SnapshotReader(tmp_path / "tiny") as reader:
         assert (reader.store_version, reader.commit_id, reader.lineage) == (3, b"lineage-", b"lineage-0123456!")
         assert reader.header.store_version == 3 and reader.header.file_size == reader.file_size
+
+
+def test_the_readers_attributes_are_its_headers(tmp_path):
+    """As for DeltaReader: the header's fields are the reader's attributes too; the reads a
+    RowTable has are RowSource's, on both."""
+    tiny_snapshot(tmp_path / "tiny")
+    with SnapshotReader(tmp_path / "tiny") as reader:
+        for name in ("store_version", "lineage", "commit_id", "row_count", "key_width", "value_width",
+                     "key_fingerprint", "value_fingerprint", "file_size", "n_slots", "n_blocks",
+                     "block_size", "checksum"):
+            assert getattr(reader, name) == getattr(reader.header, name), name
+        assert isinstance(reader, RowSource)
+        assert isinstance(RowTable(reader.key_schema, reader.value_schema), RowSource)
+        with pytest.raises(AttributeError):
+            reader.store_version = 4
+        with pytest.raises(AttributeError, match="'SnapshotReader' object has no attribute 'compression'"):
+            reader.compression
 
 
 def test_a_renamed_copy_keeps_its_version(tmp_path):
