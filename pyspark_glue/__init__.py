@@ -22,6 +22,7 @@ from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_rea
                               map_partitions_with_state_store)
 from pyspark_glue.aggregates import RunningAggregate
 from pyspark_glue.deduplicate import Deduplicate
+from pyspark_glue.processor import Groups, StatefulProcessor
 from pyspark_glue.sessions import SessionWindow
 from pyspark_glue.windows import WindowedAggregate
 from pyspark_glue.arrow import (column_to_numpy, columns_from_arrow, keys_from_arrow, spark_schema_of, spark_type_of,
@@ -38,6 +39,8 @@ __all__ = [
     "Deduplicate",
     "WindowedAggregate",
     "SessionWindow",
+    "StatefulProcessor",
+    "Groups",
     "keys_from_arrow",
     "columns_from_arrow",
     "column_to_numpy",

@@ -275,8 +275,11 @@ def output_schemas(schema):
 
 
 def conform_output(out, schema, where):
-    """``out`` (a RecordBatch or Table that ``fn`` returned) as batches of exactly ``schema``, cast
-    safely; ``where`` names the function in errors. Every runner of ``fn`` shares it."""
+    """``out`` (a RecordBatch or Table that ``fn`` returned, or a list of them) as batches of
+    exactly ``schema``, cast safely; ``where`` names the function in errors. Every runner of
+    ``fn`` shares it."""
+    if isinstance(out, list):
+        return [b for part in out for b in conform_output(part, schema, where)]
     if isinstance(out, pa.Table):
         return _conform_batches(out.to_batches(), schema, where)
     if not isinstance(out, pa.RecordBatch):

@@ -24,8 +24,8 @@ from pyspark_glue import operator_files, query_runs
 from pyspark_glue.arrow import output_schemas
 from pyspark_glue.checkpoint import CheckpointFiles
 from pyspark_glue.event_time import Watermarks, check_event_time_column, next_watermark_ms, parse_duration_us
-from pyspark_glue.operator_task import (PARTITION_COLUMN, STATUS_DDL, PartitionTask, StoreSpec,
-                                        partition_function)
+from pyspark_glue.operator_task import (INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL, PartitionTask,
+                                        StoreSpec, partition_function)
 from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
 
 __all__ = ["StatefulOperator", "PARTITION_COLUMN"]
@@ -125,7 +125,7 @@ class StatefulOperator:
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
                  value_schema=_FROM_FN, fn=None, output_schema=_FROM_FN, conf=None, *, store_name="default",
                  coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=_FROM_FN,
-                 delay=_FROM_FN):
+                 delay=_FROM_FN, initial_state=None):
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
@@ -161,6 +161,9 @@ class StatefulOperator:
             raise ValueError(f"an event-time column ('{self.event_time}') needs a watermark delay")
         self.delay_us = None if delay is None else parse_duration_us(delay, "the watermark delay")
         self.store_name = store_name
+        self.initial_state = initial_state
+        if initial_state is not None and not callable(getattr(fn, "handle_initial_state", None)):
+            raise TypeError("an initial_state needs an fn with handle_initial_state (a StatefulProcessor)")
         self.output_batches_to_retain = output_batches_to_retain
         self.last_progress = None
         self._output_schema_arg = output_schema  # resolved with the input's schema (a built-in's may depend on it)
@@ -353,6 +356,7 @@ class StatefulOperator:
         if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
             raise ValueError(f"batch_id must be an int >= 0, got {batch_id!r}")
         begun = time.perf_counter()
+        batch_timestamp_ms = int(time.time() * 1000)
         spark = df.sparkSession
         self._resolve(spark)
         self._resolve_input(df)
@@ -373,14 +377,15 @@ class StatefulOperator:
             fn=self.fn, arrow_schema=self._arrow_schema, output_dir=output_dir,
             coordinator_address=None if coordinator is None else tuple(coordinator.address),
             authkey=None if coordinator is None else coordinator.authkey, generation=generation,
-            event_time=self.event_time, watermarks=watermarks)
+            event_time=self.event_time, watermarks=watermarks, batch_timestamp_ms=batch_timestamp_ms)
         started = time.perf_counter()
         sc = spark.sparkContext
         description = sc.getLocalProperty("spark.job.description")  # streaming sets one per batch
         sc.setJobDescription(f"statecore operator {self.operator_id} batch {batch_id}")
         try:
             with _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
-                rows = self._routed(df).mapInArrow(partition_function(task), STATUS_DDL).collect()
+                rows = self._routed(self._with_initial_state(df, batch_id)).mapInArrow(
+                    partition_function(task), STATUS_DDL).collect()
         finally:
             sc.setJobDescription(description)
         seconds = time.perf_counter() - started
@@ -486,6 +491,20 @@ class StatefulOperator:
             batch_id, self.num_partitions, self.store_name, state_info.query_run_id,
             [s["commit_id"] for s in statuses], [s["base_commit_id"] for s in statuses],
             store_commit_ids=store_commit_ids, watermarks=marks))
+
+    def _with_initial_state(self, df, batch_id):
+        """Batch 0 carries the ``initial_state`` rows too, marked (other columns null)."""
+        if self.initial_state is None or batch_id != 0:
+            return df
+        from pyspark.sql import functions as F
+
+        missing = [c for c in self.key_columns if c not in self.initial_state.columns]
+        if missing:
+            raise ValueError(f"the initial state has no key column '{missing[0]}' (columns: "
+                             f"{self.initial_state.columns})")
+        return (df.withColumn(INITIAL_STATE_COLUMN, F.lit(False))
+                .unionByName(self.initial_state.withColumn(INITIAL_STATE_COLUMN, F.lit(True)),
+                             allowMissingColumns=True))
 
     def _routed(self, df):
         """``df`` (after ``fn.prepare``, if any) hash-partitioned by the key columns into the

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 (pa.compute)
 import pyarrow.parquet as pq
 
 from statecore import registry
@@ -24,7 +25,7 @@ from pyspark_glue.checkpoint import CheckpointFiles
 from pyspark_glue.event_time import Watermarks, event_times_us
 from pyspark_glue.rdd import StatefulOperatorStateInfo
 
-__all__ = ["PARTITION_COLUMN", "PartitionContext", "partition_function", "STATUS_DDL"]
+__all__ = ["PARTITION_COLUMN", "INITIAL_STATE_COLUMN", "PartitionContext", "partition_function", "STATUS_DDL"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 # and checked in the task (then dropped): a wrong routing fails the task instead of updating
 # another partition's keys.
 PARTITION_COLUMN = "__statecore_partition"
+# Marks the rows of the operator's initial state, which its first batch carries with the input.
+INITIAL_STATE_COLUMN = "__statecore_initial_state"
 
 STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
               "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
@@ -76,6 +79,7 @@ class PartitionTask:
     generation: int
     event_time: str = None  # the event-time column, or None
     watermarks: Watermarks = None
+    batch_timestamp_ms: int = 0  # the batch's processing time, taken on the driver
 
 
 class PartitionContext:
@@ -91,15 +95,18 @@ class PartitionContext:
         ``store_name``) and those ``fn.state_stores`` declares.
     watermarks : Watermarks or None
         The batch's two watermarks (None without an event-time column).
+    batch_timestamp_ms : int
+        The batch's processing time (the driver's clock when the batch began).
     late_rows : int
         Rows ``fn`` dropped as late; ``fn`` adds to it (it is summed into ``last_progress``).
     """
 
-    def __init__(self, partition_id, batch_id, stores, store_name, watermarks):
+    def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0):
         self.partition_id, self.batch_id = partition_id, batch_id
         self.stores = stores
         self.store = stores[store_name]
         self.watermarks = watermarks
+        self.batch_timestamp_ms = batch_timestamp_ms
         self.late_rows = 0
 
 
@@ -156,6 +163,14 @@ def checked_partition(batch, partition_id):
     return batch.remove_column(i)
 
 
+def _max_event_time(batch, column):
+    """The largest event time of the batch's input rows (not its initial-state rows), or None."""
+    i = batch.schema.get_field_index(INITIAL_STATE_COLUMN)
+    if i >= 0:
+        batch = batch.filter(pa.compute.invert(batch.column(i)))
+    return int(event_times_us(batch, column).max()) if batch.num_rows else None
+
+
 def _open_stores(task, partition_id, coordinator):
     """``({name: store}, already_loaded of the default store)``, every store at the batch's version."""
     info = task.state_info
@@ -191,7 +206,7 @@ def _run_partition(task, batches):
     opened = time.perf_counter()
     fn = task.fn
     context = PartitionContext(partition_id, task.state_info.store_version, stores, task.store_name,
-                               task.watermarks)
+                               task.watermarks, task.batch_timestamp_ms)
     outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
     try:
         open_ = getattr(fn, "open", None)
@@ -202,8 +217,9 @@ def _run_partition(task, batches):
             rows_in += batch.num_rows
             batches_in += 1
             if task.event_time is not None and batch.num_rows:
-                batch_max = int(event_times_us(batch, task.event_time).max())
-                max_event_time = batch_max if max_event_time is None else max(max_event_time, batch_max)
+                batch_max = _max_event_time(batch, task.event_time)
+                if batch_max is not None:
+                    max_event_time = batch_max if max_event_time is None else max(max_event_time, batch_max)
             out = fn(store, batch)
             if out is not None:
                 outputs += conform_output(out, task.arrow_schema, "fn")

@@ -1,0 +1,394 @@
+"""The state variables and timers of a :class:`~pyspark_glue.StatefulProcessor`, over the
+stores of its partition; every call takes and returns arrays (keys, values), none loops per key.
+
+- :class:`ValueState`: one row per key.
+- :class:`ListState`: an ordered list of rows per key (a :class:`~statecore.keyed_lists.KeyedLists`).
+- :class:`MapState`: rows per (key, user key), listable per key.
+- :class:`Timers`: times per key, fired when the processor's clock passes them.
+
+A variable with a ``ttl`` expires each row ``ttl`` after it was last written, on the
+processor's clock (event time: the batch's eviction watermark; processing time: the batch's
+timestamp): an expired row reads as absent at once and leaves the stores at the end of the
+batch, through an :class:`~statecore.expiry.ExpiryIndex` (work proportional to what expires).
+:class:`StateHandle` declares the variables (the stores and schemas) on the driver and binds
+them to the stores in each task (``docs/processor.md``).
+"""
+import numpy as np
+
+from statecore.expiry import ExpiryIndex
+from statecore.keyed_lists import KeyedLists
+from statecore.schema import as_schema
+
+from pyspark_glue.aggregates import group_rows
+from pyspark_glue.event_time import parse_duration_us
+
+__all__ = ["StateHandle", "ValueState", "ListState", "MapState", "Timers", "EXPIRES"]
+
+EXPIRES = "__expires"
+_TIMER = "__timer"
+_TIMERS = "__timers"
+
+
+def _fields(dtype, what):
+    """``dtype`` as a store's packed dtype; TypeError naming ``what`` and the field if a store
+    cannot hold it."""
+    try:
+        dtype = as_schema(np.dtype(dtype)).dtype
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: {e}") from None
+    if EXPIRES in (dtype.names or ()) or _TIMER in (dtype.names or ()):
+        raise ValueError(f"{what}: field names {EXPIRES!r} and {_TIMER!r} are statecore's")
+    return dtype
+
+
+def _join(*dtypes):
+    names = [n for d in dtypes for n in d.names]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"fields {dupes} appear twice (the grouping key's and a variable's must differ)")
+    return np.dtype([f for d in dtypes for f in d.descr])
+
+
+def _copy_fields(dst, src, names):
+    for name in names:
+        dst[name] = src[name]
+
+
+def _strip(values, dtype):
+    out = np.empty(len(values), dtype=dtype)
+    _copy_fields(out, values, dtype.names)
+    return out
+
+
+class _Variable:
+    """What every variable shares: its name, the grouping key, its TTL and its stores."""
+
+    def __init__(self, handle, name, ttl):
+        if not isinstance(name, str) or not name or "." in name or name.startswith("__"):
+            raise ValueError(f"a state variable's name must be a non-empty str without '.' or a leading '__', "
+                             f"got {name!r}")
+        self.handle, self.name = handle, name
+        self.key_dtype = handle.key_dtype
+        self.ttl_us = None if ttl is None else parse_duration_us(ttl, f"the ttl of state variable {name!r}",
+                                                                 positive=True, months=False)
+
+    def _ttl_stores(self, key_dtype):
+        if self.ttl_us is None:
+            return {}
+        schemas = ExpiryIndex.schemas(key_dtype)
+        return {f"{self.name}.ttl_heads": schemas["heads"], f"{self.name}.ttl_entries": schemas["entries"]}
+
+    def _ttl_index(self, key_dtype):
+        return ExpiryIndex(self.handle.store(f"{self.name}.ttl_heads"), self.handle.store(f"{self.name}.ttl_entries"),
+                           key_dtype)
+
+    def _stamp(self, rows):
+        """Set the expiry of rows being written (with a TTL)."""
+        if self.ttl_us is not None:
+            rows[EXPIRES] = self.handle.now_us + self.ttl_us
+
+    def _live(self, values, found):
+        """``found`` less the rows whose TTL has passed."""
+        if self.ttl_us is None:
+            return found
+        return found & (values[EXPIRES] > self.handle.now_us)
+
+
+class ValueState(_Variable):
+    """One row of ``schema`` per key."""
+
+    def __init__(self, handle, name, schema, ttl=None):
+        super().__init__(handle, name, ttl)
+        self.dtype = _fields(schema, f"state variable {name!r}")
+        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
+
+    def stores(self):
+        return {self.name: (self.key_dtype, self.stored), **self._ttl_stores(self.key_dtype)}
+
+    def get(self, keys):
+        """``(values, found)`` for each key."""
+        values, found = self.handle.store(self.name).get_batch(keys)
+        return _strip(values, self.dtype), self._live(values, found)
+
+    def exists(self, keys):
+        return self.get(keys)[1]
+
+    def put(self, keys, values):
+        rows = np.empty(len(keys), dtype=self.stored)
+        _copy_fields(rows, values, self.dtype.names)
+        self._stamp(rows)
+        self.handle.store(self.name).put_batch(keys, rows)
+        if self.ttl_us is not None:
+            self._ttl_index(self.key_dtype).add(rows[EXPIRES], keys)
+
+    def clear(self, keys):
+        self.handle.store(self.name).remove_batch(keys)
+
+    def expire(self, now_us):
+        if self.ttl_us is None:
+            return
+        times, keys = self._ttl_index(self.key_dtype).pop_until(now_us)
+        if len(keys):
+            store = self.handle.store(self.name)
+            values, found = store.get_batch(keys)
+            store.remove_batch(keys[found & (values[EXPIRES] == times)])
+
+
+class ListState(_Variable):
+    """An ordered list of ``schema`` rows per key."""
+
+    def __init__(self, handle, name, schema, ttl=None):
+        super().__init__(handle, name, ttl)
+        self.dtype = _fields(schema, f"state variable {name!r}")
+        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
+
+    def stores(self):
+        schemas = KeyedLists.schemas(self.key_dtype, self.stored)
+        return {self.name: schemas["heads"], f"{self.name}.entries": schemas["entries"],
+                **self._ttl_stores(self.key_dtype)}
+
+    def _lists(self):
+        return KeyedLists(self.handle.store(self.name), self.handle.store(f"{self.name}.entries"), self.key_dtype,
+                          self.stored)
+
+    def _distinct(self, keys):
+        order, starts = group_rows(keys)
+        return keys[order[starts]]
+
+    def get(self, keys):
+        """``(which, items)``: the items of each of the (distinct) ``keys``, ``items[j]`` in the
+        list of ``keys[which[j]]``, in order."""
+        which, items = self._lists().read(keys)
+        live = self._live(items, np.ones(len(items), dtype=bool))
+        return which[live], _strip(items[live], self.dtype)
+
+    def append(self, keys, items):
+        """Append ``items[i]`` to the list of ``keys[i]``."""
+        rows = np.empty(len(items), dtype=self.stored)
+        _copy_fields(rows, items, self.dtype.names)
+        self._stamp(rows)
+        self._lists().append(keys, rows)
+        self._index_expiry(keys)
+
+    def put(self, keys, which, items):
+        """Make the list of each (distinct) ``keys[k]`` exactly ``items[which == k]``."""
+        rows = np.empty(len(items), dtype=self.stored)
+        _copy_fields(rows, items, self.dtype.names)
+        self._stamp(rows)
+        self._lists().replace(keys, which, rows)
+        self._index_expiry(keys[np.asarray(which, dtype=np.int64)])
+
+    def _index_expiry(self, keys):
+        """File the written keys under the expiry their new items got (older items keep theirs)."""
+        if self.ttl_us is not None and len(keys):
+            distinct = self._distinct(keys)
+            self._ttl_index(self.key_dtype).add(np.full(len(distinct), self.handle.now_us + self.ttl_us), distinct)
+
+    def clear(self, keys):
+        self._lists().clear(keys)
+
+    def expire(self, now_us):
+        if self.ttl_us is None:
+            return
+        _, due = self._ttl_index(self.key_dtype).pop_until(now_us)
+        if not len(due):
+            return
+        keys = self._distinct(due)
+        lists = self._lists()
+        counts = lists.counts(keys)
+        which, items = lists.read(keys, counts)
+        live = items[EXPIRES] > now_us
+        if not live.all():
+            lists.replace(keys, which[live], items[live], counts)
+
+
+class MapState(_Variable):
+    """Rows of ``schema`` per (key, user key), listable per key."""
+
+    def __init__(self, handle, name, user_key_schema, schema, ttl=None):
+        super().__init__(handle, name, ttl)
+        self.user_key_dtype = _fields(user_key_schema, f"the user key of state variable {name!r}")
+        self.dtype = _fields(schema, f"state variable {name!r}")
+        self.full_key = _join(self.key_dtype, self.user_key_dtype)
+        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
+
+    def stores(self):
+        listed = KeyedLists.schemas(self.key_dtype, self.user_key_dtype)
+        return {self.name: (self.full_key, self.stored), f"{self.name}.keys": listed["heads"],
+                f"{self.name}.key_entries": listed["entries"], **self._ttl_stores(self.full_key)}
+
+    def _lists(self):
+        return KeyedLists(self.handle.store(f"{self.name}.keys"), self.handle.store(f"{self.name}.key_entries"),
+                          self.key_dtype, self.user_key_dtype)
+
+    def _full(self, keys, user_keys):
+        full = np.empty(len(keys), dtype=self.full_key)
+        _copy_fields(full, keys, self.key_dtype.names)
+        _copy_fields(full, user_keys, self.user_key_dtype.names)
+        return full
+
+    def get(self, keys, user_keys):
+        """``(values, found)`` for each (key, user key) pair."""
+        values, found = self.handle.store(self.name).get_batch(self._full(keys, user_keys))
+        return _strip(values, self.dtype), self._live(values, found)
+
+    def put(self, keys, user_keys, values):
+        full = self._full(keys, user_keys)
+        store = self.handle.store(self.name)
+        _, present = store.get_batch(full)
+        rows = np.empty(len(full), dtype=self.stored)
+        _copy_fields(rows, values, self.dtype.names)
+        self._stamp(rows)
+        store.put_batch(full, rows)
+        new = ~present
+        if new.any():  # list each new user key once, even when it comes several times in the call
+            order, starts = group_rows(full[new])
+            first = np.flatnonzero(new)[order[starts]]
+            self._lists().append(keys[first], user_keys[first])
+        if self.ttl_us is not None:
+            self._ttl_index(self.full_key).add(rows[EXPIRES], full)
+
+    def remove(self, keys, user_keys):
+        self.handle.store(self.name).remove_batch(self._full(keys, user_keys))
+
+    def items(self, keys):
+        """``(which, user_keys, values)`` of every live entry of each of the (distinct) ``keys``.
+        The listing of a key is compacted here when entries were removed since."""
+        lists = self._lists()
+        counts = lists.counts(keys)
+        which, user_keys = lists.read(keys, counts)
+        full = self._full(keys[which], user_keys)
+        values, found = self.handle.store(self.name).get_batch(full)
+        if not found.all():  # removed entries (or expired ones cleaned up) leave the listing
+            lists.replace(keys, which[found], user_keys[found], counts)
+        live = self._live(values, found)
+        return which[live], user_keys[live], _strip(values[live], self.dtype)
+
+    def clear(self, keys):
+        which, user_keys, _ = self.items(keys)
+        self.handle.store(self.name).remove_batch(self._full(keys[which], user_keys))
+        self._lists().clear(keys)
+
+    def expire(self, now_us):
+        if self.ttl_us is None:
+            return
+        times, full = self._ttl_index(self.full_key).pop_until(now_us)
+        if len(full):
+            store = self.handle.store(self.name)
+            values, found = store.get_batch(full)
+            store.remove_batch(full[found & (values[EXPIRES] == times)])
+
+
+class Timers:
+    """Timers per key: ``register``, ``delete``; due timers are handed to the processor's
+    ``handle_expired_timers`` once the processor's clock reaches them (at or past)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.key_dtype = handle.key_dtype
+        self.full_key = _join(self.key_dtype, np.dtype([(_TIMER, "<i8")]))
+
+    def stores(self):
+        index = ExpiryIndex.schemas(self.key_dtype)
+        return {_TIMERS: (self.full_key, np.dtype([])), f"{_TIMERS}.heads": index["heads"],
+                f"{_TIMERS}.entries": index["entries"]}
+
+    def _full(self, keys, times):
+        full = np.empty(len(keys), dtype=self.full_key)
+        _copy_fields(full, keys, self.key_dtype.names)
+        full[_TIMER] = times
+        return full
+
+    @staticmethod
+    def _micros(times):
+        times = np.asarray(times)
+        if times.dtype.kind == "M":
+            times = times.astype("datetime64[us]").astype(np.int64)
+        if times.dtype.kind not in "iu":
+            raise TypeError(f"timer times must be int64 microseconds or datetime64, got {times.dtype}")
+        return times.astype(np.int64)
+
+    def register(self, keys, times):
+        """A timer at ``times[i]`` (microseconds, or datetime64) for ``keys[i]``; registering an
+        existing timer again is a no-op."""
+        times = self._micros(times)
+        if len(times) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(times)} times")
+        full = self._full(keys, times)
+        store = self.handle.store(_TIMERS)
+        _, present = store.get_batch(full)
+        if (~present).any():
+            store.put_batch(full[~present], None)
+            self._index().add(times[~present], keys[~present])
+
+    def delete(self, keys, times):
+        """Delete the timers at ``times[i]`` of ``keys[i]`` (absent ones are ignored)."""
+        self.handle.store(_TIMERS).remove_batch(self._full(keys, self._micros(times)))
+
+    def exists(self, keys, times):
+        return self.handle.store(_TIMERS).get_batch(self._full(keys, self._micros(times)))[1]
+
+    def _index(self):
+        return ExpiryIndex(self.handle.store(f"{_TIMERS}.heads"), self.handle.store(f"{_TIMERS}.entries"),
+                           self.key_dtype)
+
+    def pop_due(self, now_us):
+        """``(keys, times)`` of the registered timers at or before ``now_us``, removed."""
+        times, keys = self._index().pop_until(now_us)
+        if not len(keys):
+            return keys, times
+        full = self._full(keys, times)
+        store = self.handle.store(_TIMERS)
+        _, live = store.get_batch(full)
+        keys, times, full = keys[live], times[live], full[live]
+        order, starts = group_rows(full)  # a timer registered, deleted and registered again is filed twice
+        first = order[starts]
+        store.remove_batch(full[first])
+        return keys[first], times[first]
+
+
+class StateHandle:
+    """Declares a processor's variables (``value``, ``list``, ``map``) and binds them to the
+    stores of the task's partition. On the driver it only records their stores and schemas."""
+
+    def __init__(self, key_dtype, stores=None, now_us=None):
+        self.key_dtype = np.dtype(key_dtype)
+        self._stores = stores
+        self.now_us = now_us
+        self.variables = {}
+        self.timers = Timers(self)
+
+    def store(self, name):
+        if self._stores is None:
+            raise RuntimeError("state variables are read and written in the handlers, not in init()")
+        return self._stores[name]
+
+    def _add(self, variable):
+        if variable.name in self.variables:
+            raise ValueError(f"state variable {variable.name!r} is declared twice")
+        self.variables[variable.name] = variable
+        return variable
+
+    def value(self, name, schema, ttl=None):
+        """A :class:`ValueState` named ``name``: one ``schema`` row per key."""
+        return self._add(ValueState(self, name, schema, ttl))
+
+    def list(self, name, schema, ttl=None):
+        """A :class:`ListState`: an ordered list of ``schema`` rows per key."""
+        return self._add(ListState(self, name, schema, ttl))
+
+    def map(self, name, user_key_schema, schema, ttl=None):
+        """A :class:`MapState`: ``schema`` rows per (key, user key)."""
+        return self._add(MapState(self, name, user_key_schema, schema, ttl))
+
+    def stores(self):
+        """Every store the declared variables and the timers use: ``{name: (key, value)}``."""
+        out = dict(self.timers.stores())
+        for variable in self.variables.values():
+            out.update(variable.stores())
+        return out
+
+    def expire(self):
+        """Remove what every variable's TTL has ended (at the end of a batch)."""
+        for variable in self.variables.values():
+            variable.expire(self.now_us)

@@ -1,0 +1,217 @@
+"""StatefulProcessor: a processor with value, list and map state, TTL and event-time timers,
+run over random micro-batches through the operator's task protocol (open, each Arrow batch,
+finish, commit of every store, a reload from files now and then) and checked against a
+plain-Python model of the documented rules (docs/processor.md): late rows dropped; the input
+handled, then the timers at or before the eviction watermark fired (deleted ones not), then
+what the TTL ended removed; a TTL'd row is absent as soon as its time has come."""
+import datetime
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from pyspark_glue.event_time import Watermarks
+from pyspark_glue.operator_task import PartitionContext
+from pyspark_glue.processor import StatefulProcessor
+
+KEY = np.dtype([("user", "<i8")])
+TIMEOUT_US = 10_000_000
+TTL_US = 25_000_000
+
+
+class Inactivity(StatefulProcessor):
+    """Per user: clicks counted since the user's session began; a timer 10 s after the last
+    click emits ``(user, clicks, last)`` and forgets the count; the timestamps of the last 25 s
+    of clicks (a TTL'd list) and hits per page (a TTL'd map) are kept beside it."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    time_mode = "event_time"
+    event_time = "ts"
+    delay = "5 seconds"
+
+    def init(self, state):
+        self.count = state.value("count", [("n", "<i8"), ("last", "<i8")])
+        self.recent = state.list("recent", [("t", "<i8")], ttl=datetime.timedelta(microseconds=TTL_US))
+        self.pages = state.map("pages", [("page", "<i4")], [("hits", "<i8")], ttl="25 seconds")
+
+    def handle_input(self, groups, timers):
+        ts = groups.column("ts")
+        last = np.maximum.reduceat(ts, groups.starts)
+        old, found = self.count.get(groups.keys)
+        timers.delete(groups.keys[found], old["last"][found] + TIMEOUT_US)
+        new = np.zeros(len(groups), dtype=self.count.dtype)
+        new["n"] = np.where(found, old["n"], 0) + groups.sizes
+        new["last"] = np.where(found, np.maximum(old["last"], last), last)
+        self.count.put(groups.keys, new)
+        timers.register(groups.keys, new["last"] + TIMEOUT_US)
+        items = np.zeros(len(ts), dtype=self.recent.dtype)
+        items["t"] = ts
+        self.recent.append(groups.keys[groups.group], items)
+        pages = np.zeros(len(ts), dtype=self.pages.user_key_dtype)
+        pages["page"] = groups.column("page")
+        hits, had = self.pages.get(groups.keys[groups.group], pages)
+        # one row per (user, page): the count of this batch's hits plus what was there
+        pairs = np.rec.fromarrays([groups.group, pages["page"]], names="g,p")
+        _, first, counts = np.unique(pairs, return_index=True, return_counts=True)
+        values = np.zeros(len(first), dtype=self.pages.dtype)
+        values["hits"] = np.where(had[first], hits["hits"][first], 0) + counts
+        self.pages.put(groups.keys[groups.group[first]], pages[first], values)
+        return None
+
+    def handle_expired_timers(self, keys, times, timers):
+        values, found = self.count.get(keys)
+        self.count.clear(keys[found])
+        return pa.RecordBatch.from_pydict({"user": keys["user"][found], "clicks": values["n"][found],
+                                           "last": values["last"][found]})
+
+
+class Model:
+    """The same processor as plain Python over dicts, by the documented rules."""
+
+    def __init__(self):
+        self.count, self.timers, self.recent, self.pages = {}, set(), {}, {}
+
+    def batch(self, rows, late_us, clock_us):
+        rows = [r for r in rows if r[1] > late_us]
+        for user in sorted({r[0] for r in rows}):
+            mine = [r for r in rows if r[0] == user]
+            last = max(t for _, t, _ in mine)
+            if user in self.count:
+                n, old_last = self.count[user]
+                self.timers.discard((user, old_last + TIMEOUT_US))
+                self.count[user] = (n + len(mine), max(old_last, last))
+            else:
+                self.count[user] = (len(mine), last)
+            self.timers.add((user, self.count[user][1] + TIMEOUT_US))
+            self.recent.setdefault(user, []).extend((t, clock_us + TTL_US) for _, t, _ in mine)
+            for _, _, page in mine:
+                hits, expires = self.pages.get((user, page), (0, 0))
+                if expires <= clock_us:
+                    hits = 0
+                self.pages[(user, page)] = (hits + 1, clock_us + TTL_US)
+        out = []
+        for user, t in sorted(t for t in self.timers if t[1] <= clock_us):
+            self.timers.discard((user, t))
+            if user in self.count:
+                out.append((user,) + self.count.pop(user))
+        for user in list(self.recent):
+            self.recent[user] = [e for e in self.recent[user] if e[1] > clock_us]
+            if not self.recent[user]:
+                del self.recent[user]
+        self.pages = {k: v for k, v in self.pages.items() if v[1] > clock_us}
+        return sorted(out)
+
+
+class Partition:
+    """The stores of one partition, opened at a version and committed together, as a task does."""
+
+    def __init__(self, root, processor):
+        stores = dict(processor.state_stores, default=(processor.key_schema, processor.value_schema))
+        self.root, self.schemas, self.version = root, stores, 0
+        self.providers = {}
+
+    def open(self):
+        for name, (key, value) in self.schemas.items():
+            if name not in self.providers:
+                self.providers[name] = create_and_init_provider(StateStoreId(self.root, 0, 0, store_name=name),
+                                                                key, value, StateStoreConf())
+        return {name: p.get_store(self.version) for name, p in self.providers.items()}
+
+    def commit(self, stores):
+        for store in stores.values():
+            store.commit()
+        self.version += 1
+
+    def reload(self):
+        for p in self.providers.values():
+            p.close()
+        self.providers = {}
+
+
+def arrow_rows(rows):
+    return pa.RecordBatch.from_pydict({
+        "user": pa.array([r[0] for r in rows], pa.int64()),
+        "ts": pa.array([r[1] for r in rows], pa.timestamp("us", "UTC")),
+        "page": pa.array([r[2] for r in rows], pa.int32())})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_processor_with_timers_and_ttl_matches_the_model(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    processor, model = Inactivity(), Model()
+    partition = Partition(str(tmp_path), processor)
+    max_event, watermark, fired, expired_pages, pages_before = 0, 0, 0, 0, set()
+    for b in range(30):
+        late_ms = watermark
+        watermark = max(watermark, max_event // 1000 - 5_000)
+        if b >= 25:  # the end of a bounded run: empty batches with the watermark advanced
+            watermark += 20_000
+        n = 0 if b >= 25 else 15
+        rows = [(int(u), int(t), int(p)) for u, t, p in zip(
+            rng.integers(0, 30, n), 1_000_000 * (3 * b + rng.uniform(-8, 2, n)) + 50_000_000,
+            rng.integers(0, 4, n))]
+        max_event = max([max_event] + [t for _, t, _ in rows])
+        stores = partition.open()
+        context = PartitionContext(0, b, stores, "default", Watermarks(late_ms, watermark))
+        processor.open(context)
+        half = len(rows) // 2
+        for chunk in (rows[:half], rows[half:]):  # the rows come in two Arrow batches
+            if chunk:
+                processor(stores["default"], arrow_rows(chunk))
+        out = processor.finish(stores["default"])
+        partition.commit(stores)
+        got = sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
+            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist())
+        expected = model.batch(rows, late_ms * 1000, watermark * 1000)
+        assert got == expected, f"batch {b}"
+        assert context.late_rows == sum(1 for r in rows if r[1] <= late_ms * 1000)
+        fired += len(got)
+        if b % 7 == 6:
+            partition.reload()
+        # the state itself, read back through the variables, matches the model's
+        stores = partition.open()
+        check = Inactivity()
+        check.open(PartitionContext(0, b + 1, stores, "default", Watermarks(watermark, watermark)))
+        users = np.array([(u,) for u in range(30)], dtype=KEY)
+        values, found = check.count.get(users)
+        assert {int(u["user"]): (int(v["n"]), int(v["last"])) for u, v, f in zip(users, values, found) if f} \
+            == model.count
+        which, items = check.recent.get(users)
+        recent = {}
+        for w, t in zip(which, items["t"]):
+            recent.setdefault(int(users[w]["user"]), []).append(int(t))
+        assert recent == {u: [t for t, _ in e] for u, e in model.recent.items()}
+        which, pages, hits = check.pages.items(users)
+        assert {(int(users[w]["user"]), int(p["page"])): int(h["hits"]) for w, p, h in zip(which, pages, hits)} \
+            == {k: v[0] for k, v in model.pages.items()}
+        # what the TTL ended has left the stores, not only the reads
+        assert stores["pages"].metrics.num_keys == len(model.pages)
+        assert stores["recent.entries"].metrics.num_keys == sum(len(e) for e in model.recent.values())
+        expired_pages += len(pages_before - set(model.pages))
+        pages_before = set(model.pages)
+        for store in stores.values():
+            store.abort()
+    assert expired_pages > 5, "TTLs must end for the test to mean anything"
+    assert fired > 5, "timers must fire for the test to mean anything"
+
+
+def test_a_state_variable_a_store_cannot_hold_is_refused_naming_it():
+    class Bad(StatefulProcessor):
+        key_columns = ["user"]
+        key_schema = KEY
+
+        def init(self, state):
+            state.value("profile", [("name", "U10")])
+
+    with pytest.raises(TypeError, match="state variable 'profile': field 'name'"):
+        Bad().state_stores
+
+    class Twice(Bad):
+        def init(self, state):
+            state.value("a", [("n", "<i8")])
+            state.list("a", [("n", "<i8")])
+
+    with pytest.raises(ValueError, match="'a' is declared twice"):
+        Twice().state_stores
