@@ -8,6 +8,8 @@ and times. An instance is an ``fn`` for :class:`~pyspark_glue.StatefulOperator`:
 adapts the handlers to the operator's ``open`` / call / ``finish`` protocol. The order within
 a batch, the clocks and an example are in ``docs/processor.md``.
 """
+import copy
+
 import numpy as np
 import pyarrow as pa
 
@@ -20,6 +22,8 @@ from pyspark_glue.state_vars import StateHandle
 __all__ = ["StatefulProcessor", "Groups", "TIME_MODES"]
 
 TIME_MODES = ("none", "event_time", "processing_time")
+_PROTOCOL = frozenset(["init", "handle_input", "handle_expired_timers", "handle_initial_state", "open", "finish",
+                       "resolve_schemas", "state_stores", "value_schema", "key_schema", "key_columns"])
 _MAX_TIMER_ROUNDS = 1000  # handlers that keep registering due timers are stopped after this many rounds
 
 
@@ -126,7 +130,12 @@ class StatefulProcessor:
         if self.key_schema is None:
             raise ValueError("the processor's key_schema is not known yet")
         handle = StateHandle(self.key_schema)
-        self.init(handle)
+        declared = copy.copy(self)  # declaring must not bind variables to the driver's instance
+        declared.init(handle)
+        shadowed = sorted(set(vars(declared)) & _PROTOCOL)
+        if shadowed:
+            raise ValueError(f"{type(self).__name__}.init assigns {shadowed[0]!r}, a method of the processor "
+                             f"protocol: name the state variable otherwise")
         return handle.stores()
 
     def __getstate__(self):

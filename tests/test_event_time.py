@@ -233,3 +233,45 @@ def test_segmented_running_max_restarts_at_each_group():
         for a, b in zip(bounds[:-1], bounds[1:]):
             expected += list(np.maximum.accumulate(values[a:b]))
         assert segmented_running_max(values, starts).tolist() == expected
+
+
+class _CountWithInitialState:
+    """A processor: a running count per user, starting from an initial state DataFrame."""
+
+    @staticmethod
+    def make():
+        from pyspark_glue import StatefulProcessor
+
+        class RunningCount(StatefulProcessor):
+            key_columns = ["id"]
+            key_schema = np.dtype([("id", "<i8")])
+            output_schema = "id long, n long"
+
+            def init(self, state):
+                self.n = state.value("n", [("n", "<i8")])
+
+            def handle_initial_state(self, groups, timers):
+                values = np.zeros(len(groups), dtype=self.n.dtype)
+                values["n"] = np.add.reduceat(groups.column("n", np.int64), groups.starts)
+                self.n.put(groups.keys, values)
+
+            def handle_input(self, groups, timers):
+                old, found = self.n.get(groups.keys)
+                new = np.zeros(len(groups), dtype=self.n.dtype)
+                new["n"] = np.where(found, old["n"], 0) + groups.sizes
+                self.n.put(groups.keys, new)
+                import pyarrow as pa
+                return pa.RecordBatch.from_pydict({"id": groups.keys["id"], "n": new["n"]})
+
+        return RunningCount()
+
+
+def test_a_processor_starts_from_an_initial_state_dataframe(spark, tmp_path):
+    initial = spark.createDataFrame([(1, 10), (2, 20), (2, 5), (9, 1)], "id long, n long")
+    op = StatefulOperator(str(tmp_path / "state"), 0, 2, fn=_CountWithInitialState.make(), initial_state=initial)
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    rows = [(1, t0, "a"), (1, t0, "b"), (3, t0, "c")]
+    assert sorted(tuple(r) for r in op.process(spark.createDataFrame(rows, SCHEMA), 0).collect()) == [(1, 12), (3, 1)]
+    rows = [(2, t0, "a"), (9, t0, "b")]
+    assert sorted(tuple(r) for r in op.process(spark.createDataFrame(rows, SCHEMA), 1).collect()) == [(2, 26), (9, 2)]
+    op.close()
