@@ -275,3 +275,32 @@ def test_a_processor_starts_from_an_initial_state_dataframe(spark, tmp_path):
     rows = [(2, t0, "a"), (9, t0, "b")]
     assert sorted(tuple(r) for r in op.process(spark.createDataFrame(rows, SCHEMA), 1).collect()) == [(2, 26), (9, 2)]
     op.close()
+
+
+def test_bad_event_time_input_is_refused_before_any_store_changes(spark, tmp_path):
+    from pyspark_glue import SessionWindow, WindowedAggregate
+
+    state = tmp_path / "state"
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    good = spark.createDataFrame([(1, t0, "a")], SCHEMA)
+    with pytest.raises(ValueError, match="the event-time column 'when' is not in the DataFrame"):
+        StatefulOperator(str(state), 0, 2, fn=Deduplicate(["id"], "when", "5 seconds")).process(good, 0)
+    textual = spark.createDataFrame([(1, "2026-01-01", "a")], "id long, ts string, payload string")
+    with pytest.raises(ValueError, match="the event-time column 'ts' must be a timestamp, not string"):
+        StatefulOperator(str(state), 0, 2, fn=Deduplicate(["id"], "ts", "5 seconds")).process(textual, 0)
+    with pytest.raises(ValueError, match="key column 'payload' is a string: give its width"):
+        StatefulOperator(str(state), 0, 2, fn=Deduplicate(["payload"], "ts", "5 seconds")).process(good, 0)
+    assert not state.exists() or not any(state.rglob("*.delta")), "no store may change"
+    with pytest.raises(ValueError, match="the watermark delay must be >= 0"):
+        Deduplicate(["id"], "ts", "-5 seconds")
+    with pytest.raises(ValueError, match="must not be shorter than its slide"):
+        WindowedAggregate(["id"], "ts", "5 seconds", "5 seconds", "10 seconds")
+    with pytest.raises(ValueError, match="the session gap must be positive"):
+        SessionWindow(["id"], "ts", "5 seconds", "0 seconds")
+    with pytest.raises(ValueError, match="aggregate 'total': sum of column 'payload' \\(string\\) is not supported"):
+        StatefulOperator(str(state), 0, 2, fn=WindowedAggregate(["id"], "ts", "5 seconds", "10 seconds",
+                                                                aggregates={"total": ("sum", "payload")})
+                         ).process(good, 0)
+    with pytest.raises(TypeError, match="interval string"):
+        WindowedAggregate(["id"], "ts", "5 seconds", 10)
+    assert not state.exists() or not any(state.rglob("*.delta")), "no store may change"
