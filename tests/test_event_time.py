@@ -4,6 +4,7 @@ out, the same late rows dropped, across a stop and restart; the watermark record
 that stays bounded; bad input refused before any store changes."""
 import collections
 import datetime
+import os
 
 import numpy as np
 import pytest
@@ -84,27 +85,48 @@ def test_watermarks_are_recorded_per_batch_and_replayed_by_a_re_execution(spark,
     again.close()
 
 
+def newest_snapshot_bytes(op):
+    """Write a snapshot of the newest version of each of the operator's stores (as maintenance
+    would) and return the bytes of those snapshots, summed."""
+    from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+
+    stores = {op.store_name: (op.key_schema.dtype, op.value_schema.dtype), **op.fn.state_stores}
+    total = 0
+    for partition in range(op.num_partitions):
+        for name, (key, value) in stores.items():
+            store_id = StateStoreId(op.checkpoint_location, op.operator_id, partition, name)
+            provider = create_and_init_provider(store_id, key, value, StateStoreConf(min_deltas_for_snapshot=0))
+            record = op.commit_record(op.last_progress["batch_id"])
+            winners = record["commit_ids"] if name == op.store_name else record["store_commit_ids"][name]
+            provider.get_read_store(record["version"], winners[partition]).abort()  # load the newest version
+            provider.do_maintenance()
+            directory = store_id.store_checkpoint_location()
+            snapshots = sorted((int(f.split("_")[0]), f) for f in os.listdir(directory) if f.endswith(".snapshot"))
+            total += os.path.getsize(os.path.join(directory, snapshots[-1][1]))
+            provider.close()
+    return total
+
+
 def test_state_stays_bounded_over_a_sliding_key_space(spark, tmp_path):
-    """20 batches; each brings new ids over a sliding range, event time a minute per batch;
-    with a 30 s delay, the number of live keys and the newest snapshot stay flat."""
+    """20 batches of 3000 rows over ids that slide by 500 a batch, event time a minute per
+    batch, a 30 s delay: the live keys and the newest snapshots stay flat."""
     rng = np.random.default_rng(3)
     state = str(tmp_path / "state")
-    op = StatefulOperator(state, 0, 2, fn=Deduplicate(["id"], "ts", "30 seconds"),
-                          conf={"spark.sql.streaming.stateStore.minDeltasForSnapshot": "2"})
+    op = StatefulOperator(state, 0, 2, fn=Deduplicate(["id"], "ts", "30 seconds"))
     t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
-    live = []
+    live, snapshot_bytes = [], {}
     for b in range(20):
         ids = rng.integers(b * 500, b * 500 + 2000, 3000)
         rows = [(int(i), t0 + datetime.timedelta(seconds=60 * b + float(s)), "x")
                 for i, s in zip(ids, rng.uniform(0, 30, len(ids)))]
         op.process(spark.createDataFrame(rows, SCHEMA), b)
         live.append(op.last_progress["state_keys"])
-        op.close()  # a fresh operator each batch: the state is reloaded from files, snapshots written
-        op = StatefulOperator(state, 0, 2, fn=Deduplicate(["id"], "ts", "30 seconds"),
-                              conf={"spark.sql.streaming.stateStore.minDeltasForSnapshot": "2"})
+        if b in (9, 19):
+            snapshot_bytes[b] = newest_snapshot_bytes(op)
     op.close()
-    assert max(live[5:]) <= 1.2 * min(live[5:]), live
-    assert max(live) < 5000, live
+    assert max(live[4:]) <= 1.15 * min(live[4:]), live
+    assert max(live) < 2500, live
+    assert snapshot_bytes[19] <= 1.1 * snapshot_bytes[9], snapshot_bytes
 
 
 def amount_batches(rng, n_batches, rows_per_batch, keys, step_s, jitter_s, late_fraction, null_fraction=0.1):
