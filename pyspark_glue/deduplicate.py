@@ -9,19 +9,17 @@ watermark) are dropped and counted. The state is one row per key (its expiry) pl
 """
 import numpy as np
 
-from statecore.expiry import ExpiryIndex
-
 from pyspark_glue.aggregates import group_rows
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns
-from pyspark_glue.event_time import event_times_us, parse_duration_us
+from pyspark_glue.event_time import event_times_us
+from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
 
 __all__ = ["Deduplicate", "EXPIRES_FIELD"]
 
 EXPIRES_FIELD = "expires_at_us"
-_HEADS, _ENTRIES = "expiry_heads", "expiry_entries"
 
 
-class Deduplicate:
+class Deduplicate(KeyedEventTimeFn):
     """``fn`` for :class:`~pyspark_glue.StatefulOperator`: drop rows whose key was seen within
     ``delay`` of event time, as ``dropDuplicatesWithinWatermark`` does.
 
@@ -42,41 +40,12 @@ class Deduplicate:
     value_schema = np.dtype([(EXPIRES_FIELD, "<i8")])
 
     def __init__(self, key_columns, event_time, delay, *, key_widths=None):
-        if isinstance(key_columns, str):
-            key_columns = [key_columns]
-        self.key_columns = list(key_columns)
-        if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
-            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
-        if not isinstance(event_time, str) or not event_time:
-            raise ValueError(f"event_time must be a column name, got {event_time!r}")
-        self.event_time = event_time
-        self.delay = delay
-        self.delay_us = parse_duration_us(delay, "the watermark delay")
-        self.key_widths = dict(key_widths or {})
-        self.key_schema = None
-        self.output_schema = None
-        self._tasks = {}  # id(default store) -> PartitionContext of the task running here
+        super().__init__(key_columns, event_time, delay, key_widths)
 
     def resolve_schemas(self, spark_schema):
         """Take the key schema from the input's columns, and the output schema (the input's)."""
         self.key_schema = dtype_of_columns(spark_schema, self.key_columns, self.key_widths)
         self.output_schema = spark_schema
-
-    @property
-    def state_stores(self):
-        schemas = ExpiryIndex.schemas(self.key_schema)
-        return {_HEADS: schemas["heads"], _ENTRIES: schemas["entries"]}
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_tasks"] = {}
-        return state
-
-    def open(self, context):
-        self._tasks[id(context.store)] = context
-
-    def _index(self, context):
-        return ExpiryIndex(context.stores[_HEADS], context.stores[_ENTRIES], self.key_schema)
 
     def __call__(self, store, batch):
         context = self._tasks[id(store)]
@@ -99,13 +68,13 @@ class Deduplicate:
         values = np.empty(len(kept), dtype=self.value_schema)
         values[EXPIRES_FIELD] = expires
         store.put_batch(new_keys, values)
-        self._index(context).add(expires, new_keys)
+        self.index(context).add(expires, new_keys)
         return batch.take(rows[kept])
 
     def finish(self, store):
         """Forget the keys whose expiry the batch's eviction watermark reached."""
         context = self._tasks.pop(id(store))
-        times, keys = self._index(context).pop_until(context.watermarks.for_eviction_us)
+        times, keys = self.index(context).pop_until(context.watermarks.for_eviction_us)
         if len(keys):
             values, found = store.get_batch(keys)
             current = found & (values[EXPIRES_FIELD] == times)  # an entry of a key since re-added is stale

@@ -13,20 +13,19 @@ even where it overlaps the emitted one. State: each key's open sessions as a
 import numpy as np
 import pyarrow as pa
 
-from statecore.expiry import ExpiryIndex
 from statecore.keyed_lists import COUNT_FIELD, KeyedLists
 
 from pyspark_glue.aggregate_specs import Aggregates
 from pyspark_glue.aggregates import group_rows
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
 from pyspark_glue.event_time import event_times_us, parse_duration_us
+from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
 from pyspark_glue.windows import window_spark_type, window_struct
 
 __all__ = ["SessionWindow", "segmented_running_max"]
 
 _START, _END = "__start", "__end"
 _SESSIONS = "sessions"
-_HEADS, _ENTRIES = "expiry_heads", "expiry_entries"
 
 
 def segmented_running_max(values, group_starts):
@@ -46,7 +45,7 @@ def segmented_running_max(values, group_starts):
     return out
 
 
-class SessionWindow:
+class SessionWindow(KeyedEventTimeFn):
     """``fn`` for :class:`~pyspark_glue.StatefulOperator`: aggregates per key and session.
 
     Parameters
@@ -67,21 +66,10 @@ class SessionWindow:
     """
 
     def __init__(self, key_columns, event_time, delay, gap, aggregates=None, *, key_widths=None):
-        if isinstance(key_columns, str):
-            key_columns = [key_columns]
-        self.key_columns = list(key_columns)
-        if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
-            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
-        if not isinstance(event_time, str) or not event_time:
-            raise ValueError(f"event_time must be a column name, got {event_time!r}")
-        self.event_time = event_time
-        self.delay = delay
-        self.delay_us = parse_duration_us(delay, "the watermark delay")
+        super().__init__(key_columns, event_time, delay, key_widths)
         self.gap_us = parse_duration_us(gap, "the session gap", positive=True, months=False)
         self.aggregates = Aggregates(aggregates if aggregates is not None else {"count": ("count", "*")})
-        self.key_widths = dict(key_widths or {})
-        self.key_schema = self.value_schema = self.output_schema = None
-        self._tasks = {}  # id(default store) -> PartitionContext
+        self.value_schema = None
 
     def resolve_schemas(self, spark_schema):
         """The state's schemas and the output schema, from the input's columns."""
@@ -100,23 +88,11 @@ class SessionWindow:
 
     @property
     def state_stores(self):
-        expiry = ExpiryIndex.schemas(self.key_schema)
         sessions = KeyedLists.schemas(self.key_schema, self.session_dtype)
-        return {_SESSIONS: sessions["entries"], _HEADS: expiry["heads"], _ENTRIES: expiry["entries"]}
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_tasks"] = {}
-        return state
-
-    def open(self, context):
-        self._tasks[id(context.store)] = context
+        return {_SESSIONS: sessions["entries"], **super().state_stores}
 
     def _lists(self, context):
         return KeyedLists(context.store, context.stores[_SESSIONS], self.key_schema, self.session_dtype)
-
-    def _index(self, context):
-        return ExpiryIndex(context.stores[_HEADS], context.stores[_ENTRIES], self.key_schema)
 
     def __call__(self, store, batch):
         context = self._tasks[id(store)]
@@ -143,7 +119,7 @@ class SessionWindow:
         sessions = np.concatenate([held, fresh])
         merged_owner, merged = self._merge(owner, sessions)
         lists.replace(distinct, merged_owner, merged, counts)
-        self._index(context).add(merged[_END], distinct[merged_owner])
+        self.index(context).add(merged[_END], distinct[merged_owner])
         return None
 
     def _merge(self, owner, sessions):
@@ -166,7 +142,7 @@ class SessionWindow:
         """Emit and forget the sessions the eviction watermark closes."""
         context = self._tasks.pop(id(store))
         limit = context.watermarks.for_eviction_us
-        _, due = self._index(context).pop_until(limit)
+        _, due = self.index(context).pop_until(limit)
         if not len(due):
             return None
         order, starts = group_rows(due)

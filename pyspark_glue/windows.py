@@ -13,17 +13,15 @@ and an :class:`~statecore.expiry.ExpiryIndex` by window end (``docs/event-time.m
 import numpy as np
 import pyarrow as pa
 
-from statecore.expiry import ExpiryIndex
-
 from pyspark_glue.aggregate_specs import Aggregates
 from pyspark_glue.aggregates import group_rows
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
 from pyspark_glue.event_time import event_times_us, parse_duration_us
+from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
 
 __all__ = ["WindowedAggregate", "WINDOW_START"]
 
 WINDOW_START = "__window_start"
-_HEADS, _ENTRIES = "expiry_heads", "expiry_entries"
 OUTPUT_MODES = ("append", "update")
 
 
@@ -41,7 +39,7 @@ def window_spark_type(timestamp_type):
     return StructType([StructField("start", t, True), StructField("end", t, True)])
 
 
-class WindowedAggregate:
+class WindowedAggregate(KeyedEventTimeFn):
     """``fn`` for :class:`~pyspark_glue.StatefulOperator`: aggregates per key and time window.
 
     Parameters
@@ -66,16 +64,7 @@ class WindowedAggregate:
 
     def __init__(self, key_columns, event_time, delay, window, slide=None, aggregates=None, output_mode="append",
                  *, key_widths=None):
-        if isinstance(key_columns, str):
-            key_columns = [key_columns]
-        self.key_columns = list(key_columns)
-        if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
-            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
-        if not isinstance(event_time, str) or not event_time:
-            raise ValueError(f"event_time must be a column name, got {event_time!r}")
-        self.event_time = event_time
-        self.delay = delay
-        self.delay_us = parse_duration_us(delay, "the watermark delay")
+        super().__init__(key_columns, event_time, delay, key_widths)
         self.window_us = parse_duration_us(window, "the window", positive=True, months=False)
         self.slide_us = self.window_us if slide is None else parse_duration_us(slide, "the slide", positive=True,
                                                                                 months=False)
@@ -85,9 +74,7 @@ class WindowedAggregate:
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
         self.output_mode = output_mode
         self.aggregates = Aggregates(aggregates if aggregates is not None else {"count": ("count", "*")})
-        self.key_widths = dict(key_widths or {})
-        self.key_schema = self.value_schema = self.output_schema = None
-        self._tasks = {}  # id(default store) -> [PartitionContext, windows updated (update mode)]
+        self.value_schema = None
 
     def resolve_schemas(self, spark_schema):
         """The state's key and value schemas and the output schema, from the input's columns."""
@@ -104,21 +91,8 @@ class WindowedAggregate:
             + [StructField("window", window_spark_type(self.timestamp_type), True)]
             + [StructField(name, t, True) for name, t in self.aggregates.output_fields()])
 
-    @property
-    def state_stores(self):
-        schemas = ExpiryIndex.schemas(self.key_schema)
-        return {_HEADS: schemas["heads"], _ENTRIES: schemas["entries"]}
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_tasks"] = {}
-        return state
-
-    def open(self, context):
-        self._tasks[id(context.store)] = [context, []]
-
-    def _index(self, context):
-        return ExpiryIndex(context.stores[_HEADS], context.stores[_ENTRIES], self.key_schema)
+    def task_record(self, context):
+        return [context, []]  # and the windows updated (update mode)
 
     def windows_of(self, times):
         """``(row, start)`` of every window each event time falls in."""
@@ -153,7 +127,7 @@ class WindowedAggregate:
         self.aggregates.merge(old, found, new)
         store.put_batch(distinct, new)
         if not found.all():
-            self._index(context).add(distinct[WINDOW_START][~found] + self.window_us, distinct[~found])
+            self.index(context).add(distinct[WINDOW_START][~found] + self.window_us, distinct[~found])
         if self.output_mode == "update":
             updated.append(distinct)
         return None
@@ -176,7 +150,7 @@ class WindowedAggregate:
             keys = everything[order[starts]]
             values, _ = store.get_batch(keys)
             out.append(self._output(keys, values))
-        _, closed = self._index(context).pop_until(context.watermarks.for_eviction_us)
+        _, closed = self.index(context).pop_until(context.watermarks.for_eviction_us)
         if len(closed):
             values, found = store.get_batch(closed)
             closed, values = closed[found], values[found]
