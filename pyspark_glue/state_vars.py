@@ -87,6 +87,22 @@ class _Variable:
         if self.ttl_us is not None:
             rows[EXPIRES] = self.handle.now_us + self.ttl_us
 
+    def _declare_rows(self, schema):
+        """The variable's row dtype, and the stored one (with the expiry when it has a TTL)."""
+        self.dtype = _fields(schema, f"state variable {self.name!r}")
+        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
+
+    def _expire_rows(self, key_dtype, now_us):
+        """Remove the rows of the variable's store whose TTL ended (entries of rows written
+        again since are stale and ignored)."""
+        if self.ttl_us is None:
+            return
+        times, keys = self._ttl_index(key_dtype).pop_until(now_us)
+        if len(keys):
+            store = self.handle.store(self.name)
+            values, found = store.get_batch(keys)
+            store.remove_batch(keys[found & (values[EXPIRES] == times)])
+
     def _live(self, values, found):
         """``found`` less the rows whose TTL has passed."""
         if self.ttl_us is None:
@@ -99,8 +115,7 @@ class ValueState(_Variable):
 
     def __init__(self, handle, name, schema, ttl=None):
         super().__init__(handle, name, ttl)
-        self.dtype = _fields(schema, f"state variable {name!r}")
-        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
+        self._declare_rows(schema)
 
     def stores(self):
         return {self.name: (self.key_dtype, self.stored), **self._ttl_stores(self.key_dtype)}
@@ -125,13 +140,7 @@ class ValueState(_Variable):
         self.handle.store(self.name).remove_batch(keys)
 
     def expire(self, now_us):
-        if self.ttl_us is None:
-            return
-        times, keys = self._ttl_index(self.key_dtype).pop_until(now_us)
-        if len(keys):
-            store = self.handle.store(self.name)
-            values, found = store.get_batch(keys)
-            store.remove_batch(keys[found & (values[EXPIRES] == times)])
+        self._expire_rows(self.key_dtype, now_us)
 
 
 class ListState(_Variable):
@@ -139,8 +148,7 @@ class ListState(_Variable):
 
     def __init__(self, handle, name, schema, ttl=None):
         super().__init__(handle, name, ttl)
-        self.dtype = _fields(schema, f"state variable {name!r}")
-        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
+        self._declare_rows(schema)
 
     def stores(self):
         schemas = KeyedLists.schemas(self.key_dtype, self.stored)
@@ -208,9 +216,8 @@ class MapState(_Variable):
     def __init__(self, handle, name, user_key_schema, schema, ttl=None):
         super().__init__(handle, name, ttl)
         self.user_key_dtype = _fields(user_key_schema, f"the user key of state variable {name!r}")
-        self.dtype = _fields(schema, f"state variable {name!r}")
+        self._declare_rows(schema)
         self.full_key = _join(self.key_dtype, self.user_key_dtype)
-        self.stored = _join(self.dtype, np.dtype([(EXPIRES, "<i8")])) if self.ttl_us is not None else self.dtype
 
     def stores(self):
         listed = KeyedLists.schemas(self.key_dtype, self.user_key_dtype)
@@ -270,13 +277,7 @@ class MapState(_Variable):
         self._lists().clear(keys)
 
     def expire(self, now_us):
-        if self.ttl_us is None:
-            return
-        times, full = self._ttl_index(self.full_key).pop_until(now_us)
-        if len(full):
-            store = self.handle.store(self.name)
-            values, found = store.get_batch(full)
-            store.remove_batch(full[found & (values[EXPIRES] == times)])
+        self._expire_rows(self.full_key, now_us)
 
 
 class Timers:
