@@ -4,9 +4,9 @@ Each micro benchmark runs in its own interpreter (``python -m bench.bench_<name>
 its table printed as it goes and kept as ``<out>/<name>.txt`` and ``<out>/<name>.json``; the
 end-to-end race (:mod:`bench.race`) writes ``<out>/race.json``. Plots of every JSON go to
 ``<out>/*.png`` (matplotlib, from the ``bench`` extra) and ``<out>/summary.json`` lists what
-ran, with the machine header and commit. ``--quick`` runs everything small (about a quarter of
-an hour, most of it starting the race's 17 Spark sessions): a smoke test of the harness, not
-figures to quote.
+ran, with the machine header and commit. ``--quick`` runs everything small (about 25 minutes,
+most of it starting the race's 17 Spark sessions and the event-time race's 12): a smoke test of
+the harness, not figures to quote.
 """
 import argparse
 import json
@@ -32,6 +32,7 @@ MICRO = {
     "rpc": ([], ["--seconds", "0.5", "--procs", "1,2", "--threads", "1,4"]),
     "locality": ([], ["--batches", "3", "--warmup", "1", "--rows", "5000"]),
     "continuous": ([], ["--seconds", "2", "--warmup", "1"]),
+    "event_time": ([], ["--quick"]),
 }
 ALL = (*MICRO, "race")
 
@@ -67,7 +68,7 @@ def run_race(quick, out, extra):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="everything small: checks the harness (about 15 min)")
+    p.add_argument("--quick", action="store_true", help="everything small: checks the harness (about 25 min)")
     p.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=list(ALL),
                    help=f"which to run (default all: {','.join(ALL)})")
     p.add_argument("--out", default=DEFAULT_OUT, help="where results go (default %(default)s)")

@@ -292,8 +292,9 @@ def _progress(query):
     return [json.loads(p.json) if hasattr(p, "json") else dict(p) for p in query.recentProgress]
 
 
-def run_streaming(args):
-    """One contender's batches (worker process); returns the result dict."""
+def run_streaming(args, start_query=start_query):
+    """One contender's batches (worker process); returns the result dict. ``start_query``:
+    :func:`start_query` or another with its signature (the event-time race's)."""
     spark = start_spark(args.name, args.contender, args.driver_memory)
     checkpoint = os.path.join(args.work, "checkpoint")
     state_root = os.path.join(args.work, "statecore")
@@ -314,13 +315,14 @@ def run_streaming(args):
         batches.append({"rows": p["numInputRows"], "seconds": p["durationMs"]["triggerExecution"] / 1e3,
                         "add_batch_s": p["durationMs"].get("addBatch", 0) / 1e3,
                         "commit_s": sum(o.get("commitTimeMs", 0) for o in ops) / 1e3,
+                        "late_rows": sum(o.get("numRowsDroppedByWatermark", 0) for o in ops),
                         "state_keys": sum(o.get("numRowsTotal", 0) for o in ops),
                         "state_memory_bytes": sum(o.get("memoryUsedBytes", 0) for o in ops)})
     if operator is not None:  # the operator's own figures: commit time summed over partitions, as Spark's
         operator.close()
         for batch, p in zip(batches, [p for p in operator.history if p["rows_in"]]):
             batch.update(commit_s=sum(t["commit_s"] for t in p["partitions"]), state_keys=p["state_keys"],
-                         state_memory_bytes=p["memory_used_bytes"],
+                         state_memory_bytes=p["memory_used_bytes"], late_rows=p.get("late_rows", 0),
                          task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")})
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
               "python_workers_peak_bytes": memory.workers_peak,
@@ -332,9 +334,14 @@ def run_streaming(args):
     return result
 
 
-def run_floor(args):
-    """The plain batch job over each file (worker process)."""
+def run_floor(args, schema=INPUT_DDL, query=None):
+    """The plain batch job over each file (worker process): ``query(df)`` of each file read
+    with ``schema`` to the noop sink (default: the race's count and sum per key)."""
     from pyspark.sql import functions as F
+
+    if query is None:
+        def query(df):
+            return df.groupBy("key").agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
 
     spark = start_spark(args.name, "floor", args.driver_memory)
     files = sorted(f for f in os.listdir(args.source) if f.endswith(".parquet"))
@@ -342,9 +349,8 @@ def run_floor(args):
     with MemorySampler() as memory:
         for name in files:
             t0 = time.perf_counter()
-            (spark.read.schema(INPUT_DDL).parquet(os.path.join(args.source, name)).groupBy("key")
-             .agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
-             .write.format("noop").mode("overwrite").save())
+            out = query(spark.read.schema(schema).parquet(os.path.join(args.source, name)))
+            out.write.format("noop").mode("overwrite").save()
             seconds = time.perf_counter() - t0
             batches.append({"rows": None, "seconds": seconds, "commit_s": 0.0})
     spark.stop()
@@ -359,10 +365,10 @@ def _worker_main(argv):
     result = run_floor(args) if args.contender == "floor" else run_streaming(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
-    _end_jvm()
+    end_jvm()
 
 
-def _end_jvm(grace_s=20):
+def end_jvm(grace_s=20):
     """Make sure this process's JVM is gone before the next contender starts: after
     ``spark.stop()`` a JVM was seen to linger (RocksDB with changelog checkpointing, at 35%
     CPU), which would skew the next run and hold the parent's pipes open."""
@@ -378,16 +384,18 @@ def _end_jvm(grace_s=20):
         os.kill(pid, signal.SIGKILL)
 
 
-def run_in_process(name, contender, source, work, driver_memory, timeout, reuse=False):
+def run_in_process(name, contender, source, work, driver_memory, timeout, reuse=False, module="bench.race",
+                   extra_args=()):
     """Run one contender in a fresh interpreter (its own JVM); returns its result dict
-    (with ``reuse``, the result an earlier run left in ``work``, if any)."""
+    (with ``reuse``, the result an earlier run left in ``work``, if any). ``module``'s
+    ``_worker`` command runs it, given ``extra_args`` after the common ones."""
     os.makedirs(work, exist_ok=True)
     out = os.path.join(work, f"{name}.json")
     if reuse and os.path.exists(out):
         with open(out) as f:
             return dict(json.load(f), process_s=None)
-    cmd = [sys.executable, "-m", "bench.race", "_worker", "--name", name, "--contender", contender,
-           "--source", source, "--work", work, "--driver-memory", driver_memory, "--out", out]
+    cmd = [sys.executable, "-m", module, "_worker", "--name", name, "--contender", contender,
+           "--source", source, "--work", work, "--driver-memory", driver_memory, "--out", out, *extra_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     t0 = time.perf_counter()
     log_path = os.path.join(work, f"{name}.log")

@@ -1,5 +1,6 @@
 """The benchmark harness: the race's figures and ratios, the plots, ``python -m bench`` end to
-end on two micro benchmarks, and one race contender on real Spark."""
+end on two micro benchmarks, and one contender of the race and of the event-time race on real
+Spark."""
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from bench import plots, race
+from bench import bench_event_time, plots, race
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,3 +114,25 @@ def test_race_contender_runs_in_its_own_process(tmp_path):
         provider.close()
     amounts = sum(pq.read_table(f).column("amount").to_numpy().sum() for f in files)
     assert (total_count, total_sum) == (6000, int(amounts))
+
+
+@pytest.mark.spark
+def test_event_time_contender_runs_in_its_own_process(tmp_path):
+    """The statecore contender of the event-time race end to end on tiny batches, on session
+    windows: per-batch figures, the operator's commit time, state files, and every lagging row
+    dropped as late from the third batch on (before that the watermark is still 0)."""
+    files = bench_event_time.write_event_batches(str(tmp_path / "data"), 4, 2000, 300, slice_s=60,
+                                                 late_fraction=0.05, seed=5)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("t", "statecore", os.path.join(work, "input"), work, "1g", timeout=600,
+                                 module=bench_event_time.MODULE,
+                                 extra_args=bench_event_time.worker_args("session", 10, 30, 10))
+    assert len(result["batches"]) == 4
+    assert all(b["rows"] == 2000 and b["seconds"] > 0 and b["commit_s"] > 0 for b in result["batches"])
+    assert result["jvm_peak_bytes"] > 0 and result["python_workers_peak_bytes"] > 0
+    assert result["state_bytes"] > 0 and 0 < result["batches"][-1]["state_keys"] <= 300
+    lagging = [int((pq.read_table(f).column("ts").cast("int64").to_numpy()
+                    < bench_event_time.T0_US + i * 60_000_000).sum()) for i, f in enumerate(files)]
+    assert all(n > 0 for n in lagging)
+    assert [b["late_rows"] for b in result["batches"]] == [0, 0] + lagging[2:]
