@@ -45,6 +45,13 @@ def segmented_running_max(values, group_starts):
     return out
 
 
+def _spans(owner, sessions):
+    """``(owner, start, end)`` of each session as one comparable value (for ``np.isin``)."""
+    spans = np.empty(len(owner), dtype=[("o", "<i8"), ("s", "<i8"), ("e", "<i8")])
+    spans["o"], spans["s"], spans["e"] = owner, sessions[_START], sessions[_END]
+    return spans.view("V24").ravel()
+
+
 class SessionWindow(KeyedEventTimeFn):
     """``fn`` for :class:`~pyspark_glue.StatefulOperator`: aggregates per key and session.
 
@@ -94,33 +101,38 @@ class SessionWindow(KeyedEventTimeFn):
     def _lists(self, context):
         return KeyedLists(context.store, context.stores[_SESSIONS], self.key_schema, self.session_dtype)
 
+    def task_record(self, context):
+        return [context, []]  # and the batch's on-time rows as (keys, one session each)
+
     def __call__(self, store, batch):
-        context = self._tasks[id(store)]
+        context, pending = self._tasks[id(store)]
         times = event_times_us(batch, self.event_time)
         on_time = times + self.gap_us > context.watermarks.for_late_events_us
         context.late_rows += int(len(times) - on_time.sum())
         rows = np.flatnonzero(on_time)
-        if not len(rows):
-            return None
-        keys = columns_from_arrow(batch, self.key_schema, self.key_columns)[rows]
-        fresh = np.zeros(len(rows), dtype=self.session_dtype)  # each row its own session
-        fresh[_START] = times[rows]
-        fresh[_END] = times[rows] + self.gap_us
-        per_row = np.arange(len(rows))
-        self.aggregates.aggregate(self.aggregates.inputs(batch, rows), per_row, per_row, fresh)
+        if len(rows):
+            fresh = np.zeros(len(rows), dtype=self.session_dtype)  # each row its own session
+            fresh[_START] = times[rows]
+            fresh[_END] = times[rows] + self.gap_us
+            per_row = np.arange(len(rows))
+            self.aggregates.aggregate(self.aggregates.inputs(batch, rows), per_row, per_row, fresh)
+            pending.append((columns_from_arrow(batch, self.key_schema, self.key_columns)[rows], fresh))
+        return None
+
+    def _add_rows(self, context, keys, fresh):
+        """Merge the batch's sessions (all its Arrow batches at once) into each key's held ones;
+        file in the expiry index only the sessions that are new or whose end moved."""
         order, starts = group_rows(keys)
         distinct = keys[order[starts]]
-        row_owner = np.empty(len(rows), dtype=np.int64)
-        row_owner[order] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(rows))))
+        row_owner = np.empty(len(keys), dtype=np.int64)
+        row_owner[order] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(keys))))
         lists = self._lists(context)
         counts = lists.counts(distinct)
         held_owner, held = lists.read(distinct, counts)
-        owner = np.concatenate([held_owner, row_owner])
-        sessions = np.concatenate([held, fresh])
-        merged_owner, merged = self._merge(owner, sessions)
+        merged_owner, merged = self._merge(np.concatenate([held_owner, row_owner]), np.concatenate([held, fresh]))
         lists.replace(distinct, merged_owner, merged, counts)
-        self.index(context).add(merged[_END], distinct[merged_owner])
-        return None
+        moved = ~np.isin(_spans(merged_owner, merged), _spans(held_owner, held))
+        self.index(context).add(merged[_END][moved], distinct[merged_owner[moved]])
 
     def _merge(self, owner, sessions):
         """The sessions of each owner merged where they overlap or touch: ``(owner, session)``
@@ -139,8 +151,10 @@ class SessionWindow(KeyedEventTimeFn):
         return owner[runs], merged
 
     def finish(self, store):
-        """Emit and forget the sessions the eviction watermark closes."""
-        context = self._tasks.pop(id(store))
+        """Merge the batch's rows, then emit and forget the sessions the eviction watermark closes."""
+        context, pending = self._tasks.pop(id(store))
+        if pending:
+            self._add_rows(context, np.concatenate([k for k, _ in pending]), np.concatenate([f for _, f in pending]))
         limit = context.watermarks.for_eviction_us
         _, due = self.index(context).pop_until(limit)
         if not len(due):

@@ -92,7 +92,7 @@ class WindowedAggregate(KeyedEventTimeFn):
             + [StructField(name, t, True) for name, t in self.aggregates.output_fields()])
 
     def task_record(self, context):
-        return [context, []]  # and the windows updated (update mode)
+        return [context, []]  # and the batch's partial aggregates, per Arrow batch
 
     def windows_of(self, times):
         """``(row, start)`` of every window each event time falls in."""
@@ -104,7 +104,7 @@ class WindowedAggregate(KeyedEventTimeFn):
         return rows[inside], starts[inside]
 
     def __call__(self, store, batch):
-        context, updated = self._tasks[id(store)]
+        context, pending = self._tasks[id(store)]
         times = event_times_us(batch, self.event_time)
         rows, starts = self.windows_of(times)
         on_time = starts + self.window_us > context.watermarks.for_late_events_us
@@ -121,16 +121,25 @@ class WindowedAggregate(KeyedEventTimeFn):
         distinct = keys[order[group_starts]]
         inputs = {c: (None if v is None else v[rows], nn[rows])
                   for c, (v, nn) in self.aggregates.inputs(batch).items()}
-        new = np.zeros(len(distinct), dtype=self.value_schema)
-        self.aggregates.aggregate(inputs, order, group_starts, new)
-        old, found = store.get_batch(distinct)
-        self.aggregates.merge(old, found, new)
-        store.put_batch(distinct, new)
-        if not found.all():
-            self.index(context).add(distinct[WINDOW_START][~found] + self.window_us, distinct[~found])
-        if self.output_mode == "update":
-            updated.append(distinct)
+        partial = np.zeros(len(distinct), dtype=self.value_schema)
+        self.aggregates.aggregate(inputs, order, group_starts, partial)
+        pending.append((distinct, partial))
         return None
+
+    def _add_partials(self, store, context, pending):
+        """Merge the batch's partial aggregates (all its Arrow batches at once) into the state;
+        returns the windows changed and their new values."""
+        keys = np.concatenate([k for k, _ in pending])
+        values = np.concatenate([v for _, v in pending])
+        if len(pending) > 1:  # a window of a key may be in several Arrow batches
+            order, starts = group_rows(keys)
+            keys, values = keys[order[starts]], self.aggregates.combine(values[order], starts)
+        old, found = store.get_batch(keys)
+        self.aggregates.merge(old, found, values)
+        store.put_batch(keys, values)
+        if not found.all():
+            self.index(context).add(keys[WINDOW_START][~found] + self.window_us, keys[~found])
+        return keys, values
 
     def _output(self, keys, values):
         columns = [numpy_to_arrow(keys[name]) for name in self.user_keys.names]
@@ -140,16 +149,14 @@ class WindowedAggregate(KeyedEventTimeFn):
         return pa.RecordBatch.from_arrays(columns + list(aggregates.values()), names=names)
 
     def finish(self, store):
-        """Emit (append mode: the windows the eviction watermark closes; update mode: the
-        windows this batch changed) and forget the closed windows."""
-        context, updated = self._tasks.pop(id(store))
+        """Merge the batch's rows; emit (append mode: the windows the eviction watermark
+        closes; update mode: the windows this batch changed) and forget the closed windows."""
+        context, pending = self._tasks.pop(id(store))
         out = []
-        if updated:
-            everything = np.concatenate(updated)
-            order, starts = group_rows(everything)
-            keys = everything[order[starts]]
-            values, _ = store.get_batch(keys)
-            out.append(self._output(keys, values))
+        if pending:
+            keys, values = self._add_partials(store, context, pending)
+            if self.output_mode == "update":
+                out.append(self._output(keys, values))
         _, closed = self.index(context).pop_until(context.watermarks.for_eviction_us)
         if len(closed):
             values, found = store.get_batch(closed)

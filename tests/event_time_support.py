@@ -106,6 +106,21 @@ def compare_with_spark(spark, tmp_path, batches, phases, spark_transform, make_o
     they ran the same batches."""
     theirs_in, ours_in = str(tmp_path / "spark-in"), str(tmp_path / "ours-in")
     spark_seen, ours_seen = [], []
+    # statecore's tasks get their rows in several small Arrow batches, as large inputs come
+    arrow_batch = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(arrow_batch)
+    spark.conf.set(arrow_batch, "16")
+    try:
+        _run_phases(spark, tmp_path, batches, phases, spark_transform, make_operator, schema, columns, theirs_in,
+                    ours_in, spark_seen, ours_seen)
+    finally:
+        spark.conf.set(arrow_batch, before)
+    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen]
+    return spark_seen, ours_seen
+
+
+def _run_phases(spark, tmp_path, batches, phases, spark_transform, make_operator, schema, columns, theirs_in,
+                ours_in, spark_seen, ours_seen):
     for lo, hi in phases:
         write_batch_files(theirs_in, batches[lo:hi], first_index=lo)
         start = len(spark_seen)
@@ -117,5 +132,3 @@ def compare_with_spark(spark, tmp_path, batches, phases, spark_transform, make_o
             run_statecore_phase(spark, ours_in, str(tmp_path / "ours-ckpt"), operator, ours_seen, schema, columns)
         finally:
             operator.close()
-    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen]
-    return spark_seen, ours_seen
