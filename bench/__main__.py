@@ -33,6 +33,8 @@ MICRO = {
     "locality": ([], ["--batches", "3", "--warmup", "1", "--rows", "5000"]),
     "continuous": ([], ["--seconds", "2", "--warmup", "1"]),
     "event_time": ([], ["--quick"]),
+    "processor": ([], ["--quick"]),
+    "expiry": (["--rows", "10000000", "--repeat", "3"], ["--rows", "200000", "--repeat", "2"]),
 }
 ALL = (*MICRO, "race")
 
