@@ -215,3 +215,53 @@ def test_a_state_variable_a_store_cannot_hold_is_refused_naming_it():
 
     with pytest.raises(ValueError, match="'a' is declared twice"):
         Twice().state_stores
+
+
+class Reminder(StatefulProcessor):
+    """Processing time: each input arms a reminder 1 s of wall time later; a TTL'd value
+    remembers the last row for 2 s of wall time."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    time_mode = "processing_time"
+
+    def init(self, state):
+        self.last = state.value("last", [("page", "<i4")], ttl="2 seconds")
+
+    def handle_input(self, groups, timers):
+        pages = np.zeros(len(groups), dtype=self.last.dtype)
+        pages["page"] = groups.column("page")[groups.starts]
+        self.last.put(groups.keys, pages)
+        timers.register(groups.keys, np.full(len(groups), self.now_us + 1_000_000))
+
+    def handle_expired_timers(self, keys, times, timers):
+        values, found = self.last.get(keys)
+        return pa.RecordBatch.from_pydict({"user": keys["user"], "page": np.where(found, values["page"], -1)})
+
+    def open(self, context):
+        self.now_us = context.batch_timestamp_ms * 1000
+        super().open(context)
+
+
+def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
+    processor = Reminder()
+    partition = Partition(str(tmp_path), processor)
+    fired = []
+    # (batch timestamp ms, rows): a reminder is due 1 s after its batch, the value lives 2 s
+    for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7), (2, 0, 8)]), (10_500, [(3, 0, 9)]),
+                                        (11_000, []), (11_600, []), (12_400, []), (13_100, [])]):
+        stores = partition.open()
+        processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
+        if rows:
+            processor(stores["default"], arrow_rows(rows))
+        out = processor.finish(stores["default"])
+        partition.commit(stores)
+        fired.append(sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
+            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+    # 11.0 s: users 1 and 2 (due 11.0); 11.6 s: user 3 (due 11.5); their values (written at
+    # 10.0 and 10.5, living until 12.0 and 12.5) still there
+    assert fired == [[], [], [(1, 7), (2, 8)], [(3, 9)], [], []]
+    stores = partition.open()
+    assert stores["last"].metrics.num_keys == 0, "the TTL (12.0 s, 12.5 s) ended by 13.1 s"
+    for store in stores.values():
+        store.abort()
