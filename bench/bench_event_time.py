@@ -150,13 +150,7 @@ def start_query(settings, spark, contender, source, checkpoint, state_root):
         from pyspark_glue import StatefulOperator
 
         operator = StatefulOperator(state_root, 0, 2, fn=statecore_fn(*settings))
-        operator.history = []
-
-        def process(df, batch_id):
-            operator.process(df, batch_id)
-            operator.history.append(operator.last_progress)
-
-        writer = events.writeStream.foreachBatch(process)
+        writer = race.operator_writer(events, operator)
     elif contender in ("hdfs", "rocksdb", "rocksdb_changelog"):
         writer = spark_query(settings[0], events, *settings[1:]).writeStream.outputMode("append").format("noop")
     else:

@@ -134,13 +134,7 @@ def start_query(settings, spark, contender, source, checkpoint, state_root):
         from pyspark_glue import StatefulOperator
 
         operator = StatefulOperator(state_root, 0, 2, fn=statecore_processor(timeout_s, delay_s))
-        operator.history = []
-
-        def process(df, batch_id):
-            operator.process(df, batch_id)
-            operator.history.append(operator.last_progress)
-
-        writer = events.writeStream.foreachBatch(process)
+        writer = race.operator_writer(events, operator)
     else:
         from pyspark.sql.streaming.state import GroupStateTimeout
 

@@ -251,6 +251,18 @@ def _statecore_operator(state_root, pre_aggregate=True):
                             aggregate.output_schema)
 
 
+def operator_writer(events, operator):
+    """The stream ``events`` into a statecore ``operator`` by ``foreachBatch``, keeping each
+    batch's progress in ``operator.history`` (what :func:`run_streaming` reads)."""
+    operator.history = []
+
+    def process(df, batch_id):
+        operator.process(df, batch_id)
+        operator.history.append(operator.last_progress)
+
+    return events.writeStream.foreachBatch(process)
+
+
 def start_query(spark, contender, source, checkpoint, state_root):
     """The streaming query of ``contender`` over ``source`` (every file present, one per trigger)."""
     from pyspark.sql import functions as F
@@ -275,13 +287,7 @@ def start_query(spark, contender, source, checkpoint, state_root):
         writer = events.writeStream.foreachBatch(aggregate)
     elif contender in ("statecore", "statecore_raw"):
         operator = _statecore_operator(state_root, pre_aggregate=contender == "statecore")
-        operator.history = []
-
-        def process(df, batch_id):
-            operator.process(df, batch_id)
-            operator.history.append(operator.last_progress)
-
-        writer = events.writeStream.foreachBatch(process)
+        writer = operator_writer(events, operator)
     else:
         writer = out.writeStream.outputMode("update").format("noop")
     query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()

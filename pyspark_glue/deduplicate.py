@@ -55,7 +55,7 @@ class Deduplicate(KeyedEventTimeFn):
         rows = np.flatnonzero(on_time)
         if not len(rows):
             return None
-        keys = columns_from_arrow(batch.take(rows), self.key_schema, self.key_columns)
+        keys = columns_from_arrow(batch, self.key_schema, self.key_columns)[rows]
         order, starts = group_rows(keys)
         first = np.sort(order[starts])  # each key's first row in the batch, in input order
         candidates = keys[first]

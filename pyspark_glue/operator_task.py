@@ -168,7 +168,13 @@ def _max_event_time(batch, column):
     i = batch.schema.get_field_index(INITIAL_STATE_COLUMN)
     if i >= 0:
         batch = batch.filter(pa.compute.invert(batch.column(i)))
-    return int(event_times_us(batch, column).max()) if batch.num_rows else None
+    if not batch.num_rows:
+        return None
+    i = batch.schema.get_field_index(column)
+    col = batch.column(i) if i >= 0 else None
+    if col is None or col.null_count or not pa.types.is_timestamp(col.type) or col.type.unit != "us":
+        return int(event_times_us(batch, column).max())  # the checks, and their errors
+    return pa.compute.max(col).value  # microseconds, without a copy of the column
 
 
 def _open_stores(task, partition_id, coordinator):
