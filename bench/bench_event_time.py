@@ -301,17 +301,13 @@ def run(args):
 
     header = print_header("event-time race: dedup, tumbling and session windows, Spark's state stores vs "
                           "statecore's built-ins, local[2], 2 state partitions")
-    root = args.work or tempfile.mkdtemp(prefix="statecore-event-time-")
-    try:
+
+    def body(root):
         results = run_race(args, root, header)
         print_tables(results)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
         return results
-    finally:
-        if args.work is None:
-            shutil.rmtree(root, ignore_errors=True)
+
+    return race.in_work_dir(args, "statecore-event-time-", body)
 
 
 def main(argv=None):
@@ -319,11 +315,7 @@ def main(argv=None):
     if argv and argv[0] == "_worker":
         return _worker_main(argv[1:])
     p = parser()
-    args = p.parse_args(argv)
-    if args.quick:
-        json_path = args.json
-        args = quick_args(p)
-        args.json = json_path
+    args = race.parse_main_args(p, argv, quick_args)
     check_args(p, args)
     run(args)
 

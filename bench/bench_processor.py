@@ -184,9 +184,9 @@ def run(args):
 
     header = print_header("custom logic with event-time timers: statecore StatefulProcessor vs "
                           "applyInPandasWithState and transformWithStateInPandas, local[2]")
-    root = args.work or tempfile.mkdtemp(prefix="statecore-processor-")
-    results = {"machine": header, "argv": sys.argv, "settings": vars(args), "contenders": {}}
-    try:
+
+    def body(root):
+        results = {"machine": header, "argv": sys.argv, "settings": vars(args), "contenders": {}}
         for contender in args.contenders:
             rows = args.rows if contender == "statecore" else args.slow_rows
             data = os.path.join(args.data, f"events-k{args.keys}-r{rows}-b{args.batches}-s60-l0.03-seed{args.seed}")
@@ -200,13 +200,9 @@ def run(args):
         for name, s in results["contenders"].items():
             ratio = f"{ours['rows_per_s'] / s['rows_per_s']:.0f}x" if ours and name != "statecore" else ""
             print(f"{name:<14} {s['rows_per_batch']:>11,} {s['batch_s']:>8.2f} {s['rows_per_s']:>12,.0f} {ratio:>13}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
         return results
-    finally:
-        if args.work is None:
-            shutil.rmtree(root, ignore_errors=True)
+
+    return race.in_work_dir(args, "statecore-processor-", body)
 
 
 def parser():
@@ -228,14 +224,17 @@ def parser():
     return p
 
 
+def quick_args(p):
+    """The settings of ``--quick``: every contender, tiny."""
+    return p.parse_args(["--keys", "2000", "--rows", "20000", "--slow-rows", "2000", "--batches", "4",
+                         "--driver-memory", "2g"])
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_worker":
         return _worker_main(argv[1:])
-    args = parser().parse_args(argv)
-    if args.quick:
-        args.keys, args.rows, args.slow_rows, args.batches = 2000, 20_000, 2000, 4
-        args.driver_memory = "2g"
+    args = race.parse_main_args(parser(), argv, quick_args, keep=("json", "contenders"))
     for c in args.contenders:
         if c not in CONTENDERS:
             raise SystemExit(f"unknown contender {c!r} (from {', '.join(CONTENDERS)})")

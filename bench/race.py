@@ -612,13 +612,24 @@ def run(args):
     from bench._common import print_header
 
     header = print_header("end-to-end race: a running count and sum per key, local[2], 2 state partitions")
-    root = args.work or tempfile.mkdtemp(prefix="statecore-race-")
-    try:
+
+    def body(root):
         results = race(args, root, header)
         if args.restart_keys:
             restart(args, root, results)
         add_ratios(results)
         print_tables(results)
+        return results
+
+    return in_work_dir(args, "statecore-race-", body)
+
+
+def in_work_dir(args, prefix, body):
+    """``body(root)`` with ``root`` the ``--work`` directory (or a temporary one, removed
+    after); its results dict is written to ``--json`` if given, and returned."""
+    root = args.work or tempfile.mkdtemp(prefix=prefix)
+    try:
+        results = body(root)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)
@@ -628,17 +639,23 @@ def run(args):
             shutil.rmtree(root, ignore_errors=True)
 
 
+def parse_main_args(p, argv, quick_args, keep=("json",)):
+    """The arguments of a race's ``main``: ``--quick`` replaces them by ``quick_args(p)``,
+    keeping those named in ``keep``."""
+    args = p.parse_args(argv)
+    if args.quick:
+        kept = {name: getattr(args, name) for name in keep}
+        args = quick_args(p)
+        for name, value in kept.items():
+            setattr(args, name, value)
+    return args
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_worker":
         return _worker_main(argv[1:])
-    p = parser()
-    args = p.parse_args(argv)
-    if args.quick:
-        json_path = args.json
-        args = quick_args(p)
-        args.json = json_path
-    run(args)
+    run(parse_main_args(parser(), argv, quick_args))
 
 
 if __name__ == "__main__":

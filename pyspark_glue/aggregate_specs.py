@@ -9,7 +9,7 @@ nulls comes out null as in Spark), the aggregation of a batch's rows per group (
 import numpy as np
 import pyarrow as pa
 
-from pyspark_glue.arrow import column, column_to_numpy
+from pyspark_glue.arrow import column, column_to_numpy, dtype_of_columns
 
 __all__ = ["Aggregates", "FUNCTIONS"]
 
@@ -55,8 +55,6 @@ class Aggregates:
     def bind(self, spark_schema):
         """Take the input columns' types from the input's Spark schema (ValueError naming a
         column that is missing or that its function cannot take)."""
-        from pyspark_glue.arrow import dtype_of_columns
-
         types = {f.name: f.dataType for f in spark_schema.fields}
         dtypes = {}
         for name, function, col in self.specs:

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from pyspark_glue.aggregates import group_rows
-from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns
+from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, dtype_of_columns
 from pyspark_glue.event_time import event_times_us, parse_duration_us
 from pyspark_glue.operator_task import INITIAL_STATE_COLUMN
 from pyspark_glue.state_vars import StateHandle
@@ -53,8 +53,6 @@ class Groups:
 
     def column(self, name, dtype=None):
         """Column ``name`` of ``rows`` as numpy (``dtype``: cast to it, nulls refused)."""
-        from pyspark_glue.arrow import column, column_to_numpy
-
         arr = column(self.rows, name)
         if dtype is not None:
             return column_to_numpy(arr, dtype, name)

@@ -69,7 +69,7 @@ class KeyedLists:
             raise ValueError(f"{len(owners)} owners but {len(items)} items")
         if not len(owners):
             return owners[:0]
-        distinct, first, inverse, added = self._group(owners)
+        distinct, inverse, added = self._group(owners)
         before = self.counts(distinct)
         order = np.argsort(inverse, kind="stable")
         group_of_sorted = inverse[order]
@@ -85,7 +85,7 @@ class KeyedLists:
         rows = self._owner_schema.rows(owners)
         packed = np.ascontiguousarray(rows).view(f"V{rows.shape[1]}").ravel()
         _, first, inverse, added = np.unique(packed, return_index=True, return_inverse=True, return_counts=True)
-        return owners[first], first, inverse.ravel(), added
+        return owners[first], inverse.ravel(), added
 
     def _set_counts(self, owners, counts):
         keep = counts > 0
