@@ -47,8 +47,11 @@ class Deduplicate(KeyedEventTimeFn):
         self.key_schema = dtype_of_columns(spark_schema, self.key_columns, self.key_widths)
         self.output_schema = spark_schema
 
+    def task_record(self, context):
+        return [context, [], []]  # and the keys kept in each Arrow batch, and their expiry times
+
     def __call__(self, store, batch):
-        context = self._tasks[id(store)]
+        context, kept_keys, kept_expiry = self._tasks[id(store)]
         times = event_times_us(batch, self.event_time)
         on_time = times > context.watermarks.for_late_events_us
         context.late_rows += int(len(times) - on_time.sum())
@@ -68,15 +71,22 @@ class Deduplicate(KeyedEventTimeFn):
         values = np.empty(len(kept), dtype=self.value_schema)
         values[EXPIRES_FIELD] = expires
         store.put_batch(new_keys, values)
-        self.index(context).add(expires, new_keys)
+        kept_keys.append(new_keys)
+        kept_expiry.append(expires)
         return batch.take(rows[kept])
 
     def finish(self, store):
-        """Forget the keys whose expiry the batch's eviction watermark reached."""
-        context = self._tasks.pop(id(store))
-        times, keys = self.index(context).pop_until(context.watermarks.for_eviction_us)
+        """File the batch's new keys in the expiry index (once per task), then forget the keys
+        whose expiry the batch's eviction watermark reached.
+
+        Every entry of the index is current: a key is filed once, when it enters the state,
+        and leaves the state only when its entry is popped, so what ``pop_until`` returns is
+        removed without checking it against the state."""
+        context, kept_keys, kept_expiry = self._tasks.pop(id(store))
+        index = self.index(context)
+        if kept_keys:
+            index.add(np.concatenate(kept_expiry), np.concatenate(kept_keys))
+        _, keys = index.pop_until(context.watermarks.for_eviction_us)
         if len(keys):
-            values, found = store.get_batch(keys)
-            current = found & (values[EXPIRES_FIELD] == times)  # an entry of a key since re-added is stale
-            store.remove_batch(keys[current])
+            store.remove_batch(keys)
         return None

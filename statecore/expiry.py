@@ -3,7 +3,9 @@
 Event-time state (timers, TTL, windows, dedup ids) must be dropped when the watermark passes
 it, without scanning the state. :class:`ExpiryIndex` files each entry under the time bucket
 ``time >> bucket_shift`` in a :class:`~statecore.keyed_lists.KeyedLists` (one list per
-bucket), and remembers the lowest bucket that may hold entries. :meth:`pop_until` reads the
+bucket), and remembers the lowest bucket that may hold entries. A list item is a *chunk* of
+up to :attr:`ExpiryIndex.per_chunk` entries (a count and the entries' packed bytes): every
+chunk of a bucket is full but its last, so the stores handle one row per chunk, not per entry. :meth:`pop_until` reads the
 buckets from there up to the limit's bucket, takes every entry at or below the limit and
 removes it; only the limit's own bucket can hold entries it keeps. Its cost is the entries it
 returns plus one lookup per bucket of elapsed time, or, when the time jumped further than
@@ -15,7 +17,7 @@ The index does not delete entries when their key's state changes: the caller che
 """
 import numpy as np
 
-from statecore.keyed_lists import COUNT_FIELD, KeyedLists
+from statecore.keyed_lists import COUNT_FIELD, KeyedLists, positions as _positions
 
 __all__ = ["ExpiryIndex", "TIME_FIELD", "DEFAULT_BUCKET_SHIFT"]
 
@@ -26,8 +28,12 @@ _BUCKET = np.dtype([("bucket", "<i8")])
 _LOW = np.iinfo(np.int64).min  # count: the lowest bucket that may hold entries
 _NON_EMPTY = _LOW + 1  # count: how many buckets hold entries
 _SHIFT = _LOW + 2  # count: the bucket shift the index was built with
-_META = np.array([(_LOW,), (_NON_EMPTY,), (_SHIFT,)], dtype=_BUCKET)
+_ENTRIES = _LOW + 3  # count: how many entries the index holds
+_META = np.array([(_LOW,), (_NON_EMPTY,), (_SHIFT,), (_ENTRIES,)], dtype=_BUCKET)
 _SCAN_MIN_BUCKETS = 4096  # a jump over fewer buckets than this is looked up bucket by bucket
+_CHUNK_BYTES = 1024  # the packed entries of one chunk, at most (and at most _CHUNK_ENTRIES)
+_CHUNK_ENTRIES = 64
+_FILL, _PACKED = "__fill", "__packed"
 
 
 class ExpiryIndex:
@@ -40,14 +46,15 @@ class ExpiryIndex:
             raise ValueError(f"bucket_shift must be an int in [0, 62], got {bucket_shift!r}")
         self.key_dtype = np.dtype(key_dtype)
         self.item_dtype = self._item_dtype(self.key_dtype)
-        self.lists = KeyedLists(heads, entries, _BUCKET, self.item_dtype)
+        self.per_chunk = self._per_chunk(self.item_dtype)
+        self.chunk_dtype = self._chunk_dtype(self.item_dtype)
+        self.lists = KeyedLists(heads, entries, _BUCKET, self.chunk_dtype)
         self.heads = heads
-        low, non_empty, shift = self._meta()
+        low, non_empty, shift, count = self._meta()
         if shift is not None and shift != bucket_shift:
             raise ValueError(f"this expiry index was built with bucket_shift={shift}, not {bucket_shift}")
         self.bucket_shift = bucket_shift
-        self._low, self._non_empty = low, non_empty
-        self._shift_recorded = shift is not None
+        self._low, self._non_empty, self._count = low, non_empty, count
 
     @staticmethod
     def _item_dtype(key_dtype):
@@ -55,10 +62,18 @@ class ExpiryIndex:
             raise ValueError(f"a key may not have a field named {TIME_FIELD!r}")
         return np.dtype([(TIME_FIELD, "<i8")] + key_dtype.descr)
 
+    @staticmethod
+    def _per_chunk(item_dtype):
+        return max(1, min(_CHUNK_ENTRIES, _CHUNK_BYTES // item_dtype.itemsize))
+
+    @classmethod
+    def _chunk_dtype(cls, item_dtype):
+        return np.dtype([(_FILL, "<i8"), (_PACKED, f"S{cls._per_chunk(item_dtype) * item_dtype.itemsize}")])
+
     @classmethod
     def schemas(cls, key_dtype):
         """``{"heads": (key, value), "entries": (key, value)}``: the dtypes of the two stores."""
-        return KeyedLists.schemas(_BUCKET, cls._item_dtype(np.dtype(key_dtype)))
+        return KeyedLists.schemas(_BUCKET, cls._chunk_dtype(cls._item_dtype(np.dtype(key_dtype))))
 
     def _meta(self):
         values, found = self.heads.get_batch(_META)
@@ -66,31 +81,51 @@ class ExpiryIndex:
         low = int(counts[0]) if found[0] else None
         non_empty = int(counts[1]) if found[1] else 0
         shift = int(counts[2]) if found[2] else None
-        return low, non_empty, shift
+        count = int(counts[3]) if found[3] else 0
+        return low, non_empty, shift, count
 
     def _save_meta(self):
-        meta = [(_NON_EMPTY, self._non_empty), (_SHIFT, self.bucket_shift)]
+        meta = [(_NON_EMPTY, self._non_empty), (_SHIFT, self.bucket_shift), (_ENTRIES, self._count)]
         if self._low is not None:
             meta.append((_LOW, self._low))
         keys = np.array([(k,) for k, _ in meta], dtype=_BUCKET)
-        values = np.array([(v,) for _, v in meta], dtype=self.heads_value_dtype)
+        values = np.array([(v,) for _, v in meta], dtype=[(COUNT_FIELD, "<i8")])
         self.heads.put_batch(keys, values)
-        self._shift_recorded = True
-
-    @property
-    def heads_value_dtype(self):
-        return np.dtype([(COUNT_FIELD, "<i8")])
 
     def __len__(self):
         """The number of entries (stale ones included)."""
-        if not self._non_empty:
-            return 0
-        return int(self.lists.counts(self._non_empty_buckets(self._low, np.iinfo(np.int64).max)[0]).sum())
+        return self._count
 
     @property
     def low_bucket(self):
         """The lowest bucket that may hold entries (None: the index is empty)."""
         return self._low if self._non_empty else None
+
+    # -- chunks --------------------------------------------------------------------------------
+
+    def _unpack(self, chunks):
+        """The entries of ``chunks`` in order, and the chunk each came from."""
+        c = self.per_chunk
+        items = np.ascontiguousarray(chunks[_PACKED]).view(self.item_dtype)
+        valid = (np.arange(c)[None, :] < chunks[_FILL][:, None]).ravel()
+        return items[valid], np.repeat(np.arange(len(chunks), dtype=np.int64), chunks[_FILL])
+
+    def _pack(self, counts, items):
+        """``items`` (grouped by list, ``counts[i]`` for list i, in order) as full chunks and
+        each list's last partial one: ``(chunks, chunks per list)``."""
+        c = self.per_chunk
+        per_list = -(-counts // c)
+        first_chunk = np.cumsum(per_list) - per_list
+        position = _positions(counts)
+        slot = np.repeat(first_chunk, counts) * c + position
+        buffer = np.zeros(int(per_list.sum()) * c, dtype=self.item_dtype)
+        buffer[slot] = items
+        chunks = np.empty(len(buffer) // c, dtype=self.chunk_dtype)
+        chunks[_FILL] = np.bincount(slot // c, minlength=len(chunks))
+        chunks[_PACKED] = buffer.view(chunks.dtype[_PACKED])
+        return chunks, per_list
+
+    # -- adding and popping ----------------------------------------------------------------------
 
     def add(self, times, keys):
         """File ``keys[i]`` under ``times[i]`` (int64, >= 0). A key may be filed several times."""
@@ -105,16 +140,41 @@ class ExpiryIndex:
         items[TIME_FIELD] = times
         for name in self.key_dtype.names:
             items[name] = keys[name]
-        owners = np.empty(len(times), dtype=_BUCKET)
-        owners["bucket"] = times >> self.bucket_shift
+        buckets = times >> self.bucket_shift
+        order = np.argsort(buckets, kind="stable")
+        buckets, items = buckets[order], items[order]
+        starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
+        owners = np.empty(len(starts), dtype=_BUCKET)
+        owners["bucket"] = buckets[starts]
+        added = np.diff(np.append(starts, len(buckets)))
+        held = self.lists.counts(owners)
+        # A bucket's last chunk, if not full, takes the first of the new entries: read it and
+        # write it again with them.
+        last = np.flatnonzero(held > 0)
+        tail_chunks = np.empty(0, dtype=self.chunk_dtype)
+        if len(last):
+            tail_chunks = self.lists.entries_at(owners[last], held[last] - 1)
+        open_tail = tail_chunks[_FILL] < self.per_chunk if len(last) else np.zeros(0, dtype=bool)
+        reopened = last[open_tail]
+        tail_items, tail_of = self._unpack(tail_chunks[open_tail])
+        carried = np.zeros(len(owners), dtype=np.int64)
+        carried[reopened] = tail_chunks[_FILL][open_tail]
+        owner_of_item = np.concatenate([reopened[tail_of], np.repeat(np.arange(len(owners)), added)])
+        merged = np.argsort(owner_of_item, kind="stable")  # each bucket: its old tail, then the new
+        chunks, per_list = self._pack(carried + added, np.concatenate([tail_items, items])[merged])
+        first_seq = held - (carried > 0)
+        seqs = np.repeat(first_seq, per_list) + _positions(per_list)
+        self.lists.put_at(owners[np.repeat(np.arange(len(owners)), per_list)], seqs, chunks)
+        self.lists.set_counts(owners, first_seq + per_list)
         was_empty = not self._non_empty
-        self._non_empty += len(self.lists.append(owners, items))
-        lowest = int(owners["bucket"].min())
+        self._non_empty += int((held == 0).sum())
+        self._count += len(times)
+        lowest = int(owners["bucket"][0])
         self._low = lowest if was_empty or self._low is None else min(self._low, lowest)
         self._save_meta()
 
     def _non_empty_buckets(self, low, high):
-        """``(buckets, counts)`` of the buckets in ``[low, high]`` that hold entries."""
+        """``(buckets, counts)`` of the buckets in ``[low, high]`` that hold entries (counts in chunks)."""
         span = high - low + 1
         if span <= max(_SCAN_MIN_BUCKETS, 4 * self._non_empty):
             candidates = np.empty(span, dtype=_BUCKET)
@@ -125,7 +185,7 @@ class ExpiryIndex:
         found, counts = [], []  # a jump past more buckets than hold entries: read the heads instead
         for keys, values in self.heads.iter_batches():
             b = keys["bucket"]
-            mine = (b >= low) & (b <= high) & (b > _SHIFT)
+            mine = (b >= low) & (b <= high) & (b > _ENTRIES)
             found.append(keys[mine])
             counts.append(values[COUNT_FIELD][mine])
         buckets = np.concatenate(found) if found else np.empty(0, dtype=_BUCKET)
@@ -148,22 +208,24 @@ class ExpiryIndex:
             self._low = high
             self._save_meta()
             return empty
-        which, items = self.lists.read(buckets, counts)
+        which, chunks = self.lists.read(buckets, counts)
+        items, chunk_of = self._unpack(chunks)
         expired = items[TIME_FIELD] <= limit
         last = len(buckets) - 1
-        kept_in_last = (which == last) & ~expired
+        kept_in_last = (which[chunk_of] == last) & ~expired
         if kept_in_last.any():  # the limit's own bucket keeps its later entries
             emptied = np.arange(last)
             self.lists.clear(buckets[emptied], counts[emptied])
-            self.lists.replace(buckets[last:], np.zeros(int(kept_in_last.sum()), dtype=np.int64),
-                               items[kept_in_last], counts[last:])
+            kept, per_list = self._pack(np.array([int(kept_in_last.sum())]), items[kept_in_last])
+            self.lists.replace(buckets[last:], np.zeros(len(kept), dtype=np.int64), kept, counts[last:])
             self._non_empty -= last
         else:
             self.lists.clear(buckets, counts)
             self._non_empty -= len(buckets)
         self._low = high
-        self._save_meta()
         out = items[expired]
+        self._count -= len(out)
+        self._save_meta()
         keys = np.empty(len(out), dtype=self.key_dtype)
         for name in self.key_dtype.names:
             keys[name] = out[name]

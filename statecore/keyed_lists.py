@@ -13,14 +13,14 @@ import numpy as np
 
 from statecore.schema import RowSchema
 
-__all__ = ["KeyedLists", "SEQ_FIELD", "COUNT_FIELD"]
+__all__ = ["KeyedLists", "SEQ_FIELD", "COUNT_FIELD", "positions"]
 
 SEQ_FIELD = "__seq"
 COUNT_FIELD = "count"
 _INT64 = np.dtype("<i8")
 
 
-def _positions(counts):
+def positions(counts):
     """For lists of these lengths, each entry's position in its list (0, 1, ... per list)."""
     counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())
@@ -74,9 +74,9 @@ class KeyedLists:
         order = np.argsort(inverse, kind="stable")
         group_of_sorted = inverse[order]
         seqs = np.empty(len(owners), dtype=np.int64)
-        seqs[order] = before[group_of_sorted] + _positions(added)
+        seqs[order] = before[group_of_sorted] + positions(added)
         self.entries.put_batch(self._entry_keys(owners, seqs), items)
-        self._set_counts(distinct, before + added)
+        self.set_counts(distinct, before + added)
         return distinct[before == 0]
 
     def _group(self, owners):
@@ -87,7 +87,28 @@ class KeyedLists:
         _, first, inverse, added = np.unique(packed, return_index=True, return_inverse=True, return_counts=True)
         return owners[first], inverse.ravel(), added
 
-    def _set_counts(self, owners, counts):
+    def entries_at(self, owners, seqs):
+        """The item at position ``seqs[i]`` of the list of ``owners[i]`` (each must exist)."""
+        items, found = self.entries.get_batch(self._entry_keys(owners, np.asarray(seqs, dtype=np.int64)))
+        if not found.all():
+            self._missing(owners, seqs, found)
+        return items
+
+    def _missing(self, owners, seqs, found):
+        missing = int(np.flatnonzero(~found)[0])
+        raise RuntimeError(f"list of owner {owners[missing]!r} is missing entry {int(seqs[missing])}: the heads "
+                           f"and entries stores disagree (were they committed from different batches?)")
+
+    def put_at(self, owners, seqs, items):
+        """Write ``items[i]`` at position ``seqs[i]`` of the list of ``owners[i]`` (overwriting
+        what is there); with :meth:`set_counts`, for a caller that keeps its lists dense itself."""
+        if len(owners):
+            self.entries.put_batch(self._entry_keys(owners, np.asarray(seqs, dtype=np.int64)), items)
+
+    def set_counts(self, owners, counts):
+        """Make each (distinct) owner's list length ``counts[i]`` (0 removes the owner); entries
+        are not touched."""
+        counts = np.asarray(counts, dtype=np.int64)
         keep = counts > 0
         if keep.any():
             values = np.empty(int(keep.sum()), dtype=self._head_value)
@@ -102,12 +123,10 @@ class KeyedLists:
         if counts is None:
             counts = self.counts(owners)
         which = np.repeat(np.arange(len(owners), dtype=np.int64), counts)
-        items, found = self.entries.get_batch(self._entry_keys(owners[which], _positions(counts)))
+        seqs = positions(counts)
+        items, found = self.entries.get_batch(self._entry_keys(owners[which], seqs))
         if not found.all():
-            missing = int(np.flatnonzero(~found)[0])
-            raise RuntimeError(f"list of owner {owners[which[missing]]!r} is missing entry "
-                               f"{int(_positions(counts)[missing])}: the heads and entries stores disagree "
-                               f"(were they committed from different batches?)")
+            self._missing(owners[which], seqs, found)
         return which, items
 
     def clear(self, owners, counts=None):
@@ -116,7 +135,7 @@ class KeyedLists:
             counts = self.counts(owners)
         which = np.repeat(np.arange(len(owners), dtype=np.int64), counts)
         if len(which):
-            self.entries.remove_batch(self._entry_keys(owners[which], _positions(counts)))
+            self.entries.remove_batch(self._entry_keys(owners[which], positions(counts)))
         present = counts > 0
         if present.any():
             self.heads.remove_batch(owners[present])
@@ -130,12 +149,12 @@ class KeyedLists:
         new_counts = np.bincount(which, minlength=len(owners)).astype(np.int64)
         order = np.argsort(which, kind="stable")
         if len(order):
-            self.entries.put_batch(self._entry_keys(owners[which[order]], _positions(new_counts)), items[order])
+            self.entries.put_batch(self._entry_keys(owners[which[order]], positions(new_counts)), items[order])
         surplus = np.maximum(counts - new_counts, 0)
         if surplus.any():
             gone = np.repeat(np.arange(len(owners), dtype=np.int64), surplus)
-            seqs = np.repeat(new_counts, surplus) + _positions(surplus)
+            seqs = np.repeat(new_counts, surplus) + positions(surplus)
             self.entries.remove_batch(self._entry_keys(owners[gone], seqs))
         changed = new_counts != counts
         if changed.any():
-            self._set_counts(owners[changed], new_counts[changed])
+            self.set_counts(owners[changed], new_counts[changed])

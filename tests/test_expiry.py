@@ -124,11 +124,13 @@ TestKeyedLists.settings = settings(max_examples=40, stateful_step_count=25, dead
 class ExpiryModel(RuleBasedStateMachine):
     """Random adds and pops, committed, aborted or reopened, against a sorted list of entries."""
 
+    key_dtype = KEY  # 64 entries a chunk
+
     def __init__(self):
         super().__init__()
         import tempfile
         self.tmp = tempfile.TemporaryDirectory()
-        self.stores = Stores(self.tmp.name, ExpiryIndex.schemas(KEY))
+        self.stores = Stores(self.tmp.name, ExpiryIndex.schemas(self.key_dtype))
         self.model, self.committed = [], []
 
     @initialize(shift=st.integers(0, 4))
@@ -136,12 +138,14 @@ class ExpiryModel(RuleBasedStateMachine):
         self.shift = shift
 
     def index(self):
-        return ExpiryIndex(self.stores.stores["heads"], self.stores.stores["entries"], KEY, bucket_shift=self.shift)
+        return ExpiryIndex(self.stores.stores["heads"], self.stores.stores["entries"], self.key_dtype,
+                           bucket_shift=self.shift)
 
     @rule(entries=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 20)), max_size=10))
     def add(self, entries):
         times = np.array([t for t, _ in entries], dtype=np.int64)
-        keys = np.array([(k,) for _, k in entries], dtype=KEY)
+        keys = np.zeros(len(entries), dtype=self.key_dtype)
+        keys["k"] = [k for _, k in entries]
         self.index().add(times, keys)
         self.model += entries
 
@@ -177,9 +181,33 @@ class ExpiryModel(RuleBasedStateMachine):
         self.tmp.cleanup()
 
 
+class ExpiryModelSmallChunks(ExpiryModel):
+    """Wide keys: 8 entries a chunk, so buckets span several chunks and adds reopen a bucket's
+    last chunk."""
+
+    key_dtype = np.dtype([("k", "<i8"), ("pad", "S100")])
+
+
+class ExpiryModelOneEntryChunks(ExpiryModel):
+    """Keys so wide that a chunk holds one entry."""
+
+    key_dtype = np.dtype([("k", "<i8"), ("pad", "S1000")])
+
+
+_EXPIRY_SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 TestExpiry = ExpiryModel.TestCase
-TestExpiry.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
-                               suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+TestExpiry.settings = _EXPIRY_SETTINGS
+TestExpirySmallChunks = ExpiryModelSmallChunks.TestCase
+TestExpirySmallChunks.settings = _EXPIRY_SETTINGS
+TestExpiryOneEntryChunks = ExpiryModelOneEntryChunks.TestCase
+TestExpiryOneEntryChunks.settings = _EXPIRY_SETTINGS
+
+
+def test_chunks_per_key_width():
+    assert ExpiryIndex.schemas(KEY)["entries"][1].itemsize == 8 + 64 * 16
+    assert ExpiryIndex.schemas(ExpiryModelSmallChunks.key_dtype)["entries"][1].itemsize == 8 + 8 * 116
+    assert ExpiryIndex.schemas(ExpiryModelOneEntryChunks.key_dtype)["entries"][1].itemsize == 8 + 1016
 
 
 class CountingStore:
@@ -268,4 +296,34 @@ def test_bad_input_is_refused_before_anything_changes(tmp_path):
     stores.commit()
     with pytest.raises(ValueError, match="built with bucket_shift=4, not 5"):
         ExpiryIndex(stores.stores["heads"], stores.stores["entries"], KEY, bucket_shift=5)
+    stores.close()
+
+
+def test_adds_fill_each_buckets_last_chunk_before_opening_another(tmp_path):
+    """8 entries a chunk: two buckets get 3 entries each, then 2 and 10 more in one add (both
+    last chunks reopened, one bucket growing to 2 chunks); each pop returns exactly its entries,
+    and the stores hold one row per chunk."""
+    wide = ExpiryModelSmallChunks.key_dtype
+    stores = Stores(tmp_path, ExpiryIndex.schemas(wide))
+    index = ExpiryIndex(stores.stores["heads"], stores.stores["entries"], wide, bucket_shift=4)
+    model = []
+
+    def add(entries):
+        keys = np.zeros(len(entries), dtype=wide)
+        keys["k"] = [k for _, k in entries]
+        index.add(np.array([t for t, _ in entries], dtype=np.int64), keys)
+        model.extend(entries)
+
+    add([(5 * 16 + i, i) for i in range(3)] + [(9 * 16 + i, 100 + i) for i in range(3)])
+    add([(9 * 16 + 3 + i % 10, 200 + i) for i in range(10)] + [(5 * 16 + 5, 7), (5 * 16 + 6, 8)])
+    assert index.lists.counts(np.array([(5,), (9,)], dtype=index.lists.owner_dtype)).tolist() == [1, 2]
+    assert len(index) == 18
+    for limit in (5 * 16 + 15, 9 * 16 + 6, 10**9):
+        times, keys = index.pop_until(limit)
+        assert sorted(zip(times.tolist(), keys["k"].tolist())) == sorted(e for e in model if e[0] <= limit)
+        model = [e for e in model if e[0] > limit]
+        assert len(index) == len(model)
+        stores.commit()
+        index = ExpiryIndex(stores.stores["heads"], stores.stores["entries"], wide, bucket_shift=4)
+    assert sum(len(keys) for keys, _ in stores.stores["entries"].iter_batches()) == 0
     stores.close()
