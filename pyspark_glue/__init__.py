@@ -9,8 +9,8 @@
   :func:`keys_from_arrow`, :func:`columns_from_arrow`, :func:`to_record_batch`).
 - Reading state back (:mod:`pyspark_glue.read`): :func:`read_state`.
 - Continuous mode (:mod:`pyspark_glue.continuous`): ``start_continuous``.
-- Checkpoint files beside the stores (:mod:`pyspark_glue.checkpoint`,
-  :mod:`pyspark_glue.operator_files`).
+- Checkpoint files beside the stores are the engine's (:mod:`statecore.checkpoint`,
+  :mod:`statecore.operator_files`): the ``statecore`` command reads them without Spark.
 - Workers and the driver (:mod:`pyspark_glue.executor`, :mod:`pyspark_glue.driver`):
   executor identity, the worker registry's coordinator, the driver's coordinator.
 - The main job: ``python -m pyspark_glue.demo``.

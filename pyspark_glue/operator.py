@@ -5,7 +5,7 @@ job per micro-batch, the batch record) and its task body (route check, ``fn``, o
 commit). How a micro-batch runs and why, the exactly-once rules and the run ids are in
 ``docs/operator.md``; the batch records in ``docs/lineage.md``. Types and conversions live in
 :mod:`pyspark_glue.arrow`, ready-made functions in :mod:`pyspark_glue.aggregates`, the
-checkpoint files beside the stores in :mod:`pyspark_glue.operator_files`, finding the
+checkpoint files beside the stores in :mod:`statecore.operator_files`, finding the
 streaming query's run in :mod:`pyspark_glue.query_runs`.
 """
 import contextlib
@@ -20,9 +20,11 @@ from statecore.lineage import ROOT_COMMIT_ID
 from statecore.metrics import StateStoreMetrics
 from statecore.schema import key_value_schemas
 
-from pyspark_glue import operator_files, query_runs
+from statecore import operator_files
+from statecore.checkpoint import CheckpointFiles
+
+from pyspark_glue import query_runs
 from pyspark_glue.arrow import output_schemas
-from pyspark_glue.checkpoint import CheckpointFiles
 from pyspark_glue.event_time import Watermarks, check_event_time_column, next_watermark_ms, parse_duration_us
 from pyspark_glue.operator_task import (INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL, PartitionTask,
                                         StoreSpec, partition_function)

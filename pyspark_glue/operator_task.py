@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 
 from statecore import registry
 from statecore.conf import StateStoreConf
+from statecore.checkpoint import CheckpointFiles
 
 from pyspark_glue import executor
 from pyspark_glue.arrow import conform_output
-from pyspark_glue.checkpoint import CheckpointFiles
 from pyspark_glue.event_time import Watermarks, event_times_us
 from pyspark_glue.rdd import StatefulOperatorStateInfo
 

@@ -20,9 +20,9 @@ from pyspark.accumulators import AccumulatorParam
 
 from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId, StateStoreProviderId
+from statecore.checkpoint import checked_commit_ids
 
 from pyspark_glue import executor
-from pyspark_glue.checkpoint import checked_commit_ids
 
 __all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
            "preferred_locations", "load_count_accumulator", "ship_function_module"]

@@ -13,10 +13,10 @@ from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId
 from statecore.store import SCHEMA_FILE, create_and_init_provider, read_store_schemas
+from statecore import operator_files
+from statecore.checkpoint import CheckpointFiles, checked_commit_ids
 
-from pyspark_glue import operator_files
 from pyspark_glue.arrow import spark_schema_of, to_record_batch
-from pyspark_glue.checkpoint import CheckpointFiles, checked_commit_ids
 
 __all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN"]
 

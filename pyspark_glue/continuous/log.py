@@ -8,8 +8,8 @@ import uuid
 
 from statecore.errors import SchemaMismatchError
 from statecore.lineage import ROOT_COMMIT_ID
+from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
 
-from pyspark_glue.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
 
 __all__ = ["QueryLogs", "EpochLog", "STATE_DIR", "OPERATOR_ID", "OFFSETS_DIR", "COMMITS_DIR", "METADATA_FILE"]
 

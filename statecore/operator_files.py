@@ -6,8 +6,8 @@ and the outputs ``_output/<batch_id>/``. The operator writes them and
 are in ``docs/operator.md`` and ``docs/lineage.md``.
 """
 from statecore.errors import SchemaMismatchError
+from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
 
-from pyspark_glue.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "check_metadata",

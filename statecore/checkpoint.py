@@ -1,5 +1,5 @@
-"""The glue's own files in a checkpoint: :class:`CheckpointFiles`, the one helper for every
-file the operator and continuous mode keep beside their stores (metadata, outputs, batch
+"""The files beside the stores in a checkpoint: :class:`CheckpointFiles`, the one helper for
+every file the operator and continuous mode keep beside their stores (metadata, outputs, batch
 records, offsets and commits logs, sink files), and :class:`EpochLog`, a directory of JSON
 files named by epoch or batch id, on top of it.
 
@@ -8,7 +8,8 @@ Files are written, read and deleted through statecore's ``StoreFiles``
 rename) and name checks as the stores' own files, and the one place tests inject file
 faults. ``StoreFiles`` lists only a store's version files and deletes only files, so
 listing a directory's entries and deleting whole sub-directories (a batch's output, an
-epoch's sink files) is done here with fsspec, and nowhere else in the glue.
+epoch's sink files) is done here with fsspec, and nowhere else. The glue writes these files;
+the ``statecore`` command reads them without Spark.
 """
 import json
 import logging

@@ -1,0 +1,1 @@
+"""Imports every subcommand module, so that each registers itself on the group."""

@@ -1,0 +1,70 @@
+"""What every ``statecore`` subcommand shares: the command group, ``--json`` output, exit
+codes a script can test, progress bars on stderr, and bad input turned into one clear line.
+
+Exit codes: :data:`OK` (0), :data:`FOUND_PROBLEMS` (1: the command ran and found the state
+unsound, e.g. ``verify``), :data:`USAGE` (2: bad arguments, click's own), :data:`BAD_INPUT`
+(3: the path, operator or version given is not what the command needs; nothing was written).
+"""
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+__all__ = ["main", "OK", "FOUND_PROBLEMS", "USAGE", "BAD_INPUT", "BadInput", "emit", "progress", "print_table"]
+
+OK, FOUND_PROBLEMS, USAGE, BAD_INPUT = 0, 1, 2, 3
+
+
+class BadInput(click.ClickException):
+    """The input is not what the command needs (exit code :data:`BAD_INPUT`); nothing was written."""
+
+    exit_code = BAD_INPUT
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="statecore")
+def main():
+    """Inspect, verify, dump, repartition and import statecore checkpoints."""
+
+
+def emit(as_json, data, human):
+    """Print ``data`` as JSON (``as_json``) or call ``human(data)`` to print it for people."""
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        human(data)
+
+
+def print_table(title, columns, rows):
+    """A table on stdout: ``columns`` are names, ``rows`` sequences of printable values."""
+    table = Table(title=title, title_justify="left")
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    Console(file=sys.stdout, soft_wrap=True).print(table)
+
+
+def progress(description, total=None, disable=False):
+    """A progress bar on stderr (hidden when stderr is not a terminal or ``disable``): use as
+    ``with progress("reading", total=n) as advance: advance(k)``."""
+    return _Progress(description, total, disable)
+
+
+class _Progress:
+    def __init__(self, description, total, disable):
+        console = Console(file=sys.stderr)
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeRemainingColumn(), console=console, transient=True,
+                             disable=disable or not console.is_terminal)
+        self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self):
+        self._bar.__enter__()
+        return lambda n=1: self._bar.advance(self._task, n)
+
+    def __exit__(self, *exc):
+        return self._bar.__exit__(*exc)
