@@ -344,13 +344,17 @@ class State:
         self.commit_ids[version] = commit_id
         self.num_keys[version] = n
 
-    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False):
+    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None):
         """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
-        their undo: the prior value or absence of every key they change."""
+        their undo: the prior value or absence of every key they change. ``del_prior``: the
+        values ``del_keys`` have now, if the caller looked them up (all of them present)."""
         self._check_not_frozen()
         before = self.count(self.version)
         prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
-        prior_del, prior_del_found = self.lookup(self.version, del_keys)
+        if del_prior is None:
+            prior_del, prior_del_found = self.lookup(self.version, del_keys)
+        else:
+            prior_del, prior_del_found = del_prior, np.ones(del_keys.shape[0], dtype=np.bool_)
         if del_keys.shape[0]:
             self.head.delete_rows(del_keys, tombstone=self.base is not None)
         old = self.version

@@ -23,7 +23,7 @@ from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMism
                               StateCorruptionError, VersionNotFoundError)
 from statecore.file_stores import FileReadStore, FileStore, View
 from statecore.ids import StateStoreId
-from statecore.layers import FrozenView, State
+from statecore.layers import FrozenView, State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
@@ -227,7 +227,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._write_schema_file()
         self._refuse_if_stale(view, new_version)
         put_keys, put_values = update.puts.export_rows()
-        del_keys, _ = update.dels.export_rows()
+        del_keys, del_prior = self._removed_keys(view, update)
         name = file_name(new_version, commit_id, "delta")
 
         def write(f):
@@ -254,7 +254,7 @@ class FileStateStoreProvider(StateStoreProvider):
         try:
             with self._lock:
                 state = self._state_to_merge_into(view)
-                state.merge(put_keys, put_values, del_keys, commit_id, pending=True)
+                state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior)
         except BaseException:
             writer_thread.join()
             if written and not isinstance(written[0], BaseException):
@@ -291,6 +291,19 @@ class FileStateStoreProvider(StateStoreProvider):
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()
         return new_version, num_keys, commit_id
+
+    @staticmethod
+    def _removed_keys(view, update):
+        """The keys the update removes that ``view``'s version holds, and their values there.
+        As in Spark's stores, a delta records the removal of a key only if the key was there:
+        a version's delta is then exactly its change (what the change feed reads)."""
+        del_keys, _ = update.dels.export_rows()
+        if not del_keys.shape[0]:
+            return del_keys, None
+        values, found = view.lookup(del_keys)
+        if not found.all():
+            del_keys, values = take_rows(del_keys, found), take_rows(values, found)
+        return del_keys, values
 
     def _state_to_merge_into(self, view):
         """The State the commit from ``view`` merges into. REQUIRES: self._lock held.

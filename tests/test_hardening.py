@@ -345,7 +345,7 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
     original = State.merge
     saw = []
 
-    def failing_merge(self, put_keys, put_values, del_keys, commit_id, pending=False):
+    def failing_merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None):
         # Let the delta write finish first (the commit's writer thread): the write succeeds.
         for t in threading.enumerate():
             if t.name == "statecore-delta-writer":
@@ -353,7 +353,7 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
                 assert not t.is_alive()
         saw.append(sorted(n for n in os.listdir(store_dir(tmp_path)) if n.startswith((f"{v + 1}", f".{v + 1}"))))
         if merge == "raises_after_merging":
-            original(self, put_keys, put_values, del_keys, commit_id, pending)
+            original(self, put_keys, put_values, del_keys, commit_id, pending, del_prior)
         elif merge == "raises_after_part":
             half = put_keys.shape[0] // 2
             original(self, put_keys[:half], put_values[:half], del_keys[:0], commit_id, pending)

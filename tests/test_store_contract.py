@@ -175,6 +175,39 @@ def test_metrics_and_combine(root, provider_class):
 
 
 # -- the file provider -------------------------------------------------------------------------
+def test_a_delta_records_removals_only_of_keys_that_were_there(root):
+    """As Spark's stores do: removing a key absent from the version (never there, or put and
+    removed in the same batch) leaves no remove in the delta, so the delta is the version's
+    exact change; a present key's removal is recorded, and the state is the same."""
+    from statecore._delta import BLOCK_PUTS, read_delta
+
+    p = make(root)
+    s = p.get_store(0)
+    s.put_batch(np.array([(1,), (2,)], dtype=KEY), np.array([(1, 1.0), (2, 2.0)], dtype=VALUE))
+    s.commit()
+    s = p.get_store(1)
+    s.remove_batch(np.array([(1,), (3,)], dtype=KEY))  # 3 was never there
+    s.put(5, (5, 5.0))
+    s.remove(5)  # put and removed in this batch: absent before, absent after
+    s.put(4, (4, 4.0))
+    s.commit()
+    removed, put = [], []
+    with open(version_path(store_dir_of(root), 2, "delta"), "rb") as f:
+        blocks = read_delta(f.read(), KEY, VALUE)
+    for kind, keys, _ in blocks:
+        (put if kind == BLOCK_PUTS else removed).extend(np.ascontiguousarray(keys).view(KEY).ravel()["k"].tolist())
+    assert removed == [1] and put == [4]
+    assert sorted(contents(p.get_read_store(2))) == [2, 4]
+    p.close()
+    p = make(root)  # reloaded from the files
+    assert sorted(contents(p.get_read_store(2))) == [2, 4]
+    p.close()
+
+
+def store_dir_of(root, partition=0):
+    return StateStoreId(root, 0, partition).store_checkpoint_location()
+
+
 def store_files(root, partition=0):
     return version_names(os.path.join(root, "0", str(partition)))
 
