@@ -8,6 +8,9 @@ types and rules are in ``docs/operator.md`` ("Reading state back") and ``docs/li
 """
 import logging
 
+import numpy as np
+import pyarrow as pa
+
 from statecore.conf import StateStoreConf
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.files import open_store_files
@@ -16,13 +19,15 @@ from statecore.store import SCHEMA_FILE, create_and_init_provider, read_store_sc
 from statecore import operator_files
 from statecore.checkpoint import CheckpointFiles, checked_commit_ids
 
-from pyspark_glue.arrow import spark_schema_of, to_record_batch
+from pyspark_glue.arrow import arrow_type_of, spark_schema_of, to_record_batch
 
-__all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN"]
+__all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN", "BATCH_ID_COLUMN", "CHANGE_TYPE_COLUMN"]
 
 log = logging.getLogger(__name__)
 
 PARTITION_ID_COLUMN = "partition_id"
+# The change feed's columns before the key and value fields (Spark's readChangeFeed names).
+BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN = "batch_id", "change_type"
 
 
 def _partition_ids(checkpoint_root, operator_id, storage_options):
@@ -95,11 +100,49 @@ def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_d
     return run
 
 
+def _read_changes(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, start, end,
+                  commit_ids, conf):
+    """The change feed's task body: for each index in the ids it is given, the changes of that
+    partition's versions ``start..end`` (``end`` at ``commit_ids[p]``, if given)."""
+    def run(batches):
+        value_types = [arrow_type_of(value_dtype[name]) for name in value_dtype.names]
+        for batch in batches:
+            for index in batch.column(0).to_pylist():
+                p = partitions[index]
+                provider = create_and_init_provider(StateStoreId(checkpoint_root, operator_id, p, store_name),
+                                                    key_dtype, value_dtype, conf)
+                try:
+                    for version, is_put, keys, values in provider.changes(
+                            start, end, None if commit_ids is None else commit_ids[p]):
+                        n = len(keys)
+                        if is_put:
+                            fields = to_record_batch(keys, values).columns
+                        else:
+                            fields = to_record_batch(keys).columns + [pa.nulls(n, t) for t in value_types]
+                        head = [pa.array(np.full(n, version - 1, dtype=np.int64)),
+                                pa.repeat(pa.scalar("update" if is_put else "delete"), n)]
+                        tail = [pa.array(np.full(n, p, dtype=np.int32))]
+                        names = [BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN, *key_dtype.names, *value_dtype.names,
+                                 PARTITION_ID_COLUMN]
+                        yield pa.RecordBatch.from_arrays(head + list(fields) + tail, names=names)
+                finally:
+                    provider.close()
+    return run
+
+
 def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, batch_id=None,
-               commit_ids=None, conf=None, rows_per_batch=65536):
+               commit_ids=None, conf=None, rows_per_batch=65536, change_feed=False, start_version=None,
+               end_version=None):
     """The state of operator ``operator_id`` at ``version`` as a DataFrame: the key fields, the
     value fields, then ``partition_id`` (columns, types and which attempt of the version is
     read: ``docs/operator.md``, "Reading state back").
+
+    With ``change_feed=True`` (Spark's ``readChangeFeed``), instead every change of the
+    versions ``start_version`` to ``end_version`` (default: the version ``read_state`` would
+    read): ``batch_id`` (the version less one), ``change_type`` (``"update"``: the key's new
+    value; ``"delete"``: the key was removed, its value fields null), the key and value
+    fields, ``partition_id``; one row per key changed in each version, read from the
+    versions' deltas alone (``docs/operator.md``, "The change feed").
 
     Parameters
     ----------
@@ -120,6 +163,9 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
     conf : StateStoreConf or dict, optional
         For the storage options of a remote checkpoint.
     rows_per_batch : int, default 65536
+    change_feed : bool, default False
+    start_version, end_version : int, optional
+        The change feed's first and last version (>= 1; ``start_version`` required).
 
     Raises
     ------
@@ -145,6 +191,17 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         if version is not None:
             raise ValueError("give version or batch_id, not both")
         version = batch_id + 1
+    if change_feed:
+        if version is not None:
+            raise ValueError("the change feed reads start_version..end_version: give those, not version or batch_id")
+        if not isinstance(start_version, int) or isinstance(start_version, bool) or start_version < 1:
+            raise ValueError(f"the change feed needs start_version, an int >= 1, got {start_version!r}")
+        if end_version is not None:
+            if not isinstance(end_version, int) or isinstance(end_version, bool) or end_version < start_version:
+                raise ValueError(f"end_version must be an int >= start_version ({start_version}), got {end_version!r}")
+            version = end_version
+    elif start_version is not None or end_version is not None:
+        raise ValueError("start_version and end_version are for the change feed (change_feed=True)")
     if commit_ids is not None and version is None:
         raise ValueError("commit_ids name attempts of one version: give the version too")
     key, value, latest = state_partitions(checkpoint_root, operator_id, store_name, conf)
@@ -176,10 +233,20 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         commit_ids = {p: commit_ids[p] for p in partitions}
     from pyspark.sql import types as T
 
+    n = len(partitions)
+    if change_feed:
+        if version < start_version:
+            raise VersionNotFoundError(f"the change feed of operator {operator_id} from version {start_version}: the "
+                                       f"newest version is {version}")
+        fields = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())]).fields
+        schema = T.StructType([T.StructField(BATCH_ID_COLUMN, T.LongType(), True),
+                               T.StructField(CHANGE_TYPE_COLUMN, T.StringType(), True), *fields])
+        run = _read_changes(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype,
+                            start_version, version, commit_ids, conf)
+        return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)
     schema = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())])
     run = _read_partitions(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, version,
                            commit_ids, conf, rows_per_batch)
-    n = len(partitions)
     return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)
 
 

@@ -447,6 +447,46 @@ class FileStateStoreProvider(StateStoreProvider):
             state.advance(u, own_id)
         return state
 
+    # -- change feed -----------------------------------------------------------------------
+    def changes(self, start_version, end_version, commit_id=None):
+        """Yield ``(version, is_put, keys, values)`` for each version from ``start_version``
+        to ``end_version`` (both >= 1), oldest first: the net change of each version, read from
+        its delta alone (a put is a key's new value; a removal, of a key the version before
+        held, has ``values`` None). ``commit_id`` names the attempt of ``end_version`` (default:
+        the default lineage's); the older versions are those its chain passes through. Every
+        delta is checked to its trailer before its rows are yielded.
+
+        Raises VersionNotFoundError if a version in the range has no delta on that chain
+        (never committed, or its delta deleted by cleanup after a snapshot)."""
+        for name, v in (("start_version", start_version), ("end_version", end_version)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if start_version > end_version:
+            raise ValueError(f"start_version {start_version} is after end_version {end_version}")
+        listing = self._files.list_versions()
+        target = self._resolve(end_version, commit_id, listing)
+        steps = []
+        for u, cid, delta, _ in self._chain(listing).walk(end_version, target):
+            if u < start_version:
+                break
+            if delta is None:
+                path = self._files.path(file_name(u, cid, "delta"))
+                raise VersionNotFoundError(
+                    f"the change of version {u} of {self} is not retained: {path} does not exist (deltas older "
+                    f"than the retained snapshots are deleted by maintenance)")
+            steps.append((u, cid, delta))
+        for u, cid, f in reversed(steps):
+            path = self._files.path(f.name)
+            with self._files.open_read(f.name) as source:
+                reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
+                check_names_agree(f, path, reader.store_version, reader.commit_id)
+                blocks = list(reader)  # verified to the trailer before any row is yielded
+            for kind, keys, values in blocks:
+                if kind == BLOCK_PUTS:
+                    yield u, True, self._key_schema.from_rows(keys), self._value_schema.from_rows(values)
+                else:
+                    yield u, False, self._key_schema.from_rows(keys), None
+
     # -- schema file -----------------------------------------------------------------------
     def _schema_record(self):
         return {"format": "statecore-state-schema-1", "key": self._key_schema.describe(),

@@ -138,3 +138,73 @@ def test_read_state_errors(spark, tmp_path):
     provider.close()
     with pytest.raises(ValueError, match=r"\['k', 'partition_id'\] repeat"):
         read_state(spark, root, 0)
+
+
+class CountThenForget:
+    """An ``fn`` that changes keys every way a change feed must show: counts rows per key,
+    removes a key once its count reaches 4, and also removes keys that were never there."""
+
+    def __call__(self, store, batch):
+        from pyspark_glue import columns_from_arrow
+
+        from tests.glue_support import KEY, VALUE
+
+        keys = columns_from_arrow(batch, KEY)
+        distinct, counts = np.unique(keys, return_counts=True)
+        old, found = store.get_batch(distinct)
+        new = np.zeros(len(distinct), VALUE)
+        new["count"] = np.where(found, old["count"], 0) + counts
+        gone = new["count"] >= 4
+        store.put_batch(distinct[~gone], new[~gone])
+        store.remove_batch(distinct[gone])
+        never = np.zeros(2, KEY)
+        never["user"] = [10**9, 10**9 + 1]  # absent: no change to report
+        store.remove_batch(never)
+        return None
+
+
+def test_change_feed_is_the_difference_of_consecutive_versions(spark, tmp_path):
+    """Five batches of puts and removes (and removes of absent keys), batch 2 run twice (the
+    feed follows the recorded attempt): the change feed of versions 1..5, and of 2..4, equals
+    the difference of read_state at each version and the one before; a
+    start after the newest version is a clear error."""
+    from pyspark_glue import read_state
+
+    from tests.glue_support import events_df, make_operator
+
+    root = str(tmp_path / "state")
+    op = make_operator(root, fn=CountThenForget(), num_partitions=3)
+    for b in [0, 1, 2, 2, 3, 4]:
+        op.process(events_df(spark, seed=b, n=60, users=12), b)
+    op.close()
+
+    def state_at(v):
+        if v == 0:
+            return {}
+        return {(r["user"], bytes(r["region"])): (r["count"], r["sum"], r["partition_id"])
+                for r in read_state(spark, root, 0, version=v).collect()}
+
+    def diff(v):
+        before, after = state_at(v - 1), state_at(v)
+        out = {(v - 1, "update", k, val) for k, val in after.items() if before.get(k) != val}
+        out |= {(v - 1, "delete", k, (None, None, before[k][2])) for k in before if k not in after}
+        return out
+
+    def feed(start, end=None):
+        df = read_state(spark, root, 0, change_feed=True, start_version=start, end_version=end)
+        assert df.columns == ["batch_id", "change_type", "user", "region", "count", "sum", "partition_id"]
+        rows = [(r["batch_id"], r["change_type"], (r["user"], bytes(r["region"])),
+                 (r["count"], r["sum"], r["partition_id"])) for r in df.collect()]
+        assert len(rows) == len(set(rows)), "a key changed twice in one version"
+        return set(rows)
+
+    expected = set().union(*(diff(v) for v in range(1, 6)))
+    assert any(t == "delete" for _, t, _, _ in expected) and any(t == "update" for _, t, _, _ in expected)
+    assert feed(1) == expected
+    assert feed(2, 4) == {row for row in expected if 1 <= row[0] <= 3}
+    with pytest.raises(ValueError, match="start_version"):
+        read_state(spark, root, 0, change_feed=True)
+    with pytest.raises(ValueError, match="change_feed=True"):
+        read_state(spark, root, 0, start_version=1)
+    with pytest.raises(VersionNotFoundError, match="newest version is 5"):
+        read_state(spark, root, 0, change_feed=True, start_version=6)

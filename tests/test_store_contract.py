@@ -204,6 +204,35 @@ def test_a_delta_records_removals_only_of_keys_that_were_there(root):
     p.close()
 
 
+def test_changes_are_each_versions_delta_and_need_it_retained(root):
+    """``changes`` yields each version's puts and removals, oldest first, from the deltas of
+    the chain it is asked for; once maintenance deleted old deltas, a start before them is a
+    VersionNotFoundError naming the missing file, and later ranges still read."""
+    p = make(root, min_deltas_for_snapshot=2, min_versions_to_retain=2)
+    for v in range(6):
+        s = p.get_store(v)
+        s.put(v, (v, 0.5))
+        if v:
+            s.remove(v - 1)
+        s.commit()
+    got = [(u, is_put, keys["k"].tolist(), None if values is None else values["count"].tolist())
+           for u, is_put, keys, values in p.changes(2, 4)]
+    assert sorted(got) == [(2, False, [0], None), (2, True, [1], [1]), (3, False, [1], None), (3, True, [2], [2]),
+                           (4, False, [2], None), (4, True, [3], [3])]
+    for v in range(6, 12):  # more versions, maintained after each commit as the registry does
+        commit_batch(p, v, [(v, (v, 0.5))], removes=[v - 1])
+        p.do_maintenance()
+    deltas = sorted(int(n.split(".")[0]) for n in version_names(store_dir_of(root)) if n.endswith(".delta"))
+    oldest = deltas[0]
+    assert 1 < oldest < 11, deltas
+    with pytest.raises(VersionNotFoundError, match=f"change of version {oldest - 1} .* not retained"):
+        list(p.changes(oldest - 1, 12))
+    assert [u for u, _, _, _ in p.changes(oldest, 12)] == [u for u in range(oldest, 13) for _ in (0, 1)]
+    with pytest.raises(ValueError, match="start_version 4 is after end_version 3"):
+        list(p.changes(4, 3))
+    p.close()
+
+
 def store_dir_of(root, partition=0):
     return StateStoreId(root, 0, partition).store_checkpoint_location()
 
