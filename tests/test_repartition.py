@@ -96,7 +96,7 @@ def _numpy_column(column):
 def test_spark_hash_equals_spark_on_every_key_type(spark):
     n = 3000
     table = _hash_table(n, seed=11)
-    df = spark.createDataFrame(table.to_pandas())
+    df = spark.createDataFrame(table)  # from Arrow: NaN stays NaN (pandas would make it null)
     df = df.selectExpr("b", "cast(i8 as tinyint) i8", "cast(i16 as smallint) i16", "cast(i32 as int) i32", "i64",
                        "cast(f32 as float) f32", "f64", "s", "bin", "cast(d as date) d", "ts",
                        "cast(ts as timestamp_ntz) ntz")
@@ -109,6 +109,8 @@ def test_spark_hash_equals_spark_on_every_key_type(spark):
     types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
     columns = {c: _numpy_column(out.column(c)) for c in singles}
     assert types["ntz"] == "timestamp_ntz" and types["d"] == "date" and types["i8"] == "tinyint"
+    assert np.isnan(columns["f64"]).sum() == np.isnan(columns["f32"]).sum() == 2  # NaNs reached Spark as NaN
+    assert np.signbit(columns["f64"][1]) and (columns["s"] == b"").any()
     for c in singles:
         np.testing.assert_array_equal(spark_hash([columns[c]], [types[c]]), out.column(f"h_{c}").to_numpy(),
                                       err_msg=c)
