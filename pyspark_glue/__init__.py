@@ -7,7 +7,8 @@
   (:mod:`pyspark_glue.aggregates`: :class:`RunningAggregate`); the Arrow <-> numpy <-> Spark
   conversions user functions are written with (:mod:`pyspark_glue.arrow`:
   :func:`keys_from_arrow`, :func:`columns_from_arrow`, :func:`to_record_batch`).
-- Reading state back (:mod:`pyspark_glue.read`): :func:`read_state`.
+- Reading state back (:mod:`pyspark_glue.read`): :func:`read_state`; repartitioning it as a
+  Spark job (:mod:`pyspark_glue.repartition`): :func:`repartition_state`.
 - Continuous mode (:mod:`pyspark_glue.continuous`): ``start_continuous``.
 - Checkpoint files beside the stores are the engine's (:mod:`statecore.checkpoint`,
   :mod:`statecore.operator_files`): the ``statecore`` command reads them without Spark.
@@ -29,6 +30,7 @@ from pyspark_glue.arrow import (column_to_numpy, columns_from_arrow, keys_from_a
                                 to_record_batch)
 from pyspark_glue.operator import StatefulOperator
 from pyspark_glue.read import read_state
+from pyspark_glue.repartition import repartition_state
 
 __all__ = [
     "StatefulOperatorStateInfo",
@@ -48,4 +50,5 @@ __all__ = [
     "spark_type_of",
     "spark_schema_of",
     "read_state",
+    "repartition_state",
 ]

@@ -363,6 +363,11 @@ class StatefulOperator:
         self._resolve(spark)
         self._resolve_input(df)
         self._check_metadata(df)
+        moved = operator_files.repartitioned(self._recorded)
+        if moved is not None and batch_id <= moved["batch_id"]:
+            raise ValueError(f"operator {self.operator_id} was repartitioned to {self.num_partitions} partitions "
+                             f"after batch {moved['batch_id']}: batch {batch_id} cannot run again (its state was "
+                             f"not kept at the new partitioning)")
         run_id, generation, re_execution = self._run_for(df, batch_id)
         records = self.commit_log()
         recorded = records.epochs()
@@ -424,7 +429,11 @@ class StatefulOperator:
     def commit_record(self, batch_id):
         """The record of ``batch_id`` (a dict; ``commit_ids`` and ``base_commit_ids`` are
         tuples, one id per partition), or None if there is none."""
-        return operator_files.read_commit_record(self.commit_log(), batch_id)
+        records = self.commit_log()
+        metadata = self._recorded  # before the first process: as recorded, if it is
+        if metadata is None:
+            metadata = operator_files.read_metadata(self.operator_dir, records.files.storage_options)
+        return operator_files.read_commit_record(records, batch_id, metadata)
 
     def _base_commit_ids(self, batch_id, previous, store_name=None):
         """Per partition, the attempt of version ``batch_id`` the batch's tasks open for the

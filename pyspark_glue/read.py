@@ -31,17 +31,18 @@ BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN = "batch_id", "change_type"
 
 
 def _partition_ids(checkpoint_root, operator_id, storage_options):
-    """The partitions of an operator: its numbered directories, and those its metadata names."""
+    """The partitions of an operator: those its metadata names, or without metadata its
+    numbered directories (a directory beyond the metadata's count is a repartition's
+    leftover or one in progress, not state)."""
     location = operator_files.operator_dir(checkpoint_root, operator_id)
     files = CheckpointFiles(location, storage_options)
-    ids = {int(name) for name, is_dir in files.entries() if is_dir and name.isascii() and name.isdigit()}
     try:
         recorded = operator_files.read_metadata(location, storage_options)
         if recorded is not None:
-            ids.update(range(int(recorded["num_partitions"])))
+            return list(range(int(recorded["num_partitions"])))
     except (ValueError, KeyError, TypeError) as e:
         log.warning("ignoring unreadable %s: %s", files.path(operator_files.OPERATOR_METADATA_FILE), e)
-    return sorted(ids)
+    return sorted(int(name) for name, is_dir in files.entries() if is_dir and name.isascii() and name.isdigit())
 
 
 def state_partitions(checkpoint_root, operator_id, store_name="default", conf=None):
@@ -254,8 +255,16 @@ def _recorded(checkpoint_root, operator_id, store_name, version, conf):
     """``(version, commit_ids)`` the operator's batch records name for ``version`` (None:
     the newest record's), or ``(version, None)`` where there is no such record (a version
     0, a checkpoint without records, a record already deleted)."""
-    records = operator_files.commit_log(operator_files.operator_dir(checkpoint_root, operator_id),
-                                        conf.storage_options)
+    location = operator_files.operator_dir(checkpoint_root, operator_id)
+    records = operator_files.commit_log(location, conf.storage_options)
+    try:
+        metadata = operator_files.read_metadata(location, conf.storage_options)
+    except ValueError:
+        metadata = None  # _partition_ids logged it
+    moved = operator_files.repartitioned(metadata)
+    if moved is not None and version is not None and version < moved["version"]:
+        raise ValueError(f"operator {operator_id} under {checkpoint_root} was repartitioned at version "
+                         f"{moved['version']}: version {version} was not kept at the new partitioning")
     if version is None:
         newest = records.latest()
         if newest is None:
@@ -265,7 +274,7 @@ def _recorded(checkpoint_root, operator_id, store_name, version, conf):
         return 0, None
     else:
         batch = version - 1
-    record = operator_files.read_commit_record(records, batch)
+    record = operator_files.read_commit_record(records, batch, metadata)
     if record is None or record.get("store_name") != store_name:
         return version, None
     return batch + 1, record["commit_ids"]

@@ -11,12 +11,16 @@ from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "check_metadata",
-           "compare_metadata", "commit_log", "commit_record", "read_commit_record"]
+           "compare_metadata", "commit_log", "commit_record", "read_commit_record", "REPARTITION_KEY",
+           "repartitioned"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
 COMMITS_DIR = "_commits"  # <checkpoint>/<operator_id>/_commits/<batch_id>: the batch record
 METADATA_FORMAT = "statecore-operator-1"
+# In _operator.json after `statecore repartition`: {"batch_id", "version", "from_partitions",
+# "record" (the record of batch_id at the new partitioning), "journal"} (docs/operating.md).
+REPARTITION_KEY = "repartition"
 RECORD_FORMAT = "statecore-operator-commit-1"
 
 
@@ -104,15 +108,37 @@ def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base
             "watermarks": watermarks}
 
 
-def read_commit_record(records, batch_id):
+def repartitioned(metadata):
+    """The metadata's last repartition (see :data:`REPARTITION_KEY`), or None."""
+    moved = (metadata or {}).get(REPARTITION_KEY)
+    return moved if isinstance(moved, dict) else None
+
+
+def read_commit_record(records, batch_id, metadata=None):
     """The record of ``batch_id`` in ``records`` (:func:`commit_log`), checked, its
     ``commit_ids`` and ``base_commit_ids`` tuples; None if there is none. ValueError naming
-    the file if it is not a batch record."""
+    the file if it is not a batch record.
+
+    With the operator's ``metadata``: after a repartition at batch ``r``, the record of ``r``
+    is the one ``_operator.json`` holds (the switch; the file ``_commits/<r>`` is rewritten
+    after it), and batches before ``r`` are refused (their attempts are of the old
+    partitioning)."""
+    moved = repartitioned(metadata)
+    if moved is not None and batch_id <= moved.get("batch_id", -1):
+        if batch_id < moved["batch_id"]:
+            raise ValueError(
+                f"operator {metadata.get('operator_id')} was repartitioned from {moved.get('from_partitions')} to "
+                f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: the state of batch "
+                f"{batch_id} was not kept at the new partitioning ({records.path(batch_id)})")
+        return _checked_record(dict(moved["record"]), batch_id, f"{records.path(batch_id)} (as in _operator.json)")
     try:
         record = records.read(batch_id)
     except FileNotFoundError:
         return None
-    where = records.path(batch_id)
+    return _checked_record(record, batch_id, records.path(batch_id))
+
+
+def _checked_record(record, batch_id, where):
     if (not isinstance(record, dict) or record.get("format") != RECORD_FORMAT
             or record.get("batch_id") != batch_id or not isinstance(record.get("num_partitions"), int)):
         raise ValueError(f"{where} is not the record of batch {batch_id} of a statecore operator")

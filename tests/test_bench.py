@@ -136,3 +136,14 @@ def test_event_time_contender_runs_in_its_own_process(tmp_path):
                     < bench_event_time.T0_US + i * 60_000_000).sum()) for i, f in enumerate(files)]
     assert all(n > 0 for n in lagging)
     assert [b["late_rows"] for b in result["batches"]] == [0, 0] + lagging[2:]
+
+
+def test_repartition_benchmark_runs_small(tmp_path):
+    path = tmp_path / "repartition.json"
+    done = subprocess.run([sys.executable, "-m", "bench.bench_repartition", "--keys", "20000", "--repeat", "1",
+                           "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    payload = json.loads(path.read_text())
+    assert payload["keys"] == 20000 and payload["ratio_to_anchor"] > 0
+    assert [r["name"] for r in next(iter(payload["tables"].values()))][1].startswith("statecore.repartition")

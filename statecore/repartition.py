@@ -1,0 +1,398 @@
+"""Repartitioning a StatefulOperator's state from N to M partitions, without Spark.
+
+Every key of every store of the operator moves to the partition the operator routes it to
+with M partitions (``pmod(hash(key columns), M)``, :mod:`statecore.spark_hash`), at the
+version of the newest batch record, under new commit ids. The protocol (why a kill at any
+point leaves the checkpoint at the old partitioning, and what is deleted when) is in
+``docs/operating.md``, "repartition":
+
+1. :func:`plan_repartition` checks everything and writes nothing;
+2. :func:`prepare` finishes or clears what an earlier run left, then writes the journal
+   (``<operator>/_repartition/<token>.json``: the new ids, so that leftovers of an
+   interrupted run can be found by name);
+3. :func:`read_sources` + :func:`write_targets` (or :func:`build_partition` per new
+   partition, the Spark job's task) write ``<version>_<new id>.snapshot`` into each new
+   partition's store directories, each verified whole after it is durable;
+4. :func:`switch` rewrites ``_operator.json`` atomically with M partitions and the new
+   batch record: the commit point;
+5. :func:`finish` rewrites the batch record file, drops the older records and deletes the
+   old partitioning's files (the new snapshots that replace them were verified in step 3).
+
+:func:`repartition` runs all five locally.
+"""
+import dataclasses
+import json
+import logging
+import os
+
+import numpy as np
+
+from statecore import files as files_module
+from statecore import operator_files
+from statecore._snapshot import SnapshotReader, SnapshotWriter
+from statecore.checkpoint import CheckpointFiles
+from statecore.conf import StateStoreConf
+from statecore.contracts import create_and_init_provider
+from statecore.errors import StateCorruptionError
+from statecore.ids import StateStoreId
+from statecore.lineage import ROOT_COMMIT_ID, file_name
+from statecore.provider import SCHEMA_FILE, read_store_schemas
+from statecore.schema import key_value_schemas
+from statecore.spark_hash import HASHABLE_TYPES, spark_partition
+
+__all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
+           "write_targets", "build_partition", "switch", "finish", "repartition", "summary", "JOURNAL_DIR"]
+
+log = logging.getLogger(__name__)
+
+JOURNAL_DIR = "_repartition"  # <checkpoint>/<operator>/_repartition/<token>.json
+JOURNAL_FORMAT = "statecore-repartition-1"
+ROWS_PER_READ = 1 << 20
+
+
+class RepartitionError(ValueError):
+    """The checkpoint, operator or partition count cannot be repartitioned; nothing was written."""
+
+
+@dataclasses.dataclass
+class StorePlan:
+    """One store of the operator: its schemas, the attempt of the version each old partition
+    holds, the new ids (one per new partition), and the key fields rows are routed by."""
+
+    name: str
+    key_dtype: np.dtype  # dtypes, not RowSchemas: the plan is pickled into the Spark job
+    value_dtype: np.dtype
+    old_ids: tuple
+    new_ids: tuple
+    schema_bytes: bytes  # the old partitions' _statecore.schema.json, copied to new directories
+
+    @property
+    def key_schema(self):
+        return key_value_schemas(self.key_dtype, self.value_dtype)[0]
+
+    @property
+    def value_schema(self):
+        return key_value_schemas(self.key_dtype, self.value_dtype)[1]
+
+
+@dataclasses.dataclass
+class RepartitionPlan:
+    """Everything a repartition needs, found by :func:`plan_repartition` (picklable: the
+    Spark job ships it to its tasks)."""
+
+    checkpoint: str
+    operator_id: int
+    conf: StateStoreConf
+    metadata: dict
+    record: dict  # the newest batch record (old partitioning)
+    batch_id: int
+    version: int
+    from_partitions: int
+    to_partitions: int
+    key_columns: list
+    key_types: list
+    stores: list  # StorePlan, the default store first
+    token: str
+
+    @property
+    def operator_dir(self):
+        return operator_files.operator_dir(self.checkpoint, self.operator_id)
+
+    def store_location(self, partition, store_name):
+        return StateStoreId(self.checkpoint, self.operator_id, partition, store_name).store_checkpoint_location()
+
+
+def _files(location, conf):
+    return files_module.open_store_files(location, conf.storage_options, conf.local_cache_dir)
+
+
+def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
+    """Check that operator ``operator_id`` of ``checkpoint`` can go to ``num_partitions`` and
+    return the plan; RepartitionError naming what is wrong otherwise. Writes nothing."""
+    conf = conf or StateStoreConf()
+    if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
+        raise RepartitionError(f"the number of partitions must be an int >= 1, got {num_partitions!r}")
+    if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
+        raise RepartitionError(f"operator id must be an int >= 0, got {operator_id!r}")
+    root = CheckpointFiles(checkpoint, conf.storage_options)
+    if not root.entries():
+        raise RepartitionError(f"{checkpoint} is not a checkpoint: it is missing or empty")
+    location = operator_files.operator_dir(checkpoint, operator_id)
+    where = CheckpointFiles(location, conf.storage_options).path(operator_files.OPERATOR_METADATA_FILE)
+    try:
+        metadata = operator_files.read_metadata(location, conf.storage_options)
+    except ValueError as e:
+        raise RepartitionError(str(e)) from None
+    if metadata is None:
+        raise RepartitionError(f"operator {operator_id} of {checkpoint} has no {where}: only a StatefulOperator's "
+                               f"state can be repartitioned")
+    old = metadata.get("num_partitions")
+    key_columns, key_types = metadata.get("key_columns"), metadata.get("key_column_types")
+    if not isinstance(old, int) or old < 1 or not key_columns or len(key_columns) != len(key_types or ()):
+        raise RepartitionError(f"{where} is not a StatefulOperator's metadata (num_partitions, key columns)")
+    bad = [f"{c} ({t})" for c, t in zip(key_columns, key_types) if t not in HASHABLE_TYPES]
+    if bad:
+        raise RepartitionError(f"key column(s) {bad} of operator {operator_id}: repartition routes keys of the "
+                               f"Spark types {', '.join(HASHABLE_TYPES)} only")
+    records = operator_files.commit_log(location, conf.storage_options)
+    batch_id = records.latest()
+    if batch_id is None:
+        raise RepartitionError(f"operator {operator_id} of {checkpoint} has no batch record under "
+                               f"{records.location}: run a batch first (or start the checkpoint afresh with the "
+                               f"new number of partitions)")
+    try:
+        record = operator_files.read_commit_record(records, batch_id, metadata)
+    except ValueError as e:
+        raise RepartitionError(str(e)) from None
+    if record["num_partitions"] != old:
+        raise RepartitionError(f"the record of batch {batch_id} has {record['num_partitions']} partitions, "
+                               f"{where} {old}")
+    token = os.urandom(8).hex()
+    names = [metadata.get("store_name", "default"), *sorted(record["store_commit_ids"])]
+    stores = []
+    for name in names:
+        old_ids = record["commit_ids"] if name == names[0] else record["store_commit_ids"][name]
+        stores.append(_store_plan(checkpoint, operator_id, name, old, old_ids, num_partitions, key_columns, conf))
+    return RepartitionPlan(checkpoint, operator_id, conf, metadata, record, batch_id, batch_id + 1, old,
+                           num_partitions, list(key_columns), list(key_types), stores, token)
+
+
+def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, conf):
+    schemas = None
+    for p in range(old):
+        files = _files(StateStoreId(checkpoint, operator_id, p, name).store_checkpoint_location(), conf)
+        try:
+            schemas = read_store_schemas(files)
+        except StateCorruptionError as e:
+            raise RepartitionError(str(e)) from None
+        if schemas is not None:
+            schema_bytes = files.read_bytes(SCHEMA_FILE)
+            break
+    if schemas is None:
+        raise RepartitionError(f"store {name!r} of operator {operator_id} has no {SCHEMA_FILE} in any partition")
+    key, value = schemas
+    if list(key.names[:len(key_columns)]) != list(key_columns):
+        raise RepartitionError(
+            f"store {name!r} of operator {operator_id} is keyed by {list(key.names)}, which do not start with the "
+            f"operator's key columns {list(key_columns)}: its rows cannot be routed to the new partitions (an "
+            f"expiry index or timers are kept per partition); this operator cannot be repartitioned")
+    return StorePlan(name, key.dtype, value.dtype, tuple(old_ids), tuple(os.urandom(8).hex() for _ in range(new)),
+                     schema_bytes)
+
+
+# -- 2. the journal ------------------------------------------------------------------------------
+
+def prepare(plan):
+    """Finish the roll-forward of a repartition that switched but was interrupted, delete what
+    interrupted runs left (found by their journals), then write this run's journal."""
+    journals = CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options)
+    moved = operator_files.repartitioned(plan.metadata)
+    current = moved.get("journal") if moved else None
+    for name, is_dir in journals.entries():
+        if is_dir or not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            journal = journals.read_json(name, "repartition journal")
+        except (ValueError, OSError) as e:
+            log.warning("skipping unreadable repartition journal %s: %s", journals.path(name), e)
+            continue
+        if name == f"{current}.json":
+            finish(plan, previous=moved)  # the switch happened; its roll-forward did not end
+        else:
+            _discard(plan, journal)
+            journals.delete([name])
+    journals.write_json(f"{plan.token}.json", {
+        "format": JOURNAL_FORMAT, "batch_id": plan.batch_id, "version": plan.version,
+        "from_partitions": plan.from_partitions, "to_partitions": plan.to_partitions,
+        "stores": {s.name: list(s.new_ids) for s in plan.stores}}, indent=1)
+
+
+def _discard(plan, journal):
+    """Delete the snapshots an interrupted run wrote (named by its journal), and its new
+    partition directories outside the current partitioning (nothing refers to them)."""
+    for name, ids in (journal.get("stores") or {}).items():
+        for q, commit_id in enumerate(ids):
+            if q >= plan.from_partitions:
+                continue
+            files = _files(plan.store_location(q, name), plan.conf)
+            files.delete([file_name(journal["version"], bytes.fromhex(commit_id), "snapshot")])
+    top = journal.get("to_partitions", 0)
+    CheckpointFiles(plan.operator_dir, plan.conf.storage_options).delete_trees(
+        str(q) for q in range(plan.from_partitions, top))
+
+
+# -- 3. the new partitions -------------------------------------------------------------------------
+
+def _rows_of(keys, values):
+    """``(n, key width + value width)`` uint8 rows of a batch the store handed out."""
+    n = len(keys)
+    kw, vw = keys.dtype.itemsize, values.dtype.itemsize
+    rows = np.empty((n, kw + vw), dtype=np.uint8)
+    rows[:, :kw] = keys.view(np.uint8).reshape(n, kw)
+    if vw:
+        rows[:, kw:] = values.view(np.uint8).reshape(n, vw)
+    return rows
+
+
+def read_sources(plan, targets=None, on_source=None):
+    """Read every old partition of every store at the plan's version and route its rows:
+    ``{(store name, new partition): [row arrays]}`` for the new partitions in ``targets``
+    (default: all). ``on_source()`` is called after each old store is read."""
+    targets = range(plan.to_partitions) if targets is None else sorted(targets)
+    wanted = np.zeros(plan.to_partitions, dtype=bool)
+    wanted[list(targets)] = True
+    out = {(s.name, q): [] for s in plan.stores for q in targets}
+    for store in plan.stores:
+        for p in range(plan.from_partitions):
+            store_id = StateStoreId(plan.checkpoint, plan.operator_id, p, store.name)
+            provider = create_and_init_provider(store_id, store.key_schema, store.value_schema, plan.conf)
+            try:
+                reader = provider.get_read_store(plan.version, store.old_ids[p])
+                try:
+                    for keys, values in reader.iter_batches(ROWS_PER_READ):
+                        dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types,
+                                               plan.to_partitions)
+                        keep = wanted[dest]
+                        if not keep.all():
+                            keys, values, dest = keys[keep], values[keep], dest[keep]
+                        order = np.argsort(dest, kind="stable")
+                        rows = _rows_of(keys, values)[order]
+                        bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
+                        for q in targets:
+                            if bounds[q + 1] > bounds[q]:
+                                out[(store.name, q)].append(rows[bounds[q]:bounds[q + 1]])
+                finally:
+                    reader.abort()
+            finally:
+                provider.close()
+            if on_source is not None:
+                on_source()
+    return out
+
+
+def write_targets(plan, routed, on_target=None):
+    """Write the snapshot of each new partition and store in ``routed`` (from
+    :func:`read_sources`); returns ``{(store, partition): rows}``. ``on_target()`` after each."""
+    written = {}
+    for (name, q), chunks in sorted(routed.items()):
+        store = next(s for s in plan.stores if s.name == name)
+        written[(name, q)] = _write_snapshot(plan, store, q, chunks)
+        chunks.clear()  # the rows are on disk: let them go
+        if on_target is not None:
+            on_target()
+    return written
+
+
+def build_partition(plan, partition):
+    """New partition ``partition`` whole (every store): what one task of the Spark job does.
+    Returns ``{store name: rows}``."""
+    written = write_targets(plan, read_sources(plan, [partition]))
+    return {name: rows for (name, _), rows in written.items()}
+
+
+def _write_snapshot(plan, store, q, chunks):
+    files = _files(plan.store_location(q, store.name), plan.conf)
+    recorded = read_store_schemas(files)
+    if recorded is None:
+        files.write_atomic(SCHEMA_FILE, lambda f: f.write(store.schema_bytes), overwrite=False)
+    elif recorded != (store.key_schema, store.value_schema):
+        raise StateCorruptionError(files.path(SCHEMA_FILE), None, "the schemas differ from the old partitions'")
+    commit_id = bytes.fromhex(store.new_ids[q])
+    name = file_name(plan.version, commit_id, "snapshot")
+    count = sum(len(c) for c in chunks)
+
+    def write(f):
+        writer = SnapshotWriter(f, store.key_schema, store.value_schema, count, plan.version,
+                                lineage=commit_id + bytes(8))
+        for chunk in chunks:
+            writer.write_rows(chunk)
+        writer.finish()
+
+    files.write_atomic(name, write)
+    # Checked whole before anything relies on it: the old files go on the strength of it.
+    reader = SnapshotReader(files.local_path_for_mapping(name), store.key_schema, store.value_schema)
+    try:
+        if reader.store_version != plan.version or reader.commit_id != commit_id or reader.row_count != count:
+            raise StateCorruptionError(files.path(name), None, "the snapshot written is not the one meant")
+        reader.verify(index=False)  # every checksum, as maintenance checks a snapshot it relies on
+    finally:
+        reader.close()
+    return count
+
+
+# -- 4. the switch, 5. the roll-forward --------------------------------------------------------------
+
+def new_record(plan):
+    """The record of the plan's batch at the new partitioning."""
+    default, *others = plan.stores
+    record = operator_files.commit_record(
+        plan.batch_id, plan.to_partitions, default.name, f"repartition-{plan.token}", default.new_ids,
+        [ROOT_COMMIT_ID.hex()] * plan.to_partitions, store_commit_ids={s.name: s.new_ids for s in others},
+        watermarks=plan.record.get("watermarks"))
+    record["repartitioned_from"] = plan.from_partitions
+    return record
+
+
+def switch(plan):
+    """The commit point: ``_operator.json`` rewritten atomically with the new number of
+    partitions and the batch record at the new partitioning."""
+    metadata = dict(plan.metadata)
+    metadata["num_partitions"] = plan.to_partitions
+    metadata[operator_files.REPARTITION_KEY] = {
+        "batch_id": plan.batch_id, "version": plan.version, "from_partitions": plan.from_partitions,
+        "record": new_record(plan), "journal": plan.token}
+    CheckpointFiles(plan.operator_dir, plan.conf.storage_options).write_json(
+        operator_files.OPERATOR_METADATA_FILE, metadata, indent=1)
+    return metadata
+
+
+def finish(plan, previous=None):
+    """After the switch: the record file of the batch rewritten, older records deleted, the
+    old partitioning's files deleted, the journal last. Idempotent (``previous``: the
+    metadata's repartition block of a run being finished by a later one)."""
+    moved = previous or {"batch_id": plan.batch_id, "record": new_record(plan), "journal": plan.token,
+                         "from_partitions": plan.from_partitions, "version": plan.version}
+    record = dict(moved["record"])
+    partitions, version = record["num_partitions"], moved["version"]
+    records = operator_files.commit_log(plan.operator_dir, plan.conf.storage_options)
+    records.write(moved["batch_id"], record)
+    records.delete_before(moved["batch_id"])
+    keep = {record["store_name"]: record["commit_ids"], **record["store_commit_ids"]}
+    for q in range(partitions):
+        for name, ids in keep.items():
+            files = _files(StateStoreId(plan.checkpoint, plan.operator_id, q, name).store_checkpoint_location(),
+                           plan.conf)
+            own = file_name(version, bytes.fromhex(ids[q]), "snapshot")
+            # Versions after the switch's are the new partitioning's own (batches that ran
+            # before an interrupted roll-forward was finished): kept.
+            files.delete([f.name for f in files.list_versions() if f.version <= version and f.name != own])
+    CheckpointFiles(plan.operator_dir, plan.conf.storage_options).delete_trees(
+        name for name, is_dir in CheckpointFiles(plan.operator_dir, plan.conf.storage_options).entries()
+        if is_dir and name.isascii() and name.isdigit() and int(name) >= partitions)
+    CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options).delete([f"{moved['journal']}.json"])
+
+
+def repartition(checkpoint, operator_id, num_partitions, conf=None, on_source=None, on_target=None):
+    """Repartition operator ``operator_id`` of ``checkpoint`` to ``num_partitions``, locally
+    (every step of the module docstring). Returns a summary dict."""
+    plan = plan_repartition(checkpoint, operator_id, num_partitions, conf)
+    prepare(plan)
+    written = write_targets(plan, read_sources(plan, on_source=on_source), on_target)
+    switch(plan)
+    finish(plan)
+    return summary(plan, written)
+
+
+def summary(plan, written):
+    """What a repartition did, as the CLI prints it."""
+    return {"checkpoint": plan.checkpoint, "operator_id": plan.operator_id, "batch_id": plan.batch_id,
+            "version": plan.version, "from_partitions": plan.from_partitions, "to_partitions": plan.to_partitions,
+            "stores": {s.name: {"rows": sum(n for (name, _), n in written.items() if name == s.name),
+                                "commit_ids": list(s.new_ids)} for s in plan.stores}}
+
+
+def plan_json(plan):
+    """The plan as JSON-able data (for messages and tests)."""
+    return json.loads(json.dumps({"batch_id": plan.batch_id, "version": plan.version,
+                                  "from": plan.from_partitions, "to": plan.to_partitions,
+                                  "stores": [s.name for s in plan.stores]}))

@@ -1,0 +1,383 @@
+"""Repartitioning a StatefulOperator's state: Spark's hash in numpy against Spark's own, the
+local rewrite and the ``statecore repartition`` command, kills at every step of the
+protocol, bad input, and a query that runs on 4 partitions, is moved to 7 then 2 (locally and
+as a Spark job) and goes on with the same state."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider, operator_files
+from statecore.cli import main
+from statecore.cli.output import BAD_INPUT
+from statecore.lineage import ROOT_COMMIT_ID
+from statecore.spark_hash import spark_hash, spark_partition
+from statecore import repartition as engine
+
+from tests.glue_support import KEY, VALUE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY_TYPES = ["bigint", "string"]
+
+# A child process that runs the command and SIGKILLs itself at the n-th time a chosen file
+# step runs (the StoreFiles step hook statecore.faults uses): a kill -9 at that point.
+KILLER = r'''
+import fnmatch, os, signal, sys
+import statecore.checkpoint, statecore.files
+step, pattern, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+seen = [0]
+
+class Killing(statecore.files.StoreFiles):
+    def _step(self, s, name):
+        if s == step and fnmatch.fnmatchcase(name.rsplit("/", 1)[-1], pattern):
+            if seen[0] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+            seen[0] += 1
+
+def opener(location, storage_options=None, local_cache_dir=None):
+    return Killing(location, storage_options, local_cache_dir)
+
+statecore.files.open_store_files = opener
+statecore.checkpoint.open_store_files = opener
+from statecore.cli import run
+sys.exit(run(sys.argv[4:]))
+'''
+
+
+# -- Spark's hash ----------------------------------------------------------------------------------
+
+def _hash_table(n, seed):
+    """Columns of every hashable type, with negatives, -0.0, NaNs, infinities, empty, multi-byte
+    and long strings."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    doubles = rng.normal(0, 1e6, n)
+    doubles[:8] = [0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 5e-324, -1.5]
+    floats = doubles.astype(np.float32)
+    alphabet = list("abcXYZ09 ") + ["é", "ß", "中", "😀"]
+    strings = ["".join(rng.choice(alphabet, rng.integers(0, 40))) for _ in range(n)]
+    strings[:3] = ["", "a" * 200, "abc"]
+    binaries = [bytes(rng.integers(1, 256, rng.integers(0, 23), dtype=np.uint8)) for _ in range(n)]
+    return pa.table({
+        "b": pa.array(rng.integers(0, 2, n).astype(bool)),
+        "i8": pa.array(rng.integers(-128, 128, n).astype(np.int8)),
+        "i16": pa.array(rng.integers(-2**15, 2**15, n).astype(np.int16)),
+        "i32": pa.array(rng.integers(-2**31, 2**31, n).astype(np.int32)),
+        "i64": pa.array(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)),
+        "f32": pa.array(floats), "f64": pa.array(doubles),
+        "s": pa.array(strings, pa.string()), "bin": pa.array(binaries, pa.binary()),
+        "d": pa.array(rng.integers(-100_000, 100_000, n).astype(np.int32)).cast(pa.date32()),
+        "ts": pa.array(rng.integers(-2**50, 2**50, n)).cast(pa.timestamp("us", "UTC")),
+    })
+
+
+def _numpy_column(column):
+    """A Spark-returned Arrow column as the store holds it: numbers, days, microseconds, S<n>."""
+    import pyarrow as pa
+
+    t = column.type
+    if pa.types.is_string(t) or pa.types.is_binary(t):
+        values = [v.encode() if isinstance(v, str) else v for v in column.to_pylist()]
+        return np.array(values, dtype=f"S{max(1, max(len(v) for v in values))}")
+    if pa.types.is_date32(t):
+        return column.cast(pa.int32()).to_numpy()
+    if pa.types.is_timestamp(t):
+        return column.cast(pa.int64()).to_numpy()
+    return column.to_numpy(zero_copy_only=False)
+
+
+def test_spark_hash_equals_spark_on_every_key_type(spark):
+    n = 3000
+    table = _hash_table(n, seed=11)
+    df = spark.createDataFrame(table)  # from Arrow: NaN stays NaN (pandas would make it null)
+    df = df.selectExpr("b", "cast(i8 as tinyint) i8", "cast(i16 as smallint) i16", "cast(i32 as int) i32", "i64",
+                       "cast(f32 as float) f32", "f64", "s", "bin", "cast(d as date) d", "ts",
+                       "cast(ts as timestamp_ntz) ntz")
+    singles = [c for c in df.columns]
+    combos = [("i64", "s"), ("s", "bin", "i32"), ("f64", "f32", "d", "ts", "b"), ("i8", "i16", "ntz")]
+    exprs = [f"hash(`{c}`) h_{c}" for c in singles]
+    exprs += [f"hash({', '.join(c)}) h_{'_'.join(c)}" for c in combos]
+    exprs += [f"pmod(hash(i64, s), {m}) p_{m}" for m in (1, 7, 200)]
+    out = df.selectExpr("*", *exprs).toArrow()
+    types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
+    columns = {c: _numpy_column(out.column(c)) for c in singles}
+    assert types["ntz"] == "timestamp_ntz" and types["d"] == "date" and types["i8"] == "tinyint"
+    assert np.isnan(columns["f64"]).sum() == np.isnan(columns["f32"]).sum() == 2  # NaNs reached Spark as NaN
+    assert np.signbit(columns["f64"][1]) and (columns["s"] == b"").any()
+    for c in singles:
+        np.testing.assert_array_equal(spark_hash([columns[c]], [types[c]]), out.column(f"h_{c}").to_numpy(),
+                                      err_msg=c)
+    for combo in combos:
+        got = spark_hash([columns[c] for c in combo], [types[c] for c in combo])
+        np.testing.assert_array_equal(got, out.column(f"h_{'_'.join(combo)}").to_numpy(), err_msg=str(combo))
+    for m in (1, 7, 200):
+        got = spark_partition([columns["i64"], columns["s"]], [types["i64"], types["s"]], m)
+        np.testing.assert_array_equal(got, out.column(f"p_{m}").to_numpy())
+    # a wider S<n> field (NUL padding) hashes the same value
+    wide = columns["s"].astype("S300")
+    np.testing.assert_array_equal(spark_hash([wide], ["string"]), out.column("h_s").to_numpy())
+
+
+def test_spark_hash_refuses_what_it_cannot_hash():
+    with pytest.raises(ValueError, match="decimal"):
+        spark_hash([np.zeros(3, np.int64)], ["decimal(10,2)"])
+    with pytest.raises(TypeError, match="S<n>"):
+        spark_hash([np.zeros(3, np.int64)], ["string"])
+
+
+# -- a StatefulOperator checkpoint made without Spark -----------------------------------------------
+
+def _keys(n, seed):
+    rng = np.random.default_rng(seed)
+    keys = np.zeros(n, KEY)
+    keys["user"] = rng.integers(-1000, 1000, n)
+    keys["region"] = np.array([b"eu", b"us", b"apac", b"", b"latm"])[rng.integers(0, 5, n)]
+    return np.unique(keys)
+
+
+def make_checkpoint(root, partitions=4, batches=3, seed=0):
+    """Operator 0 of ``root`` as a RunningAggregate on ``partitions`` leaves it after
+    ``batches`` batches (every key in the partition Spark routes it to), with its metadata and
+    batch records; returns ``{key tuple: value tuple}``."""
+    location = operator_files.operator_dir(root, 0)
+    operator_files.check_metadata(location, {
+        "format": operator_files.METADATA_FORMAT, "operator_id": 0, "num_partitions": partitions,
+        "key_columns": ["user", "region"], "key_column_types": KEY_TYPES, "store_name": "default",
+        "key_schema": [["user", "<i8"], ["region", "|S4"]], "value_schema": [["count", "<i8"], ["sum", "<i8"]]})
+    providers = [create_and_init_provider(StateStoreId(root, 0, p), KEY, VALUE, StateStoreConf())
+                 for p in range(partitions)]
+    ids = [ROOT_COMMIT_ID.hex()] * partitions
+    expected = {}
+    for b in range(batches):
+        keys = _keys(200, seed * 100 + b)
+        dest = spark_partition([keys["user"], keys["region"]], KEY_TYPES, partitions)
+        new_ids = []
+        for p, provider in enumerate(providers):
+            store = provider.get_store(b, ids[p])
+            mine = keys[dest == p]
+            old, found = store.get_batch(mine)
+            values = np.zeros(len(mine), VALUE)
+            values["count"] = np.where(found, old["count"], 0) + 1
+            values["sum"] = np.where(found, old["sum"], 0) + mine["user"]
+            store.put_batch(mine, values)
+            store.commit()
+            new_ids.append(store.commit_id)
+            for k, v in zip(mine.tolist(), values.tolist()):
+                expected[k] = v
+        operator_files.commit_log(location).write(b, operator_files.commit_record(
+            b, partitions, "default", "test-run", new_ids, ids))
+        ids = new_ids
+    for provider in providers:
+        provider.close()
+    return expected
+
+
+def read_at_record(root, partitions=None):
+    """``{partition: {key: value}}`` of operator 0 at its newest record, each read by a fresh
+    provider at the recorded attempt (as the operator and read_state open it)."""
+    location = operator_files.operator_dir(root, 0)
+    metadata = operator_files.read_metadata(location)
+    records = operator_files.commit_log(location)
+    record = operator_files.read_commit_record(records, records.latest(), metadata)
+    assert record["num_partitions"] == metadata["num_partitions"] == (partitions or record["num_partitions"])
+    out = {}
+    for p in range(record["num_partitions"]):
+        provider = create_and_init_provider(StateStoreId(root, 0, p), KEY, VALUE, StateStoreConf())
+        store = provider.get_read_store(record["version"], record["commit_ids"][p])
+        out[p] = {tuple(k): tuple(v) for k, v in store.iterator()}
+        store.abort()
+        provider.close()
+    return out
+
+
+def check_routed(by_partition, expected):
+    """Every key is in the partition Spark routes it to, and the union is ``expected``."""
+    m = len(by_partition)
+    merged = {}
+    for p, rows in by_partition.items():
+        keys = np.array(list(rows), dtype=KEY) if rows else np.zeros(0, KEY)
+        if len(keys):
+            assert (spark_partition([keys["user"], keys["region"]], KEY_TYPES, m) == p).all()
+        merged.update(rows)
+    assert merged == expected
+
+
+def tree(root):
+    """Every file under ``root`` with its size and modification time."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            st = os.stat(os.path.join(d, n))
+            out[os.path.relpath(os.path.join(d, n), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def cli(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def killed_run(root, step, pattern, nth, to):
+    done = subprocess.run([sys.executable, "-c", KILLER, step, pattern, str(nth), "repartition", root,
+                           "--operator", "0", "--to", str(to)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
+# -- the local rewrite --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("to", [1, 3, 4, 7])
+def test_local_repartition_routes_every_key_and_keeps_every_value(tmp_path, to):
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=4, batches=3)
+    result = cli("repartition", root, "--operator", "0", "--to", str(to), "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert (out["from_partitions"], out["to_partitions"], out["version"], out["batch_id"]) == (4, to, 3, 2)
+    assert out["stores"]["default"]["rows"] == len(expected)
+    check_routed(read_at_record(root, to), expected)
+    # only the new partitions are left, each with its one snapshot (the old files are gone)
+    numbered = sorted(int(n) for n in os.listdir(os.path.join(root, "0")) if n.isdigit())
+    assert numbered == list(range(to))
+    for q in range(to):
+        versions = [n for n in os.listdir(os.path.join(root, "0", str(q))) if n[0].isdigit()]
+        assert versions == [f"3_{out['stores']['default']['commit_ids'][q]}.snapshot"]
+    assert os.listdir(os.path.join(root, "0", engine.JOURNAL_DIR)) == []
+    assert operator_files.commit_log(operator_files.operator_dir(root, 0)).epochs() == [2]
+
+
+def test_repartition_twice_and_human_output(tmp_path):
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=3, batches=2, seed=4)
+    first = cli("repartition", root, "--operator", "0", "--to", "5")
+    assert first.exit_code == 0 and "3 -> 5 partitions at version 2" in first.output, first.output
+    assert cli("repartition", root, "--operator", "0", "--to", "2").exit_code == 0
+    check_routed(read_at_record(root, 2), expected)
+
+
+@pytest.mark.parametrize("step, pattern, nth, switched", [
+    ("rename", "*.snapshot", 2, False),  # in the middle of writing the new partitions
+    ("rename", "_operator.json", 0, False),  # just before the switch
+    ("delete", "*.delta", 1, True),  # after the switch, while the old files are deleted
+])
+def test_a_kill_leaves_the_old_or_the_new_state_and_a_second_run_succeeds(tmp_path, step, pattern, nth, switched):
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=4, batches=3, seed=2)
+    killed_run(root, step, pattern, nth, to=7)
+    if switched:
+        check_routed(read_at_record(root, 7), expected)
+    else:
+        before = read_at_record(root, 4)
+        check_routed(before, expected)
+    result = cli("repartition", root, "--operator", "0", "--to", "5", "--json")
+    assert result.exit_code == 0, result.output
+    check_routed(read_at_record(root, 5), expected)
+    numbered = sorted(int(n) for n in os.listdir(os.path.join(root, "0")) if n.isdigit())
+    assert numbered == list(range(5))
+    assert os.listdir(os.path.join(root, "0", engine.JOURNAL_DIR)) == []
+
+
+def test_bad_input_is_refused_and_writes_nothing(tmp_path):
+    missing = cli("repartition", str(tmp_path / "nowhere"), "--operator", "0", "--to", "3")
+    assert missing.exit_code == BAD_INPUT and "not a checkpoint" in missing.output
+    assert not (tmp_path / "nowhere").exists()
+
+    bare = str(tmp_path / "bare")  # a store with no StatefulOperator metadata
+    provider = create_and_init_provider(StateStoreId(bare, 0, 0), KEY, VALUE, StateStoreConf())
+    store = provider.get_store(0)
+    store.put((1, b"eu"), (1, 1))
+    store.commit()
+    provider.close()
+    before = tree(bare)
+    out = cli("repartition", bare, "--operator", "0", "--to", "3")
+    assert out.exit_code == BAD_INPUT and "_operator.json" in out.output and "StatefulOperator" in out.output
+    other = cli("repartition", bare, "--operator", "9", "--to", "3")
+    assert other.exit_code == BAD_INPUT and "_operator.json" in other.output
+    assert tree(bare) == before
+
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=1)
+    before = tree(root)
+    for bad in ("0", "-2"):
+        out = cli("repartition", root, "--operator", "0", "--to", bad)
+        assert out.exit_code == BAD_INPUT and ">= 1" in out.output, out.output
+    usage = cli("repartition", root, "--operator", "0", "--to", "x")
+    assert usage.exit_code == 2
+    assert tree(root) == before
+
+
+def test_a_store_not_keyed_by_the_key_columns_is_refused_by_name(tmp_path):
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=1)
+    location = operator_files.operator_dir(root, 0)
+    records = operator_files.commit_log(location)
+    record = operator_files.read_commit_record(records, 0)
+    index_key = np.dtype([("bucket", "<i8")])
+    ids = []
+    for p in range(2):
+        provider = create_and_init_provider(StateStoreId(root, 0, p, "expiry-heads"), index_key,
+                                            np.dtype([("n", "<i8")]), StateStoreConf())
+        store = provider.get_store(0)
+        store.put(p, (1,))
+        store.commit()
+        ids.append(store.commit_id)
+        provider.close()
+    records.write(0, operator_files.commit_record(0, 2, "default", "r", record["commit_ids"],
+                                                  record["base_commit_ids"], store_commit_ids={"expiry-heads": ids}))
+    before = tree(root)
+    out = cli("repartition", root, "--operator", "0", "--to", "3")
+    assert out.exit_code == BAD_INPUT and "'expiry-heads'" in out.output and "bucket" in out.output
+    assert tree(root) == before
+
+
+# -- on Spark --------------------------------------------------------------------------------------------
+
+def test_query_moves_from_4_to_7_to_2_partitions_and_keeps_its_state(spark, tmp_path):
+    from pyspark.sql import functions as F
+
+    from pyspark_glue import read_state, repartition_state
+    from tests.glue_support import events_df, make_operator, spark_group_by, state_dict
+
+    root = str(tmp_path / "state")
+    dfs = [events_df(spark, seed=40 + i, n=400, users=60) for i in range(10)]
+    with make_operator(root, num_partitions=4) as op:
+        for b in range(5):
+            op.process(dfs[b], b)
+    after_five = state_dict(read_state(spark, root, 0))
+    assert after_five == spark_group_by(dfs[:5])
+
+    killed_run(root, "rename", "*.snapshot", 3, to=7)  # killed half-way: still 4, same state
+    state = read_state(spark, root, 0)
+    assert sorted({r["partition_id"] for r in state.collect()}) == [0, 1, 2, 3]
+    assert state_dict(state) == after_five
+
+    moved = cli("repartition", root, "--operator", "0", "--to", "7", "--json")
+    assert moved.exit_code == 0, moved.output
+    state = read_state(spark, root, 0)
+    assert state_dict(state) == after_five
+    misrouted = state.where(F.expr("partition_id != pmod(hash(user, region), 7)")).count()
+    assert misrouted == 0 and state.select("partition_id").distinct().count() == 7
+
+    # The Spark job and the local rewrite leave the same state in the same partitions.
+    local = str(tmp_path / "local")
+    shutil.copytree(root, local)
+    assert cli("repartition", local, "--operator", "0", "--to", "2").exit_code == 0
+    result = repartition_state(spark, root, 0, 2)
+    assert result["to_partitions"] == 2 and result["stores"]["default"]["rows"] == len(after_five)
+    by_partition = sorted(tuple(r) for r in read_state(spark, root, 0).collect())
+    assert by_partition == sorted(tuple(r) for r in read_state(spark, local, 0).collect())
+
+    with pytest.raises(ValueError, match="num_partitions=2"):
+        make_operator(root, num_partitions=4).process(dfs[5], 5)
+    with make_operator(root, num_partitions=2) as op:
+        with pytest.raises(ValueError, match="repartitioned"):
+            op.process(dfs[4], 4)
+        for b in range(5, 10):
+            op.process(dfs[b], b)
+    assert state_dict(read_state(spark, root, 0)) == spark_group_by(dfs)
