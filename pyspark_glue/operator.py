@@ -9,6 +9,7 @@ checkpoint files beside the stores in :mod:`statecore.operator_files`, finding t
 streaming query's run in :mod:`pyspark_glue.query_runs`.
 """
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -19,7 +20,7 @@ from statecore.conf import StateStoreConf
 from statecore.lineage import ROOT_COMMIT_ID
 from statecore.metrics import StateStoreMetrics
 from statecore.schema import key_value_schemas
-
+from statecore.spark_hash import FIXED_WIDTH_TYPES
 from statecore import operator_files
 from statecore.checkpoint import CheckpointFiles
 
@@ -391,8 +392,9 @@ class StatefulOperator:
         sc.setJobDescription(f"statecore operator {self.operator_id} batch {batch_id}")
         try:
             with _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
-                rows = self._routed(self._with_initial_state(df, batch_id)).mapInArrow(
-                    partition_function(task), STATUS_DDL).collect()
+                routed, routing_keys = self._routed(self._with_initial_state(df, batch_id))
+                task = dataclasses.replace(task, routing_keys=routing_keys)
+                rows = routed.mapInArrow(partition_function(task), STATUS_DDL).collect()
         finally:
             sc.setJobDescription(description)
         seconds = time.perf_counter() - started
@@ -518,8 +520,11 @@ class StatefulOperator:
                              allowMissingColumns=True))
 
     def _routed(self, df):
-        """``df`` (after ``fn.prepare``, if any) hash-partitioned by the key columns into the
-        operator's partitions, each row tagged with the partition its key belongs to."""
+        """``(df, routing_keys)``: ``df`` (after ``fn.prepare``, if any) hash-partitioned by the
+        key columns into the operator's partitions. The task checks that each row's key belongs
+        to its partition: from the key columns themselves when all are of fixed-width types
+        (``routing_keys``: the columns and their Spark types), else from a column Spark adds
+        with the partition of each row (``routing_keys`` None)."""
         from pyspark.sql import functions as F
 
         prepare = getattr(self.fn, "prepare", None)
@@ -529,9 +534,13 @@ class StatefulOperator:
             if missing:
                 raise ValueError(f"fn.prepare returned a DataFrame without the key column '{missing[0]}' "
                                  f"(columns: {df.columns})")
+        routed = df.repartition(self.num_partitions, *self.key_columns)
+        types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
+        key_types = tuple(types[c] for c in self.key_columns)
+        if all(t in FIXED_WIDTH_TYPES for t in key_types):
+            return routed, (tuple(self.key_columns), key_types)
         keys = ", ".join(f"`{c}`" for c in self.key_columns)
-        return (df.repartition(self.num_partitions, *self.key_columns)
-                .withColumn(PARTITION_COLUMN, F.expr(f"pmod(hash({keys}), {self.num_partitions})")))
+        return routed.withColumn(PARTITION_COLUMN, F.expr(f"pmod(hash({keys}), {self.num_partitions})")), None
 
     def _record_progress(self, batch_id, run_id, statuses, re_execution, seconds, watermarks):
         metrics = StateStoreMetrics.combine(

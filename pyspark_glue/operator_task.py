@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from statecore import registry
 from statecore.conf import StateStoreConf
+from statecore.spark_hash import spark_partition
 from statecore.checkpoint import CheckpointFiles
 
 from pyspark_glue import executor
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # The partition each row's key hashes to, computed by Spark after the operator's repartition
 # and checked in the task (then dropped): a wrong routing fails the task instead of updating
-# another partition's keys.
+# another partition's keys. Keys of fixed-width types need no column: the task hashes them.
 PARTITION_COLUMN = "__statecore_partition"
 # Marks the rows of the operator's initial state, which its first batch carries with the input.
 INITIAL_STATE_COLUMN = "__statecore_initial_state"
@@ -80,6 +81,9 @@ class PartitionTask:
     event_time: str = None  # the event-time column, or None
     watermarks: Watermarks = None
     batch_timestamp_ms: int = 0  # the batch's processing time, taken on the driver
+    # (key columns, their Spark types) when the task checks the routing from the keys
+    # themselves; None: the rows carry PARTITION_COLUMN
+    routing_keys: tuple = None
 
 
 class PartitionContext:
@@ -147,20 +151,49 @@ def _write_output(task, partition_id, batches):
     files.write_atomic(f"part-{partition_id:05d}.parquet", write)
 
 
-def checked_partition(batch, partition_id):
+def _hashable_values(column):
+    """``(values, valid mask or None)`` of a fixed-width key column as :mod:`statecore.spark_hash`
+    takes them: temporal types as their integer counts, booleans as 0/1, nulls filled."""
+    if pa.types.is_timestamp(column.type):
+        column = column.cast(pa.int64())
+    elif pa.types.is_date32(column.type):
+        column = column.cast(pa.int32())
+    elif pa.types.is_boolean(column.type):
+        column = column.cast(pa.int8())
+    valid = None
+    if column.null_count:
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        column = pa.compute.fill_null(column, pa.scalar(0, column.type))
+    return column.to_numpy(zero_copy_only=False), valid
+
+
+def routed_partitions(batch, num_partitions, key_columns, key_types):
+    """The partition Spark's ``pmod(hash(key columns), n)`` gives each row, in numpy (for key
+    columns of :data:`~statecore.spark_hash.FIXED_WIDTH_TYPES`)."""
+    pairs = [_hashable_values(batch.column(batch.schema.get_field_index(c))) for c in key_columns]
+    return spark_partition([v for v, _ in pairs], key_types, num_partitions, [m for _, m in pairs])
+
+
+def checked_partition(batch, partition_id, routing=None):
     """``batch`` without :data:`PARTITION_COLUMN`, after checking that every row's key hashes to
-    ``partition_id``: a row in another partition's task would update the wrong store."""
-    i = batch.schema.get_field_index(PARTITION_COLUMN)
-    if i < 0:
-        raise RuntimeError(f"the operator's column {PARTITION_COLUMN} is missing from the task's rows")
-    routed = batch.column(i).to_numpy(zero_copy_only=False)
+    ``partition_id``: a row in another partition's task would update the wrong store. With
+    ``routing`` (``(num_partitions, key_columns, key_types)``), the partitions are computed
+    from the key columns here instead of read from the column."""
+    if routing is not None:
+        routed = routed_partitions(batch, *routing)
+    else:
+        i = batch.schema.get_field_index(PARTITION_COLUMN)
+        if i < 0:
+            raise RuntimeError(f"the operator's column {PARTITION_COLUMN} is missing from the task's rows")
+        routed = batch.column(i).to_numpy(zero_copy_only=False)
+        batch = batch.remove_column(i)
     if len(routed) and (routed.min() != partition_id or routed.max() != partition_id):
         other = int(routed[routed != partition_id][0])
         raise RuntimeError(
             f"rows of state partition {other} reached the task of partition {partition_id}: the job's partitioning "
             f"was changed after the operator's repartition (by adaptive execution or a rule that merges or splits "
             f"shuffle partitions); no store was changed")
-    return batch.remove_column(i)
+    return batch
 
 
 def _max_event_time(batch, column):
@@ -214,12 +247,13 @@ def _run_partition(task, batches):
     context = PartitionContext(partition_id, task.state_info.store_version, stores, task.store_name,
                                task.watermarks, task.batch_timestamp_ms)
     outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
+    routing = None if task.routing_keys is None else (task.state_info.num_partitions, *task.routing_keys)
     try:
         open_ = getattr(fn, "open", None)
         if callable(open_):
             open_(context)
         for batch in batches:
-            batch = checked_partition(batch, partition_id)
+            batch = checked_partition(batch, partition_id, routing)
             rows_in += batch.num_rows
             batches_in += 1
             if task.event_time is not None and batch.num_rows:

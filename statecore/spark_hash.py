@@ -22,13 +22,14 @@ Everything is vectorized over whole columns (uint32 arithmetic wraps as Java's i
 """
 import numpy as np
 
-__all__ = ["SEED", "HASHABLE_TYPES", "spark_hash", "spark_partition"]
+__all__ = ["SEED", "HASHABLE_TYPES", "FIXED_WIDTH_TYPES", "spark_hash", "spark_partition"]
 
 SEED = 42
 _C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
 _INT_TYPES = ("boolean", "tinyint", "smallint", "int", "date")
 _LONG_TYPES = ("bigint", "timestamp", "timestamp_ntz")
-HASHABLE_TYPES = (*_INT_TYPES, *_LONG_TYPES, "float", "double", "string", "binary")
+FIXED_WIDTH_TYPES = (*_INT_TYPES, *_LONG_TYPES, "float", "double")  # hashed from their values alone
+HASHABLE_TYPES = (*FIXED_WIDTH_TYPES, "string", "binary")
 
 
 def _rotl(x, r):
@@ -115,24 +116,28 @@ def _column_hash(values, spark_type, seed):
     raise ValueError(f"Spark type {spark_type!r} is not one statecore can hash (it hashes {', '.join(HASHABLE_TYPES)})")
 
 
-def spark_hash(columns, spark_types):
+def spark_hash(columns, spark_types, valid=None):
     """Spark's ``hash(c1, c2, ...)`` (int32 per row) of 1-D numpy ``columns`` whose Spark types
-    are ``spark_types`` (simple type names as ``DataType.simpleString()`` gives them)."""
+    are ``spark_types`` (simple type names as ``DataType.simpleString()`` gives them).
+    ``valid``: per column, None or a bool mask; where it is False the value is null and, as in
+    Spark, leaves the running hash unchanged."""
     columns = list(columns)
     if len(columns) != len(spark_types) or not columns:
         raise ValueError(f"{len(columns)} columns for {len(spark_types)} Spark types")
+    valid = [None] * len(columns) if valid is None else list(valid)
     n = len(columns[0])
     h = np.full(n, SEED, dtype=np.uint32)
     with np.errstate(over="ignore"):
-        for values, spark_type in zip(columns, spark_types):
+        for values, spark_type, mask in zip(columns, spark_types, valid):
             if len(values) != n:
                 raise ValueError("key columns of different lengths")
-            h = _column_hash(np.asarray(values), spark_type, h)
+            hashed = _column_hash(np.asarray(values), spark_type, h)
+            h = hashed if mask is None else np.where(mask, hashed, h)
     return h.view(np.int32)
 
 
-def spark_partition(columns, spark_types, num_partitions):
+def spark_partition(columns, spark_types, num_partitions, valid=None):
     """``pmod(hash(columns), num_partitions)`` per row (int64 in ``[0, num_partitions)``)."""
     if not isinstance(num_partitions, int) or num_partitions < 1:
         raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
-    return np.mod(spark_hash(columns, spark_types).astype(np.int64), num_partitions)
+    return np.mod(spark_hash(columns, spark_types, valid).astype(np.int64), num_partitions)

@@ -128,7 +128,51 @@ def test_rows_of_another_partition_fail_the_task_before_fn():
         checked_partition(pa.RecordBatch.from_pydict({"user": [1]}), 0)
 
 
+def test_the_task_checks_fixed_width_keys_by_hashing_them():
+    """Keys of fixed-width types carry no partition column: the task hashes them as Spark
+    does and refuses a row of another partition, naming it."""
+    from pyspark_glue.operator_task import checked_partition, routed_partitions
+
+    batch = pa.RecordBatch.from_pydict({"user": pa.array(np.arange(40), pa.int64())})
+    routing = (4, ("user",), ("bigint",))
+    parts = routed_partitions(batch, *routing)
+    mine = batch.filter(pa.array(parts == 2))
+    assert 0 < mine.num_rows < 40
+    assert checked_partition(mine, 2, routing).equals(mine)
+    with pytest.raises(RuntimeError, match="reached the task of partition 2"):
+        checked_partition(batch, 2, routing)
+
+
 # -- on Spark --------------------------------------------------------------------------------------
+
+def test_hashing_keys_in_the_task_agrees_with_spark(spark):
+    """routed_partitions on the Arrow rows Spark hands a task equals Spark's pmod(hash(keys), n)
+    for every fixed-width key type, nulls included, one and several columns."""
+    from pyspark_glue.operator_task import routed_partitions
+
+    rng = np.random.default_rng(5)
+    n = 400
+    rows = []
+    for i in range(n):
+        null = rng.random(6) < 0.1
+        rows.append((None if null[0] else int(rng.integers(-2**40, 2**40)),
+                     None if null[1] else int(rng.integers(-2**31, 2**31)),
+                     None if null[2] else bool(rng.integers(0, 2)),
+                     None if null[3] else float(rng.choice([0.0, -0.0, float("nan"), 1.5, -3.25e10])),
+                     None if null[4] else int(rng.integers(0, 40000)),
+                     None if null[5] else int(rng.integers(-2**50, 2**50))))
+    df = spark.createDataFrame(rows, "l long, i int, b boolean, d double, days int, us long").selectExpr(
+        "l", "i", "cast(i % 30000 as short) as s", "cast(i % 100 as byte) as t", "b", "d", "cast(d as float) as f",
+        "date_add(date'1970-01-01', days) as dt", "timestamp_micros(us) as ts")
+    types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
+    for columns in (["l"], ["i"], ["s"], ["t"], ["b"], ["d"], ["f"], ["dt"], ["ts"], ["l", "d", "dt"],
+                    ["b", "ts", "i", "f"]):
+        expected = [r[0] for r in df.selectExpr(f"pmod(hash({', '.join(columns)}), 7)").collect()]
+        table = df.toArrow()
+        got = np.concatenate([routed_partitions(b, 7, columns, tuple(types[c] for c in columns))
+                              for b in table.to_batches()])
+        assert got.tolist() == expected, columns
+
 
 def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=False):
     """One run of the streaming query (one file per micro-batch), stopped once the files
