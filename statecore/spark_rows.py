@@ -243,12 +243,12 @@ def field_type(name, spark_type):
 
 
 class RowColumns:
-    """The columns of a set of UnsafeRows: ``values[name]`` (fixed-width fields) or
+    """The columns of ``count`` UnsafeRows: ``values[name]`` (fixed-width fields) or
     ``offsets[name]``/``lengths[name]`` (variable-length ones, into ``buffer``), and
     ``nulls[name]`` (bool)."""
 
-    def __init__(self, buffer):
-        self.buffer = buffer
+    def __init__(self, buffer, count):
+        self.buffer, self.count = buffer, count
         self.values, self.offsets, self.lengths, self.nulls = {}, {}, {}, {}
 
     def variable(self, name, width):
@@ -268,7 +268,7 @@ def row_columns(buffer, starts, lengths, fields, where):
     n_fields = len(fields)
     bitset = (n_fields + 63) // 64 * 8
     fixed_width = bitset + 8 * n_fields
-    out = RowColumns(buffer)
+    out = RowColumns(buffer, len(starts))
     if len(starts) and int(lengths.min()) < fixed_width:
         raise SparkFileError(f"{where}: a row of {int(lengths.min())} bytes is shorter than the {fixed_width} bytes "
                              f"of its schema's {n_fields} fields: the state schema does not describe these rows")
