@@ -16,8 +16,9 @@ checked against files Spark 4.3 wrote; summarised in ``docs/operating.md``, "imp
   ``offset << 32 | length`` into the row), then the variable-length bytes.
 
 Every row Spark writes is a multiple of 8 bytes long, so every record starts at a multiple
-of 8 in the stream: :func:`records` finds the chain of records with numpy over those
-positions (pointer doubling), not a Python loop per record, and falls back to a loop only
+of 8 in the stream: :func:`records` reads files of equal-length puts (fixed-width schemas:
+every snapshot, most deltas) at a fixed stride, finds the chain of records of the others
+with numpy over the 8-aligned positions (pointer doubling), and falls back to a loop only
 for files that break the rule (Spark before 2.3 appended 4 stray bytes to values).
 """
 import struct
@@ -123,7 +124,9 @@ def records(payload, where, snapshot=False):
     """The :class:`Records` of a decompressed delta or snapshot (``snapshot``: removes are
     an error, as Spark's reader has them)."""
     buffer = np.frombuffer(payload, np.uint8)
-    found = _records_aligned(buffer)
+    found = _records_uniform(buffer)
+    if found is None:
+        found = _records_aligned(buffer)
     if found is None:
         found = _records_loop(payload, where)
     key_starts, key_lengths, value_lengths = found
@@ -133,6 +136,28 @@ def records(payload, where, snapshot=False):
                              f"{int(value_lengths[value_lengths < 0][0])}")
     value_lengths = np.where(value_lengths < 0, -1, value_lengths // 8 * 8)  # Spark's rounding (pre-2.3 rows)
     return Records(buffer, key_starts, key_lengths, value_starts, value_lengths)
+
+
+def _records_uniform(buffer):
+    """``(key_starts, key_lengths, value_lengths)`` when every record is a put with the first
+    record's key and value lengths (fixed-width schemas without removes: every snapshot and
+    most deltas), checked at every stride in one numpy pass; None otherwise."""
+    size = len(buffer)
+    if size < 4 or size % 4:
+        return None
+    words = buffer.view(">i4")
+    key_length = int(words[0])
+    if key_length < 0 or key_length % 8 or 4 + key_length + 4 > size - 4:
+        return None
+    value_length = int(words[(4 + key_length) // 4])
+    stride = 8 + key_length + value_length
+    if value_length < 0 or value_length % 8 or (size - 4) % stride or words[-1] != -1:
+        return None
+    starts = np.arange(0, size - 4, stride, dtype=np.int64)
+    if not ((words[starts // 4] == key_length).all() and (words[(starts + 4 + key_length) // 4] == value_length).all()):
+        return None
+    count = len(starts)
+    return starts + 4, np.full(count, key_length, np.int64), np.full(count, value_length, np.int64)
 
 
 def _records_aligned(buffer):
