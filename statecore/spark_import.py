@@ -174,7 +174,7 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
         raise SparkImportError(f"operator {operator_id} in {location} is a stream-stream join (state stores "
                                f"{', '.join(sorted(store_names))}): its state is lists of rows per key over several "
                                f"stores, which a statecore operator does not keep; import-spark reads operators "
-                               f"with one store (aggregations, deduplications)")
+                               f"with one store of fixed-width rows (aggregations)")
     if store_names and store_name not in store_names:
         raise SparkImportError(f"operator {operator_id} in {location} has no store named {store_name!r} (it has "
                                f"{', '.join(sorted(store_names))})")
