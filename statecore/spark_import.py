@@ -1,0 +1,492 @@
+"""Moving a stateful operator's state off Spark's HDFSBackedStateStoreProvider: the state of
+operator N in a Spark streaming checkpoint becomes a statecore checkpoint holding the same
+versions, which a :class:`~pyspark_glue.StatefulOperator` with the same operator id and
+number of partitions continues from (``statecore import-spark``; ``docs/operating.md``).
+
+This module owns the checkpoint-level rules: which Spark checkpoints and operators it takes
+(and the clear refusal of the others), which versions Spark retained, the schemas, and the
+writing, through the store's public API, of every retained version into a staging
+directory that is renamed into place at the end, so that bad input or a failure leaves the
+target as it was. The bytes of Spark's files are :mod:`statecore.spark_rows`'s.
+"""
+import json
+import time
+import uuid
+
+import fsspec
+import numpy as np
+
+from statecore import operator_files
+from statecore.conf import StateStoreConf
+from statecore.ids import StateStoreId
+from statecore.lineage import ROOT_COMMIT_ID
+from statecore.schema import key_value_schemas
+from statecore.spark_rows import (SparkFileError, check_hadoop_crc, field_type, lz4_stream, records,
+                                  row_columns)
+from statecore.store import create_and_init_provider
+
+__all__ = ["SparkImportError", "SparkOperator", "find_spark_operator", "import_spark_state"]
+
+_HDFS_PROVIDER = "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider"
+_PROVIDER_KEY = "spark.sql.streaming.stateStore.providerClass"
+_CODEC_KEY = "spark.sql.streaming.stateStore.compression.codec"
+_ENCODING_KEY = "spark.sql.streaming.stateStore.encodingFormat"
+_ROW_CHECKSUM_KEY = "spark.sql.streaming.stateStore.rowChecksum.enabled"
+_ROCKSDB_MARKS = (".zip", ".changelog")
+_STRING_ROUNDING = 8  # an automatic S<n> width is the longest value rounded up to this
+
+
+class SparkImportError(ValueError):
+    """The Spark checkpoint, operator or target is not one this import takes; nothing was written."""
+
+
+class SparkOperator:
+    """What :func:`find_spark_operator` found of one operator's state in a Spark checkpoint.
+
+    ``files[p]`` is ``{"delta": {version: path}, "snapshot": {version: path}}`` of partition
+    ``p``; ``last_version`` is the version of the last committed batch (``batch + 1``);
+    ``key_fields`` and ``value_fields`` are ``[(name, FieldType)]`` from the state schema."""
+
+    def __init__(self, fs, location, operator_id, store_name, num_partitions, files, last_version, key_fields,
+                 value_fields, notes):
+        self.fs, self.location, self.operator_id, self.store_name = fs, location, operator_id, store_name
+        self.num_partitions, self.files, self.last_version = num_partitions, files, last_version
+        self.key_fields, self.value_fields, self.notes = key_fields, value_fields, notes
+
+    def first_versions(self):
+        """Per partition, the oldest version from which every version up to ``last_version``
+        loads (Spark's rule: from a snapshot, or from 0, and a delta for each version after
+        it); it is 0 or a snapshot's version. SparkImportError naming a missing file."""
+        out = []
+        for p in range(self.num_partitions):
+            deltas, snapshots = self.files[p]["delta"], self.files[p]["snapshot"]
+            first = 0
+            for v in range(1, self.last_version + 1):
+                if v in snapshots:
+                    first = v if first is None else first
+                elif v not in deltas:
+                    first = None  # nothing loads until the next snapshot
+            if first is None:
+                missing = max(v for v in range(1, self.last_version + 1) if v not in deltas and v not in snapshots)
+                raise SparkImportError(
+                    f"partition {p} of operator {self.operator_id} cannot load version {self.last_version} (the last "
+                    f"committed batch's): {missing}.delta is missing and no later snapshot stands in for it")
+            out.append(first)
+        return out
+
+
+def _ls(fs, path):
+    """``{name: is_dir}`` of a directory's entries (empty if it is missing)."""
+    try:
+        found = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") == "directory" for e in found}
+
+
+def _offsets_conf(fs, root):
+    """The SQL settings Spark recorded in its newest offsets log entry (``{}`` if none)."""
+    numbered = [int(n) for n, is_dir in _ls(fs, f"{root}/offsets").items() if n.isdigit() and not is_dir]
+    if not numbered:
+        return {}
+    lines = fs.cat_file(f"{root}/offsets/{max(numbered)}").decode("utf-8", "replace").splitlines()
+    try:
+        return json.loads(lines[1]).get("conf", {}) if len(lines) > 1 else {}
+    except ValueError:
+        raise SparkImportError(f"{root}/offsets/{max(numbered)} is not a Spark offsets log entry") from None
+
+
+def _read_utf(data, pos, where):
+    """A Java ``writeUTF`` string at ``pos``: ``(text, next position)``."""
+    if pos + 2 > len(data):
+        raise SparkImportError(f"{where} is truncated")
+    size = int.from_bytes(data[pos:pos + 2], "big")
+    if pos + 2 + size > len(data):
+        raise SparkImportError(f"{where} is truncated")
+    return data[pos + 2:pos + 2 + size].decode("utf-8", "surrogatepass"), pos + 2 + size
+
+
+def _read_state_schema(data, where):
+    """``(key JSON, value JSON)`` of a state schema file: ``v1`` (two UTF strings) or ``v2``
+    (each schema as an int32 count of UTF chunks)."""
+    version, pos = _read_utf(data, 0, where)
+    texts = []
+    for _ in range(2):
+        if version == "v1":
+            text, pos = _read_utf(data, pos, where)
+        elif version == "v2":
+            chunks = int.from_bytes(data[pos:pos + 4], "big", signed=True)
+            pos += 4
+            parts = []
+            for _ in range(max(chunks, 0)):
+                part, pos = _read_utf(data, pos, where)
+                parts.append(part)
+            text = "".join(parts)
+        else:
+            raise SparkImportError(f"{where} is a state schema file of format {version!r}; import-spark reads v1 "
+                                   f"and v2 (Spark 3.x and 4.x aggregations, deduplications and joins)")
+        texts.append(json.loads(text))
+    return texts
+
+
+def _schema_fields(schema_json, what):
+    if not isinstance(schema_json, dict) or schema_json.get("type") != "struct":
+        raise SparkImportError(f"the {what} schema is not a struct: {schema_json!r:.200}")
+    fields = []
+    for f in schema_json.get("fields", []):
+        try:
+            fields.append((f["name"], field_type(f["name"], f["type"])))
+        except SparkFileError as e:
+            raise SparkImportError(f"the state's {what} {e}") from None
+    return fields
+
+
+def find_spark_operator(location, operator_id, store_name="default", storage_options=None):
+    """The :class:`SparkOperator` of ``operator_id`` in the Spark checkpoint at ``location``;
+    SparkImportError naming what is wrong for anything this import does not take."""
+    fs, root = fsspec.core.url_to_fs(location, **dict(storage_options or {}))
+    root = root.rstrip("/") or "/"
+    top = _ls(fs, root)
+    if not top:
+        raise SparkImportError(f"{location} is not a Spark streaming checkpoint: it is missing or empty")
+    if not ({"offsets", "commits", "metadata"} & set(top)) or not top.get("state"):
+        raise SparkImportError(f"{location} is not a Spark streaming checkpoint with state: expected offsets/, "
+                               f"commits/ and state/ (found {', '.join(sorted(top)) or 'nothing'})")
+    operators = sorted(int(n) for n, d in _ls(fs, f"{root}/state").items() if d and n.isdigit())
+    op_dir = f"{root}/state/{operator_id}"
+    entries = _ls(fs, op_dir)
+    partitions = sorted(int(n) for n, d in entries.items() if d and n.isdigit())
+    if operator_id not in operators or not partitions:
+        raise SparkImportError(f"operator {operator_id} has no state in {location} (operators with state: "
+                               f"{', '.join(map(str, operators)) or 'none'})")
+    conf = _offsets_conf(fs, root)
+    notes = []
+    provider = conf.get(_PROVIDER_KEY, _HDFS_PROVIDER)
+    rocksdb = sorted({n for p in partitions for n, d in _ls(fs, f"{op_dir}/{p}").items()
+                      if n.endswith(_ROCKSDB_MARKS) or (d and n == "SSTs")})
+    if rocksdb or "RocksDB" in provider:
+        shown = ", ".join(n + ("/" if n == "SSTs" else "") for n in rocksdb[:4]) or provider
+        raise SparkImportError(f"operator {operator_id} in {location} keeps its state in RocksDB ({shown}): "
+                               f"import-spark reads HDFSBackedStateStoreProvider files (<v>.delta, <v>.snapshot) "
+                               f"only")
+    store_names = _operator_store_names(fs, op_dir, partitions)
+    if len(store_names) > 1 or any(n.startswith(("left-", "right-")) for n in store_names):
+        raise SparkImportError(f"operator {operator_id} in {location} is a stream-stream join (state stores "
+                               f"{', '.join(sorted(store_names))}): its state is lists of rows per key over several "
+                               f"stores, which a statecore operator does not keep; import-spark reads operators "
+                               f"with one store of fixed-width rows (aggregations)")
+    if store_names and store_name not in store_names:
+        raise SparkImportError(f"operator {operator_id} in {location} has no store named {store_name!r} (it has "
+                               f"{', '.join(sorted(store_names))})")
+    codec = conf.get(_CODEC_KEY, "lz4")
+    if codec.lower() not in ("lz4", "org.apache.spark.io.lz4compressioncodec"):
+        raise SparkImportError(f"the state of {location} is compressed with {codec!r}; import-spark reads lz4 (Spark's "
+                               f"default)")
+    if conf.get(_ENCODING_KEY, "unsaferow") != "unsaferow" or conf.get(_ROW_CHECKSUM_KEY, "false") != "false":
+        raise SparkImportError(f"the state of {location} is written with {_ENCODING_KEY}={conf.get(_ENCODING_KEY)} "
+                               f"and {_ROW_CHECKSUM_KEY}={conf.get(_ROW_CHECKSUM_KEY)}; import-spark reads plain "
+                               f"UnsafeRows")
+    num_partitions = len(partitions)
+    if partitions != list(range(num_partitions)):
+        raise SparkImportError(f"operator {operator_id} in {location} has partition directories {partitions}, not "
+                               f"0..{num_partitions - 1}")
+    sub = "" if store_name == "default" else f"/{store_name}"
+    files = [_version_files(fs, f"{op_dir}/{p}{sub}") for p in range(num_partitions)]
+    committed = sorted(int(n) for n, d in _ls(fs, f"{root}/commits").items() if n.isdigit() and not d)
+    if not committed:
+        raise SparkImportError(f"{location} has no committed batch (commits/ is empty): there is no state to import")
+    last_version = committed[-1] + 1
+    newer = sorted({v for f in files for kind in f.values() for v in kind if v > last_version})
+    if newer:
+        notes.append(f"versions {newer} were written by a batch that did not commit; left out, as Spark's restart "
+                     f"would re-run that batch")
+    schema_path = f"{op_dir}/0{sub}/_metadata/schema"
+    try:
+        key_json, value_json = _read_state_schema(fs.cat_file(schema_path), schema_path)
+    except FileNotFoundError:
+        raise SparkImportError(f"operator {operator_id} in {location} has no state schema file ({schema_path}); "
+                               f"Spark writes one from 3.0 on") from None
+    return SparkOperator(fs, location, operator_id, store_name, num_partitions, files, last_version,
+                         _schema_fields(key_json, "key"), _schema_fields(value_json, "value"), notes)
+
+
+def _operator_store_names(fs, op_dir, partitions):
+    """The store names Spark recorded for the operator (``_metadata/metadata``, Spark 3.5+),
+    else the named store directories in its first partition."""
+    try:
+        text = fs.cat_file(f"{op_dir}/_metadata/metadata").decode("utf-8", "replace")
+        info = json.loads(text.split("\n", 1)[1])
+        return {s["storeName"] for s in info.get("stateStoreInfo", [])}
+    except (FileNotFoundError, IndexError, ValueError, KeyError, TypeError):
+        pass
+    return {n for n, d in _ls(fs, f"{op_dir}/{partitions[0]}").items() if d and not n.startswith(("_", "."))} \
+        or {"default"}
+
+
+def _version_files(fs, directory):
+    """``{"delta": {v: path}, "snapshot": {v: path}}`` of a store directory, named as Spark's
+    provider finds them (``<v>.delta``, ``<v>.snapshot``; anything else ignored)."""
+    out = {"delta": {}, "snapshot": {}}
+    for name, is_dir in _ls(fs, directory).items():
+        parts = name.split(".")
+        if not is_dir and len(parts) == 2 and parts[0].isdigit() and parts[1].lower() in out:
+            out[parts[1].lower()][int(parts[0])] = f"{directory}/{name}"
+    return out
+
+
+# -- reading one file -----------------------------------------------------------------------------
+
+def _read_spark_file(fs, path, snapshot, key_fields, value_fields):
+    """``(keys, values, removes)`` of one delta or snapshot: :class:`RowColumns` of every
+    record's key and of the puts' values, and the removes mask, checksums checked."""
+    data = fs.cat_file(path)
+    directory, name = path.rsplit("/", 1)
+    try:
+        crc = fs.cat_file(f"{directory}/.{name}.crc")
+    except FileNotFoundError:
+        crc = None
+    try:
+        if crc is not None:
+            check_hadoop_crc(data, crc, path)
+        found = records(lz4_stream(data, path), path, snapshot=snapshot)
+        keys = row_columns(found.buffer, found.key_starts, found.key_lengths, key_fields, path)
+        puts = ~found.removes
+        values = row_columns(found.buffer, found.value_starts[puts], found.value_lengths[puts], value_fields, path)
+    except SparkFileError as e:
+        raise SparkImportError(str(e)) from None
+    return keys, values, found.removes
+
+
+class _Columns:
+    """The numpy columns of the statecore schemas, filled from Spark rows: the string widths
+    (given, or the longest value rounded up) and what to do with null values."""
+
+    def __init__(self, op, widths, value_names, nulls_as_zero):
+        self.op, self.nulls_as_zero = op, nulls_as_zero
+        self.key_names = [name for name, _ in op.key_fields]
+        spark_value_names = [name for name, _ in op.value_fields]
+        if value_names is not None:
+            if len(value_names) != len(spark_value_names):
+                raise SparkImportError(f"--value-names gives {len(value_names)} names for the {len(spark_value_names)} "
+                                       f"value columns {spark_value_names}")
+        self.value_names = list(value_names or spark_value_names)
+        names = self.key_names + self.value_names
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise SparkImportError(f"the state's columns {names} name {twice} more than once; rename the value "
+                                   f"columns with --value-names")
+        variable = {name for name, kind in op.key_fields + op.value_fields if kind.variable}
+        for name in widths:
+            if name not in variable:
+                raise SparkImportError(f"--string-width {name}=...: {name!r} is not a string column of the state "
+                                       f"(string columns: {sorted(variable) or 'none'})")
+        self.given = dict(widths)
+        self.longest = {name: 0 for name in variable}
+        self.widths = None
+
+    def scan(self, keys, values):
+        """Pass 1 over one file: null checks and the longest value of each string column."""
+        for fields, cols, what in ((self.op.key_fields, keys, "key"), (self.op.value_fields, values, "value")):
+            for name, kind in fields:
+                nulls = int(cols.nulls[name].sum())
+                if nulls and (what == "key" or not self.nulls_as_zero):
+                    raise SparkImportError(
+                        f"{what} column {name!r} holds {nulls} null value(s); statecore rows have no nulls"
+                        + ("" if what == "key" else " (--nulls-as-zero imports them as 0)"))
+                if kind.variable and len(cols.lengths[name]):
+                    self.longest[name] = max(self.longest[name], int(cols.lengths[name].max()))
+
+    def settle_widths(self):
+        """The S<n> width of every string column, once every file is scanned."""
+        self.widths = {}
+        for name, longest in self.longest.items():
+            kind = dict(self.op.key_fields + self.op.value_fields)[name]
+            if name in self.given:
+                if longest > self.given[name]:
+                    raise SparkImportError(f"column {name!r} holds a value of {longest} bytes (its longest), longer "
+                                           f"than --string-width {name}={self.given[name]}")
+                self.widths[name] = self.given[name]
+            elif kind.spark == "binary":
+                raise SparkImportError(f"binary column {name!r} needs a width: --string-width {name}=N (its longest "
+                                       f"value is {longest} bytes)")
+            else:
+                self.widths[name] = max(_STRING_ROUNDING, -(-longest // _STRING_ROUNDING) * _STRING_ROUNDING)
+        self.key_dtype = self._dtype(self.op.key_fields, self.key_names)
+        self.value_dtype = self._dtype(self.op.value_fields, self.value_names)
+
+    def _dtype(self, fields, names):
+        return np.dtype([(new, f"S{self.widths[name]}" if kind.variable else kind.dtype)
+                         for (name, kind), new in zip(fields, names)])
+
+    def array(self, cols, fields, names, dtype):
+        out = np.zeros(cols.count, dtype)
+        for (name, kind), new in zip(fields, names):
+            column = cols.variable(name, self.widths[name]) if kind.variable else cols.values[name]
+            out[new] = np.where(cols.nulls[name], np.zeros((), out.dtype[new]), column)
+        return out
+
+
+# -- the import -----------------------------------------------------------------------------------
+
+def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, store_name="default",
+                       string_widths=None, value_names=None, nulls_as_zero=False, storage_options=None,
+                       progress=None):
+    """Import operator ``operator_id``'s state from the Spark checkpoint into
+    ``<statecore_checkpoint>/<operator_id>`` and return a summary (a dict, as the command
+    prints it). ``progress(n)`` is called as files are read. SparkImportError (nothing
+    written) for bad input; see ``docs/operating.md``, "import-spark"."""
+    begun = time.perf_counter()
+    op = find_spark_operator(spark_checkpoint, operator_id, store_name, storage_options)
+    fs, target = fsspec.core.url_to_fs(statecore_checkpoint, **dict(storage_options or {}))
+    target = target.rstrip("/") or "/"
+    if _ls(fs, f"{target}/{operator_id}"):
+        raise SparkImportError(f"{statecore_checkpoint} already holds a statecore checkpoint for operator "
+                               f"{operator_id} ({target}/{operator_id} is not empty); import into a new checkpoint")
+    firsts = op.first_versions()
+    columns = _Columns(op, dict(string_widths or {}), value_names, nulls_as_zero)
+    plan = [_partition_plan(op, p, base) for p, base in enumerate(firsts)]
+    for p, steps in enumerate(plan):  # pass 1: checks and string widths, nothing written
+        for _version, kind, path in steps:
+            keys, values, _removes = _read_spark_file(op.fs, path, kind == "snapshot", op.key_fields, op.value_fields)
+            columns.scan(keys, values)
+            if progress:
+                progress(1)
+    columns.settle_widths()
+    first = max(firsts)
+    stage = f"{target}/.import-spark-{operator_id}-{uuid.uuid4().hex}"
+    target_existed = fs.exists(target)
+    done = False
+    try:
+        ids, rows = [], []
+        for p, steps in enumerate(plan):  # pass 2: the versions, written under the staging root
+            partition_ids, count = _write_partition(op, columns, stage, p, firsts[p], steps, progress)
+            ids.append(partition_ids)
+            rows.append(count)
+        metadata = _metadata(op, columns)
+        staged = operator_files.operator_dir(stage, operator_id)
+        operator_files.check_metadata(staged, metadata, storage_options)
+        records = operator_files.commit_log(staged, storage_options)
+        run_id = str(uuid.uuid4())
+        for version in range(max(first, 1), op.last_version + 1):
+            records.write(version - 1, operator_files.commit_record(
+                version - 1, op.num_partitions, store_name, run_id, [i[version] for i in ids],
+                [i.get(version - 1, ROOT_COMMIT_ID.hex()) for i in ids]))
+        if fs.exists(f"{target}/{operator_id}"):
+            fs.rmdir(f"{target}/{operator_id}")  # empty (checked above): the move must not land inside it
+        fs.mv(staged, f"{target}/{operator_id}", recursive=True)
+        done = True
+    finally:
+        try:  # only what this call created: the staging root, and the target if it made it
+            fs.rm(stage, recursive=True)
+            if not done and not target_existed and not _ls(fs, target):
+                fs.rmdir(target)
+        except FileNotFoundError:
+            pass
+    return {"spark_checkpoint": spark_checkpoint, "statecore_checkpoint": statecore_checkpoint,
+            "operator_id": operator_id, "store_name": store_name, "num_partitions": op.num_partitions,
+            "versions": [first, op.last_version], "batches_recorded": [max(first, 1) - 1, op.last_version - 1],
+            "key_columns": columns.key_names, "value_columns": columns.value_names,
+            "key_schema": metadata["key_schema"], "value_schema": metadata["value_schema"],
+            "spark_value_columns": [name for name, _ in op.value_fields],
+            "string_widths": {name: {"width": w, "longest": columns.longest[name],
+                                     "chosen": "given" if name in columns.given else "longest value, rounded up to "
+                                                                                     f"a multiple of {_STRING_ROUNDING}"}
+                              for name, w in columns.widths.items()},
+            "rows": sum(rows), "rows_per_partition": rows,
+            "files_read": sum(len(steps) for steps in plan), "notes": op.notes,
+            "seconds": round(time.perf_counter() - begun, 3)}
+
+
+def _partition_plan(op, p, base):
+    """``[(version, kind, path)]``: the files partition ``p`` is imported from, oldest first
+    (the base snapshot, if any, then one delta per version; a snapshot where a delta is missing)."""
+    deltas, snapshots = op.files[p]["delta"], op.files[p]["snapshot"]
+    steps = [(base, "snapshot", snapshots[base])] if base > 0 else []
+    for v in range(base + 1, op.last_version + 1):
+        steps.append((v, "delta", deltas[v]) if v in deltas else (v, "snapshot", snapshots[v]))
+    return steps
+
+
+def _write_partition(op, columns, stage, p, base, steps, progress):
+    """Commit partition ``p``'s versions under ``stage``; returns ``({version: commit id},
+    rows at the last version)``. A partition whose oldest retained version is a snapshot at
+    ``base`` gets empty versions 1..base-1 first (statecore's versions start at 0); a
+    snapshot of ``base`` lets statecore's own cleanup delete them at the end."""
+    conf = StateStoreConf(min_deltas_for_snapshot=0 if base else StateStoreConf().min_deltas_for_snapshot,
+                          min_versions_to_retain=max(1, op.last_version - base))  # every retained version stays
+    provider = create_and_init_provider(StateStoreId(stage, op.operator_id, p, op.store_name),
+                                        columns.key_dtype, columns.value_dtype, conf)
+    ids = {0: ROOT_COMMIT_ID.hex()}
+    try:
+        for v in range(1, base):
+            store = provider.get_store(v - 1)
+            store.commit()
+            ids[v] = store.commit_id
+        count = 0
+        for version, kind, path in steps:
+            keys, values, removes = _read_spark_file(op.fs, path, kind == "snapshot", op.key_fields, op.value_fields)
+            key_rows = columns.array(keys, op.key_fields, columns.key_names, columns.key_dtype)
+            value_rows = columns.array(values, op.value_fields, columns.value_names, columns.value_dtype)
+            store = provider.get_store(version - 1)
+            if kind == "snapshot":
+                _replace_all(store, key_rows, value_rows)
+            else:
+                _apply_delta(store, key_rows, value_rows, removes)
+            store.commit()
+            ids[version] = store.commit_id
+            count = store.metrics.num_keys
+            if version == base:
+                provider.do_maintenance()  # the snapshot of the base, which the cleanup below needs
+            if progress:
+                progress(1)
+        provider.do_maintenance()
+    finally:
+        provider.close()
+    return ids, count
+
+
+def _apply_delta(store, keys, values, removes):
+    """A Spark delta's records applied as Spark replays them: per key, the last record wins."""
+    if not len(keys):
+        return
+    packed = np.ascontiguousarray(keys).view(f"S{keys.dtype.itemsize}")
+    _, from_end = np.unique(packed[::-1], return_index=True)
+    last = np.sort(len(keys) - 1 - from_end)
+    put_index = np.cumsum(~removes) - 1  # record i's row among the values (puts only)
+    puts, gone = last[~removes[last]], last[removes[last]]
+    if len(gone):
+        store.remove_batch(keys[gone])
+    if len(puts):
+        store.put_batch(keys[puts], values[put_index[puts]])
+
+
+def _replace_all(store, keys, values):
+    """The store's state made exactly ``keys``/``values`` (a snapshot)."""
+    for old_keys, _old_values in store.iter_batches():
+        _, found = _lookup(keys, old_keys)
+        if (~found).any():
+            store.remove_batch(old_keys[~found])
+    if len(keys):
+        store.put_batch(keys, values)
+
+
+def _lookup(keys, probe):
+    """``(index, found)`` of each row of ``probe`` among ``keys`` (equal bytes), by sorting."""
+    width = keys.dtype.itemsize
+    have = np.ascontiguousarray(keys).view(f"S{width}") if width else np.zeros(len(keys), "S1")
+    want = np.ascontiguousarray(probe).view(f"S{width}") if width else np.zeros(len(probe), "S1")
+    order = np.argsort(have, kind="stable")
+    at = np.searchsorted(have[order], want)
+    at = np.minimum(at, max(len(have) - 1, 0))
+    found = (have[order][at] == want) if len(have) else np.zeros(len(want), np.bool_)
+    return order[at] if len(have) else at, found
+
+
+def _metadata(op, columns):
+    """The operator's ``_operator.json`` record, as a StatefulOperator writes it."""
+    key, value = key_value_schemas(columns.key_dtype, columns.value_dtype)
+    kinds = dict(op.key_fields)
+    return {"format": operator_files.METADATA_FORMAT, "operator_id": op.operator_id,
+            "num_partitions": op.num_partitions, "key_columns": columns.key_names,
+            "key_column_types": [kinds[name].spark for name in columns.key_names], "store_name": op.store_name,
+            "key_schema": key.describe(), "value_schema": value.describe()}
