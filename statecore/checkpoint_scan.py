@@ -161,8 +161,13 @@ def scan_checkpoint(location, storage_options=None):
         parent, _, name = root.rpartition("/")
         raise NotACheckpointError(f"{location} is the directory of operator {name}, not a checkpoint: give its "
                                   f"state root {parent or '/'} (and --operator {name} where the command takes it)")
+    numbered = _numbered_dirs(entries)
+    if numbered and is_store_dir(CheckpointFiles(f"{root}/{numbered[0]}", storage_options).entries()):
+        parent, _, name = root.rpartition("/")
+        raise NotACheckpointError(f"{location} is the directory of operator {name}, not a checkpoint: give its "
+                                  f"state root {parent or '/'} (and --operator {name} where the command takes it)")
     operators = {}
-    for op in _numbered_dirs(entries):
+    for op in numbered:
         found = _scan_operator(root, op, storage_options)
         if found.has_metadata or found.has_records or any(found.partitions.values()):
             operators[op] = found

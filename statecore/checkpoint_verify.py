@@ -207,6 +207,35 @@ class _StoreCheck:
                             f"version {version} (attempt {commit_id.hex()}) of {self.ref.label()} cannot be "
                             f"loaded: {why}")
 
+    def report_gaps(self):
+        """The default lineage, followed down through every delta it has, must end at version
+        0 or at a sound snapshot with nothing older left: a version missing in between cuts
+        the versions below it off (and maintenance never leaves that)."""
+        if not self.attempts:
+            return
+        try:
+            top, c = self.default_chain().default_top()
+        except (StateCorruptionError, SchemaMismatchError, FileNotFoundError):
+            return  # a damaged header: reported with its file
+        u = top
+        while u > 0 and ("delta", u, c) in self.attempts and self.attempts[("delta", u, c)].name in self.parents:
+            u, c = u - 1, self.parents[self.attempts[("delta", u, c)].name]
+        older = sorted({f.version for f in self.listing if f.version < u})
+        if u == 0 or (not older and ("delta", u, c) not in self.attempts):
+            snapshot = self.attempts.get(("snapshot", u, c))
+            if u == 0 or (snapshot is not None and self.check_file(snapshot)):
+                return
+        if ("delta", u, c) in self.attempts:
+            return  # a damaged delta: reported with its file
+        self.report.add(self.ref.location, None,
+                        f"version {u} (attempt {c.hex()}) of the default lineage of {self.ref.label()} (newest "
+                        f"version {top}) has no delta file {self.files.path(file_name(u, c, 'delta'))}: a missing "
+                        f"version" + (f"; versions {older[0]}..{older[-1]} below it are cut off" if older else ""))
+
+    def default_chain(self):
+        return Chain(self.listing, lambda f: read_version_header(self.files, f), self.files.mtime,
+                     self.files.path, self.ref.label())
+
     def all_attempts(self):
         return sorted({(v, c) for (_kind, v, c) in self.attempts})
 
@@ -220,9 +249,7 @@ class _StoreCheck:
             raise VersionNotFoundError(
                 f"version {version} does not exist in {self.ref.label()} ({self.ref.location}): it holds "
                 + (f"versions {present[0]}..{present[-1]}" if present else "no version"))
-        chain = Chain(self.listing, lambda f: read_version_header(self.files, f), self.files.mtime,
-                      self.files.path, self.ref.label())
-        return chain.default_id(version)
+        return self.default_chain().default_id(version)
 
 
 def _check_metadata(op, report, storage_options):
@@ -324,8 +351,8 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
     Raises
     ------
     LookupError
-        No such operator (a ``KeyError``), or ``version`` has no file in some store
-        (:class:`VersionNotFoundError`).
+        No such operator (a ``KeyError``), or ``version`` has no file in any store
+        (:class:`VersionNotFoundError`; missing in only some stores is a problem).
     """
     report = VerifyReport()
     if checkpoint.kind == "store":
@@ -368,7 +395,9 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
                     for v, c in check.all_attempts():
                         check.report_lineage(v, c)
                         advance(1)
+                    check.report_gaps()
         return report
+    absent = []
     with progress(f"verifying version {version}", sum(len(checks) for _o, checks, _r in plan)) as advance:
         for op, checks, records in plan:
             record = records.get(version - 1)
@@ -379,7 +408,15 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
                            else record["store_commit_ids"].get(check.ref.store_name))
                     if ids is not None and check.ref.partition_id < len(ids):
                         named = bytes.fromhex(ids[check.ref.partition_id])
-                commit_id = named if named is not None else check.default_attempt(version)
+                try:
+                    commit_id = named if named is not None else check.default_attempt(version)
+                except VersionNotFoundError as e:
+                    absent.append(e)
+                    continue
                 check.report_lineage(version, commit_id)
                 advance(1)
+    if absent and len(absent) == report.stores:
+        raise absent[0]  # the version is nowhere: bad input, not damage
+    for e in absent:
+        report.add(checkpoint.location, None, str(e))
     return report
