@@ -1,11 +1,12 @@
 """Checking a whole checkpoint (``statecore verify``): every byte of every file, and that every
 retained version loads.
 
-Files are checked by the readers the store loads them with, so verify accepts exactly what a
-load accepts: a delta by :class:`statecore.DeltaReader` (header, every block header and
-payload checksum, decompression, trailer), a snapshot by :meth:`statecore.SnapshotReader.verify`
-(header, footer, every data block: rows and slots; ``deep`` also looks every row's key up in
-the slot index), the schema file by :func:`statecore.store.read_store_schemas`, a batch record
+Files are checked by the readers the store loads them with: a delta by
+:meth:`statecore.DeltaReader.check` (header, every block header and payload checksum, the
+trailer's counts and blocks checksum, the end of the file; ``deep`` also decompresses every
+block, as a load does), a snapshot by :meth:`statecore.SnapshotReader.verify` (header,
+footer, every data block: rows and slots; ``deep`` also looks every row's key up in the slot
+index), the schema file by :func:`statecore.store.read_store_schemas`, a batch record
 by :func:`statecore.operator_files.read_commit_record`; every version file's header must name
 the version and attempt its name does. JSON files carry no checksum: they are checked as
 UTF-8 JSON of the expected shape, and a damaged byte (never valid UTF-8 in ASCII JSON once
@@ -149,8 +150,7 @@ class _StoreCheck:
                 with self.files.open_read(f.name) as source:
                     reader = DeltaReader(source, key, value, path=path)
                     check_names_agree(f, path, reader.store_version, reader.commit_id)
-                    for _ in reader:
-                        pass
+                    reader.check(decode=self.deep)
             else:
                 with SnapshotReader(self.files.local_path_for_mapping(f.name), key, value) as reader:
                     check_names_agree(f, path, reader.store_version, reader.commit_id)
@@ -343,7 +343,9 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
         record of ``version - 1`` names, else the default lineage's) and the files of its
         lineage, plus that record. Default: every file and every attempt.
     deep : bool
-        Also look every snapshot row's key up in the snapshot's index.
+        Also decompress every delta block and look every snapshot row's key up in the
+        snapshot's index (what a load would trip on if a writer had written wrong bytes
+        under right checksums).
     progress : callable
         ``progress(description, total)``: a context manager yielding ``advance(n_bytes)``
         (``statecore.cli.output.progress``).

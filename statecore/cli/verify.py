@@ -22,7 +22,7 @@ def _print(data):
 @click.argument("checkpoint")
 @click.option("--version", type=click.IntRange(min=0), help="Only what loading this version takes (default: all).")
 @click.option("--operator", "operator_id", type=click.IntRange(min=0), help="Only this operator.")
-@click.option("--deep", is_flag=True, help="Also look every snapshot row's key up in the snapshot's index.")
+@click.option("--deep", is_flag=True, help="Also decompress every delta block and look every snapshot row's key up in its index.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def verify_command(checkpoint, version, operator_id, deep, as_json):
     """Check every file of CHECKPOINT (checksums, headers, JSON) and that every retained
