@@ -331,6 +331,17 @@ def test_bad_input_is_one_line_exit_code_3_and_writes_nothing(root, tmp_path):
     assert os.listdir(out.parent) == []
 
 
+def test_dump_of_damaged_state_says_which_file_exits_1_and_writes_nothing(root, tmp_path):
+    root, _ = root
+    path = version_path(str(root / "0" / "1"), 5, "delta")
+    flip(path, 100)
+    out = tmp_path / "dumps" / "o.parquet"
+    out.parent.mkdir()
+    result = CliRunner().invoke(main, ["dump", str(root), "--format", "parquet", "--out", str(out), "--version", "5"])
+    assert result.exit_code == 1 and result.output.startswith(f"Error: corrupt file '{path}' at byte ")
+    assert os.listdir(out.parent) == []
+
+
 def test_python_dash_m_statecore_runs_as_a_process(root):
     root, _ = root
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -12,9 +12,9 @@ import uuid
 import click
 
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
-from statecore.cli.output import BadInput, bad_input, emit, main, progress
+from statecore.cli.output import BadInput, Unsound, bad_input, emit, main, progress
 from statecore.conf import StateStoreConf
-from statecore.errors import VersionNotFoundError
+from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.export_files import FORMATS, NotTextError, open_writer
 from statecore.ids import StateStoreId
 from statecore.lineage import Chain
@@ -129,7 +129,10 @@ def dump_command(checkpoint, operator_id, partition, version, store_name, fmt, o
     try:
         with open(tmp, "xb") as f:
             with bad_input(NotTextError, VersionNotFoundError):
-                rows = _write(reads, key, value, partition_column, fmt, f, rows_per_batch)
+                try:
+                    rows = _write(reads, key, value, partition_column, fmt, f, rows_per_batch)
+                except StateCorruptionError as e:
+                    raise Unsound(f"{e} (nothing was written; statecore verify lists every problem)") from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["main", "OK", "FOUND_PROBLEMS", "USAGE", "BAD_INPUT", "BadInput", "bad_input", "emit", "progress",
-           "print_table"]
+__all__ = ["main", "OK", "FOUND_PROBLEMS", "USAGE", "BAD_INPUT", "BadInput", "Unsound", "bad_input", "emit",
+           "progress", "print_table"]
 
 OK, FOUND_PROBLEMS, USAGE, BAD_INPUT = 0, 1, 2, 3
 
@@ -26,6 +26,13 @@ class BadInput(click.ClickException):
     """The input is not what the command needs (exit code :data:`BAD_INPUT`); nothing was written."""
 
     exit_code = BAD_INPUT
+
+
+class Unsound(click.ClickException):
+    """The state the command must read is damaged (exit code :data:`FOUND_PROBLEMS`); one line
+    names the file and what is wrong (``statecore verify`` lists everything)."""
+
+    exit_code = FOUND_PROBLEMS
 
 
 @contextlib.contextmanager
