@@ -75,6 +75,19 @@ def _store_reads(checkpoint, operator_id, partition, version, store_name):
 def _write(reads, key, value, partition_column, fmt, f, rows_per_batch):
     """Every row of every read into ``f``; returns the row count."""
     writer = open_writer(fmt, f, key.dtype, value.dtype, partition_column)
+    try:
+        rows = _write_rows(reads, key, value, writer, rows_per_batch)
+    except BaseException:
+        try:
+            writer.close()  # the temporary file is deleted; a writer left open fails when collected
+        except Exception:
+            pass
+        raise
+    writer.close()
+    return rows
+
+
+def _write_rows(reads, key, value, writer, rows_per_batch):
     rows = 0
     with progress("dumping partitions", len(reads)) as advance:
         for p, store_id, version, commit_id in reads:
@@ -91,7 +104,6 @@ def _write(reads, key, value, partition_column, fmt, f, rows_per_batch):
                 finally:
                     provider.close()
             advance(1)
-    writer.close()
     return rows
 
 
