@@ -35,6 +35,7 @@ MICRO = {
     "event_time": ([], ["--quick"]),
     "processor": ([], ["--quick"]),
     "expiry": (["--rows", "10000000", "--repeat", "3"], ["--rows", "200000", "--repeat", "2"]),
+    "verify": (["--keys", "10000000", "--repeat", "5"], ["--keys", "20000", "--repeat", "2"]),
 }
 ALL = (*MICRO, "race")
 

@@ -6,6 +6,7 @@ The type mapping, one rule in both directions, is in ``docs/operator.md`` ("Type
 import numpy as np
 import pyarrow as pa
 
+from statecore.arrow_rows import fixed_to_binary
 from statecore.schema import as_schema
 
 __all__ = ["arrow_type_of", "spark_type_of", "spark_schema_of", "numpy_to_arrow", "to_record_batch",
@@ -65,28 +66,11 @@ def spark_schema_of(*dtypes, extra=()):
     return T.StructType(fields)
 
 
-def _fixed_to_binary(col):
-    """A binary Arrow array of an ``S<n>`` column, each value without its trailing NULs."""
-    col = np.ascontiguousarray(col)
-    m, n = col.shape[0], col.dtype.itemsize
-    matrix = col.view(np.uint8).reshape(m, n)
-    nonzero = matrix != 0
-    lengths = np.where(nonzero.any(axis=1), n - np.argmax(nonzero[:, ::-1], axis=1), 0)
-    offsets = np.zeros(m + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    data = matrix[np.arange(n)[None, :] < lengths[:, None]]  # row-major: the values, concatenated
-    if offsets[-1] < 2**31:
-        return pa.Array.from_buffers(pa.binary(), m, [None, pa.py_buffer(offsets.astype(np.int32)),
-                                                      pa.py_buffer(data)])
-    large = pa.Array.from_buffers(pa.large_binary(), m, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    return large.cast(pa.binary())  # raises if it cannot be one binary array
-
-
 def numpy_to_arrow(col):
     """The Arrow array of one numpy column, typed as :func:`arrow_type_of` says."""
     dt = col.dtype
     if dt.kind == "S":
-        return _fixed_to_binary(col)
+        return fixed_to_binary(col)
     col = np.ascontiguousarray(col)
     if dt.kind == "u":
         if dt.itemsize == 8:

@@ -2,8 +2,9 @@
 operator's stores at one version (what Spark's ``statestore`` data source does for its own
 checkpoints, for statecore's).
 
-This module owns finding what to read on the driver (partitions, schemas, versions, and the
-attempts the batch records name) and the read-only tasks on the executors. The columns,
+What to read (partitions, schemas, versions, and the attempts the batch records name) is
+found on the driver by :func:`statecore.state_reads.plan_read`, which ``statecore dump``
+shares; this module owns the read-only tasks on the executors. The columns,
 types and rules are in ``docs/operator.md`` ("Reading state back") and ``docs/lineage.md``.
 """
 import logging
@@ -12,12 +13,10 @@ import numpy as np
 import pyarrow as pa
 
 from statecore.conf import StateStoreConf
-from statecore.errors import StateCorruptionError, VersionNotFoundError
-from statecore.files import open_store_files
+from statecore.errors import VersionNotFoundError
 from statecore.ids import StateStoreId
-from statecore.store import SCHEMA_FILE, create_and_init_provider, read_store_schemas
-from statecore import operator_files
-from statecore.checkpoint import CheckpointFiles, checked_commit_ids
+from statecore.store import create_and_init_provider
+from statecore.state_reads import PARTITION_ID_COLUMN, plan_read, state_partitions
 
 from pyspark_glue.arrow import arrow_type_of, spark_schema_of, to_record_batch
 
@@ -25,58 +24,8 @@ __all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN", "BATCH_ID_CO
 
 log = logging.getLogger(__name__)
 
-PARTITION_ID_COLUMN = "partition_id"
 # The change feed's columns before the key and value fields (Spark's readChangeFeed names).
 BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN = "batch_id", "change_type"
-
-
-def _partition_ids(checkpoint_root, operator_id, storage_options):
-    """The partitions of an operator: those its metadata names, or without metadata its
-    numbered directories (a directory beyond the metadata's count is a repartition's
-    leftover or one in progress, not state)."""
-    location = operator_files.operator_dir(checkpoint_root, operator_id)
-    files = CheckpointFiles(location, storage_options)
-    try:
-        recorded = operator_files.read_metadata(location, storage_options)
-        if recorded is not None:
-            return list(range(int(recorded["num_partitions"])))
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring unreadable %s: %s", files.path(operator_files.OPERATOR_METADATA_FILE), e)
-    return sorted(int(name) for name, is_dir in files.entries() if is_dir and name.isascii() and name.isdigit())
-
-
-def state_partitions(checkpoint_root, operator_id, store_name="default", conf=None):
-    """What :func:`read_state` reads, found on the driver: ``(key_schema, value_schema,
-    {partition_id: newest version})`` (RowSchemas; a partition that never committed has
-    newest version 0).
-
-    Raises
-    ------
-    FileNotFoundError
-        No store of that operator (and store name) recorded a schema.
-    StateCorruptionError
-        A schema file is unreadable, or partitions disagree on the schemas.
-    """
-    conf = conf or StateStoreConf()
-    found = {}
-    schemas = {}
-    for p in _partition_ids(checkpoint_root, operator_id, conf.storage_options):
-        location = StateStoreId(checkpoint_root, operator_id, p, store_name).store_checkpoint_location()
-        files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
-        found[p] = files.list_versions().top
-        recorded = read_store_schemas(files)
-        if recorded is None:
-            continue
-        schemas[p] = (*recorded, files.path(SCHEMA_FILE))
-    if not schemas:
-        raise FileNotFoundError(f"no state of operator {operator_id} (store {store_name!r}) under {checkpoint_root}: "
-                                f"no store directory there has a {SCHEMA_FILE}")
-    (key, value, first), *rest = schemas.values()
-    for other_key, other_value, where in rest:
-        if other_key != key or other_value != value:
-            raise StateCorruptionError(where, None, f"schemas {other_key.describe()} / {other_value.describe()} "
-                                                    f"differ from {key.describe()} / {value.describe()} of {first}")
-    return key, value, found
 
 
 def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, version,
@@ -205,33 +154,9 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         raise ValueError("start_version and end_version are for the change feed (change_feed=True)")
     if commit_ids is not None and version is None:
         raise ValueError("commit_ids name attempts of one version: give the version too")
-    key, value, latest = state_partitions(checkpoint_root, operator_id, store_name, conf)
-    names = [*key.names, *value.names, PARTITION_ID_COLUMN]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"the state of operator {operator_id} cannot be flattened: field name(s) {duplicates} "
-                         f"repeat across the key fields {key.names}, the value fields {value.names} and "
-                         f"'{PARTITION_ID_COLUMN}'")
-    partitions = sorted(latest)
-    if commit_ids is None:
-        version, commit_ids = _recorded(checkpoint_root, operator_id, store_name, version, conf)
-    else:
-        commit_ids = checked_commit_ids(commit_ids, len(commit_ids), "commit_ids")
-    newest_common = min(latest.values())
-    if version is None:
-        version = newest_common
-    elif version > newest_common:
-        behind = sorted(p for p, v in latest.items() if v < version)
-        raise VersionNotFoundError(
-            f"version {version} of operator {operator_id} under {checkpoint_root} does not exist in partition(s) "
-            f"{behind} (their newest: {sorted({latest[p] for p in behind})}); the newest version every "
-            f"partition has is {newest_common}")
-    if commit_ids is not None:
-        missing = [p for p in partitions if p >= len(commit_ids)]
-        if missing:
-            raise ValueError(f"{len(commit_ids)} commit ids for operator {operator_id}, which has partition(s) "
-                             f"{missing}")
-        commit_ids = {p: commit_ids[p] for p in partitions}
+    plan = plan_read(checkpoint_root, operator_id, store_name, version, commit_ids, conf)
+    key, value, partitions, version, commit_ids = (plan.key_schema, plan.value_schema, plan.partitions,
+                                                   plan.version, plan.commit_ids)
     from pyspark.sql import types as T
 
     n = len(partitions)
@@ -249,32 +174,3 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
     run = _read_partitions(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, version,
                            commit_ids, conf, rows_per_batch)
     return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)
-
-
-def _recorded(checkpoint_root, operator_id, store_name, version, conf):
-    """``(version, commit_ids)`` the operator's batch records name for ``version`` (None:
-    the newest record's), or ``(version, None)`` where there is no such record (a version
-    0, a checkpoint without records, a record already deleted)."""
-    location = operator_files.operator_dir(checkpoint_root, operator_id)
-    records = operator_files.commit_log(location, conf.storage_options)
-    try:
-        metadata = operator_files.read_metadata(location, conf.storage_options)
-    except ValueError:
-        metadata = None  # _partition_ids logged it
-    moved = operator_files.repartitioned(metadata)
-    if moved is not None and version is not None and version < moved["version"]:
-        raise ValueError(f"operator {operator_id} under {checkpoint_root} was repartitioned at version "
-                         f"{moved['version']}: version {version} was not kept at the new partitioning")
-    if version is None:
-        newest = records.latest()
-        if newest is None:
-            return None, None
-        batch = newest
-    elif version == 0:
-        return 0, None
-    else:
-        batch = version - 1
-    record = operator_files.read_commit_record(records, batch, metadata)
-    if record is None or record.get("store_name") != store_name:
-        return version, None
-    return batch + 1, record["commit_ids"]

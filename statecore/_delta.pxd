@@ -54,5 +54,5 @@ cdef class DeltaReader:
     cdef bint _at_end(self) except -1
     cdef void _read_header(self, key_schema, value_schema, expected_lineage) except *
     cdef void _check_schema(self, str which, schema, Py_ssize_t width, fingerprint) except *
-    cdef object _read_block(self, Py_ssize_t at, head)
+    cdef object _read_block(self, Py_ssize_t at, head, bint decode=*)
     cdef void _read_trailer(self, Py_ssize_t at, head) except *

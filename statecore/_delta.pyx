@@ -442,7 +442,7 @@ cdef class DeltaReader:
             self._error = e
             raise
 
-    cdef object _read_block(self, Py_ssize_t at, head):
+    cdef object _read_block(self, Py_ssize_t at, head, bint decode=True):
         cdef Py_ssize_t record_width, kw = self.header.key_width, vw = self.header.value_width
         kind, reserved1, reserved2, n, raw_size, stored_size, payload_checksum = \
             BLOCK_HEADER_STRUCT.unpack_from(head, 0)
@@ -472,6 +472,14 @@ cdef class DeltaReader:
             raise self._corrupt(at + BLOCK_HEADER_SIZE,
                                 f"block payload checksum mismatch (stored 0x{payload_checksum:016x}, "
                                 f"computed 0x{computed:016x})")
+        if not decode:  # check(decode=False): the stored bytes matched their checksum
+            self._block_checksums += U64.pack(payload_checksum)
+            self._seen_blocks += 1
+            if kind == BLOCK_REMOVES:
+                self._seen_removes += n
+            else:
+                self._seen_puts += n
+            return None
         if self._lz4:
             try:
                 raw = _lz4_decompress(payload, uncompressed_size=raw_size, return_bytearray=True)
@@ -511,6 +519,28 @@ cdef class DeltaReader:
         if not self._at_end():
             raise self._corrupt(at + TRAILER_SIZE, "bytes follow the trailer")
         self._done = True
+
+    def check(self, bint decode=True):
+        """Read the rest of the delta, checking everything iteration checks, and return
+        ``(n_blocks, n_puts, n_removes)``. ``decode=False`` skips decompressing the payloads:
+        every stored byte is still checked against its checksum, the counts against the
+        trailer and the end of the file, but an lz4 stream that the writer itself got wrong
+        (and checksummed) would go unnoticed. Raises as iteration does."""
+        cdef Py_ssize_t at
+        while not self._done:
+            if self._error is not None:
+                raise self._error
+            at = self._pos
+            try:
+                head = self._take(BLOCK_HEADER_SIZE, "a block header or the trailer")
+                if head[:8] == TRAILER_MAGIC:
+                    self._read_trailer(at, head)
+                else:
+                    self._read_block(at, head, decode)
+            except BaseException as e:
+                self._error = e
+                raise
+        return self._seen_blocks, self._seen_puts, self._seen_removes
 
     # -- state ------------------------------------------------------------------------------
     @property

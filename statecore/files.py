@@ -394,6 +394,14 @@ class StoreFiles:
                 stale.append(name)
         return sorted(stale)
 
+    def size(self, name):
+        """The size of ``name`` in bytes; FileNotFoundError if it does not exist."""
+        full = self._full(name)
+        if self.is_local:
+            return os.stat(full).st_size
+        self.fs.invalidate_cache(full)
+        return self.fs.size(full)
+
     def mtime(self, name):
         """The modification time of ``name`` (seconds), or None if unknown or missing."""
         return self._mtime(name)

@@ -28,7 +28,7 @@ from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_nam
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
 
-__all__ = ["FileStateStoreProvider", "read_store_schemas", "SCHEMA_FILE"]
+__all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +127,7 @@ class FileStateStoreProvider(StateStoreProvider):
             cached = self._headers.get(f.name)
         if cached is not None:
             return cached
-        path = self._files.path(f.name)
-        if f.kind == "delta":
-            header = read_delta_header(self._files.read_range(f.name, 0, DELTA_HEADER_SIZE), path)
-            parent_id = header.parent_id
-        else:
-            header = read_snapshot_header(self._files.read_range(f.name, 0, SNAPSHOT_HEADER_SIZE), path)
-            parent_id = None
-        version, commit_id = header.store_version, header.commit_id
-        check_names_agree(f, path, version, commit_id)
+        commit_id, parent_id = read_version_header(self._files, f)
         if f.commit_id is not None:  # the names of the previous layout can be re-written
             with self._headers_lock:
                 if len(self._headers) >= _HEADER_CACHE_ENTRIES:
@@ -535,6 +527,22 @@ class FileStateStoreProvider(StateStoreProvider):
                 "loadedMapCacheHitCount": self._hits,
                 "loadedMapCacheMissCount": self._misses,
             })
+
+
+def read_version_header(files, f):
+    """``(commit_id, parent_id)`` of version file ``f`` (a :class:`statecore.lineage.VersionFile`
+    of the :class:`statecore.files.StoreFiles` ``files``) from its checked header; the parent is
+    None for a snapshot. The header must name the version and id the file name does
+    (StateCorruptionError otherwise)."""
+    path = files.path(f.name)
+    if f.kind == "delta":
+        header = read_delta_header(files.read_range(f.name, 0, DELTA_HEADER_SIZE), path)
+        parent_id = header.parent_id
+    else:
+        header = read_snapshot_header(files.read_range(f.name, 0, SNAPSHOT_HEADER_SIZE), path)
+        parent_id = None
+    check_names_agree(f, path, header.store_version, header.commit_id)
+    return header.commit_id, parent_id
 
 
 def read_store_schemas(files):

@@ -88,6 +88,20 @@ def test_harness_runs_micro_benchmarks_and_writes_results(tmp_path):
     assert "RowTable.put_batch" in (out / "rowtable.txt").read_text()
 
 
+def test_verify_benchmark_runs_its_quick_setting(tmp_path):
+    """bench_verify on a tiny checkpoint: both rows timed, verify sound, the ratio recorded."""
+    from bench.__main__ import MICRO
+
+    out = tmp_path / "verify.json"
+    done = subprocess.run([sys.executable, "-m", "bench.bench_verify", *MICRO["verify"][1], "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    (rows,) = result["tables"].values()
+    assert [r["name"] for r in rows] == ["read the files' bytes", "statecore verify", "statecore verify --deep"]
+    assert result["keys"] == 20000 and result["files"] == 4 * 6 and result["verify_over_read"] > 0
+
+
 @pytest.mark.spark
 def test_race_contender_runs_in_its_own_process(tmp_path):
     """The statecore contender end to end on tiny batches: per-batch figures, the operator's

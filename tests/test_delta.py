@@ -726,3 +726,24 @@ def test_corruption_fuzz_in_subprocesses(tmp_path):
         totals["same"] += out["same"]
     assert totals["corrupt"] + totals["same"] == batch * len(jobs)
     assert totals["corrupt"] > 0.95 * batch * len(jobs)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_check_reads_to_the_end_with_or_without_decompressing(decode):
+    key, value = np.dtype([("k", "<i8")]), np.dtype([("v", "<i8")])
+    keys = np.zeros(3000, key)
+    keys["k"] = np.arange(3000)
+    values = np.zeros(3000, value)
+    rows_of = lambda a: a.view(np.uint8).reshape(len(a), -1)  # noqa: E731
+    data = encode_delta(key, value, 4, puts=(rows_of(keys), rows_of(values)), removes=rows_of(keys[:10]),
+                        block_bytes=4096)
+    assert DeltaReader(data, key, value).check(decode=decode) == (DeltaReader(data).check()[0], 3000, 10)
+    # header (its checksum), block header, payload, trailer: where each is reported
+    for offset, reported in ((20, 64), (72 + 5, 72), (72 + 32 + 3, 72 + 32), (len(data) - 10, len(data) - 48)):
+        damaged = bytearray(data)
+        damaged[offset] ^= 0xFF
+        with pytest.raises(StateCorruptionError) as e:
+            DeltaReader(bytes(damaged)).check(decode=decode)
+        assert e.value.offset == reported
+    with pytest.raises(StateCorruptionError, match="bytes follow the trailer"):
+        DeltaReader(data + b"x").check(decode=decode)

@@ -3,8 +3,11 @@ codes a script can test, progress bars on stderr, and bad input turned into one 
 
 Exit codes: :data:`OK` (0), :data:`FOUND_PROBLEMS` (1: the command ran and found the state
 unsound, e.g. ``verify``), :data:`USAGE` (2: bad arguments, click's own), :data:`BAD_INPUT`
-(3: the path, operator or version given is not what the command needs; nothing was written).
+(3: the path, operator, partition or version given is not what the command needs; one line
+on stderr says what, and nothing was written). Any other failure is a Python traceback and
+exit code 1 (click's default for an unexpected exception).
 """
+import contextlib
 import json
 import sys
 
@@ -13,7 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["main", "OK", "FOUND_PROBLEMS", "USAGE", "BAD_INPUT", "BadInput", "emit", "progress", "print_table"]
+__all__ = ["main", "OK", "FOUND_PROBLEMS", "USAGE", "BAD_INPUT", "BadInput", "Unsound", "bad_input", "emit",
+           "progress", "print_table"]
 
 OK, FOUND_PROBLEMS, USAGE, BAD_INPUT = 0, 1, 2, 3
 
@@ -22,6 +26,24 @@ class BadInput(click.ClickException):
     """The input is not what the command needs (exit code :data:`BAD_INPUT`); nothing was written."""
 
     exit_code = BAD_INPUT
+
+
+class Unsound(click.ClickException):
+    """The state the command must read is damaged (exit code :data:`FOUND_PROBLEMS`); one line
+    names the file and what is wrong (``statecore verify`` lists everything)."""
+
+    exit_code = FOUND_PROBLEMS
+
+
+@contextlib.contextmanager
+def bad_input(*errors):
+    """Turn ``errors`` (exception classes) raised in the block into :class:`BadInput`, their
+    message as the one line (a ``KeyError``'s without its quotes)."""
+    try:
+        yield
+    except errors as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise BadInput(str(message)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,7 +67,10 @@ def print_table(title, columns, rows):
         table.add_column(name, overflow="fold")
     for row in rows:
         table.add_row(*(str(v) for v in row))
-    Console(file=sys.stdout, soft_wrap=True).print(table)
+    console = Console(file=sys.stdout, soft_wrap=True)
+    if not console.is_terminal:  # a pipe or a file: no reason to fold columns at 80
+        console = Console(file=sys.stdout, soft_wrap=True, width=200)
+    console.print(table)
 
 
 def progress(description, total=None, disable=False):
