@@ -4,6 +4,7 @@ rows as Spark's ``statestore`` source, a StatefulOperator continues the query fr
 each bad input is refused with its error and nothing written."""
 import json
 import os
+import time
 import shutil
 
 import numpy as np
@@ -47,9 +48,11 @@ def restore(spark, before):
             spark.conf.set(key, value)
 
 
-def run_aggregation(spark, root, batches, provider=HDFS, aggregate=None, first_batch=0, **extra):
+def run_aggregation(spark, root, batches, provider=HDFS, aggregate=None, first_batch=0, until=None, **extra):
     """Spark's groupBy(i, l, s).agg(count, sum) over ``batches`` (one file each, one
-    micro-batch each) with ``provider``; returns the checkpoint and the input directory."""
+    micro-batch each) with ``provider``; returns the checkpoint and the input directory.
+    ``until(checkpoint)``: before stopping the query (its stores stay loaded, so Spark's
+    maintenance thread keeps working on them), wait up to 60 s for it to be true."""
     from pyspark.sql import functions as F
 
     inputs, checkpoint = f"{root}/in", f"{root}/ckpt"
@@ -64,6 +67,9 @@ def run_aggregation(spark, root, batches, provider=HDFS, aggregate=None, first_b
             for b, table in enumerate(batches):
                 write_parquet(inputs, f"part-{first_batch + b:04d}.parquet", table)
                 query.processAllAvailable()
+            deadline = time.monotonic() + 60
+            while until is not None and not until(checkpoint) and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling a condition Spark's maintenance thread makes true
         finally:
             query.stop()
     finally:
@@ -97,16 +103,20 @@ def aggregation(spark, tmp_path_factory):
     root = tmp_path_factory.mktemp("spark_agg")
     tables = []
     checkpoint = None
+    def cleaned_up(checkpoint):
+        state = f"{checkpoint}/state/0"
+        return all(any(n.endswith(".snapshot") for n in os.listdir(f"{state}/{p}"))
+                   and "1.delta" not in os.listdir(f"{state}/{p}") for p in range(PARTITIONS))
+
     for rounds in range(1, 8):  # two batches per round, until maintenance has run in every partition
         new = [batch_table(len(tables) + k) for k in range(2)]
-        checkpoint, inputs = run_aggregation(
-            spark, root, new, first_batch=len(tables), **{"spark.sql.streaming.stateStore.minDeltasForSnapshot": "1",
-                                 "spark.sql.streaming.minBatchesToRetain": "3",
-                                 "spark.sql.streaming.stateStore.maintenanceInterval": "100ms"})
+        checkpoint, inputs = run_aggregation(  # from 6 batches on, the clean-up can have happened: wait for it
+            spark, root, new, first_batch=len(tables), until=cleaned_up if rounds >= 3 else None,
+            **{"spark.sql.streaming.stateStore.minDeltasForSnapshot": "1",
+               "spark.sql.streaming.minBatchesToRetain": "3",
+               "spark.sql.streaming.stateStore.maintenanceInterval": "100ms"})
         tables += new
-        state = f"{checkpoint}/state/0"
-        if all(any(n.endswith(".snapshot") for n in os.listdir(f"{state}/{p}"))
-               and "1.delta" not in os.listdir(f"{state}/{p}") for p in range(PARTITIONS)):
+        if cleaned_up(checkpoint):
             break
     return checkpoint, inputs, tables, rounds
 
