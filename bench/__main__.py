@@ -36,6 +36,7 @@ MICRO = {
     "processor": ([], ["--quick"]),
     "expiry": (["--rows", "10000000", "--repeat", "3"], ["--rows", "200000", "--repeat", "2"]),
     "verify": (["--keys", "10000000", "--repeat", "5"], ["--keys", "20000", "--repeat", "2"]),
+    "repartition": (["--keys", "10000000", "--repeat", "3"], ["--keys", "100000", "--repeat", "1"]),
 }
 ALL = (*MICRO, "race")
 
