@@ -14,6 +14,8 @@ import logging
 import os
 import threading
 
+import numpy as np
+
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
 from statecore._snapshot import HEADER_SIZE as SNAPSHOT_HEADER_SIZE, SnapshotReader, read_snapshot_header
@@ -26,6 +28,7 @@ from statecore.ids import StateStoreId
 from statecore.layers import FrozenView, State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
+from statecore.rowsource import iter_batches
 from statecore.schema import RowSchema, key_value_schemas
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
@@ -438,6 +441,49 @@ class FileStateStoreProvider(StateStoreProvider):
                 state.replay(kind == BLOCK_PUTS, keys, values)
             state.advance(u, own_id)
         return state
+
+    # -- whole versions, read once -------------------------------------------------------------
+    def version_rows(self, version, commit_id=None, rows_per_batch=1 << 20):
+        """Yield ``(keys, values)`` batches of every row of ``version`` (at ``commit_id``, or
+        the default lineage's), for a reader that visits each row once (a repartition, an
+        export). Where the version is one file, straight from it: its own snapshot (mapped),
+        or a delta over the empty version 0 (checked to its trailer, then its puts: a delta
+        holds each key once); otherwise through a read-only store (``get_read_store``), which
+        builds the version in memory first."""
+        if not isinstance(rows_per_batch, int) or rows_per_batch <= 0:
+            raise ValueError(f"rows_per_batch must be an int > 0, got {rows_per_batch!r}")
+        listing = self._files.list_versions()
+        target = self._resolve(version, commit_id, listing)
+        chain = self._chain(listing)
+        snapshot = chain.find("snapshot", version, target) if version else None
+        delta = chain.find("delta", version, target) if version else None
+        if snapshot is not None:
+            reader = self._open_snapshot(snapshot, target).base
+            try:
+                yield from iter_batches(reader.cursor(), self._key_schema, self._value_schema, rows_per_batch)
+            finally:
+                reader.close()
+            return
+        if delta is not None and version == 1:
+            path = self._files.path(delta.name)
+            with self._files.open_read(delta.name) as source:
+                reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
+                check_names_agree(delta, path, reader.store_version, reader.commit_id)
+                if reader.parent_id != ROOT_COMMIT_ID:
+                    raise StateCorruptionError(path, None, "the delta of version 1 does not follow version 0")
+                blocks = list(reader)  # verified to the trailer before any row is used
+            for kind, keys, values in blocks:
+                if kind == BLOCK_PUTS:
+                    for start in range(0, keys.shape[0], rows_per_batch):
+                        stop = start + rows_per_batch
+                        yield (self._key_schema.from_rows(np.ascontiguousarray(keys[start:stop])),
+                               self._value_schema.from_rows(np.ascontiguousarray(values[start:stop])))
+            return
+        store = self.get_read_store(version, target)
+        try:
+            yield from store.iter_batches(rows_per_batch)
+        finally:
+            store.abort()
 
     # -- change feed -----------------------------------------------------------------------
     def changes(self, start_version, end_version, commit_id=None):

@@ -247,24 +247,19 @@ def read_sources(plan, targets=None, on_source=None):
             store_id = StateStoreId(plan.checkpoint, plan.operator_id, p, store.name)
             provider = create_and_init_provider(store_id, store.key_schema, store.value_schema, plan.conf)
             try:
-                reader = provider.get_read_store(plan.version, store.old_ids[p])
-                try:
-                    for keys, values in reader.iter_batches(ROWS_PER_READ):
-                        dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types,
-                                               plan.to_partitions)
-                        keep = wanted[dest]
-                        if not keep.all():
-                            keys, values, dest = keys[keep], values[keep], dest[keep]
-                        # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
-                        order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64),
-                                           kind="stable")
-                        rows = _rows_of(keys, values)[order]
-                        bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
-                        for q in targets:
-                            if bounds[q + 1] > bounds[q]:
-                                out[(store.name, q)].append(rows[bounds[q]:bounds[q + 1]])
-                finally:
-                    reader.abort()
+                for keys, values in provider.version_rows(plan.version, store.old_ids[p], ROWS_PER_READ):
+                    dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
+                    keep = wanted[dest]
+                    if not keep.all():
+                        keys, values, dest = keys[keep], values[keep], dest[keep]
+                    # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
+                    order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64),
+                                       kind="stable")
+                    rows = _rows_of(keys, values)[order]
+                    bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
+                    for q in targets:
+                        if bounds[q + 1] > bounds[q]:
+                            out[(store.name, q)].append(rows[bounds[q]:bounds[q + 1]])
             finally:
                 provider.close()
             if on_source is not None:
