@@ -75,6 +75,26 @@ class ExpiryIndex:
         """``{"heads": (key, value), "entries": (key, value)}``: the dtypes of the two stores."""
         return KeyedLists.schemas(_BUCKET, cls._chunk_dtype(cls._item_dtype(np.dtype(key_dtype))))
 
+    @staticmethod
+    def recorded_shift(heads):
+        """The bucket shift an index over the ``heads`` store was built with (None: none yet)."""
+        values, found = heads.get_batch(_META[2:3])
+        return int(values[COUNT_FIELD][0]) if found[0] else None
+
+    @classmethod
+    def entries_of_chunks(cls, key_dtype, chunks):
+        """``(times, keys)`` of every entry held in rows of the entries store (``chunks``: its
+        values): what an index holds, read without its buckets (to move it elsewhere)."""
+        key_dtype = np.dtype(key_dtype)
+        item_dtype = cls._item_dtype(key_dtype)
+        c = cls._per_chunk(item_dtype)
+        items = np.ascontiguousarray(chunks[_PACKED]).view(item_dtype)
+        items = items[(np.arange(c)[None, :] < chunks[_FILL][:, None]).ravel()]
+        keys = np.empty(len(items), dtype=key_dtype)
+        for name in key_dtype.names:
+            keys[name] = items[name]
+        return items[TIME_FIELD].copy(), keys
+
     def _meta(self):
         values, found = self.heads.get_batch(_META)
         counts = values[COUNT_FIELD]

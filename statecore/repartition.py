@@ -29,11 +29,13 @@ import numpy as np
 
 from statecore import files as files_module
 from statecore import operator_files
+from statecore._rowtable import RowTable
 from statecore._snapshot import SnapshotReader, SnapshotWriter
 from statecore.checkpoint import CheckpointFiles
 from statecore.conf import StateStoreConf
 from statecore.contracts import create_and_init_provider
 from statecore.errors import StateCorruptionError
+from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name
 from statecore.provider import SCHEMA_FILE, read_store_schemas
@@ -65,6 +67,11 @@ class StorePlan:
     old_ids: tuple
     new_ids: tuple
     schema_bytes: bytes  # the old partitions' _statecore.schema.json, copied to new directories
+    # "keyed": rows routed by the key columns their keys hold; "index_heads" and
+    # "index_entries": the two stores of an ExpiryIndex over the default store's keys, rebuilt
+    # in each new partition from the entries routed by their keys (``partner``: the other one)
+    role: str = "keyed"
+    partner: str = None
 
     @property
     def key_schema(self):
@@ -152,12 +159,33 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     stores = []
     for name in names:
         old_ids = record["commit_ids"] if name == names[0] else record["store_commit_ids"][name]
-        stores.append(_store_plan(checkpoint, operator_id, name, old, old_ids, num_partitions, key_columns, conf))
+        stores.append(_store_plan(checkpoint, operator_id, name, old, old_ids, num_partitions, key_columns, conf,
+                                  stores[0].key_dtype if stores else None))
+    _pair_indexes(stores, operator_id)
     return RepartitionPlan(checkpoint, operator_id, conf, metadata, record, batch_id, batch_id + 1, old,
                            num_partitions, list(key_columns), list(key_types), stores, token)
 
 
-def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, conf):
+def _pair_indexes(stores, operator_id):
+    """Each expiry index's entries store with its heads store (named alike, ``entries`` ->
+    ``heads``); RepartitionError for an index store without its pair."""
+    by_name = {s.name: s for s in stores}
+    for store in stores:
+        if store.role != "index_entries":
+            continue
+        i = store.name.rfind("entries")
+        heads = by_name.get(store.name[:i] + "heads" + store.name[i + len("entries"):]) if i >= 0 else None
+        if heads is None or heads.role != "index_heads":
+            raise RepartitionError(f"store {store.name!r} of operator {operator_id} is an expiry index's entries "
+                                   f"without its heads store: it cannot be rebuilt in the new partitions")
+        store.partner, heads.partner = heads.name, store.name
+    lone = [s.name for s in stores if s.role == "index_heads" and s.partner is None]
+    if lone:
+        raise RepartitionError(f"store(s) {lone} of operator {operator_id} are not keyed by the operator's key "
+                               f"columns and are no expiry index's heads: their rows cannot be routed")
+
+
+def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, conf, default_key=None):
     schemas = None
     for p in range(old):
         files = _files(StateStoreId(checkpoint, operator_id, p, name).store_checkpoint_location(), conf)
@@ -171,13 +199,17 @@ def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, c
     if schemas is None:
         raise RepartitionError(f"store {name!r} of operator {operator_id} has no {SCHEMA_FILE} in any partition")
     key, value = schemas
-    if list(key.names[:len(key_columns)]) != list(key_columns):
-        raise RepartitionError(
-            f"store {name!r} of operator {operator_id} is keyed by {list(key.names)}, which do not start with the "
-            f"operator's key columns {list(key_columns)}: its rows cannot be routed to the new partitions (an "
-            f"expiry index or timers are kept per partition); this operator cannot be repartitioned")
+    role = "keyed"
+    if not set(key_columns) <= set(key.names):
+        index = ExpiryIndex.schemas(default_key) if default_key is not None else {}
+        role = next((f"index_{part}" for part, (k, v) in index.items() if (k, v) == (key.dtype, value.dtype)), None)
+        if role is None:
+            raise RepartitionError(
+                f"store {name!r} of operator {operator_id} is keyed by {list(key.names)}, which do not hold the "
+                f"operator's key columns {list(key_columns)}, and is no expiry index over the operator's keys: "
+                f"its rows cannot be routed to the new partitions; this operator cannot be repartitioned")
     return StorePlan(name, key.dtype, value.dtype, tuple(old_ids), tuple(os.urandom(8).hex() for _ in range(new)),
-                     schema_bytes)
+                     schema_bytes, role)
 
 
 # -- 2. the journal ------------------------------------------------------------------------------
@@ -243,28 +275,109 @@ def read_sources(plan, targets=None, on_source=None):
     wanted[list(targets)] = True
     out = {(s.name, q): [] for s in plan.stores for q in targets}
     for store in plan.stores:
+        if store.role != "keyed":
+            continue
         for p in range(plan.from_partitions):
-            store_id = StateStoreId(plan.checkpoint, plan.operator_id, p, store.name)
-            provider = create_and_init_provider(store_id, store.key_schema, store.value_schema, plan.conf)
-            try:
-                for keys, values in provider.version_rows(plan.version, store.old_ids[p], ROWS_PER_READ):
-                    dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
-                    keep = wanted[dest]
-                    if not keep.all():
-                        keys, values, dest = keys[keep], values[keep], dest[keep]
-                    # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
-                    order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64),
-                                       kind="stable")
-                    rows = _rows_of(keys, values)[order]
-                    bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
-                    for q in targets:
-                        if bounds[q + 1] > bounds[q]:
-                            out[(store.name, q)].append(rows[bounds[q]:bounds[q + 1]])
-            finally:
-                provider.close()
+            for keys, values in _version_rows(plan, store, p):
+                dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
+                keep = wanted[dest]
+                if not keep.all():
+                    keys, values, dest = keys[keep], values[keep], dest[keep]
+                # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
+                order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64),
+                                   kind="stable")
+                rows = _rows_of(keys, values)[order]
+                bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
+                for q in targets:
+                    if bounds[q + 1] > bounds[q]:
+                        out[(store.name, q)].append(rows[bounds[q]:bounds[q + 1]])
             if on_source is not None:
                 on_source()
+    for entries in (s for s in plan.stores if s.role == "index_entries"):
+        _route_index(plan, entries, next(s for s in plan.stores if s.name == entries.partner), targets, out)
+        if on_source is not None:
+            for _ in range(2 * plan.from_partitions):  # both stores of the index
+                on_source()
     return out
+
+
+def _route_index(plan, entries, heads, targets, out):
+    """An expiry index moved: every entry of the old partitions' entries stores goes to the
+    new partition of its key, where the index is rebuilt (same bucket shift) and its two
+    stores' rows put in ``out``."""
+    key_dtype = plan.stores[0].key_dtype
+    routed = {q: [] for q in targets}
+    for p in range(plan.from_partitions):
+        for _, chunks in _version_rows(plan, entries, p):
+            times, keys = ExpiryIndex.entries_of_chunks(key_dtype, chunks)
+            dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
+            for q in targets:
+                mine = dest == q
+                if mine.any():
+                    routed[q].append((times[mine], keys[mine]))
+    shift = _bucket_shift(plan, heads)
+    for q in targets:
+        built = {s.name: _TableStore(s.key_dtype, s.value_dtype) for s in (heads, entries)}
+        index = ExpiryIndex(built[heads.name], built[entries.name], key_dtype, bucket_shift=shift)
+        if routed[q]:
+            index.add(np.concatenate([t for t, _ in routed[q]]), np.concatenate([k for _, k in routed[q]]))
+        for name, table in built.items():
+            rows = table.rows()
+            if len(rows):
+                out[(name, q)].append(rows)
+
+
+def _version_rows(plan, store, p):
+    """The rows of old partition ``p``'s ``store`` at the plan's version, in batches."""
+    provider = create_and_init_provider(StateStoreId(plan.checkpoint, plan.operator_id, p, store.name),
+                                        store.key_schema, store.value_schema, plan.conf)
+    try:
+        yield from provider.version_rows(plan.version, store.old_ids[p], ROWS_PER_READ)
+    finally:
+        provider.close()
+
+
+def _bucket_shift(plan, heads):
+    """The bucket shift the old partitions' indexes were built with (all alike)."""
+    shifts = set()
+    for p in range(plan.from_partitions):
+        provider = create_and_init_provider(StateStoreId(plan.checkpoint, plan.operator_id, p, heads.name),
+                                            heads.key_schema, heads.value_schema, plan.conf)
+        try:
+            reader = provider.get_read_store(plan.version, heads.old_ids[p])
+            try:
+                shifts.add(ExpiryIndex.recorded_shift(reader))
+            finally:
+                reader.abort()
+        finally:
+            provider.close()
+    shifts.discard(None)
+    if len(shifts) > 1:
+        raise RepartitionError(f"the expiry indexes in store {heads.name!r} were built with different bucket "
+                               f"shifts {sorted(shifts)}")
+    return shifts.pop() if shifts else DEFAULT_BUCKET_SHIFT
+
+
+class _TableStore:
+    """The batch calls an ExpiryIndex makes, over an in-memory table: a new partition's index
+    is built here, then written as its stores' snapshots."""
+
+    def __init__(self, key_dtype, value_dtype):
+        self.key_schema, self.value_schema = key_value_schemas(key_dtype, value_dtype)
+        self.table = RowTable(self.key_schema, self.value_schema)
+
+    def get_batch(self, keys):
+        return self.table.get_batch(keys)
+
+    def put_batch(self, keys, values):
+        self.table.put_rows(self.key_schema.rows(keys), self.value_schema.rows(values))
+
+    def remove_batch(self, keys):
+        self.table.remove_rows(self.key_schema.rows(keys))
+
+    def rows(self):
+        keys, values = self.table.export_rows()
+        return np.concatenate([keys, values], axis=1)
 
 
 def write_targets(plan, routed, on_target=None):

@@ -381,3 +381,63 @@ def test_query_moves_from_4_to_7_to_2_partitions_and_keeps_its_state(spark, tmp_
         for b in range(5, 10):
             op.process(dfs[b], b)
     assert state_dict(read_state(spark, root, 0)) == spark_group_by(dfs)
+
+
+def _dedup_batch(spark, b):
+    """Batch ``b`` of the dedup query: 60 rows of 25 ids, event times in the batch's own 20 s
+    (so keys expire two batches on), some ids repeated within the batch."""
+    import datetime
+
+    rng = np.random.default_rng(100 + b)
+    base = datetime.datetime(2026, 1, 1) + datetime.timedelta(seconds=20 * b)
+    rows = [(int(rng.integers(0, 25)), base + datetime.timedelta(milliseconds=int(rng.integers(0, 20000))),
+             int(rng.integers(0, 1000))) for _ in range(60)]
+    return spark.createDataFrame(rows, "id long, ts timestamp, v long")
+
+
+def _event_time_fn(kind):
+    from pyspark_glue import Deduplicate, SessionWindow, WindowedAggregate
+
+    aggregates = {"n": ("count", "*"), "total": ("sum", "v")}
+    if kind == "dedup":
+        return Deduplicate(["id"], "ts", "10 seconds")
+    if kind == "window":
+        return WindowedAggregate(["id"], "ts", "10 seconds", "10 seconds", aggregates=aggregates)
+    return SessionWindow(["id"], "ts", "10 seconds", "3 seconds", aggregates=aggregates)
+
+
+@pytest.mark.parametrize("kind", ["dedup", "window", "session"])
+def test_an_event_time_operator_moves_with_its_expiry_index(spark, tmp_path, kind):
+    """A Deduplicate, WindowedAggregate or SessionWindow (state, and its expiry index) runs 3
+    batches on 4 partitions, is repartitioned to 3 (the index rebuilt from its entries in the
+    partition of each key) and runs 3 more: every later batch's output, late rows and
+    watermarks, and the final state, equal those of the same query run on 3 partitions from
+    the start: the moved index evicts (and emits) what it should."""
+    from pyspark_glue import StatefulOperator, read_state
+
+    def operator(root, partitions):
+        return StatefulOperator(root, 0, partitions, fn=_event_time_fn(kind))
+
+    def rows(df):
+        return sorted(tuple(r) for r in df.collect())
+
+    moved, direct = str(tmp_path / "moved"), str(tmp_path / "direct")
+    before, reference = operator(moved, 4), operator(direct, 3)
+    for b in range(3):
+        before.process(_dedup_batch(spark, b), b)
+        reference.process(_dedup_batch(spark, b), b)
+    before.close()
+    summary = engine.repartition(moved, 0, 3)
+    assert {"default", "expiry_entries", "expiry_heads"} <= set(summary["stores"])
+    after = operator(moved, 3)
+    for b in range(3, 6):
+        out = rows(after.process(_dedup_batch(spark, b), b))
+        expected = rows(reference.process(_dedup_batch(spark, b), b))
+        assert out == expected, b
+        for field in ("late_rows", "watermark_for_eviction_ms", "state_keys"):
+            assert after.last_progress[field] == reference.last_progress[field], (b, field)
+    assert rows(read_state(spark, moved, 0)) == rows(read_state(spark, direct, 0))
+    if kind == "dedup":
+        assert after.last_progress["state_keys"] < 25  # keys were evicted through the moved index
+    after.close()
+    reference.close()
