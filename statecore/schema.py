@@ -9,6 +9,7 @@ float fields the way Spark normalizes grouping keys (NormalizeFloatingNumbers): 
 becomes 0.0 and every NaN the one canonical NaN, so that keys Spark groups together are
 one key here. Schemas are immutable and safe to share between threads.
 """
+import functools
 import json
 import struct
 
@@ -133,8 +134,9 @@ class RowSchema:
 
     @classmethod
     def from_description(cls, description):
-        """Inverse of :meth:`describe`."""
-        return cls(np.dtype([(str(name), str(code)) for name, code in description]))
+        """Inverse of :meth:`describe`. Schemas are immutable, so one is built per distinct
+        description and shared: a file header names the same few schemas again and again."""
+        return _schema_of_description(cls, tuple((str(name), str(code)) for name, code in description))
 
     def __eq__(self, other):
         return isinstance(other, RowSchema) and self.dtype == other.dtype and self.names == other.names
@@ -358,6 +360,11 @@ class RowSchema:
         if self.width == 0:
             return np.zeros(rows.shape[0], dtype=self.dtype)
         return rows.reshape(-1).view(self.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_of_description(cls, fields):
+    return cls(np.dtype(list(fields)))
 
 
 def _structured_from(columns, dtype, n):
