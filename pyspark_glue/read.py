@@ -28,56 +28,51 @@ log = logging.getLogger(__name__)
 BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN = "batch_id", "change_type"
 
 
-def _read_partitions(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, version,
-                     commit_ids, conf, rows_per_batch):
-    """The task body: for each index in the ids it is given, the rows of that partition
-    (at ``commit_ids[p]``, if given)."""
+def _partition_task(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, conf, read):
+    """A read-only task body: for each partition index it is given, the record batches
+    ``read(provider, p)`` yields from a provider of partition ``p``'s store, opened from the
+    files (no registry: no maintenance thread, nothing written)."""
     def run(batches):
-        for batch in batches:
-            for index in batch.column(0).to_pylist():
-                p = partitions[index]
-                store_id = StateStoreId(checkpoint_root, operator_id, p, store_name)
-                provider = create_and_init_provider(store_id, key_dtype, value_dtype, conf)
-                try:
-                    store = provider.get_read_store(version, None if commit_ids is None else commit_ids[p])
-                    try:
-                        for keys, values in store.iter_batches(rows_per_batch):
-                            yield to_record_batch(keys, values, **{PARTITION_ID_COLUMN: p})
-                    finally:
-                        store.abort()
-                finally:
-                    provider.close()
-    return run
-
-
-def _read_changes(checkpoint_root, operator_id, store_name, partitions, key_dtype, value_dtype, start, end,
-                  commit_ids, conf):
-    """The change feed's task body: for each index in the ids it is given, the changes of that
-    partition's versions ``start..end`` (``end`` at ``commit_ids[p]``, if given)."""
-    def run(batches):
-        value_types = [arrow_type_of(value_dtype[name]) for name in value_dtype.names]
         for batch in batches:
             for index in batch.column(0).to_pylist():
                 p = partitions[index]
                 provider = create_and_init_provider(StateStoreId(checkpoint_root, operator_id, p, store_name),
                                                     key_dtype, value_dtype, conf)
                 try:
-                    for version, is_put, keys, values in provider.changes(
-                            start, end, None if commit_ids is None else commit_ids[p]):
-                        n = len(keys)
-                        if is_put:
-                            fields = to_record_batch(keys, values).columns
-                        else:
-                            fields = to_record_batch(keys).columns + [pa.nulls(n, t) for t in value_types]
-                        head = [pa.array(np.full(n, version - 1, dtype=np.int64)),
-                                pa.repeat(pa.scalar("update" if is_put else "delete"), n)]
-                        tail = [pa.array(np.full(n, p, dtype=np.int32))]
-                        names = [BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN, *key_dtype.names, *value_dtype.names,
-                                 PARTITION_ID_COLUMN]
-                        yield pa.RecordBatch.from_arrays(head + list(fields) + tail, names=names)
+                    yield from read(provider, p)
                 finally:
                     provider.close()
     return run
+
+
+def _rows_of_version(version, commit_ids, rows_per_batch):
+    """``read`` for :func:`_partition_task`: every row of ``version`` (at ``commit_ids[p]``)."""
+    def read(provider, p):
+        for keys, values in provider.version_rows(version, None if commit_ids is None else commit_ids[p],
+                                                  rows_per_batch):
+            yield to_record_batch(keys, values, **{PARTITION_ID_COLUMN: p})
+    return read
+
+
+def _changes_of_versions(key_dtype, value_dtype, start, end, commit_ids):
+    """``read`` for :func:`_partition_task`: the changes of versions ``start..end`` (``end``
+    at ``commit_ids[p]``), as the change feed's columns."""
+    value_types = [arrow_type_of(value_dtype[name]) for name in value_dtype.names]
+    names = [BATCH_ID_COLUMN, CHANGE_TYPE_COLUMN, *key_dtype.names, *value_dtype.names, PARTITION_ID_COLUMN]
+
+    def read(provider, p):
+        for version, is_put, keys, values in provider.changes(start, end,
+                                                              None if commit_ids is None else commit_ids[p]):
+            n = len(keys)
+            if is_put:
+                fields = to_record_batch(keys, values).columns
+            else:
+                fields = to_record_batch(keys).columns + [pa.nulls(n, t) for t in value_types]
+            head = [pa.array(np.full(n, version - 1, dtype=np.int64)),
+                    pa.repeat(pa.scalar("update" if is_put else "delete"), n)]
+            tail = [pa.array(np.full(n, p, dtype=np.int32))]
+            yield pa.RecordBatch.from_arrays(head + list(fields) + tail, names=names)
+    return read
 
 
 def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, batch_id=None,
@@ -167,10 +162,9 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         fields = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())]).fields
         schema = T.StructType([T.StructField(BATCH_ID_COLUMN, T.LongType(), True),
                                T.StructField(CHANGE_TYPE_COLUMN, T.StringType(), True), *fields])
-        run = _read_changes(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype,
-                            start_version, version, commit_ids, conf)
-        return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)
-    schema = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())])
-    run = _read_partitions(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, version,
-                           commit_ids, conf, rows_per_batch)
+        read = _changes_of_versions(key.dtype, value.dtype, start_version, version, commit_ids)
+    else:
+        schema = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())])
+        read = _rows_of_version(version, commit_ids, rows_per_batch)
+    run = _partition_task(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, conf, read)
     return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)

@@ -261,17 +261,24 @@ class _StoreCheck:
         return self.default_chain().default_id(version)
 
 
-def _check_metadata(op, report, storage_options):
-    """The operator's ``_operator.json``: JSON of the expected shape; returns it or None."""
-    files = CheckpointFiles(op.location, storage_options)
-    path = files.path(operator_files.OPERATOR_METADATA_FILE)
-    with files.open_read(operator_files.OPERATOR_METADATA_FILE) as f:
+def _read_json(files, name, report):
+    """``(value, ok)`` of the JSON file ``name``, counted in ``report``; damage reported there."""
+    with files.open_read(name) as f:
         raw = f.read()
     report.files += 1
     report.bytes += len(raw)
     value, damage = json_damage(raw)
     if damage is not None:
-        report.add(path, *damage)
+        report.add(files.path(name), *damage)
+    return value, damage is None
+
+
+def _check_metadata(op, report, storage_options):
+    """The operator's ``_operator.json``: JSON of the expected shape; returns it or None."""
+    files = CheckpointFiles(op.location, storage_options)
+    path = files.path(operator_files.OPERATOR_METADATA_FILE)
+    value, ok = _read_json(files, operator_files.OPERATOR_METADATA_FILE, report)
+    if not ok:
         return None
     problems = []
     if not isinstance(value, dict) or value.get("format") != operator_files.METADATA_FORMAT:
@@ -311,18 +318,14 @@ def _check_records(op, checks, report, storage_options, batches=None):
     records = operator_files.commit_log(op.location, storage_options)
     by_store = {(c.ref.partition_id, c.ref.store_name): c for c in checks}
     sound = {}
-    for b in records.epochs() if batches is None else [b for b in batches if b in records.epochs()]:
+    present = records.epochs()
+    for b in present if batches is None else [b for b in batches if b in present]:
         path = records.path(b)
-        with records.files.open_read(str(b)) as f:
-            raw = f.read()
-        report.files += 1
-        report.bytes += len(raw)
-        _value, damage = json_damage(raw)
-        if damage is not None:
-            report.add(path, *damage)
+        value, ok = _read_json(records.files, str(b), report)
+        if not ok:
             continue
         try:
-            record = operator_files.read_commit_record(records, b)
+            record = operator_files.checked_record(value, b, path)
         except ValueError as e:
             what = str(e).removeprefix(path).lstrip(": ")
             report.add(path, None, f"it {what}" if what.startswith("is ") else what)

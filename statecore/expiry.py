@@ -86,14 +86,8 @@ class ExpiryIndex:
         """``(times, keys)`` of every entry held in rows of the entries store (``chunks``: its
         values): what an index holds, read without its buckets (to move it elsewhere)."""
         key_dtype = np.dtype(key_dtype)
-        item_dtype = cls._item_dtype(key_dtype)
-        c = cls._per_chunk(item_dtype)
-        items = np.ascontiguousarray(chunks[_PACKED]).view(item_dtype)
-        items = items[(np.arange(c)[None, :] < chunks[_FILL][:, None]).ravel()]
-        keys = np.empty(len(items), dtype=key_dtype)
-        for name in key_dtype.names:
-            keys[name] = items[name]
-        return items[TIME_FIELD].copy(), keys
+        items, _ = _unpack(cls._item_dtype(key_dtype), chunks)
+        return _split(items, key_dtype)
 
     def _meta(self):
         values, found = self.heads.get_batch(_META)
@@ -125,10 +119,7 @@ class ExpiryIndex:
 
     def _unpack(self, chunks):
         """The entries of ``chunks`` in order, and the chunk each came from."""
-        c = self.per_chunk
-        items = np.ascontiguousarray(chunks[_PACKED]).view(self.item_dtype)
-        valid = (np.arange(c)[None, :] < chunks[_FILL][:, None]).ravel()
-        return items[valid], np.repeat(np.arange(len(chunks), dtype=np.int64), chunks[_FILL])
+        return _unpack(self.item_dtype, chunks)
 
     def _pack(self, counts, items):
         """``items`` (grouped by list, ``counts[i]`` for list i, in order) as full chunks and
@@ -246,7 +237,21 @@ class ExpiryIndex:
         out = items[expired]
         self._count -= len(out)
         self._save_meta()
-        keys = np.empty(len(out), dtype=self.key_dtype)
-        for name in self.key_dtype.names:
-            keys[name] = out[name]
-        return out[TIME_FIELD].copy(), keys
+        return _split(out, self.key_dtype)
+
+
+def _unpack(item_dtype, chunks):
+    """The entries packed in ``chunks`` (rows of the entries store's values), in order, and
+    the chunk each came from."""
+    per_chunk = ExpiryIndex._per_chunk(item_dtype)
+    items = np.ascontiguousarray(chunks[_PACKED]).view(item_dtype)
+    valid = (np.arange(per_chunk)[None, :] < chunks[_FILL][:, None]).ravel()
+    return items[valid], np.repeat(np.arange(len(chunks), dtype=np.int64), chunks[_FILL])
+
+
+def _split(items, key_dtype):
+    """``(times, keys)`` of index entries."""
+    keys = np.empty(len(items), dtype=key_dtype)
+    for name in key_dtype.names:
+        keys[name] = items[name]
+    return items[TIME_FIELD].copy(), keys

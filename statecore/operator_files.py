@@ -11,7 +11,7 @@ from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "check_metadata",
-           "compare_metadata", "commit_log", "commit_record", "read_commit_record", "REPARTITION_KEY",
+           "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record", "REPARTITION_KEY",
            "repartitioned"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
@@ -130,15 +130,17 @@ def read_commit_record(records, batch_id, metadata=None):
                 f"operator {metadata.get('operator_id')} was repartitioned from {moved.get('from_partitions')} to "
                 f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: the state of batch "
                 f"{batch_id} was not kept at the new partitioning ({records.path(batch_id)})")
-        return _checked_record(dict(moved["record"]), batch_id, f"{records.path(batch_id)} (as in _operator.json)")
+        return checked_record(dict(moved["record"]), batch_id, f"{records.path(batch_id)} (as in _operator.json)")
     try:
         record = records.read(batch_id)
     except FileNotFoundError:
         return None
-    return _checked_record(record, batch_id, records.path(batch_id))
+    return checked_record(record, batch_id, records.path(batch_id))
 
 
-def _checked_record(record, batch_id, where):
+def checked_record(record, batch_id, where):
+    """``record`` (parsed JSON) as :func:`read_commit_record` returns it, or ValueError naming
+    ``where`` if it is not the record of ``batch_id``."""
     if (not isinstance(record, dict) or record.get("format") != RECORD_FORMAT
             or record.get("batch_id") != batch_id or not isinstance(record.get("num_partitions"), int)):
         raise ValueError(f"{where} is not the record of batch {batch_id} of a statecore operator")

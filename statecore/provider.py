@@ -28,7 +28,6 @@ from statecore.ids import StateStoreId
 from statecore.layers import FrozenView, State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
-from statecore.rowsource import iter_batches
 from statecore.schema import RowSchema, key_value_schemas
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
@@ -426,17 +425,22 @@ class FileStateStoreProvider(StateStoreProvider):
             raise
         return State(self._key_schema, self._value_schema, reader, f.version, commit_id, reader.row_count)
 
+    def _checked_delta(self, f, parent_id=None):
+        """``(commit id, blocks)`` of the delta file ``f``, read whole and verified to its
+        trailer before any row is used; its header must agree with its name and, given
+        ``parent_id``, follow that attempt of the version before."""
+        path = self._files.path(f.name)
+        with self._files.open_read(f.name) as source:
+            reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
+            check_names_agree(f, path, reader.store_version, reader.commit_id)
+            if parent_id is not None and reader.parent_id != parent_id:
+                raise StateCorruptionError(path, None, f"delta of version {f.version} does not follow the "
+                                                       f"version {f.version - 1} it is read on (a file of another run)")
+            return reader.commit_id, list(reader)
+
     def _replay(self, state, steps):
         for u, f in reversed(steps):
-            path = self._files.path(f.name)
-            with self._files.open_read(f.name) as source:
-                reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
-                own_id, parent_id = reader.commit_id, reader.parent_id
-                check_names_agree(f, path, reader.store_version, own_id)
-                if parent_id != state.commit_ids[state.version]:
-                    raise StateCorruptionError(path, None, f"delta of version {u} does not follow the "
-                                                           f"loaded version {u - 1} (a file of another run)")
-                blocks = list(reader)  # verified to the trailer before any change is applied
+            own_id, blocks = self._checked_delta(f, parent_id=state.commit_ids[state.version])
             for kind, keys, values in blocks:
                 state.replay(kind == BLOCK_PUTS, keys, values)
             state.advance(u, own_id)
@@ -446,32 +450,18 @@ class FileStateStoreProvider(StateStoreProvider):
     def version_rows(self, version, commit_id=None, rows_per_batch=1 << 20):
         """Yield ``(keys, values)`` batches of every row of ``version`` (at ``commit_id``, or
         the default lineage's), for a reader that visits each row once (a repartition, an
-        export). Where the version is one file, straight from it: its own snapshot (mapped),
-        or a delta over the empty version 0 (checked to its trailer, then its puts: a delta
-        holds each key once); otherwise through a read-only store (``get_read_store``), which
-        builds the version in memory first."""
+        export, read_state). A version that is the delta of version 1 alone is read straight
+        from it (checked to its trailer, then its puts: a delta holds each key once), without
+        building it in memory; any other goes through a read-only store (``get_read_store``:
+        a snapshot is mapped, a damaged one skipped for an older one and its deltas)."""
         if not isinstance(rows_per_batch, int) or rows_per_batch <= 0:
             raise ValueError(f"rows_per_batch must be an int > 0, got {rows_per_batch!r}")
         listing = self._files.list_versions()
         target = self._resolve(version, commit_id, listing)
         chain = self._chain(listing)
-        snapshot = chain.find("snapshot", version, target) if version else None
-        delta = chain.find("delta", version, target) if version else None
-        if snapshot is not None:
-            reader = self._open_snapshot(snapshot, target).base
-            try:
-                yield from iter_batches(reader.cursor(), self._key_schema, self._value_schema, rows_per_batch)
-            finally:
-                reader.close()
-            return
-        if delta is not None and version == 1:
-            path = self._files.path(delta.name)
-            with self._files.open_read(delta.name) as source:
-                reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
-                check_names_agree(delta, path, reader.store_version, reader.commit_id)
-                if reader.parent_id != ROOT_COMMIT_ID:
-                    raise StateCorruptionError(path, None, "the delta of version 1 does not follow version 0")
-                blocks = list(reader)  # verified to the trailer before any row is used
+        delta = chain.find("delta", 1, target) if version == 1 else None
+        if delta is not None and chain.find("snapshot", 1, target) is None:
+            _, blocks = self._checked_delta(delta, parent_id=ROOT_COMMIT_ID)
             for kind, keys, values in blocks:
                 if kind == BLOCK_PUTS:
                     for start in range(0, keys.shape[0], rows_per_batch):
@@ -512,13 +502,9 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise VersionNotFoundError(
                     f"the change of version {u} of {self} is not retained: {path} does not exist (deltas older "
                     f"than the retained snapshots are deleted by maintenance)")
-            steps.append((u, cid, delta))
-        for u, cid, f in reversed(steps):
-            path = self._files.path(f.name)
-            with self._files.open_read(f.name) as source:
-                reader = DeltaReader(source, self._key_schema, self._value_schema, path=path)
-                check_names_agree(f, path, reader.store_version, reader.commit_id)
-                blocks = list(reader)  # verified to the trailer before any row is yielded
+            steps.append((u, delta))
+        for u, f in reversed(steps):
+            _, blocks = self._checked_delta(f)
             for kind, keys, values in blocks:
                 if kind == BLOCK_PUTS:
                     yield u, True, self._key_schema.from_rows(keys), self._value_schema.from_rows(values)

@@ -327,10 +327,15 @@ def _route_index(plan, entries, heads, targets, out):
                 out[(name, q)].append(rows)
 
 
+def _old_provider(plan, store, p):
+    """A provider of old partition ``p``'s ``store``, opened from the files."""
+    return create_and_init_provider(StateStoreId(plan.checkpoint, plan.operator_id, p, store.name),
+                                    store.key_schema, store.value_schema, plan.conf)
+
+
 def _version_rows(plan, store, p):
     """The rows of old partition ``p``'s ``store`` at the plan's version, in batches."""
-    provider = create_and_init_provider(StateStoreId(plan.checkpoint, plan.operator_id, p, store.name),
-                                        store.key_schema, store.value_schema, plan.conf)
+    provider = _old_provider(plan, store, p)
     try:
         yield from provider.version_rows(plan.version, store.old_ids[p], ROWS_PER_READ)
     finally:
@@ -341,8 +346,7 @@ def _bucket_shift(plan, heads):
     """The bucket shift the old partitions' indexes were built with (all alike)."""
     shifts = set()
     for p in range(plan.from_partitions):
-        provider = create_and_init_provider(StateStoreId(plan.checkpoint, plan.operator_id, p, heads.name),
-                                            heads.key_schema, heads.value_schema, plan.conf)
+        provider = _old_provider(plan, heads, p)
         try:
             reader = provider.get_read_store(plan.version, heads.old_ids[p])
             try:

@@ -94,13 +94,9 @@ def _write_rows(reads, key, value, writer, rows_per_batch):
             if version > 0:
                 provider = create_and_init_provider(store_id, key.dtype, value.dtype, StateStoreConf())
                 try:
-                    store = provider.get_read_store(version, commit_id)
-                    try:
-                        for keys, values in store.iter_batches(rows_per_batch):
-                            writer.write(keys, values, p)
-                            rows += len(keys)
-                    finally:
-                        store.abort()
+                    for keys, values in provider.version_rows(version, commit_id, rows_per_batch):
+                        writer.write(keys, values, p)
+                        rows += len(keys)
                 finally:
                     provider.close()
             advance(1)
