@@ -344,13 +344,19 @@ class State:
         self.commit_ids[version] = commit_id
         self.num_keys[version] = n
 
-    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None):
+    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None, put_prior=None):
         """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
         their undo: the prior value or absence of every key they change. ``del_prior``: the
-        values ``del_keys`` have now, if the caller looked them up (all of them present)."""
+        values ``del_keys`` have now, if the caller looked them up (all of them present);
+        ``put_prior``: ``(values, found)`` of ``put_keys`` now, likewise. Given both, the
+        merge looks nothing up: no damaged base can stop it half way."""
         self._check_not_frozen()
         before = self.count(self.version)
-        prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
+        if put_prior is None:
+            prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
+        else:
+            prior_put, prior_put_found = put_prior
+            self.head.put_rows(put_keys, put_values)
         if del_prior is None:
             prior_del, prior_del_found = self.lookup(self.version, del_keys)
         else:

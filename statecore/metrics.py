@@ -19,6 +19,8 @@ FILE_PROVIDER_CUSTOM_METRICS = (
                            "size"),
     StateStoreCustomMetric("loadedMapCacheHitCount", "count of cache hit on states cache in provider"),
     StateStoreCustomMetric("loadedMapCacheMissCount", "count of cache miss on states cache in provider"),
+    StateStoreCustomMetric("rolledForwardCount",
+                           "count of versions reached from the one in memory by the deltas since"),
 )
 
 

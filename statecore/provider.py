@@ -59,7 +59,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._headers = {}  # file name -> (commit_id, parent_id): names with ids never change
         self._verified_files = set()  # names maintenance checked whole before deleting on their account
         self._maintenance_hint = None  # called when a snapshot is due before the next period
-        self._hits = self._misses = 0
+        self._hits = self._misses = self._rolled_forward = 0
         self._schema_written = False
         self._closed = False
 
@@ -175,6 +175,9 @@ class FileStateStoreProvider(StateStoreProvider):
                             version, self, latest.commit_ids[version].hex(), target.hex())
             if version > 0:  # version 0 is the empty state: nothing to load (as in Spark)
                 self._misses += 1
+        view = self._roll_forward(latest, version, target, listing)
+        if view is not None:
+            return view
         log.info("version %d of %s is not in memory; loading it from files", version, self)
         state = self._load(version, target, listing)
         with self._lock:
@@ -183,6 +186,75 @@ class FileStateStoreProvider(StateStoreProvider):
             if keep:
                 self._latest = state
             return View(self, state, version, listing)
+
+    def _roll_forward(self, latest, version, commit_id, listing):
+        """A view of ``version`` reached from ``latest``, the newest version in memory, by the
+        deltas committed since (another process of the executor ran the batches in between),
+        or None when a load from files is the better way: no state in memory, another
+        lineage, a snapshot newer than the version held (fewer deltas to replay from it),
+        or the state changed while the deltas were read.
+
+        Each delta is checked whole and must follow the one before; it is merged as a commit
+        is (its undo kept), so the versions held before stay readable. A delta holds each
+        key once, its removes and puts disjoint (only a commit's update layer writes one)."""
+        if latest is None or latest.pending is not None or latest.version >= version:
+            return None
+        start, start_id = latest.version, latest.commit_ids[latest.version]
+        steps = []  # (version, delta file) from `version` down to start + 1
+        for u, cid, delta, snapshot in self._chain(listing).walk(version, commit_id):
+            if u == start:
+                if cid != start_id:
+                    return None
+                break
+            if snapshot is not None or delta is None:
+                return None
+            steps.append((u, delta))
+        parent_id, deltas = start_id, []
+        try:
+            for u, f in reversed(steps):
+                own_id, blocks = self._checked_delta(f, parent_id=parent_id)
+                deltas.append((own_id, blocks))
+                parent_id = own_id
+        except FileNotFoundError:
+            return None  # cleaned up meanwhile: the load lists again
+        with self._lock:
+            if (self._closed or self._latest is not latest or latest.version != start
+                    or latest.pending is not None):
+                return None
+            state = self._state_to_merge_into(latest, start, start_id)
+            try:
+                for own_id, blocks in deltas:
+                    self._merge_delta(state, own_id, blocks)
+            except StateCorruptionError as e:  # a damaged block of the base, found by a lookup
+                log.warning("version %d of %s not reached from version %d in memory: %s; loading it from files",
+                            version, self, start, e)
+                if state.version > start:  # merged whole up to there: a consistent state
+                    self._latest = state
+                return None
+            self._rolled_forward += 1
+            self._latest = state
+            self._retain(state)
+            head_due = self._head_outgrown(state)
+            view = View(self, state, version, listing)
+        log.info("version %d of %s reached from version %d in memory by %d deltas",
+                 version, self, start, len(deltas))
+        if head_due and self._maintenance_hint is not None:
+            self._maintenance_hint()
+        return view
+
+    def _merge_delta(self, state, commit_id, blocks):
+        """Merge one checked delta's blocks as the next version of ``state``. REQUIRES:
+        self._lock held. The prior values are looked up first: a lookup that raises leaves
+        ``state`` as it was. Removes of keys absent here change nothing and are left out."""
+        key_width, value_width = self._key_schema.width, self._value_schema.width
+        put_keys = _rows_of([keys for kind, keys, _ in blocks if kind == BLOCK_PUTS], key_width)
+        put_values = _rows_of([values for kind, _, values in blocks if kind == BLOCK_PUTS], value_width)
+        del_keys = _rows_of([keys for kind, keys, _ in blocks if kind != BLOCK_PUTS], key_width)
+        put_prior = state.lookup(state.version, put_keys)
+        del_values, del_found = state.lookup(state.version, del_keys)
+        if not del_found.all():
+            del_keys, del_values = take_rows(del_keys, del_found), take_rows(del_values, del_found)
+        state.merge(put_keys, put_values, del_keys, commit_id, put_prior=put_prior, del_prior=del_values)
 
     def _pin(self, state, version):
         with self._lock:
@@ -247,7 +319,7 @@ class FileStateStoreProvider(StateStoreProvider):
         writer_thread.start()
         try:
             with self._lock:
-                state = self._state_to_merge_into(view)
+                state = self._state_to_merge_into(view.state, view.version, view.commit_id)
                 state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior)
         except BaseException:
             writer_thread.join()
@@ -299,21 +371,20 @@ class FileStateStoreProvider(StateStoreProvider):
             del_keys, values = take_rows(del_keys, found), take_rows(values, found)
         return del_keys, values
 
-    def _state_to_merge_into(self, view):
-        """The State the commit from ``view`` merges into. REQUIRES: self._lock held.
+    def _state_to_merge_into(self, source, version, commit_id):
+        """The State a commit on ``version`` (attempt ``commit_id``) of ``source`` merges into.
+        REQUIRES: self._lock held.
 
-        The newest State when the view is its newest version and nobody iterates it;
-        otherwise that State is frozen (iterations read it without the lock; a re-execution
-        from an older version leaves it to its readers) and a new one is built over it."""
-        version = view.version
+        The newest State when the version is its newest and nobody iterates it; otherwise
+        that State is frozen (iterations read it without the lock; a re-execution from an
+        older version leaves it to its readers) and a new one is built over it."""
         previous = self._latest
-        if (previous is view.state and previous.version == version and not previous.frozen
+        if (previous is source and previous.version == version and not previous.frozen
                 and not previous.iterating):
             return previous
-        source = view.state
         source.frozen = True
         state = State(self._key_schema, self._value_schema, FrozenView(source, version),
-                      version, view.commit_id, source.count(version))
+                      version, commit_id, source.count(version))
         if source is previous and previous.version == version:
             # Same lineage, frozen only for its iterators: older versions stay readable.
             state.undo = dict(source.undo)
@@ -558,7 +629,17 @@ class FileStateStoreProvider(StateStoreProvider):
                 "stateOnCurrentVersionSizeBytes": num_keys * (self._key_schema.width + self._value_schema.width),
                 "loadedMapCacheHitCount": self._hits,
                 "loadedMapCacheMissCount": self._misses,
+                "rolledForwardCount": self._rolled_forward,
             })
+
+
+def _rows_of(parts, width):
+    """One (n, width) uint8 array of the row arrays ``parts`` (empty when there are none)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return np.empty((0, width), dtype=np.uint8)
+    return np.concatenate(parts)
 
 
 def read_version_header(files, f):

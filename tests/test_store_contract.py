@@ -440,6 +440,70 @@ def test_damaged_snapshot_falls_back_to_deltas_and_damaged_delta_is_an_error(roo
         make(root).get_read_store(5)
 
 
+def _metric(p, version, name):
+    """A custom metric of ``p``, read through a store of ``version`` (one it holds)."""
+    store = p.get_read_store(version)
+    try:
+        return store.metrics.custom_metrics[name]
+    finally:
+        store.abort()
+
+
+def test_a_version_committed_by_another_worker_is_reached_by_its_deltas(root):
+    """Two providers of one store (two workers of an executor) take the batches in turn:
+    each reaches the newest version from the one it holds by the deltas since, keeps its
+    older versions readable, and sees exactly what the other committed (puts and removes)."""
+    a, b = make(root), make(root)
+    commit_batch(a, 0, [(k, (k, 0.0)) for k in range(6)])
+    commit_batch(a, 1, [(6, (6, 0.0))])
+    assert contents(b.get_read_store(2)) == {k: (k, 0.0) for k in range(7)}  # b loads: nothing held
+    assert _metric(b, 2, "rolledForwardCount") == 0
+    commit_batch(b, 2, [(0, (0, 9.5)), (7, (7, 0.0))], removes=[1, 99])
+    commit_batch(b, 3, [(8, (8, 0.0))], removes=[2])
+    expected = {k: (k, 0.0) for k in range(9) if k not in (1, 2)}
+    expected[0] = (0, 9.5)
+    assert contents(a.get_read_store(4)) == expected
+    assert _metric(a, 4, "rolledForwardCount") == 1
+    hits = _metric(a, 4, "loadedMapCacheHitCount")
+    version_3 = {k: (k, 0.0) for k in range(8) if k != 1}
+    version_3[0] = (0, 9.5)
+    assert contents(a.get_read_store(3)) == version_3  # held in memory by the roll forward's undo
+    assert _metric(a, 4, "loadedMapCacheHitCount") == hits + 2
+    commit_batch(a, 4, [(9, (9, 0.0))])
+    assert contents(make(root).get_read_store(5)) == {**expected, 9: (9, 0.0)}
+
+
+def test_no_roll_forward_across_another_lineage_or_past_a_newer_snapshot(root):
+    a, b = make(root, min_deltas_for_snapshot=1), make(root, min_deltas_for_snapshot=1)
+    commit_one_key_each(a, 3)
+    b.get_read_store(2).abort()
+    commit_batch(b, 2, [(50, (50, 0.0))])  # re-executes version 3: a holds the other attempt
+    assert contents(a.get_read_store(3)) == {0: (0, 0.0), 1: (1, 0.0), 50: (50, 0.0)}
+    assert _metric(a, 3, "rolledForwardCount") == 0
+    commit_batch(b, 3, [(60, (60, 0.0))])
+    commit_batch(b, 4, [(70, (70, 0.0))])
+    b.do_maintenance()  # a snapshot of version 5, newer than a's version 3
+    assert any(n.startswith("5_") and n.endswith(".snapshot") for n in os.listdir(store_dir(root)))
+    assert contents(a.get_read_store(5)) == {0: (0, 0.0), 1: (1, 0.0), 50: (50, 0.0), 60: (60, 0.0),
+                                             70: (70, 0.0)}
+    assert _metric(a, 5, "rolledForwardCount") == 0
+
+
+def test_roll_forward_leaves_an_iteration_of_the_held_version_alone(root):
+    a, b = make(root), make(root)
+    commit_batch(a, 0, [(k, (k, 0.0)) for k in range(4)])
+    reader = a.get_read_store(1)
+    it = reader.iterator()
+    first = next(it)
+    commit_batch(b, 1, [(9, (9, 0.0))], removes=[0, 1, 2, 3])
+    assert contents(a.get_read_store(2)) == {9: (9, 0.0)}
+    assert _metric(a, 2, "rolledForwardCount") == 1
+    rest = {int(k[0]): tuple(v) for k, v in it}
+    rest[int(first[0][0])] = tuple(first[1])
+    assert rest == {k: (k, 0.0) for k in range(4)}
+    reader.abort()
+
+
 def test_cache_hits_and_misses(root):
     p = make(root)
     commit_batch(p, 0, [(1, (1, 0.0))])

@@ -3,7 +3,8 @@
 The machine keeps one live provider on a store directory and a model of its default
 lineage (``{version: {key: value}}``). Its steps: puts and removes (one row, or a batch)
 on the open store, commits and aborts, re-executions from an older retained version,
-reloads (a fresh provider on the same directory), maintenance with a small snapshot
+reloads (a fresh provider on the same directory), a switch to another live provider of the
+same store (another worker, holding an older version), maintenance with a small snapshot
 cadence and retention window, one flipped byte in any file (every load then either
 returns the model's data or raises StateCorruptionError naming that file; maintenance
 runs over it; then the bytes are restored and every retained version must load), and an
@@ -68,6 +69,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.root = tempfile.mkdtemp(prefix="statecore-stateful-")
         self.dir = os.path.join(self.root, "0", "0")
         self.p = self.make()
+        self.other = self.make()  # another worker's provider of the same store, kept alive
         self.model = {0: {}}  # the default lineage: version -> contents
         self.store = None  # the open writable store, its version and its expected contents
         self.base = None
@@ -185,6 +187,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.p.close()
         self.p = self.make()
         for v in self.retained():
+            assert self.check_version(self.p, v) == "correct"
+
+    @precondition(lambda self: self.store is None)
+    @rule()
+    def switch_worker(self):
+        # The next task runs in the other worker, which holds an older version (or none):
+        # it reaches the newest by the deltas since, or loads it; either way every retained
+        # version reads right.
+        self.p, self.other = self.other, self.p
+        for v in reversed(self.retained()):
             assert self.check_version(self.p, v) == "correct"
 
     @rule(which=st.sampled_from(["live", "fresh", "eager"]))
