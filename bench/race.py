@@ -21,7 +21,12 @@ update mode. Contenders, each in a fresh Python process with its own Spark sessi
   still without state: the floor plus what the streaming machinery costs per batch.
 
 Spark's queries write their updated rows to the ``noop`` sink; statecore's operator writes its
-updated rows as parquet files (its materialized output), which is more work, not less.
+updated rows as parquet files (its materialized output), which is more work, not less (the
+files are not read back: ``process(..., read_output=False)``, as a caller not using them would).
+
+``--small``: 30 batches of 10,000 rows over 100,000 keys for ``stream_floor``, ``hdfs`` and
+``statecore``: per-batch latency (median and p95 over batches 3..N) when a batch's fixed
+costs dominate.
 
 Per contender: the time of each batch (``triggerExecution`` of the streaming progress; the
 job's wall time for the floor), rows/s as the median over batches 3..N, the state commit time
@@ -257,7 +262,7 @@ def operator_writer(events, operator):
     operator.history = []
 
     def process(df, batch_id):
-        operator.process(df, batch_id)
+        operator.process(df, batch_id, read_output=False)  # like the noop sink of the others
         operator.history.append(operator.last_progress)
 
     return events.writeStream.foreachBatch(process)
@@ -424,7 +429,8 @@ def summarize(result, rows, first_measured):
     batches = result["batches"]
     measured = batches[first_measured:] or batches[-1:]
     seconds = statistics.median(b["seconds"] for b in measured)
-    return {"batch_s": seconds, "rows_per_s": rows / seconds, "batches": batches,
+    return {"batch_s": seconds, "batch_p95_s": float(np.percentile([b["seconds"] for b in measured], 95)),
+            "rows_per_s": rows / seconds, "batches": batches,
             "commit_s": statistics.median(b.get("commit_s", 0.0) for b in measured),
             "batch_seconds": [b["seconds"] for b in batches],
             "jvm_peak_mib": result["jvm_peak_bytes"] / 2**20,
@@ -536,8 +542,11 @@ def add_ratios(results):
             if not sc:
                 continue
             tag = "" if ours == "statecore" else "raw_"
-            if "floor" in table:
-                r[f"{ours}_batch_over_floor"] = sc["batch_s"] / table["floor"]["batch_s"]
+            for floor in ("floor", "stream_floor"):
+                if floor in table:
+                    r[f"{ours}_batch_over_{floor}"] = sc["batch_s"] / table[floor]["batch_s"]
+                    if "batch_p95_s" in sc and "batch_p95_s" in table[floor]:
+                        r[f"{ours}_p95_over_{floor}"] = sc["batch_p95_s"] / table[floor]["batch_p95_s"]
             for other in CONTENDERS:
                 if other in table and other not in ("statecore", "statecore_raw", "floor", "stream_floor"):
                     r[f"{tag}speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
@@ -559,11 +568,12 @@ def add_ratios(results):
 
 def print_tables(results):
     for keys, table in results["race"].items():
-        print(f"\nK = {int(keys):,} keys  {'contender':<18} {'rows/batch':>10} {'s/batch':>8} {'rows/s':>11} "
+        print(f"\nK = {int(keys):,} keys  {'contender':<18} {'rows/batch':>10} {'s/batch':>8} {'p95 s':>6} {'rows/s':>11} "
               f"{'commit ms':>9} {'state MiB':>9} {'JVM MiB':>8} {'workers MiB':>11}")
         for name, s in table.items():
             state = f"{s['state_bytes'] / 2**20:.1f}" if "state_bytes" in s else "-"
-            print(f"{'':<15}{name:<18} {s['rows_per_batch']:>10,} {s['batch_s']:>8.2f} {s['rows_per_s']:>11,.0f} "
+            p95 = f"{s['batch_p95_s']:.2f}" if "batch_p95_s" in s else "-"
+            print(f"{'':<15}{name:<18} {s['rows_per_batch']:>10,} {s['batch_s']:>8.2f} {p95:>6} {s['rows_per_s']:>11,.0f} "
                   f"{s['commit_s'] * 1e3:>9.0f} {state:>9} {s['jvm_peak_mib']:>8.0f} {s['python_workers_peak_mib']:>11.0f}")
     for n, table in results["restart"].items():
         print(f"\nrestart with {int(n):,} keys: " + ", ".join(
@@ -598,7 +608,16 @@ def parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--quick", action="store_true", help="every contender and path, small (a smoke test)")
+    p.add_argument("--small", action="store_true",
+                   help="small batches: 30 batches of 10,000 rows over 100,000 keys, stream_floor, hdfs and "
+                        "statecore, no restarts (per-batch latency: the median and p95 columns)")
     return p
+
+
+def small_args(p):
+    """The settings of ``--small``: per-batch latency when the fixed costs of a batch dominate."""
+    return p.parse_args(["--keys", "100000", "--rows", "10000", "--batches", "30", "--restart-keys", "",
+                         "--contenders", "stream_floor,hdfs,statecore"])
 
 
 def quick_args(p):
@@ -643,9 +662,10 @@ def parse_main_args(p, argv, quick_args, keep=("json",)):
     """The arguments of a race's ``main``: ``--quick`` replaces them by ``quick_args(p)``,
     keeping those named in ``keep``."""
     args = p.parse_args(argv)
-    if args.quick:
+    preset = quick_args if args.quick else small_args if getattr(args, "small", False) else None
+    if preset is not None:
         kept = {name: getattr(args, name) for name in keep}
-        args = quick_args(p)
+        args = preset(p)
         for name, value in kept.items():
             setattr(args, name, value)
     return args

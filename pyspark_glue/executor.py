@@ -17,7 +17,7 @@ import time
 from urllib.parse import parse_qs, urlparse
 
 from statecore import registry
-from statecore.coordinator import StateStoreCoordinatorRef
+from statecore.coordinator import StateStoreCoordinatorRef, executor_location, executor_of, parse_executor_location
 
 __all__ = ["executor_identity", "worker_executor_id", "spark_location", "ensure_worker_registry",
            "open_store", "unload_other_runs", "load_counts", "reset_load_counts", "COORDINATOR_RETRY_S"]
@@ -121,14 +121,8 @@ def spark_location(location):
     locations without a pid part are returned as they are."""
     if location is None:
         return None
-    prefix = "executor_"
-    if not location.startswith(prefix) or "_" not in location[len(prefix):]:
-        raise ValueError(f"not an executor location: {location!r}")
-    host, worker = location[len(prefix):].split("_", 1)
-    spark_id, dot, pid = worker.rpartition(".")
-    if dot and spark_id and pid.isdigit():
-        worker = spark_id
-    return f"{prefix}{host}_{worker}"
+    host, worker = parse_executor_location(location)
+    return executor_location(host, executor_of(worker))
 
 
 # -- the registry's coordinator ----------------------------------------------------------------

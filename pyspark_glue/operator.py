@@ -176,6 +176,7 @@ class StatefulOperator:
         self._own_run_id = query_run_id or uuid.uuid4()
         self._lock = threading.Lock()
         self._resolved = False
+        self._input_resolved = False  # the output schema is known (from the first input's columns)
         self._recorded = None  # the metadata in the checkpoint, once checked
         self._runs = {}  # run id -> [generation, last batch id processed]
         self._current_run = None
@@ -244,9 +245,10 @@ class StatefulOperator:
         if self.key_schema is None:
             self.fn.resolve_schemas(df.schema)
             self._take_schemas()
-        if self._arrow_schema is None:
+        if not self._input_resolved:
             self.output_schema, self._arrow_schema = output_schemas(
                 _from_fn(self.fn, "output_schema", self._output_schema_arg))
+            self._input_resolved = True
 
     def _metadata(self, df):
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
@@ -335,9 +337,12 @@ class StatefulOperator:
 
     # -- a micro-batch -------------------------------------------------------------------------------
 
-    def process(self, df, batch_id, *, advance_watermark_to=None):
+    def process(self, df, batch_id, *, advance_watermark_to=None, read_output=True):
         """Run micro-batch ``batch_id`` of ``df`` through the operator (one Spark job) and
-        return its output as a DataFrame read from the materialized files.
+        return its output as a DataFrame read from the materialized files; with
+        ``read_output=False``, return None and leave the files unread (listing them is a
+        driver round trip per batch that a caller not using the output should not pay; read
+        them later with :meth:`output`).
 
         With an event-time column, ``advance_watermark_to`` (a ``datetime`` or int
         milliseconds) raises the batch's eviction watermark to at least that: given an empty
@@ -409,15 +414,25 @@ class StatefulOperator:
         oldest_kept = batch_id - self.output_batches_to_retain + 1
         if oldest_kept > 0:
             operator_files.delete_outputs_before(self.operator_dir, oldest_kept, self.conf.storage_options)
-        if output_dir is None:
-            from pyspark.sql.types import StructType
-            out = spark.createDataFrame([], StructType([]))
-        else:
-            files = CheckpointFiles(output_dir, self.conf.storage_options)
-            out = spark.read.schema(self.output_schema).parquet(files.spark_url())
+        out = self.output(batch_id, spark) if read_output else None
         self.last_progress["driver_s"] = {"before_job": started - begun, "job": seconds,
                                           "after_job": time.perf_counter() - started - seconds}
         return out
+
+    def output(self, batch_id, spark=None):
+        """The output of ``batch_id`` as a DataFrame read from its files (those of the latest
+        ``output_batches_to_retain`` batches are kept); an empty DataFrame for an operator
+        without output. ``spark``: the session to read with (default: the active one)."""
+        from pyspark.sql import SparkSession
+        if not self._input_resolved:
+            raise RuntimeError("this StatefulOperator has processed no batch yet: its output schema (which may "
+                               "follow the input's columns) is not known")
+        spark = spark or SparkSession.active()
+        if self._arrow_schema is None:
+            from pyspark.sql.types import StructType
+            return spark.createDataFrame([], StructType([]))
+        files = CheckpointFiles(self.output_dir(batch_id), self.conf.storage_options)
+        return spark.read.schema(self.output_schema).parquet(files.spark_url())
 
     # -- the batch record ------------------------------------------------------------------------------
 

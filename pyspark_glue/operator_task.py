@@ -118,10 +118,11 @@ _generations = {}  # provider id -> generation of the last task that used it in 
 _generations_lock = threading.Lock()
 
 
-def _retire_stale_instances(task, provider_id, coordinator):
+def _retire_stale_instances(task, provider_id):
     """Unload what this worker must not reuse: other runs' instances of the same store, and
-    this run's instance if it was used before a re-execution (another generation) or the
-    coordinator says another worker loaded the store since."""
+    this run's instance if it was used before a re-execution (another generation). An
+    instance another worker used since is kept: the provider opens the attempt the driver
+    recorded, from the version it holds by the deltas since when that is on its lineage."""
     for other in executor.unload_other_runs(provider_id):
         with _generations_lock:
             _generations.pop(other, None)
@@ -130,12 +131,8 @@ def _retire_stale_instances(task, provider_id, coordinator):
         _generations[provider_id] = task.generation
     if not registry.is_loaded(provider_id):
         return
-    stale = previous != task.generation
-    if not stale and coordinator is not None:
-        stale = not coordinator.verify_if_instance_active(provider_id, executor.worker_executor_id())
-    if stale:
-        log.info("reloading %s from files (a batch was re-executed, or another worker loaded it since)",
-                 provider_id.store_id)
+    if previous != task.generation:
+        log.info("reloading %s from files (a batch was re-executed)", provider_id.store_id)
         registry.unload(provider_id)
 
 
@@ -210,7 +207,7 @@ def _max_event_time(batch, column):
     return pa.compute.max(col).value  # microseconds, without a copy of the column
 
 
-def _open_stores(task, partition_id, coordinator):
+def _open_stores(task, partition_id):
     """``({name: store}, already_loaded of the default store)``, every store at the batch's version."""
     info = task.state_info
     specs = [(task.store_name, task.key_dtype, task.value_dtype, info.commit_id(partition_id))]
@@ -220,7 +217,7 @@ def _open_stores(task, partition_id, coordinator):
     try:
         for name, key_dtype, value_dtype, commit_id in specs:
             provider_id = info.provider_id(partition_id, name)
-            _retire_stale_instances(task, provider_id, coordinator)
+            _retire_stale_instances(task, provider_id)
             store, loaded = executor.open_store(provider_id, key_dtype, value_dtype, info.store_version, task.conf,
                                                 commit_id=commit_id)
             stores[name] = store
@@ -239,8 +236,8 @@ def _run_partition(task, batches):
 
     started = time.perf_counter()
     partition_id = TaskContext.get().partitionId()
-    coordinator = executor.ensure_worker_registry(task.coordinator_address, task.authkey)
-    stores, already_loaded = _open_stores(task, partition_id, coordinator)
+    executor.ensure_worker_registry(task.coordinator_address, task.authkey)
+    stores, already_loaded = _open_stores(task, partition_id)
     store = stores[task.store_name]
     opened = time.perf_counter()
     fn = task.fn

@@ -30,6 +30,7 @@ from statecore.errors import EndpointAlreadyRegisteredError
 from statecore.ids import StateStoreId, StateStoreProviderId
 
 __all__ = ["ENDPOINT_NAME", "StateStoreCoordinator", "StateStoreCoordinatorRef", "executor_location",
+           "parse_executor_location", "executor_of",
            "provider_id_from_message", "provider_id_to_message", "ProviderId", "CoordinatorMessage",
            "ReportActiveInstance", "VerifyIfInstanceActive", "GetLocation", "DeactivateInstances", "StopCoordinator"]
 
@@ -120,6 +121,23 @@ def executor_location(host, executor_id):
         raise ValueError(f"host name {host!r} contains '_': Spark splits the location "
                          f"'executor_<host>_<executor_id>' on the first '_', so it cannot name this host")
     return f"executor_{host}_{executor_id}"
+
+
+def parse_executor_location(location):
+    """``(host, executor_id)`` of an :func:`executor_location` string (ValueError if it is not one)."""
+    prefix = "executor_"
+    if not isinstance(location, str) or not location.startswith(prefix) or "_" not in location[len(prefix):]:
+        raise ValueError(f"not an executor location: {location!r}")
+    host, executor_id = location[len(prefix):].split("_", 1)
+    return host, executor_id
+
+
+def executor_of(executor_id):
+    """The executor a reporter's id names. A Python worker process of Spark executor ``E``
+    reports as ``"E.<pid>"`` (an executor runs a worker per task slot, each with its own
+    stores); any other id names the executor itself."""
+    spark_id, dot, pid = executor_id.rpartition(".")
+    return spark_id if dot and spark_id and pid.isdigit() else executor_id
 
 
 class StateStoreCoordinator(rpc.RpcEndpoint):

@@ -7,6 +7,12 @@ cleanup) and then, if a coordinator was set, unloads the providers the coordinat
 are no longer active here. A provider whose maintenance raises is logged and unloaded; the
 others go on (Spark 4.0). Without a coordinator nothing is ever unloaded by maintenance.
 
+A provider whose active instance is in a sibling worker (another Python worker process of
+the same executor, :func:`statecore.coordinator.executor_of`) is kept, not unloaded: the
+workers of an executor take its tasks in turn, and the next task here reaches the new
+version from the one held by the deltas since. The sibling maintains it; this process
+skips its maintenance until it is active here again.
+
 Thread-safety: every function may be called from any thread. The registry lock is held
 only to look up, add or remove providers; loading a version, committing and maintenance
 run outside it.
@@ -15,6 +21,7 @@ import logging
 import threading
 
 from statecore.conf import StateStoreConf
+from statecore.coordinator import executor_of, parse_executor_location
 from statecore.store import create_and_init_provider
 
 __all__ = ["get", "get_read_only", "unload", "is_loaded", "is_maintenance_running", "set_coordinator",
@@ -81,8 +88,25 @@ def _provider_for(provider_id, key_schema, value_schema, version, conf, key_inde
             log.warning("could not report %s to the state store coordinator: %s", provider_id, e)
             to_unload = ()
         for pid in to_unload:
-            unload(pid)
+            if not _held_by_sibling(coordinator, pid):
+                unload(pid)
     return provider
+
+
+def _held_by_sibling(coordinator, provider_id):
+    """Whether the active instance of ``provider_id`` is in another worker of this process's
+    executor (then this copy is kept). False when the coordinator cannot tell."""
+    ref, host, executor_id = coordinator
+    try:
+        location = ref.get_location(provider_id)
+        if location is None:
+            return False
+        active_host, active_id = parse_executor_location(location)
+    except Exception as e:  # unreachable, or a location of another form: unload as before
+        log.warning("could not locate %s with the state store coordinator: %s", provider_id, e)
+        return False
+    return (active_host == host and active_id != executor_id
+            and executor_of(active_id) == executor_of(executor_id))
 
 
 def get(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None, commit_id=None):
@@ -147,21 +171,23 @@ def run_maintenance_now():
         providers = list(_providers.items())
         coordinator = _coordinator
     for provider_id, provider in providers:
-        try:
-            provider.do_maintenance()
-        except Exception:
-            log.exception("Error managing %s, unloading state store provider", provider)
-            unload(provider_id)
-            continue
+        active = True
         if coordinator is not None:
             ref, _host, executor_id = coordinator
             try:
                 active = ref.verify_if_instance_active(provider_id, executor_id)
             except Exception as e:
                 log.warning("could not verify %s with the state store coordinator: %s", provider_id, e)
-                continue
-            if not active:
-                unload(provider_id)
+            if not active and _held_by_sibling(coordinator, provider_id):
+                continue  # kept for the next task here; the sibling maintains it
+        try:
+            provider.do_maintenance()
+        except Exception:
+            log.exception("Error managing %s, unloading state store provider", provider)
+            unload(provider_id)
+            continue
+        if not active:
+            unload(provider_id)
     with _lock:
         _passes += 1
         _passes_changed.notify_all()

@@ -311,6 +311,23 @@ def test_output_is_computed_once(spark, tmp_path):
     op.close()
 
 
+def test_output_left_unread_is_read_later_from_its_files(spark, tmp_path):
+    op = make_operator(str(tmp_path / "state"))
+    with pytest.raises(RuntimeError, match="processed no batch yet"):
+        op.output(0)
+    tables = [events(30 + i, 400) for i in range(2)]
+    dfs = [spark.createDataFrame(t.to_pandas(), INPUT_DDL) for t in tables]
+    assert op.process(dfs[0], 0, read_output=False) is None
+    read_later = sorted(op.output(0).collect())
+    assert len(read_later) == op.last_progress["rows_out"] == len(expected_state(tables[:1]))
+    assert sorted(op.process(dfs[0], 0).collect()) == read_later  # the same batch, output read
+    assert op.process(dfs[1], 1, read_output=False) is None
+    second = sorted(op.output(1).collect())
+    assert len(second) == op.last_progress["rows_out"] > 0
+    assert sorted(op.process(dfs[1], 1).collect()) == second
+    op.close()
+
+
 class Exploding:
     """Updates the store, then fails: in every batch and at the end of every partition."""
 

@@ -81,6 +81,7 @@ class FakeCoordinator:
 
     def __init__(self):
         self.reports, self.unload_on_report, self.active, self.fail = [], [], {}, False
+        self.locations = {}
 
     def report_active_instance(self, provider_id, host, executor_id, provider_ids_to_check=()):
         if self.fail:
@@ -92,6 +93,11 @@ class FakeCoordinator:
         if self.fail:
             raise ConnectionError("coordinator is gone")
         return self.active.get(provider_id, True)
+
+    def get_location(self, provider_id):
+        if self.fail:
+            raise ConnectionError("coordinator is gone")
+        return self.locations.get(provider_id)
 
 
 def test_coordinator_report_unloads_what_it_names(tmp_path):
@@ -129,3 +135,35 @@ def test_unreachable_coordinator_is_not_fatal(tmp_path):
     assert commit(a, 0, conf) == 1
     registry.run_maintenance_now()
     assert registry.is_loaded(a)
+
+
+@pytest.mark.parametrize("location, kept", [
+    ("executor_127.0.0.1_7.2002", True),   # another worker of executor 7 on this host: a sibling
+    ("executor_127.0.0.1_8.2002", False),  # a worker of another executor
+    ("executor_10.0.0.9_7.2002", False),   # executor 7 of another host
+    ("executor_127.0.0.1_7", True),        # a reporter of executor 7 itself: the same executor
+    ("executor_127.0.0.1_7.1001", False),  # this worker (the coordinator would not name it)
+    (None, False),                         # the coordinator does not know
+])
+def test_a_store_another_worker_of_this_executor_took_over_is_kept(tmp_path, location, kept):
+    """Workers of one executor take a store's tasks in turn: the copy here stays loaded (the
+    next task here rolls it forward) and is left to the active worker's maintenance; a
+    store taken over by another executor is unloaded, after its maintenance."""
+    coord = FakeCoordinator()
+    registry.set_coordinator(coord, "127.0.0.1", "7.1001")
+    conf = StateStoreConf(maintenance_interval_s=3600, min_deltas_for_snapshot=1)
+    a, b = pid(tmp_path, 0), pid(tmp_path, 1)
+    for v in range(3):
+        commit(a, v, conf)
+    coord.unload_on_report, coord.locations[a] = [a], location
+    commit(b, 0, conf)
+    assert registry.is_loaded(a) == kept
+    if not kept:
+        return
+    coord.active[a] = False
+    registry.run_maintenance_now()
+    assert registry.is_loaded(a)
+    assert not any(n.endswith(".snapshot") for n in version_names(os.path.join(tmp_path, "0", "0")))
+    coord.active[a] = True
+    registry.run_maintenance_now()
+    assert "3.snapshot" in version_names(os.path.join(tmp_path, "0", "0"))
