@@ -133,8 +133,9 @@ def measure_task_path(stores, batches, maintenance_every, conf, rows=50, key_spa
             def one_batch(batch, unload_first):
                 task = _task(root, run_id, batch, stores, conf, env.address)
                 for p in range(stores):
-                    if unload_first:
+                    if unload_first:  # as on another executor: not loaded, no local copy of its snapshot
                         registry.unload(task.state_info.provider_id(p))
+                        shutil.rmtree(cache, ignore_errors=True)
                     phase = "open, from files" if unload_first or batch == 0 else "open, loaded"
                     first = batch == 0
                     with log.phase("first open" if first else phase):
