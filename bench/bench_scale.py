@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from bench._common import print_header
+from statecore._snapshot_format import DEFAULT_BLOCK_SIZE
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
@@ -130,7 +131,7 @@ def batches(seed, keys, n_batches, batch_rows):
         yield k, rng.random(batch_rows)
 
 
-def build(store_dir, root, keys, compression):
+def build(store_dir, root, keys, compression, block_size):
     """Version 1 of a store of ``keys`` keys: its delta and its snapshot, streamed in chunks
     through the provider's writers, under the provider's names."""
     from statecore import StateStoreConf, StateStoreId, create_and_init_provider
@@ -161,7 +162,7 @@ def build(store_dir, root, keys, compression):
         w.finish()
 
     def write_snapshot(f):
-        w = SnapshotWriter(f, KEY, VALUE, keys, 1, lineage=commit_id + bytes(8))
+        w = SnapshotWriter(f, KEY, VALUE, keys, 1, lineage=commit_id + bytes(8), block_size=block_size)
         rows = np.empty((BUILD_CHUNK, ROW_BYTES), np.uint8)
         for k, v in chunks():
             n = k.size
@@ -201,7 +202,7 @@ def run(store_dir, root, keys, n_batches, batch_rows, seed):
     from statecore import StateStoreConf, StateStoreId, create_and_init_provider
     peak = AnonPeak()
     conf = StateStoreConf()  # Spark's defaults: a snapshot after more than 10 deltas
-    work = list(batches(seed, keys, n_batches, batch_rows))
+    work = batches(seed, keys, n_batches, batch_rows)  # each drawn before its batch, untimed
     peak.take()
     t0 = time.perf_counter()
     provider = create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, conf)
@@ -313,6 +314,8 @@ def summarize(keys, built, ran):
         "cached_after_evict_mib": (ran["cached_after_evict"] or 0) / MiB,
         "anon_after_open_mib": ran["status_after_open"]["RssAnon"] / MiB,
         "anon_before_open_mib": ran["status_before_open"]["RssAnon"] / MiB,
+        "file_before_open_mib": ran["status_before_open"]["RssFile"] / MiB,
+        "file_after_open_mib": ran["status_after_open"]["RssFile"] / MiB,
     }
 
 
@@ -339,7 +342,8 @@ def print_table(rows, dict_row):
     for r in rows:
         print(f"  {r['keys']:>11,} keys: {r['build_s']:.1f} s, peak RssAnon {r['build_peak_anon_mib']:.0f} MiB; "
               f"cached after eviction {r['cached_after_evict_mib']:.1f} MiB; RssAnon before/after open "
-              f"{r['anon_before_open_mib']:.0f}/{r['anon_after_open_mib']:.0f} MiB; update/commit median "
+              f"{r['anon_before_open_mib']:.0f}/{r['anon_after_open_mib']:.0f} MiB, RssFile "
+              f"{r['file_before_open_mib']:.0f}/{r['file_after_open_mib']:.0f} MiB; update/commit median "
               f"{r['update_median_ms']:.1f}/{r['commit_median_ms']:.1f} ms; max RssFile {r['max_file_mib']:.0f} MiB; "
               f"maintenance total {r['maintenance_total_s']:.1f} s")
 
@@ -351,6 +355,8 @@ def main():
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compression", default="lz4")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="checksummed block of the built snapshot (maintenance's use the default)")
     p.add_argument("--tmp", default=tempfile.gettempdir(), help="where the stores are built (deleted after)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -366,7 +372,7 @@ def main():
         store_dir = f"{root}/0/0"
         try:
             built = in_fresh_process({"kind": "build", "store_dir": store_dir, "root": root, "keys": keys,
-                                      "compression": args.compression})
+                                      "compression": args.compression, "block_size": args.block_size})
             print(f"built {keys:,} keys in {built['delta_s'] + built['snapshot_s']:.1f} s", flush=True)
             ran = in_fresh_process({"kind": "run", "store_dir": store_dir, "root": root, "keys": keys,
                                     "n_batches": args.batches, "batch_rows": args.batch_rows, "seed": args.seed})
