@@ -3,7 +3,7 @@ K keys, for several K, with the page cache of the state's files dropped before i
 
     python -m bench.bench_scale --keys 1000000,10000000,100000000 --batch-rows 100000 --batches 30
 
-For each K, three fresh interpreters, so that each one's RSS is its own:
+For each K, fresh interpreters, so that each one's RSS is its own:
 
 1. build: version 1 of a store of K keys (int64 key, two int64-wide values: 24-byte rows, as
    in bench_store), written in chunks through the writers the provider itself uses: the delta
@@ -17,7 +17,8 @@ For each K, three fresh interpreters, so that each one's RSS is its own:
    registry's maintenance thread runs), timed apart. After each batch: VmRSS, RssAnon,
    RssFile, and the bytes of the store's files on disk; a sampler thread keeps the peak
    RssAnon of batches and of maintenance.
-3. anchor, for the smallest K only if it is <= 1M: the same batches against a Python dict.
+3. probe: 100k random lookups on the last snapshot alone, every page resident (ns per key).
+4. anchor, for the smallest K only if it is <= 1M: the same batches against a Python dict.
 """
 import argparse
 import json
@@ -249,6 +250,32 @@ def run(store_dir, root, keys, n_batches, batch_rows, seed):
             "files": sorted(e.name for e in store_files(store_dir))}
 
 
+def probe(store_dir, keys, repeat, seed):
+    """ns per key of 100k random lookups on the mapped snapshot alone, every page resident:
+    what a base probe costs at this K, without the batch around it."""
+    from statecore._snapshot import SnapshotReader
+    name = next(e.path for e in store_files(store_dir) if e.name.endswith(".snapshot"))
+    reader = SnapshotReader(name, KEY, VALUE)
+    reader.verify(index=False)  # reads and maps every block
+    rng = np.random.default_rng([seed, keys, 1])
+    values = np.zeros((100_000, VALUE.itemsize), np.uint8)
+    found = np.zeros(100_000, np.uint8)
+    out = {}
+    for present in (True, False):
+        times = []
+        for _ in range(repeat):
+            k = np.zeros(100_000, KEY)
+            k["k"] = key_of(rng.integers(0, keys, k.size)) if present else 2 * rng.integers(keys, 1 << 61, k.size) + 1
+            rows = k.view(np.uint8).reshape(-1, KEY.itemsize)
+            t0 = time.perf_counter()
+            reader.get_rows(rows, values, found)
+            times.append(time.perf_counter() - t0)
+        assert found.all() if present else not found.any()
+        out["present" if present else "absent"] = float(np.median(times)) / k.size * 1e9
+    reader.close()
+    return out
+
+
 def run_dict(keys, n_batches, batch_rows, seed):
     """The same batches against a dict of the same state (key -> (count, sum))."""
     status0 = proc_status()
@@ -276,6 +303,8 @@ def worker(argv):
         out = build(**job)
     elif kind == "run":
         out = run(**job)
+    elif kind == "probe":
+        out = probe(**job)
     else:
         out = run_dict(**job)
     sys.stdout.write("\n@@RESULT " + json.dumps(out) + "\n")
@@ -345,7 +374,8 @@ def print_table(rows, dict_row):
               f"{r['anon_before_open_mib']:.0f}/{r['anon_after_open_mib']:.0f} MiB, RssFile "
               f"{r['file_before_open_mib']:.0f}/{r['file_after_open_mib']:.0f} MiB; update/commit median "
               f"{r['update_median_ms']:.1f}/{r['commit_median_ms']:.1f} ms; max RssFile {r['max_file_mib']:.0f} MiB; "
-              f"maintenance total {r['maintenance_total_s']:.1f} s")
+              f"maintenance total {r['maintenance_total_s']:.1f} s; mapped probe, all resident: "
+              f"{r['probe_present_ns']:.0f} ns present / {r['probe_absent_ns']:.0f} ns absent key")
 
 
 def main():
@@ -376,9 +406,12 @@ def main():
             print(f"built {keys:,} keys in {built['delta_s'] + built['snapshot_s']:.1f} s", flush=True)
             ran = in_fresh_process({"kind": "run", "store_dir": store_dir, "root": root, "keys": keys,
                                     "n_batches": args.batches, "batch_rows": args.batch_rows, "seed": args.seed})
+            probed = in_fresh_process({"kind": "probe", "store_dir": store_dir, "keys": keys, "repeat": 20,
+                                       "seed": args.seed})
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        rows.append(summarize(keys, built, ran))
+        rows.append({**summarize(keys, built, ran), "probe_present_ns": probed["present"],
+                     "probe_absent_ns": probed["absent"]})
         raw[keys] = {"build": built, "run": ran}
         print(f"ran {keys:,} keys: open {ran['open_s']:.3f} s", flush=True)
     small = min(args.keys)
