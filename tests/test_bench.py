@@ -161,3 +161,23 @@ def test_repartition_benchmark_runs_small(tmp_path):
     payload = json.loads(path.read_text())
     assert payload["keys"] == 20000 and payload["ratio_to_anchor"] > 0
     assert [r["name"] for r in next(iter(payload["tables"].values()))][1].startswith("statecore.repartition")
+
+
+def test_scale_benchmark_runs_small(tmp_path):
+    """bench_scale end to end on a tiny state: the built checkpoint opens cold, the store and
+    the dict anchor end with the same keys, one row per batch, the page cache was dropped."""
+    from bench import bench_scale
+    path = tmp_path / "scale.json"
+    done = subprocess.run([sys.executable, "-m", "bench.bench_scale", "--keys", "20000", "--batches", "3",
+                           "--batch-rows", "2000", "--tmp", str(tmp_path), "--json", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    payload = json.loads(path.read_text())
+    new_keys = {int(k) for keys, _ in bench_scale.batches(0, 20000, 3, 2000) for k in keys if k % 2}
+    run = payload["raw"]["20000"]["run"]
+    assert run["num_keys"] == payload["raw"]["dict"]["num_keys"] == 20000 + len(new_keys)
+    assert [b["version"] for b in run["batches"]] == [2, 3, 4]
+    assert run["cached_after_evict"] in (0, None)
+    row = payload["rows"][0]
+    assert row["open_s"] > 0 and row["state_mib"] > row["raw_mib"] and row["probe_present_ns"] > 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("statecore-scale-")]
