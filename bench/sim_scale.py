@@ -128,7 +128,7 @@ def measure_task_path(stores, batches, maintenance_every, conf, rows=50, key_spa
     registry.stop()
     try:
         with mock.patch("statecore.files.open_store_files", counting_store_files(log, cache)):
-            ref = executor.ensure_worker_registry(env.address, AUTHKEY)
+            executor.ensure_worker_registry(env.address, AUTHKEY)
 
             def one_batch(batch, unload_first):
                 task = _task(root, run_id, batch, stores, conf, env.address)
@@ -140,7 +140,7 @@ def measure_task_path(stores, batches, maintenance_every, conf, rows=50, key_spa
                     first = batch == 0
                     with log.phase("first open" if first else phase):
                         coordinator.phase = "first open" if first else phase
-                        opened, _ = _open_stores(task, p, ref)
+                        opened, _ = _open_stores(task, p)
                     store = opened["default"]
                     updates.apply(store)
                     with log.phase("first commit" if first else "commit"):

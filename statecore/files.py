@@ -303,6 +303,7 @@ class StoreFiles:
                 self._step("fsync", name)
                 if self.is_local:  # elsewhere close() makes it durable
                     os.fsync(f.fileno())
+                size = f.tell()  # what was written: no round trip to ask the store afterwards
             except BaseException:
                 _quietly(f.close)  # a failing close must not hide the first error
                 raise
@@ -310,7 +311,7 @@ class StoreFiles:
         except BaseException:
             _quietly(self._unlink_tmp, tmp)
             raise
-        return PendingFile(self, name, full, tmp)
+        return PendingFile(self, name, full, tmp, size)
 
     def _unlink_tmp(self, tmp):
         if self.is_local:
@@ -338,9 +339,9 @@ class StoreFiles:
             raise
         if self.is_local:
             _fsync_dir(os.path.dirname(full))
-            return os.stat(full).st_size
-        self.fs.invalidate_cache(full)
-        return self.fs.size(full)
+        else:
+            self.fs.invalidate_cache(full)
+        return pending.size
 
     def _rename_no_clobber_local(self, name, tmp, full):
         # A hard link fails if the target exists, so no other writer can be overwritten
@@ -426,8 +427,8 @@ class StoreFiles:
 class PendingFile:
     """A file written and made durable under a temporary name, not yet visible under its own."""
 
-    def __init__(self, files, name, full, tmp):
-        self.files, self.name, self.full, self.tmp = files, name, full, tmp
+    def __init__(self, files, name, full, tmp, size):
+        self.files, self.name, self.full, self.tmp, self.size = files, name, full, tmp, size
         self.done = False
 
     def publish(self, overwrite=True):

@@ -131,11 +131,16 @@ class FileStateStoreProvider(StateStoreProvider):
             return cached
         commit_id, parent_id = read_version_header(self._files, f)
         if f.commit_id is not None:  # the names of the previous layout can be re-written
-            with self._headers_lock:
-                if len(self._headers) >= _HEADER_CACHE_ENTRIES:
-                    self._headers.clear()
-                self._headers[f.name] = (commit_id, parent_id)
+            self._remember_header(f.name, commit_id, parent_id)
         return commit_id, parent_id
+
+    def _remember_header(self, name, commit_id, parent_id):
+        """Cache the ids of the version file ``name`` (its name carries its commit id and
+        is never re-written: the header cannot change)."""
+        with self._headers_lock:
+            if len(self._headers) >= _HEADER_CACHE_ENTRIES:
+                self._headers.clear()
+            self._headers[name] = (commit_id, parent_id)
 
     def _resolve(self, version, commit_id, listing):
         """The commit id of the attempt of ``version`` to open (named, or the default
@@ -335,6 +340,7 @@ class FileStateStoreProvider(StateStoreProvider):
             pending = written[0]
             try:
                 pending.publish()
+                self._remember_header(name, commit_id, parent_id)  # maintenance reads no header back
                 self._supersede(view, new_version, name)
             except BaseException:
                 self._files.delete([name])

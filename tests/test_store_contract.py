@@ -504,6 +504,26 @@ def test_roll_forward_leaves_an_iteration_of_the_held_version_alone(root):
     reader.abort()
 
 
+def test_a_commit_and_the_next_maintenance_pass_read_no_delta_back(root, monkeypatch):
+    """The committing provider knows what it wrote: its maintenance pass follows the lineage
+    without reading delta headers back (a ranged GET each on an object store)."""
+    from statecore.files import StoreFiles
+
+    p = make(root, min_deltas_for_snapshot=2)
+    reads, original = [], StoreFiles._step
+
+    def counting(self, step, name):
+        if step == "read":
+            reads.append(name)
+        return original(self, step, name)
+
+    monkeypatch.setattr(StoreFiles, "_step", counting)
+    commit_one_key_each(p, 5)
+    p.do_maintenance()
+    assert [n for n in reads if n.endswith(".delta")] == []
+    assert any(n.endswith(".snapshot") for n in os.listdir(store_dir(root)))
+
+
 def test_cache_hits_and_misses(root):
     p = make(root)
     commit_batch(p, 0, [(1, (1, 0.0))])
