@@ -16,10 +16,7 @@ from cpython.bool cimport PyBool_FromLong
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_CheckExact, PyFloat_FromDouble
-from cpython.long cimport (
-    PyLong_AsDouble, PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong, PyLong_CheckExact,
-    PyLong_FromLongLong, PyLong_FromUnsignedLongLong,
-)
+from cpython.long cimport PyLong_CheckExact, PyLong_FromLongLong, PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -30,6 +27,11 @@ from libc.string cimport memcpy, memset
 
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void* op)
+    # The conversions the fast path tries, declared without an exception check: a failure
+    # is cleared on the spot and the value left to RowSchema.
+    double _as_double "PyLong_AsDouble"(object v)
+    long long _as_long_long "PyLong_AsLongLongAndOverflow"(object v, int* overflow)
+    unsigned long long _as_unsigned "PyLong_AsUnsignedLongLong"(object v)
 
 cdef extern from *:
     """
@@ -235,7 +237,7 @@ cdef bint _encode_field(const FieldSpec* f, PyObject* v_ptr, uint8_t* out) noexc
         if PyFloat_CheckExact(v):
             d = PyFloat_AS_DOUBLE(v)
         elif PyLong_CheckExact(v):
-            d = PyLong_AsDouble(v)
+            d = _as_double(v)
             if d == -1.0 and PyErr_Occurred() != NULL:
                 PyErr_Clear()
                 return False
@@ -256,13 +258,13 @@ cdef bint _encode_field(const FieldSpec* f, PyObject* v_ptr, uint8_t* out) noexc
     if not PyLong_CheckExact(v):
         return False
     if kind == FIELD_U64:
-        u = PyLong_AsUnsignedLongLong(v)
+        u = _as_unsigned(v)
         if u == <unsigned long long>-1 and PyErr_Occurred() != NULL:
             PyErr_Clear()
             return False
         memcpy(p, &u, 8)
         return True
-    x = PyLong_AsLongLongAndOverflow(v, &overflow)
+    x = _as_long_long(v, &overflow)
     if overflow or (x == -1 and PyErr_Occurred() != NULL):
         PyErr_Clear()
         return False
