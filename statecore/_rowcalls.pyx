@@ -76,15 +76,16 @@ cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint32_t 
     """``State.get_row(version, key)``: 1 (value copied out) or 0. REQUIRES: the provider's
     lock held, or ``state`` frozen."""
     cdef int r
-    if <int64_t>state.version == version:
-        r = _layer_find(head, key, tag, value_out)
-        if r >= 0:
-            return r
-    else:
-        for layer in state.layers_for(version):
-            r = _layer_find(layer, key, tag, value_out)
+    cdef int64_t newest = state.version, u
+    if newest != version:  # State.layers_for: the undo layers of versions + 1 .. newest first
+        undo = state.undo
+        for u in range(version + 1, newest + 1):
+            r = _layer_find(undo[u], key, tag, value_out)
             if r >= 0:
                 return r
+    r = _layer_find(head, key, tag, value_out)
+    if r >= 0:
+        return r
     base = state.base
     if base is None:
         return 0
