@@ -39,6 +39,7 @@ MICRO = {
     "repartition": (["--keys", "10000000", "--repeat", "3"], ["--keys", "100000", "--repeat", "1"]),
     "scale": (["--keys", "1000000,10000000", "--batches", "30"],
               ["--keys", "100000,1000000", "--batches", "5", "--batch-rows", "20000"]),
+    "rowcalls": (["--rows", "200000", "--repeat", "7"], ["--rows", "20000", "--repeat", "2"]),
 }
 ALL = (*MICRO, "race")
 

@@ -26,6 +26,7 @@ cdef class SnapshotReader(RowSource):
     cdef SnapLayout _layout_of(self, Mapping mapping)
     cdef object _raise_truncated(self, Mapping mapping)
     cdef object _raise_for(self, const SnapError* err)
+    cdef int find_into(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1
 
 
 @cython.final

@@ -18,7 +18,7 @@ which is harmless. close() may be called while another thread's call is running:
 keeps the mapping alive until it returns.
 """
 cimport cython
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
@@ -231,24 +231,32 @@ cdef class SnapshotReader(RowSource):
 
     def get_row(self, const uint8_t[::1] key not None):
         """Value bytes of key bytes, or None."""
-        cdef Mapping mapping = self._acquire()
         if key.shape[0] != self.key_width:
             raise ValueError(f"a key row is {self.key_width} bytes, got {key.shape[0]}")
+        value = PyBytes_FromStringAndSize(NULL, self.value_width)
+        if self.find_into(&key[0], slot_tag(key_hash(&key[0], <size_t>self.key_width)),
+                          <uint8_t*>PyBytes_AS_STRING(value)):
+            return value
+        return None
+
+    cdef int find_into(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1:
+        """1 and the value copied to ``value_out`` if the ``key_width`` bytes at ``key`` (whose
+        slot tag is ``tag``) are a key here, else 0: the per-row probe of get_row and of the
+        stores' compiled per-row path. Raises as get_rows does."""
+        cdef Mapping mapping = self._acquire()
         cdef SnapLayout lay = self._layout_of(mapping)
         cdef SnapError err
         cdef uint64_t row
-        cdef int rc = snapshot_find(&lay, &key[0], slot_tag(key_hash(&key[0], <size_t>self.key_width)),
-                                    &row, &err)
-        value = None
-        if rc == SNAP_OK and row != 0:
-            value = PyBytes_FromStringAndSize(
-                <const char*>lay.index.rows + (row - 1) * lay.index.row_width + lay.index.key_width,
-                self.value_width)
+        cdef int rc = snapshot_find(&lay, key, tag, &row, &err)
+        cdef bint found = rc == SNAP_OK and row != 0
+        if found and self.value_width:
+            memcpy(value_out, lay.index.rows + (row - 1) * lay.index.row_width + lay.index.key_width,
+                   self.value_width)
         if not mapping.sound():
             self._raise_truncated(mapping)
         if rc < 0:
             self._raise_for(&err)
-        return value
+        return found
 
     # -- the schema-level API (the rest is RowSource's) ------------------------------------
     def __len__(self):

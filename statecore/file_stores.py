@@ -5,12 +5,15 @@ A :class:`View` pins a version while its store is open. :class:`FileReadStore` r
 (under the provider's lock; iteration without it, see :meth:`View.iter_rows`);
 :class:`FileStore` adds a private layer of updates, invisible to everyone else until
 ``commit()`` hands it to the provider, which writes and merges it. Lifecycle errors use
-Spark's wording.
+Spark's wording. The per-row ``get``, ``put`` and ``remove`` are compiled
+(:class:`~statecore._rowcalls.RowCalls`) and bound on each store when it opens, so that a
+call goes straight into C; the methods of the classes below say what they do.
 """
 import weakref
 
 import numpy as np
 
+from statecore._rowcalls import RowCalls
 from statecore.contracts import ReadStateStore, StateStore
 from statecore.errors import IllegalStateError
 from statecore.layers import Layer, no_values
@@ -65,6 +68,11 @@ class FileReadStore(ReadStateStore):
         self._view = view
         self._key_schema = provider._key_schema
         self._value_schema = provider._value_schema
+        self._calls = RowCalls(view, provider._lock, self._key_schema, self._value_schema, self._update_layer())
+        self.get = self._calls.get
+
+    def _update_layer(self):
+        return None
 
     def __repr__(self):
         sid = self._provider.state_store_id
@@ -87,8 +95,8 @@ class FileReadStore(ReadStateStore):
         return ()
 
     def get(self, key):
-        value = self._view.get_row(self._key_schema.encode(key), self._layers())
-        return None if value is None else self._value_schema.decode(value)
+        """The value tuple of ``key``, or None (bound on the instance: the compiled call)."""
+        return self._calls.get(key)
 
     def get_rows(self, key_rows, values_out, found_out):
         values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
@@ -150,10 +158,15 @@ class FileStore(FileReadStore, StateStore):
     _kind = "FileStateStore"
 
     def __init__(self, provider, view):
+        self._update = Layer(provider._key_schema, provider._value_schema)
         super().__init__(provider, view)
-        self._update = Layer(self._key_schema, self._value_schema)
         self._state = _UPDATING
         self._commit_id = None
+        self.put = self._calls.put
+        self.remove = self._calls.remove
+
+    def _update_layer(self):
+        return self._update
 
     def _layers(self):
         return (self._update,)
@@ -168,14 +181,12 @@ class FileStore(FileReadStore, StateStore):
             raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
 
     def put(self, key, value):
-        if value is None:
-            raise ValueError("Cannot put a null value")
-        self._check_updating("put")
-        self._update.put_row(self._key_schema.encode(key), self._value_schema.encode(value))
+        """Put ``key`` -> ``value`` in the update layer (bound on the instance: the compiled call)."""
+        self._calls.put(key, value)
 
     def remove(self, key):
-        self._check_updating("remove")
-        self._update.delete_row(self._key_schema.encode(key))
+        """Remove ``key`` (bound on the instance: the compiled call)."""
+        self._calls.remove(key)
 
     def put_batch(self, keys, values):
         if values is None and self._value_schema.width:
@@ -196,6 +207,7 @@ class FileStore(FileReadStore, StateStore):
         new_version, self._committed_num_keys, commit_id = self._provider._commit(self._view, self._update)
         self._commit_id = commit_id
         self._state = _COMMITTED
+        self._calls.close_updates()
         return new_version
 
     @property
@@ -205,6 +217,8 @@ class FileStore(FileReadStore, StateStore):
     def abort(self):
         self._state = _ABORTED
         self._update = Layer(self._key_schema, self._value_schema)
+        self._calls.set_update(self._update)
+        self._calls.close_updates()
         self._view.release()
 
     @property

@@ -16,6 +16,7 @@ import struct
 import numpy as np
 
 from statecore._hash import xxh64_digest
+from statecore._rowcodec import RowCodec
 
 __all__ = ["RowSchema", "as_schema", "key_value_schemas"]
 
@@ -97,7 +98,7 @@ class RowSchema:
 
     __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "key", "_struct", "_bytes_fields",
                  "_bool_fields", "_key_floats", "_single_bytes", "_numeric", "_value_types",
-                 "_max_bytes", "_pack_values", "_unpack_row")
+                 "_max_bytes", "_pack_values", "_unpack_row", "_codec")
 
     def __init__(self, dtype, *, key=False):
         dt = np.dtype(dtype)
@@ -123,6 +124,15 @@ class RowSchema:
         self._pack_values = self._struct.pack
         self._unpack_row = self._struct.unpack
         self.fingerprint = xxh64_digest(self.describe_json().encode())
+        self._codec = None
+
+    @property
+    def codec(self):
+        """The compiled per-row conversions of this schema (a :class:`RowCodec`, built on first
+        use): what stores' per-row calls encode and decode with; its rules are this class's."""
+        if self._codec is None:
+            self._codec = RowCodec(self)
+        return self._codec
 
     # -- identity -------------------------------------------------------------------------
     def describe(self):

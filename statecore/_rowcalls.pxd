@@ -1,0 +1,25 @@
+# cython: language_level=3
+"""RowCalls: a store's per-row get, put and remove, compiled (see _rowcalls.pyx)."""
+cimport cython
+from libc.stdint cimport int64_t, uint8_t, uint32_t
+
+from statecore._rowcodec cimport RowCodec
+from statecore._rowtable cimport RowTable
+
+
+@cython.final
+cdef class RowCalls:
+    cdef RowCodec key_codec
+    cdef RowCodec value_codec
+    cdef Py_ssize_t key_width
+    cdef Py_ssize_t value_width
+    cdef object state                 # the pinned version's State, and the version
+    cdef int64_t version
+    cdef object head                  # state.head (a State keeps its head Layer)
+    cdef object _acquire              # the provider lock's acquire and release
+    cdef object _release
+    cdef RowTable puts                # the store's update layer, or None (a read store)
+    cdef RowTable dels
+    cdef readonly bint updating
+
+    cdef int _find(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1

@@ -1,0 +1,244 @@
+"""The compiled per-row path: RowCodec converts exactly as RowSchema does (rows, and errors
+of the same type and message), and a store's per-row get/put/remove (RowCalls) answer
+what its batch path answers, on random workloads over every kind of base."""
+import math
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statecore.errors import IllegalStateError
+from statecore.schema import RowSchema, key_value_schemas
+from tests.store_support import open_provider
+
+INT_BOUNDS = {"i1": (-2**7, 2**7 - 1), "u1": (0, 2**8 - 1), "<i2": (-2**15, 2**15 - 1), "<u2": (0, 2**16 - 1),
+              "<i4": (-2**31, 2**31 - 1), "<u4": (0, 2**32 - 1), "<i8": (-2**63, 2**63 - 1), "<u8": (0, 2**64 - 1)}
+KINDS = ["?", *INT_BOUNDS, "<f4", "<f8", "S1", "S3", "S8"]
+
+
+def outcome(fn, arg):
+    """The row bytes ``fn(arg)`` returns, or the type and message of what it raises."""
+    try:
+        return fn(arg)
+    except Exception as e:  # noqa: BLE001 -- the comparison is of any exception
+        return type(e), str(e)
+
+
+def same_values(a, b):
+    """Equal tuples, floats compared by their bits (NaNs included)."""
+    def bits(v):
+        return ("f", struct.pack("<d", v)) if isinstance(v, float) else (type(v), v)
+    return len(a) == len(b) and all(bits(x) == bits(y) for x, y in zip(a, b))
+
+
+def field_value(code):
+    """Values a field of dtype ``code`` takes, at its bounds and beyond, and some it refuses."""
+    wrong = st.sampled_from([None, "1", 1j, [1], np.float64(1.5), np.int64(3), np.True_, np.int8(-1)])
+    if code == "?":
+        right = st.booleans()
+    elif code in INT_BOUNDS:
+        lo, hi = INT_BOUNDS[code]
+        right = st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, lo - 1, hi + 1, 2**64, -2**64, 2**70]),
+                          st.booleans())
+    elif code.startswith("<f"):
+        right = st.one_of(st.floats(), st.sampled_from([-0.0, 0.0, math.nan, -math.nan, math.inf, 3.5e38, 3.4028235e38,
+                                                        1e39, 2**64, 2**1100, -7]),
+                          st.floats(width=32), st.integers(-2**70, 2**70), st.booleans(),
+                          # NaNs with payloads, both signs
+                          st.integers(0, 2**52 - 1).map(lambda m: struct.unpack("<d", struct.pack(
+                              "<Q", 0x7FF0_0000_0000_0001 | m | (m & 1) << 63))[0]))
+    else:
+        n = int(code[1:])
+        right = st.one_of(st.binary(max_size=n + 2), st.binary(max_size=n).map(lambda b: b + b"\0"),
+                          st.just(bytearray(b"x")))
+    return st.one_of(right, right, right, wrong)
+
+
+@st.composite
+def schema_and_input(draw):
+    codes = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=5))
+    key = draw(st.booleans())
+    schema = RowSchema(np.dtype([(f"f{i}", c) for i, c in enumerate(codes)]), key=key)
+    values = tuple(draw(field_value(c)) for c in codes)
+    form = draw(st.sampled_from(["tuple", "tuple", "tuple", "short", "long", "bare", "list", "row bytes", "none"]))
+    if form == "short":
+        obj = values[:-1]
+    elif form == "long":
+        obj = values + (1,)
+    elif form == "bare":
+        obj = values[0]
+    elif form == "list":
+        obj = list(values)
+    elif form == "row bytes":
+        obj = draw(st.binary(min_size=schema.width - 1, max_size=schema.width + 1))
+    elif form == "none":
+        obj = None
+    else:
+        obj = values
+    return schema, obj
+
+
+@settings(max_examples=3000, deadline=None)
+@given(schema_and_input())
+def test_codec_encodes_as_the_schema_does_errors_included(case):
+    schema, obj = case
+    assert outcome(schema.codec.encode, obj) == outcome(schema.encode, obj)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(st.sampled_from(KINDS), max_size=5), st.booleans(), st.data())
+def test_codec_decodes_as_the_schema_does(codes, key, data):
+    schema = RowSchema(np.dtype([(f"f{i}", c) for i, c in enumerate(codes)]), key=key)
+    row = data.draw(st.binary(min_size=schema.width, max_size=schema.width))
+    assert same_values(schema.codec.decode(row), schema.decode(row))
+
+
+def test_codec_decode_checks_the_row_width():
+    schema = RowSchema(np.dtype([("k", "<i8")]))
+    with pytest.raises(ValueError, match="8 bytes, got 7"):
+        schema.codec.decode(b"1234567")
+
+
+def test_key_codec_normalizes_zero_and_nans_of_both_float_widths():
+    key = RowSchema(np.dtype([("a", "<f4"), ("b", "<f8")]), key=True)
+    odd_nan = struct.unpack("<d", struct.pack("<Q", 0xFFF0_0000_0000_0123))[0]
+    for v in [(-0.0, -0.0), (math.nan, odd_nan), (-math.nan, 0.0), (1.5, -2.5)]:
+        assert key.codec.encode(v) == key.encode(v) == key.rows(np.array([v], key.dtype)).tobytes()
+
+
+# -- the store's per-row path against its batch path --------------------------------------
+KEY = np.dtype([("id", "<i4"), ("x", "<f8"), ("tag", "S3")])
+VALUE = np.dtype([("n", "<i8"), ("y", "<f4"), ("ok", "?"), ("name", "S5")])
+KEY_SPACE = [(i, x, t) for i in (0, 1, -7) for x in (0.0, -0.0, 1.5, math.nan) for t in (b"", b"a", b"abc")]
+
+
+def batch_of(keys):
+    arr = np.zeros(len(keys), KEY)
+    for i, k in enumerate(keys):
+        arr[i] = k
+    return arr
+
+
+def check_per_row_equals_batch(store, model):
+    """Every key of the key space: ``store.get`` equals ``get_batch`` and the model."""
+    values, found = store.get_batch(batch_of(KEY_SPACE))
+    key_schema, value_schema = key_value_schemas(KEY, VALUE)
+    for k, v, f in zip(KEY_SPACE, values, found):
+        got = store.get(k)
+        assert (got is not None) == bool(f), k
+        if got is not None:
+            assert same_values(got, value_schema.decode(v.tobytes())), k
+        want = model.get(key_schema.encode(k))
+        assert (got is None and want is None) or same_values(got, want), (k, got, want)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["put", "put", "remove", "commit", "snapshot+reopen", "read old"]),
+                         st.sampled_from(KEY_SPACE),
+                         st.tuples(st.integers(-2**63, 2**63 - 1), st.floats(width=32, allow_nan=False),
+                                   st.booleans(), st.binary(max_size=5))),
+               max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_store_per_row_calls_equal_the_batch_path(tmp_path_factory, workload):
+    root = tmp_path_factory.mktemp("rowcalls")
+    provider = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=0)
+    key_schema, _ = key_value_schemas(KEY, VALUE)
+    versions = {0: {}}  # version -> {key row: value tuple}
+    version, model = 0, {}
+    store = provider.get_store(0)
+    try:
+        for op, k, v in workload:
+            if op == "put":
+                store.put(k, v)
+                model[key_schema.encode(k)] = (v[0], v[1], v[2], v[3].rstrip(b"\0"))
+            elif op == "remove":
+                store.remove(k)
+                model.pop(key_schema.encode(k), None)
+            elif op == "commit":
+                version = store.commit()
+                versions[version] = dict(model)
+                store = provider.get_store(version)
+            elif op == "snapshot+reopen":
+                version = store.commit()
+                versions = {version: dict(model)}
+                provider.do_maintenance()
+                provider.close()
+                provider = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=0)
+                store = provider.get_store(version)
+            elif op == "read old":
+                old = min(versions)
+                reader = provider.get_read_store(old)
+                check_per_row_equals_batch(reader, versions[old])
+                reader.abort()
+            check_per_row_equals_batch(store, model)
+    finally:
+        store.abort()
+        provider.close()
+
+
+BAD_INPUTS = [
+    (1, 2.0), (1, 2.0, b"abc", 4), None, (None, 1.0, b"a"), ("1", 1.0, b"a"), (True, 1.0, b"a"),
+    (2**31, 1.0, b"a"), (1, "x", b"a"), (1, 1.0, b"abcd"), (1, 1.0, "abc"), 7, b"\0" * 5,
+]
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS, ids=repr)
+def test_bad_keys_and_values_raise_what_the_schema_raises_and_change_nothing(tmp_path, bad):
+    provider = open_provider(tmp_path, KEY, VALUE)
+    key_schema, value_schema = key_value_schemas(KEY, VALUE)
+    store = provider.get_store(0)
+    good_key, good_value = (1, 1.0, b"a"), (1, 1.0, True, b"v")
+    store.put(good_key, good_value)
+    want_key = outcome(key_schema.encode, bad)
+    assert isinstance(want_key, tuple) and issubclass(want_key[0], Exception)
+    assert outcome(store.get, bad) == want_key
+    assert outcome(lambda k: store.put(k, good_value), bad) == want_key
+    assert outcome(store.remove, bad) == want_key
+    want_value = outcome(value_schema.encode, bad)
+    if bad is not None:
+        assert isinstance(want_value, tuple) and issubclass(want_value[0], Exception)
+        assert outcome(lambda v: store.put(good_key, v), bad) == want_value
+    assert store.get(good_key) == good_value
+    assert store.metrics.num_keys == 1
+    store.abort()
+    provider.close()
+
+
+def test_lifecycle_errors_of_the_per_row_calls(tmp_path):
+    provider = open_provider(tmp_path, KEY, VALUE)
+    store = provider.get_store(0)
+    with pytest.raises(ValueError, match="Cannot put a null value"):
+        store.put((1, 1.0, b"a"), None)
+    store.put((1, 1.0, b"a"), (1, 1.0, True, b"v"))
+    assert store.commit() == 1
+    assert store.get((1, 1.0, b"a")) == (1, 1.0, True, b"v")  # a committed store still reads
+    with pytest.raises(IllegalStateError, match="Cannot put after already committed or aborted"):
+        store.put((2, 1.0, b"a"), (1, 1.0, True, b"v"))
+    with pytest.raises(IllegalStateError, match="Cannot remove after already committed or aborted"):
+        store.remove((1, 1.0, b"a"))
+    store = provider.get_store(1)
+    store.put((2, 1.0, b"a"), (2, 1.0, True, b"v"))
+    store.abort()
+    assert store.get((2, 1.0, b"a")) is None  # the aborted updates are gone
+    with pytest.raises(IllegalStateError, match="Cannot put after already committed or aborted"):
+        store.put((2, 1.0, b"a"), (1, 1.0, True, b"v"))
+    provider.close()
+
+
+def test_wide_rows_take_the_heap_buffer(tmp_path):
+    key, value = np.dtype([("k", "S300")]), np.dtype([("v", "S700"), ("n", "<i8")])
+    provider = open_provider(tmp_path, key, value)
+    store = provider.get_store(0)
+    store.put(b"k" * 300, (b"v" * 700, 5))
+    store.put(b"short", (b"", -1))
+    assert store.get(b"k" * 300) == (b"v" * 700, 5) and store.get((b"short",)) == (b"", -1)
+    store.remove(b"short")
+    assert store.get(b"short") is None
+    with pytest.raises(ValueError, match="holds at most 300 bytes, got 301"):
+        store.get(b"k" * 301)
+    store.abort()
+    provider.close()
