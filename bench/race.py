@@ -334,7 +334,8 @@ def run_streaming(args, start_query=start_query):
         for batch, p in zip(batches, [p for p in operator.history if p["rows_in"]]):
             batch.update(commit_s=sum(t["commit_s"] for t in p["partitions"]), state_keys=p["state_keys"],
                          state_memory_bytes=p["memory_used_bytes"], late_rows=p.get("late_rows", 0),
-                         task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")})
+                         task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")},
+                         driver_s=p.get("driver_s"))
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
               "python_workers_peak_bytes": memory.workers_peak,
               # measured here, before any later run (a restart) adds to the same checkpoint
