@@ -236,8 +236,8 @@ def _image_header(bytes header, name, base):
      reserved, block_size, n_blocks, rows_offset, slots_offset, checksums_offset, file_size,
      lineage, json_len) = _HEADER.unpack_from(header)
     if version != FORMAT_VERSION:
-        raise corrupt(8, f"unknown snapshot format version {version} "
-                         f"(this reader knows version {FORMAT_VERSION})")
+        raise corrupt(8, f"unknown snapshot format version {version} (this reader knows versions "
+                         f"{FORMAT_VERSION} and {PACKED_FORMAT_VERSION})")
     stored = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
     actual = checksum(header[:_HEADER_CHECKSUM_AT])
     if stored != actual:

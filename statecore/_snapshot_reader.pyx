@@ -105,8 +105,8 @@ cdef class SnapshotReader(RowSource):
         if len(header) != HEADER_SIZE or len(footer) != FOOTER_SIZE:
             raise self._corrupt(size, "the file shrank while it was opened")
         if header[:8] == MAGIC and int.from_bytes(header[8:12], "little") == PACKED_FORMAT_VERSION:
-            raise ValueError(f"'{self.path}' is a packed snapshot (version 2): unpack it to an image "
-                             f"first (statecore.unpack_snapshot, or statecore.snapshot_files.open_snapshot)")
+            raise self._corrupt(8, "format version 2, a packed snapshot, not an image: it is mapped through "
+                                   "its unpacked image (statecore.unpack_snapshot)")
         cdef SnapshotHeader h = read_snapshot_header(header, self.path)
         cdef SnapFooter f = check_footer(footer, size, h, self.path)
         if key_schema is not None:
