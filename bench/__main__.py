@@ -37,6 +37,9 @@ MICRO = {
     "expiry": (["--rows", "10000000", "--repeat", "3"], ["--rows", "200000", "--repeat", "2"]),
     "verify": (["--keys", "10000000", "--repeat", "5"], ["--keys", "20000", "--repeat", "2"]),
     "repartition": (["--keys", "10000000", "--repeat", "3"], ["--keys", "100000", "--repeat", "1"]),
+    "packed": (["--sizes", "100000,1000000,10000000", "--repeat", "5"],
+               ["--sizes", "100000", "--repeat", "2", "--checkpoint-keys", "20000", "--updates", "12600",
+                "--batches", "3"]),
 }
 ALL = (*MICRO, "race")
 
