@@ -19,7 +19,6 @@ batches of ``--updates`` upserts (count + 1, sum + value) drawn over ``--checkpo
 keys, maintenance after each commit, once per compression, and reports the store
 directory's bytes at the end (deltas, snapshots) and the time per batch.
 """
-import io
 import os
 import shutil
 import tempfile

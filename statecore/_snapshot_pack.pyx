@@ -21,8 +21,8 @@ import os
 import lz4.block
 
 from statecore._snapshot_format import (
-    DEFAULT_PACK_BLOCK_SIZE, FOOTER_SIZE, HEADER_SIZE, MAX_PACK_BLOCK_SIZE, MIN_PACK_BLOCK_SIZE,
-    PACK_ENTRY_SIZE, PACK_FOOTER_SIZE, PACK_STORED_LZ4, PACK_STORED_RAW, SNAPSHOT_HEADER_SIZE,
+    DEFAULT_PACK_BLOCK_SIZE, HEADER_SIZE, MAX_PACK_BLOCK_SIZE, MIN_PACK_BLOCK_SIZE, PACK_FOOTER_SIZE,
+    PACK_STORED_LZ4, PACK_STORED_RAW, SNAPSHOT_HEADER_SIZE,
     check_pack_footer, pack_entry_bytes, pack_footer_bytes, pack_header_bytes, pack_table,
     pack_table_checksum, pack_table_offset, read_snapshot_header,
 )
