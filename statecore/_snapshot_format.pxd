@@ -5,6 +5,14 @@ from libc.stdint cimport uint32_t, uint64_t
 
 
 @cython.final
+cdef class PackedHeader:
+    cdef readonly object block_size       # image bytes per stored block
+    cdef readonly object image_size
+    cdef readonly object n_blocks
+    cdef readonly object checksum         # the container header's (it seeds the table's)
+
+
+@cython.final
 cdef class SnapshotHeader:
     cdef readonly object store_version
     cdef readonly bytes lineage
@@ -23,6 +31,8 @@ cdef class SnapshotHeader:
     cdef readonly object slots_offset
     cdef readonly object checksums_offset
     cdef readonly object checksum         # the header checksum (the footer keeps a copy)
+    cdef readonly object format_version   # 1: the file is the image; 2: a packed container of it
+    cdef readonly PackedHeader packed     # the container header of a version 2 file, else None
 
 
 cdef struct SnapFooter:

@@ -1,17 +1,20 @@
 # cython: language_level=3
-"""The snapshot format, version 1: its constants, the header and footer (encoded here, checked
-here), and the layout every offset follows from. The format is described in
-docs/formats.md; the slot index inside it follows the rule of ``_probe.pxd``.
+"""The snapshot formats: version 1 (the image: its constants, the header and footer, encoded
+here and checked here, and the layout every offset follows from) and version 2 (the packed
+container: an image's header page, then the rest of the image in lz4 blocks; its header,
+block table and footer, encoded and checked here). The formats are described in
+docs/formats.md; the slot index inside an image follows the rule of ``_probe.pxd``.
 
-:func:`read_snapshot_header` is the only parser of the header (the reader uses it, then
-:func:`check_footer`); the writer encodes both with :func:`header_page` and
-:func:`footer_bytes`.
+:func:`read_snapshot_header` is the only parser of either header (the reader uses it, then
+:func:`check_footer`; ``_snapshot_pack`` then :func:`check_pack_footer` and
+:func:`pack_table`); the writers encode them with :func:`header_page`, :func:`footer_bytes`
+and :func:`pack_header_bytes`, :func:`pack_table_bytes`, :func:`pack_footer_bytes`.
 """
 cimport cython
 from libc.stdint cimport uint32_t, uint64_t
 
 from statecore cimport _probe
-from statecore._delta_format cimport header_bytes
+from statecore._delta_format cimport header_bytes, lz4_bound
 from statecore._hash cimport HASH_ID_XXH64, checksum
 
 import json
@@ -25,7 +28,6 @@ MAGIC = b"SCSNAP\0\x01"
 FOOTER_MAGIC = b"SCSNEND\x01"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
-SNAPSHOT_HEADER_SIZE = HEADER_SIZE   # what read_snapshot_header needs: read this many bytes
 FOOTER_SIZE = 64
 DEFAULT_BLOCK_SIZE = 65536
 MIN_BLOCK_SIZE = 64
@@ -43,6 +45,26 @@ _FOOTER_CHECKSUM_AT = FOOTER_SIZE - 8
 _MAX_SCHEMA_JSON = _HEADER_CHECKSUM_AT - _HEADER.size
 
 assert _HEADER.size == 136 and _FOOTER.size == 56
+
+# Version 2, the packed container (docs/formats.md, "Snapshot, version 2").
+PACKED_FORMAT_VERSION = 2
+PACK_HEADER_SIZE = 64
+PACK_FOOTER_SIZE = 64
+PACK_ENTRY_SIZE = 16
+PACK_FOOTER_MAGIC = b"SCPKEND\x02"
+PACK_CODEC_LZ4 = 1
+PACK_STORED_RAW = 0     # a block's method: its bytes as they are (lz4 would not shrink them)
+PACK_STORED_LZ4 = 1     # lz4 block format, no size prefix
+DEFAULT_PACK_BLOCK_SIZE = 256 << 10
+MIN_PACK_BLOCK_SIZE = 4096
+MAX_PACK_BLOCK_SIZE = 16 << 20   # what an unpacker allocates per block at most, whatever a header says
+# What read_snapshot_header needs of either version: read this many bytes.
+SNAPSHOT_HEADER_SIZE = PACK_HEADER_SIZE + HEADER_SIZE
+_PACK_HEADER = struct.Struct("<8sIIIIQQQQ")
+_PACK_FOOTER = struct.Struct("<8sQQQQ16x")
+_PACK_ENTRY = struct.Struct("<IB3sQ")
+assert _PACK_HEADER.size + 8 == PACK_HEADER_SIZE and _PACK_FOOTER.size + 8 == PACK_FOOTER_SIZE
+assert _PACK_ENTRY.size == PACK_ENTRY_SIZE
 
 
 def _is_pow2(n):
@@ -106,6 +128,22 @@ cdef bytes footer_bytes(uint64_t table_checksum, uint64_t file_size, uint64_t he
 
 # -- the header ---------------------------------------------------------------------------
 @cython.final
+cdef class PackedHeader:
+    """The checked container header of a packed snapshot (version 2); immutable. The image
+    it holds is ``image_size`` bytes: its header page, stored as it is after this header,
+    then ``n_blocks`` blocks of ``block_size`` image bytes (the last one short)."""
+
+    @property
+    def blocks_offset(self):
+        """Where the first stored block starts in the file."""
+        return SNAPSHOT_HEADER_SIZE
+
+    def __repr__(self):
+        return (f"PackedHeader(image_size={self.image_size}, block_size={self.block_size}, "
+                f"n_blocks={self.n_blocks})")
+
+
+@cython.final
 cdef class SnapshotHeader:
     """The checked header of a snapshot (:func:`read_snapshot_header`); immutable.
 
@@ -125,20 +163,72 @@ cdef class SnapshotHeader:
 
 
 def read_snapshot_header(data, path=None):
-    """Check and decode the header page of a snapshot: a :class:`SnapshotHeader`.
+    """Check and decode the header of a snapshot of either version: a :class:`SnapshotHeader`.
 
-    ``data`` (bytes-like) holds at least the file's first HEADER_SIZE bytes, ``path`` is the
-    name errors give (see ``_delta_format.header_bytes``). StateCorruptionError if the
-    header is truncated, or if any check of what the header alone decides fails: magic,
-    format version, header checksum, header size, hash id, reserved field, widths, and every
-    size and offset against each other (a reader then checks them against the file and its
-    footer).
+    ``data`` (bytes-like) holds at least the file's first HEADER_SIZE bytes (an image,
+    version 1) or SNAPSHOT_HEADER_SIZE bytes (a packed snapshot, version 2: its container
+    header, then its image's header page); reading SNAPSHOT_HEADER_SIZE bytes serves both.
+    ``path`` is the name errors give (see ``_delta_format.header_bytes``). The header
+    describes the image either way; ``packed`` is the container's :class:`PackedHeader`, or
+    None for an image. StateCorruptionError if the header is truncated, or if any check of
+    what the header alone decides fails: magic, format version, checksums, header size,
+    codec, hash id, reserved fields, widths, and every size and offset against each other
+    (a reader then checks them against the file and its footer).
     """
     name = os.fspath(path) if path is not None else "<snapshot bytes>"
-    header = header_bytes(data, HEADER_SIZE, name)
+    view = memoryview(data).cast("B")
+    if (len(view) >= 12 and view[:8] == MAGIC
+            and int.from_bytes(view[8:12], "little") == PACKED_FORMAT_VERSION):
+        return _packed_header(header_bytes(view, SNAPSHOT_HEADER_SIZE, name), name)
+    return _image_header(header_bytes(view, HEADER_SIZE, name), name, 0)
 
+
+def _packed_header(bytes head, name):
+    """The checked header of a packed snapshot: the container header, then the image's page."""
     def corrupt(offset, reason):
         return StateCorruptionError(name, offset, reason)
+
+    (_, _, header_size, codec, block_size, image_size, n_blocks, page_checksum,
+     reserved) = _PACK_HEADER.unpack_from(head)
+    stored = _U64.unpack_from(head, _PACK_HEADER.size)[0]
+    actual = checksum(head[:_PACK_HEADER.size])
+    if stored != actual:
+        raise corrupt(_PACK_HEADER.size, f"container header checksum mismatch "
+                                         f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    if header_size != PACK_HEADER_SIZE:
+        raise corrupt(12, f"container header size {header_size} (expected {PACK_HEADER_SIZE})")
+    if codec != PACK_CODEC_LZ4:
+        raise corrupt(16, f"unknown snapshot codec {codec} (this reader knows {PACK_CODEC_LZ4}, lz4)")
+    if not (_is_pow2(block_size) and MIN_PACK_BLOCK_SIZE <= block_size <= MAX_PACK_BLOCK_SIZE):
+        raise corrupt(20, f"packed block size {block_size} is not a power of two in "
+                          f"[{MIN_PACK_BLOCK_SIZE}, {MAX_PACK_BLOCK_SIZE}]")
+    if reserved != 0:
+        raise corrupt(48, f"reserved container header field is {reserved}, not 0")
+    cdef SnapshotHeader h = _image_header(head[PACK_HEADER_SIZE:], name, PACK_HEADER_SIZE)
+    if page_checksum != h.checksum:
+        raise corrupt(40, f"the container names header page 0x{page_checksum:016x}, "
+                          f"it holds 0x{h.checksum:016x}")
+    if image_size != h.file_size:
+        raise corrupt(24, f"the container holds an image of {image_size} bytes, its header page "
+                          f"says {h.file_size}")
+    expected_blocks = -(-(image_size - HEADER_SIZE) // block_size)
+    if n_blocks != expected_blocks:
+        raise corrupt(32, f"{n_blocks} packed blocks (expected {expected_blocks} of {block_size} bytes)")
+    cdef PackedHeader ph = PackedHeader.__new__(PackedHeader)
+    ph.block_size = block_size
+    ph.image_size = image_size
+    ph.n_blocks = n_blocks
+    ph.checksum = stored
+    h.packed = ph
+    h.format_version = PACKED_FORMAT_VERSION
+    return h
+
+
+def _image_header(bytes header, name, base):
+    """The checked header page of an image, found at byte ``base`` of the file (errors name
+    offsets in the file)."""
+    def corrupt(offset, reason):
+        return StateCorruptionError(name, base + offset, reason)
 
     if header[:8] != MAGIC:
         raise corrupt(0, f"bad magic {header[:8]!r} (expected {MAGIC!r}): not a snapshot")
@@ -146,8 +236,8 @@ def read_snapshot_header(data, path=None):
      reserved, block_size, n_blocks, rows_offset, slots_offset, checksums_offset, file_size,
      lineage, json_len) = _HEADER.unpack_from(header)
     if version != FORMAT_VERSION:
-        raise corrupt(8, f"unknown snapshot format version {version} "
-                         f"(this reader knows version {FORMAT_VERSION})")
+        raise corrupt(8, f"unknown snapshot format version {version} (this reader knows versions "
+                         f"{FORMAT_VERSION} and {PACKED_FORMAT_VERSION})")
     stored = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
     actual = checksum(header[:_HEADER_CHECKSUM_AT])
     if stored != actual:
@@ -216,6 +306,8 @@ def read_snapshot_header(data, path=None):
     h.slots_offset = slots_offset
     h.checksums_offset = checksums_offset
     h.checksum = stored
+    h.format_version = FORMAT_VERSION
+    h.packed = None
     return h
 
 
@@ -248,3 +340,99 @@ cdef SnapFooter check_footer(bytes footer, size, SnapshotHeader h, path) except 
     f.checksum = stored
     f.max_displacement = max_displacement
     return f
+
+
+# -- the packed container (version 2) -------------------------------------------------------
+def pack_header_bytes(block_size, image_size, bytes page):
+    """The container header of a packed snapshot of the image whose header page is ``page``
+    (``image_size`` bytes in all, stored in blocks of ``block_size``)."""
+    n_blocks = -(-(image_size - HEADER_SIZE) // block_size)
+    page_checksum = _U64.unpack_from(page, _HEADER_CHECKSUM_AT)[0]
+    body = _PACK_HEADER.pack(MAGIC, PACKED_FORMAT_VERSION, PACK_HEADER_SIZE, PACK_CODEC_LZ4, block_size,
+                             image_size, n_blocks, page_checksum, 0)
+    return body + _U64.pack(checksum(body))
+
+
+def pack_entry_bytes(stored_size, method, uint64_t stored_checksum):
+    """One entry of the block table: the stored size, the method, the stored bytes' xxh64."""
+    return _PACK_ENTRY.pack(stored_size, method, bytes(3), stored_checksum)
+
+
+def pack_table_checksum(table, PackedHeader ph):
+    """The block table's checksum, seeded with the container header's (it ties the table to it)."""
+    return checksum(table, ph.checksum)
+
+
+def pack_footer_bytes(file_size, table_checksum, PackedHeader ph, image_footer_checksum):
+    body = _PACK_FOOTER.pack(PACK_FOOTER_MAGIC, file_size, table_checksum, ph.checksum, image_footer_checksum)
+    return body + _U64.pack(checksum(body))
+
+
+def pack_table_offset(size, SnapshotHeader h):
+    """Where the block table of a packed snapshot of ``size`` bytes starts."""
+    return size - PACK_FOOTER_SIZE - h.packed.n_blocks * PACK_ENTRY_SIZE
+
+
+def check_pack_footer(footer, size, SnapshotHeader h, path):
+    """Check the footer of a packed snapshot of ``size`` bytes against itself, the file and
+    the checked header ``h``: ``(table_checksum, image_footer_checksum)``.
+    StateCorruptionError naming ``path`` if anything is wrong."""
+    cdef PackedHeader ph = h.packed
+    least = SNAPSHOT_HEADER_SIZE + ph.n_blocks * PACK_ENTRY_SIZE + PACK_FOOTER_SIZE
+    if size < least:
+        raise StateCorruptionError(path, size, f"the file is {size} bytes; a packed snapshot of "
+                                               f"{ph.n_blocks} blocks has at least {least}")
+    footer_at = size - PACK_FOOTER_SIZE
+    if footer[:8] != PACK_FOOTER_MAGIC:
+        raise StateCorruptionError(path, footer_at, f"bad footer magic {bytes(footer[:8])!r} "
+                                                    f"(expected {PACK_FOOTER_MAGIC!r})")
+    stored = _U64.unpack_from(footer, _PACK_FOOTER.size)[0]
+    actual = checksum(footer[:_PACK_FOOTER.size])
+    if stored != actual:
+        raise StateCorruptionError(path, footer_at + _PACK_FOOTER.size, f"footer checksum mismatch "
+                                   f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    _, file_size, table_checksum, header_checksum, image_footer_checksum = _PACK_FOOTER.unpack_from(footer)
+    if file_size != size:
+        raise StateCorruptionError(path, footer_at + 8, f"the footer says the file is {file_size} "
+                                                        f"bytes, but it is {size} bytes")
+    if header_checksum != ph.checksum:
+        raise StateCorruptionError(path, footer_at + 24, "the footer belongs to another container header")
+    return table_checksum, image_footer_checksum
+
+
+def pack_table(table, size, SnapshotHeader h, table_checksum, path):
+    """Check the block table of a packed snapshot of ``size`` bytes (``table``: its bytes)
+    against the footer's checksum and the layout: ``[(offset, stored_size, method,
+    stored_checksum, raw_size)]``, one per block, in image order. StateCorruptionError
+    naming ``path`` and the entry if anything is wrong."""
+    cdef PackedHeader ph = h.packed
+    at = pack_table_offset(size, h)
+    actual = checksum(table, ph.checksum)
+    if actual != table_checksum:
+        raise StateCorruptionError(path, at, f"block table does not match the footer "
+                                             f"(expected 0x{table_checksum:016x}, got 0x{actual:016x})")
+    blocks = []
+    offset = SNAPSHOT_HEADER_SIZE
+    left = ph.image_size - HEADER_SIZE
+    for i in range(ph.n_blocks):
+        stored_size, method, reserved, stored_checksum = _PACK_ENTRY.unpack_from(table, i * PACK_ENTRY_SIZE)
+        entry_at = at + i * PACK_ENTRY_SIZE
+        raw_size = min(ph.block_size, left)
+        left -= raw_size
+        if reserved != bytes(3):
+            raise StateCorruptionError(path, entry_at + 5, f"block {i}: reserved bytes are not 0")
+        if method == PACK_STORED_RAW:
+            possible = stored_size == raw_size
+        elif method == PACK_STORED_LZ4:
+            possible = 0 < stored_size <= lz4_bound(raw_size)
+        else:
+            raise StateCorruptionError(path, entry_at + 4, f"block {i}: unknown method {method}")
+        if not possible:
+            raise StateCorruptionError(path, entry_at, f"block {i}: {stored_size} stored bytes cannot "
+                                                       f"hold {raw_size} image bytes")
+        blocks.append((offset, stored_size, method, stored_checksum, raw_size))
+        offset += stored_size
+    if offset != at:
+        raise StateCorruptionError(path, at, f"the stored blocks end at byte {offset}, the table "
+                                             f"starts at byte {at}")
+    return blocks

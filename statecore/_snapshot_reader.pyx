@@ -37,7 +37,9 @@ import os
 
 import numpy as np
 
-from statecore._snapshot_format import FOOTER_SIZE, HEADER_SIZE, read_snapshot_header
+from statecore._snapshot_format import (
+    FOOTER_SIZE, HEADER_SIZE, MAGIC, PACKED_FORMAT_VERSION, read_snapshot_header,
+)
 from statecore.errors import SchemaMismatchError, StateCorruptionError
 from statecore.schema import as_schema
 
@@ -102,6 +104,9 @@ cdef class SnapshotReader(RowSource):
         footer = os.pread(fd, FOOTER_SIZE, size - FOOTER_SIZE)
         if len(header) != HEADER_SIZE or len(footer) != FOOTER_SIZE:
             raise self._corrupt(size, "the file shrank while it was opened")
+        if header[:8] == MAGIC and int.from_bytes(header[8:12], "little") == PACKED_FORMAT_VERSION:
+            raise self._corrupt(8, "format version 2, a packed snapshot, not an image: it is mapped through "
+                                   "its unpacked image (statecore.unpack_snapshot)")
         cdef SnapshotHeader h = read_snapshot_header(header, self.path)
         cdef SnapFooter f = check_footer(footer, size, h, self.path)
         if key_schema is not None:

@@ -25,12 +25,12 @@ import threading
 
 from statecore import operator_files
 from statecore._delta import DeltaReader
-from statecore._snapshot import SnapshotReader
 from statecore.checkpoint import CheckpointFiles
 from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionNotFoundError
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name
 from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas, read_version_header
 from statecore.schema import RowSchema
+from statecore.snapshot_files import check_snapshot
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint", "json_damage"]
 
@@ -162,9 +162,8 @@ class _StoreCheck:
                     check_names_agree(f, path, reader.store_version, reader.commit_id)
                     reader.check(decode=self.deep)
             else:
-                with SnapshotReader(self.files.local_path_for_mapping(f.name), key, value) as reader:
-                    check_names_agree(f, path, reader.store_version, reader.commit_id)
-                    reader.verify(index=self.deep)
+                header = check_snapshot(self.files, f.name, key, value, deep=self.deep)
+                check_names_agree(f, path, header.store_version, header.commit_id)
         except (StateCorruptionError, SchemaMismatchError) as e:
             self._damaged(f, e)
         except FileNotFoundError:

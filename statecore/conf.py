@@ -62,13 +62,19 @@ class StateStoreConf:
     provider_class : str, default "statecore.FileStateStoreProvider"
         The provider, as ``"module.Class"`` (or ``"module:Class"``).
     compression : {"lz4", "none"}, default "lz4"
-        The delta codec's compression.
+        The compression of deltas and snapshots (Spark's
+        ``spark.sql.streaming.stateStore.compression.codec``): "lz4" writes deltas in lz4
+        blocks and snapshots packed (format version 2, unpacked once into the local cache to
+        be mapped); "none" writes both uncompressed (snapshots mapped in place). Files of
+        either setting read under the other.
     storage_options : dict, optional
         fsspec options of the checkpoint filesystem (credentials, endpoints, ...). Copied;
         left out of the hash (equal confs still hash equal), so values need not be
         hashable; ``repr`` shows their names only.
     local_cache_dir : str, optional
-        Where snapshots of a remote filesystem are copied to be memory-mapped.
+        Where snapshots of a remote filesystem are copied, and packed snapshots unpacked,
+        to be memory-mapped. Without it, images of packed snapshots go to a private
+        per-user directory under the temporary directory (``statecore-<uid>``).
 
     Raises
     ------

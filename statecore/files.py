@@ -4,7 +4,8 @@
 (``<root>/<operator>/<partition>[/<store>]``): listing the version files, reading them whole
 or in part, writing them atomically (a temporary file in the same directory, then a
 rename), deleting them, and giving the snapshot reader a local path it can memory-map (on a
-remote filesystem, a copy made by :mod:`statecore.localcache`). Which name holds which
+remote filesystem, a copy made by :mod:`statecore.localcache`; for a packed snapshot, the
+image its caller unpacks into that cache). Which name holds which
 version and attempt (``<v>_<16 hex id>.delta`` / ``.snapshot``) is :mod:`statecore.lineage`'s;
 the formats of the files are the compiled modules' (``_delta``, ``_snapshot``). This module
 moves bytes, never reads them.
@@ -28,7 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from statecore.lineage import Listing, parse_name
-from statecore.localcache import LocalCache
+from statecore.localcache import LocalCache, default_cache_dir, default_cache_dir_if_exists
 
 __all__ = ["StoreFiles", "PendingFile", "open_store_files"]
 
@@ -48,8 +49,10 @@ class StoreFiles:
     storage_options : dict, optional
         Passed to the fsspec filesystem (credentials, endpoints, ...).
     local_cache_dir : str, optional
-        Where copies of remote files are kept for memory-mapping; required only when
-        :meth:`local_path_for_mapping` is called on a filesystem that is not local.
+        Where copies of remote files and images of packed snapshots are kept for
+        memory-mapping; required only when :meth:`local_path_for_mapping` is called on a
+        filesystem that is not local. Images go to
+        :func:`statecore.localcache.default_cache_dir` without it.
 
     Attributes
     ----------
@@ -84,6 +87,7 @@ class StoreFiles:
                                 if local_cache_dir is not None else None)
         self._cache = (LocalCache(self.fs, self.storage_options, self.local_cache_dir)
                        if self.local_cache_dir is not None and not self.is_local else None)
+        self._images = None  # the LocalCache of images, made on first need (see _image_cache)
 
     def __repr__(self):
         return f"{type(self).__name__}({self.location!r})"
@@ -233,6 +237,36 @@ class StoreFiles:
                 f"{self.path(name)}: {type(self.fs).__name__} is not a local filesystem")
         return self._cache.copy_of(full, self.path(name))
 
+    def local_image_for_mapping(self, name, size, make):
+        """A local path holding the ``size``-byte image that ``make(source, dest)`` writes from
+        ``name`` (``source``: ``name`` open for reading, ``dest``: the new local file open for
+        writing), that can be memory-mapped: made once per version of ``name`` in the cache
+        directory (``local_cache_dir``, else :func:`statecore.localcache.default_cache_dir`),
+        reused while ``name`` is unchanged, dropped when it is deleted. FileNotFoundError if
+        ``name`` does not exist; what ``make`` raises (no image is kept then)."""
+        full = self._reading(name)
+
+        def write_image(tmp):
+            with self.open_read(name) as source, open(tmp, "xb") as dest:
+                make(source, dest)
+
+        return self._image_cache(create=True).image_of(full, self.path(name), size, write_image)
+
+    def _image_cache(self, create):
+        """The LocalCache of images; None if ``create`` is false and no cache directory is
+        given or exists (then there are no images to drop)."""
+        if self._images is None:
+            if self.local_cache_dir is not None:
+                directory = self.local_cache_dir
+            elif create:
+                directory = default_cache_dir()
+            else:
+                directory = default_cache_dir_if_exists()
+                if directory is None:
+                    return None
+            self._images = LocalCache(self.fs, self.storage_options, directory)
+        return self._images
+
     # -- writing ----------------------------------------------------------------------------
 
     def write_atomic(self, name, write, overwrite=True, on_flushed=None):
@@ -362,7 +396,7 @@ class StoreFiles:
     def delete(self, names):
         """Delete files, best effort: missing files and failures are skipped (failures
         logged); local cached copies of the deleted files go too. Returns the names deleted."""
-        deleted = []
+        deleted, fulls = [], []
         for name in names:
             full = self._full(name)
             try:
@@ -377,8 +411,10 @@ class StoreFiles:
                 logger.warning("Could not delete file %s: %s", self.path(name), e)
                 continue
             deleted.append(name)
-            if self._cache is not None:
-                self._cache.drop(full)
+            fulls.append(full)
+        if fulls:
+            for cache in {id(c): c for c in (self._cache, self._image_cache(create=False)) if c is not None}.values():
+                cache.drop(fulls)
         return deleted
 
     def temporary_files(self, older_than_s):

@@ -1,10 +1,12 @@
-"""Local copies of remote state files, so that snapshots on any filesystem can be memory-mapped.
+"""Local files made from state files, so that snapshots on any filesystem can be memory-mapped.
 
-A snapshot is probed in place through a memory map, which needs a local file. On a
-filesystem that is not local, :class:`statecore.files.StoreFiles` maps a copy kept in the
-``local_cache_dir`` by :class:`LocalCache`: copied once (to a temporary name, fsynced, then
-renamed), reused while the source keeps its size and version, replaced when the source is
-re-written, dropped when the source is deleted.
+A snapshot is probed in place through a memory map, which needs a local file holding its
+image. :class:`LocalCache` keeps two kinds, both keyed by the source file and its version:
+a *copy* of an image on a filesystem that is not local (in the ``local_cache_dir``), and the
+*image* unpacked from a packed snapshot on any filesystem (in the ``local_cache_dir``, or
+:func:`default_cache_dir`). Each is made once (to a temporary name, fsynced, then renamed),
+reused while the source keeps its size and version, replaced when the source is re-written,
+dropped when the source is deleted.
 
 Thread-safety: threads and processes may share one cache directory: every copy appears by
 an atomic rename, and within a process one thread at a time copies a given file.
@@ -13,12 +15,14 @@ import errno
 import hashlib
 import json
 import os
+import stat
+import tempfile
 import threading
 import uuid
 
 from fsspec.utils import tokenize
 
-__all__ = ["LocalCache"]
+__all__ = ["LocalCache", "default_cache_dir", "default_cache_dir_if_exists"]
 
 # One copy at a time per cached file in this process (striped locks, a fixed number):
 # threads mapping the same snapshot wait for the first copy instead of each downloading it.
@@ -29,8 +33,40 @@ _COPYING = tuple(threading.Lock() for _ in range(64))
 # GCS generation and crc32c, ...). They key the local cache together with the size.
 _IDENTITY_KEYS = (
     "mtime", "created", "LastModified", "last_modified", "updated", "ETag", "etag",
-    "VersionId", "version_id", "generation", "checksum", "md5Hash", "content_md5", "crc32c",
+    "VersionId", "version_id", "generation", "checksum", "md5Hash", "content_md5", "crc32c", "ino",
 )
+
+
+def _default_path():
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    return os.path.join(tempfile.gettempdir(), f"statecore-{uid if uid is not None else 'cache'}"), uid
+
+
+def default_cache_dir_if_exists():
+    """:func:`default_cache_dir` if it was made already (by any process), else None."""
+    path, _ = _default_path()
+    if not os.path.isdir(path):
+        return None
+    try:
+        return default_cache_dir()
+    except OSError:  # not ours: no image of ours is there
+        return None
+
+
+def default_cache_dir():
+    """The per-user cache directory used where no ``local_cache_dir`` is given:
+    ``statecore-<uid>`` under :func:`tempfile.gettempdir`, private to its owner. OSError if it
+    exists but belongs to someone else or others may write to it (images there are mapped)."""
+    path, uid = _default_path()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid) or st.st_mode & 0o022:
+        raise OSError(errno.EPERM, "the statecore cache directory is not a private directory of this user "
+                                   "(give spark.statecore.localCacheDir instead)", path)
+    return path
 
 
 class LocalCache:
@@ -55,28 +91,69 @@ class LocalCache:
         # Sources change under a name only when a version is committed again; copying
         # while that happens yields a copy of the wrong size, so look again.
         for _ in range(3):
-            self.fs.invalidate_cache(full)
-            info = self.fs.info(full)
-            size = info["size"]
-            identity = _digest(json.dumps(
-                [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))
+            size, identity = self._identity(full)
             cached = os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}")
             with _COPYING[hash(cached) % len(_COPYING)]:
                 if self._copy(full, cached, size):
                     return cached
         raise OSError(errno.EAGAIN, "file kept changing while it was copied", shown)
 
-    def drop(self, full, keep=None):
-        """Remove the copies of ``full`` other than ``keep`` (best effort)."""
-        prefix = self._source_id(full) + "-"
+    def image_of(self, full, shown, size, make):
+        """A local path holding the ``size``-byte image that ``make(tmp_path)`` writes from the
+        file at ``full`` (``shown``: its path for messages): made once per version of the
+        source, reused while the source is unchanged. FileNotFoundError if the source does
+        not exist; what ``make`` raises (nothing is kept then). Older images of it are
+        removed (a process that has mapped one keeps its pages)."""
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        base = full.rsplit("/", 1)[1]
+        for _ in range(3):
+            _, identity = self._identity(full)
+            cached = os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}.image")
+            with _COPYING[hash(cached) % len(_COPYING)]:
+                try:
+                    if os.path.getsize(cached) == size:
+                        return cached
+                except FileNotFoundError:
+                    pass
+                tmp = self._tmp_name(cached)
+                try:
+                    make(tmp)
+                    _fsync_file(tmp)  # an image torn by a power loss would read as corrupt
+                    if self._identity(full)[1] != identity or os.path.getsize(tmp) != size:
+                        _remove(tmp)  # the source was re-written meanwhile: look again
+                        continue
+                    os.replace(tmp, cached)
+                except BaseException:
+                    _remove(tmp)
+                    raise
+                self.drop([full], keep=cached)
+                return cached
+        raise OSError(errno.EAGAIN, "file kept changing while it was unpacked", shown)
+
+    def drop(self, fulls, keep=None):
+        """Remove the copies and images of the files ``fulls`` other than ``keep`` (best effort)."""
+        prefixes = tuple(self._source_id(full) + "-" for full in fulls)
+        if not prefixes:
+            return
         try:
             names = os.listdir(self.directory)
         except OSError:
             return
         for n in names:
             p = os.path.join(self.directory, n)
-            if n.startswith(prefix) and p != keep:
+            if n.startswith(prefixes) and p != keep:
                 _remove(p)
+
+    def _identity(self, full):
+        """``(size, digest)`` of the source's size and the version keys its filesystem reports."""
+        self.fs.invalidate_cache(full)
+        info = self.fs.info(full)
+        size = info["size"]
+        return size, _digest(json.dumps(
+            [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))
+
+    def _tmp_name(self, cached):
+        return os.path.join(self.directory, f".{os.path.basename(cached)}.{uuid.uuid4().hex}.tmp")
 
     def _copy(self, full, cached, size):
         """Make ``cached`` a whole copy of ``full`` (``size`` bytes), unless it is one already;
@@ -86,22 +163,18 @@ class LocalCache:
                 return True
         except FileNotFoundError:
             pass
-        tmp = os.path.join(self.directory, f".{os.path.basename(cached)}.{uuid.uuid4().hex}.tmp")
+        tmp = self._tmp_name(cached)
         try:
             self.fs.get_file(full, tmp)
             if os.path.getsize(tmp) != size:
                 os.unlink(tmp)
                 return False
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # a copy torn by a power loss would read as corrupt
-            finally:
-                os.close(fd)
+            _fsync_file(tmp)  # a copy torn by a power loss would read as corrupt
             os.replace(tmp, cached)
         except BaseException:
             _remove(tmp)
             raise
-        self.drop(full, keep=cached)
+        self.drop([full], keep=cached)
         return True
 
     def _source_id(self, full):
@@ -113,6 +186,14 @@ class LocalCache:
 
 def _digest(text):
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _fsync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path):

@@ -9,10 +9,11 @@ Rules and locks: ``docs/provider-rules.md``.
 import logging
 
 from statecore._delta import DeltaReader
-from statecore._snapshot import SnapshotReader, SnapshotWriter
+from statecore._snapshot import SnapshotReader
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
 from statecore.lineage import check_names_agree, file_name
+from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
 
 __all__ = ["run_maintenance", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -78,25 +79,23 @@ def _snapshot_if_due(p):
     name = file_name(top, top_id, "snapshot")
     row_count = frozen_view.num_keys
 
-    def write(f):
-        writer = SnapshotWriter(f, p._key_schema, p._value_schema, row_count, top, lineage=top_id + bytes(8))
-        for chunk in state.snapshot_rows(top):
-            writer.write_rows(chunk)
-        writer.finish()
-
     mapped = []
 
-    def map_and_verify(path):
+    def map_and_verify(reader):
         # Check every block (and fault its pages in) here, on the maintenance thread, not in
         # the first batches that look keys up in the new base; swapped in once durable.
-        reader = SnapshotReader(path, p._key_schema, p._value_schema)
         mapped.append(reader)
         reader.verify(index=False)
 
     try:
-        p._files.write_atomic(name, write, on_flushed=map_and_verify)
+        # An image on the local filesystem is mapped before its rename, while it is made
+        # durable; a packed one (or one elsewhere) is opened once it is in place.
+        write_snapshot_file(p._files, name, p._key_schema, p._value_schema, row_count, top, top_id + bytes(8),
+                            state.snapshot_rows(top), p._conf.compression,
+                            on_flushed=lambda path: map_and_verify(
+                                SnapshotReader(path, p._key_schema, p._value_schema)))
         if not mapped:
-            map_and_verify(p._files.local_path_for_mapping(name))
+            map_and_verify(open_snapshot(p._files, name, p._key_schema, p._value_schema))
     except BaseException:
         for reader in mapped:
             reader.close()
@@ -158,12 +157,8 @@ def _verified(p, f):
     path = p._files.path(f.name)
     try:
         if f.kind == "snapshot":
-            reader = SnapshotReader(p._files.local_path_for_mapping(f.name), p._key_schema, p._value_schema)
-            try:
-                check_names_agree(f, path, reader.store_version, reader.commit_id)  # as a load would
-                reader.verify()
-            finally:
-                reader.close()
+            header = check_snapshot(p._files, f.name, p._key_schema, p._value_schema, deep=True)
+            check_names_agree(f, path, header.store_version, header.commit_id)  # as a load would
         else:
             with p._files.open_read(f.name) as source:
                 reader = DeltaReader(source, p._key_schema, p._value_schema, path=path)

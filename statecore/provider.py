@@ -18,7 +18,6 @@ import numpy as np
 
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
-from statecore._snapshot import HEADER_SIZE as SNAPSHOT_HEADER_SIZE, SnapshotReader, read_snapshot_header
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
 from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
@@ -29,6 +28,7 @@ from statecore.layers import FrozenView, State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
+from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
 
@@ -491,7 +491,7 @@ class FileStateStoreProvider(StateStoreProvider):
 
     def _open_snapshot(self, f, commit_id):
         path = self._files.path(f.name)
-        reader = SnapshotReader(self._files.local_path_for_mapping(f.name), self._key_schema, self._value_schema)
+        reader = open_snapshot(self._files, f.name, self._key_schema, self._value_schema)
         try:
             check_names_agree(f, path, reader.store_version, reader.commit_id)
             if reader.commit_id != commit_id:
@@ -658,7 +658,7 @@ def read_version_header(files, f):
         header = read_delta_header(files.read_range(f.name, 0, DELTA_HEADER_SIZE), path)
         parent_id = header.parent_id
     else:
-        header = read_snapshot_header(files.read_range(f.name, 0, SNAPSHOT_HEADER_SIZE), path)
+        header = read_snapshot_file_header(files, f.name)
         parent_id = None
     check_names_agree(f, path, header.store_version, header.commit_id)
     return header.commit_id, parent_id

@@ -30,7 +30,6 @@ import numpy as np
 from statecore import files as files_module
 from statecore import operator_files
 from statecore._rowtable import RowTable
-from statecore._snapshot import SnapshotReader, SnapshotWriter
 from statecore.checkpoint import CheckpointFiles
 from statecore.conf import StateStoreConf
 from statecore.contracts import create_and_init_provider
@@ -40,6 +39,7 @@ from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name
 from statecore.provider import SCHEMA_FILE, read_store_schemas
 from statecore.schema import key_value_schemas
+from statecore.snapshot_files import open_snapshot, write_snapshot_file
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
@@ -415,16 +415,10 @@ def _write_snapshot(plan, store, q, chunks):
     name = file_name(plan.version, commit_id, "snapshot")
     count = sum(len(c) for c in chunks)
 
-    def write(f):
-        writer = SnapshotWriter(f, store.key_schema, store.value_schema, count, plan.version,
-                                lineage=commit_id + bytes(8))
-        for chunk in chunks:
-            writer.write_rows(chunk)
-        writer.finish()
-
-    files.write_atomic(name, write)
+    write_snapshot_file(files, name, store.key_schema, store.value_schema, count, plan.version, commit_id + bytes(8),
+                        chunks, plan.conf.compression)
     # Checked whole before anything relies on it: the old files go on the strength of it.
-    reader = SnapshotReader(files.local_path_for_mapping(name), store.key_schema, store.value_schema)
+    reader = open_snapshot(files, name, store.key_schema, store.value_schema)
     try:
         if reader.store_version != plan.version or reader.commit_id != commit_id or reader.row_count != count:
             raise StateCorruptionError(files.path(name), None, "the snapshot written is not the one meant")

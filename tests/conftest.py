@@ -3,6 +3,8 @@ directories statecore.files fsyncs; one Spark session per run) and the suite's l
 marked ``spark``, the standalone-cluster tests also ``cluster``, the benchmark harness tests
 ``bench``, so that ``pytest -m "not spark"`` runs the engine's tests alone."""
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -32,6 +34,26 @@ class Rand(np.random.Generator):
 
     def __repr__(self):
         return f"Rand(seed={self.seed})"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tempdir(tmp_path_factory):
+    """The run's own temporary directory (TMPDIR, for this process and the workers it
+    starts), removed at the end: the image cache's default directory is under it, so images
+    unpacked from the snapshots of tests' checkpoints go with the run."""
+    tmp_path_factory.getbasetemp()  # pytest's own directories stay where they were
+    path = tempfile.mkdtemp(prefix="statecore-tests-tmp-")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = path
+    try:
+        yield path
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(params=[0, 1, 2], ids=lambda s: f"seed{s}")

@@ -1,7 +1,8 @@
 """Every byte of every file of a small checkpoint, flipped.
 
-A checkpoint of eight deltas (versions 3..10), three snapshots (3, 6 and 7) and the schema
-file, few rows so the files are small. For each byte of each file: flip it (xor 0xFF) and,
+A checkpoint of eight deltas (versions 3..10), three snapshots (3 and 6 packed, the default
+compression; 7 an image, written with compression "none") and the schema file, few rows so
+the files are small. For each byte of each file: flip it (xor 0xFF) and,
 in a fresh process (tests/flip_worker.py: one process per chunk of flips, two at a time;
 each flip starts from a fresh copy of the pristine directory and fresh providers), open
 every version (3..10) and read all of it, run maintenance (a snapshot of 10 is due, so
@@ -60,6 +61,7 @@ CHUNK = 600  # flips per worker process
 SNAPSHOT_HEADER = 4096
 SNAPSHOT_FOOTER = 64
 SNAPSHOT_FIELDS = 136  # fixed header fields; the schema JSON follows (its length at 132)
+PACK_HEADER = 64  # a packed snapshot's container header, before the image's header page
 VERSIONS = range(3, 11)  # every version the checkpoint holds
 RETAINED = range(6, 11)  # what a maintenance pass keeps (10 - min_versions_to_retain on)
 
@@ -75,8 +77,9 @@ def batch(v):
 
 
 def build_checkpoint(root):
-    """Deltas 3..10, snapshots 3, 6 and 7, the schema file; returns the model. The snapshot
-    of 7 is one version after 6 (written by a provider with min_deltas_for_snapshot=0): the
+    """Deltas 3..10, snapshots 3, 6 (packed) and 7 (an image), the schema file; returns the
+    model. The snapshot of 7 is one version after 6 (written by a provider with
+    min_deltas_for_snapshot=0 and compression "none"): the
     next maintenance pass, which snapshots 10, thins it away, once the deltas that stand in
     for it are checked whole."""
     p = make(root)
@@ -85,8 +88,8 @@ def build_checkpoint(root):
         while max(model) < top:
             commit_changes(p, model, batch, KEY, VALUE)
         if top == 7:
-            eager = create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, VALUE,
-                                             StateStoreConf(**dict(CONF, min_deltas_for_snapshot=0)))
+            eager = create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, VALUE, StateStoreConf(
+                **dict(CONF, min_deltas_for_snapshot=0, compression="none")))
             eager.get_read_store(7).abort()  # it holds 7: its maintenance writes the snapshot
             eager.do_maintenance()
             eager.close()
@@ -101,14 +104,22 @@ def offsets(path, size):
     if FULL or not path.name.endswith(".snapshot"):
         return list(range(size))
     with open(path, "rb") as f:
-        head = f.read(SNAPSHOT_HEADER)
-        f.seek(100)
-        checksums_offset = int.from_bytes(f.read(8), "little")
-    fields_end = SNAPSHOT_FIELDS + int.from_bytes(head[132:136], "little")
-    every = set(range(fields_end)) | set(range(SNAPSHOT_HEADER - 8, SNAPSHOT_HEADER))
-    every |= set(range(checksums_offset, size))  # block checksums and footer
-    strided = (set(range(fields_end, SNAPSHOT_HEADER - 8, PADDING_STRIDE))
-               | set(range(SNAPSHOT_HEADER, checksums_offset, DATA_STRIDE)))
+        data = f.read()
+    # A packed snapshot (format version 2): its container header, then the image's header
+    # page, then blocks up to the block table (16 bytes a block) and the footer.
+    packed = int.from_bytes(data[8:12], "little") == 2
+    page = PACK_HEADER if packed else 0
+    head = data[page:page + SNAPSHOT_HEADER]
+    if packed:
+        n_blocks = int.from_bytes(data[32:40], "little")
+        data_end = size - SNAPSHOT_FOOTER - 16 * n_blocks  # table and footer follow
+    else:
+        data_end = int.from_bytes(head[100:108], "little")  # block checksums and footer follow
+    fields_end = page + SNAPSHOT_FIELDS + int.from_bytes(head[132:136], "little")
+    every = set(range(fields_end)) | set(range(page + SNAPSHOT_HEADER - 8, page + SNAPSHOT_HEADER))
+    every |= set(range(data_end, size))
+    strided = (set(range(fields_end, page + SNAPSHOT_HEADER - 8, PADDING_STRIDE))
+               | set(range(page + SNAPSHOT_HEADER, data_end, DATA_STRIDE)))
     return sorted(every | strided)
 
 
@@ -121,6 +132,8 @@ def checkpoint():
         names = sorted(os.listdir(pristine))
         kinds = collections.Counter(n.rsplit(".", 1)[1] for n in names)
         assert kinds == {"delta": 8, "snapshot": 3, "json": 1}, names
+        versions = {n.split("_")[0]: (pristine / n).read_bytes()[8] for n in names if n.endswith(".snapshot")}
+        assert versions == {"3": 2, "6": 2, "7": 1}, versions  # format versions: packed, packed, image
         # What one maintenance pass keeps in the pristine directory: it adds a snapshot of
         # 10 and thins the one of 7.
         probe = root / "probe"

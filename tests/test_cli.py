@@ -29,6 +29,8 @@ AUX_VALUE = np.dtype([("seen", "<u4")])
 CONF = dict(min_deltas_for_snapshot=2, min_versions_to_retain=20)
 PARTITIONS = 2
 VERSIONS = 6  # each store commits versions 1..6; snapshots of 3 and 6 by maintenance
+# Partition 0 writes packed snapshots (the default), partition 1 images: the checkpoint mixes both.
+COMPRESSION = {0: "lz4", 1: "none"}
 
 
 def changes(partition, version):
@@ -52,7 +54,8 @@ def write_root(root):
     committed = {}
     for p in range(PARTITIONS):
         for name, value in (("default", VALUE), ("aux", AUX_VALUE)):
-            provider = create_and_init_provider(StateStoreId(str(root), 0, p, name), KEY, value, StateStoreConf(**CONF))
+            provider = create_and_init_provider(StateStoreId(str(root), 0, p, name), KEY, value,
+                                                StateStoreConf(**CONF, compression=COMPRESSION[p]))
             ids = []
             for v in range(1, VERSIONS + 1):
                 store = provider.get_store(v - 1)
@@ -181,24 +184,31 @@ def test_verify_passes_a_sound_checkpoint(root):
 # (what to flip: kind, version, offset; where verify reports it: the offset of the checksum
 # or structure that covers the byte, None for "somewhere in the file"); negative offsets
 # count from the end. Partition 1's default store; the snapshot of 6.
-FLIPS = {
-    "delta header": ("delta", 4, 20, 64),  # the header checksum
-    "delta block header": ("delta", 4, 72 + 5, 72),  # the block
-    "delta payload": ("delta", 4, 72 + 32 + 3, 72 + 32),  # the payload
-    "delta trailer": ("delta", 4, -10, -48),  # the trailer
-    "snapshot header": ("snapshot", 6, 50, 4088),  # the header checksum
-    "snapshot schema json": ("snapshot", 6, 140, 4088),
-    "snapshot rows": ("snapshot", 6, 4096 + 30, 4096),  # the data block
-    "snapshot slots or checksums": ("snapshot", 6, -64 - 4, None),
-    "snapshot footer": ("snapshot", 6, -20, -8),  # the footer checksum
+FLIPS = {  # (partition, kind, version, offset flipped, offset reported)
+    "delta header": (1, "delta", 4, 20, 64),  # the header checksum
+    "delta block header": (1, "delta", 4, 72 + 5, 72),  # the block
+    "delta payload": (1, "delta", 4, 72 + 32 + 3, 72 + 32),  # the payload
+    "delta trailer": (1, "delta", 4, -10, -48),  # the trailer
+    "snapshot header": (1, "snapshot", 6, 50, 4088),  # the header checksum
+    "snapshot schema json": (1, "snapshot", 6, 140, 4088),
+    "snapshot rows": (1, "snapshot", 6, 4096 + 30, 4096),  # the data block
+    "snapshot slots or checksums": (1, "snapshot", 6, -64 - 4, None),
+    "snapshot footer": (1, "snapshot", 6, -20, -8),  # the footer checksum
+    # A packed snapshot (one block): container header, image header page, block, table, footer.
+    "packed container header": (0, "snapshot", 6, 20, 56),  # the container header checksum
+    "packed image header": (0, "snapshot", 6, 64 + 50, 64 + 4088),  # the page's checksum
+    "packed schema json": (0, "snapshot", 6, 64 + 140, 64 + 4088),
+    "packed block": (0, "snapshot", 6, 4160 + 30, 4160),  # the block's start
+    "packed block table": (0, "snapshot", 6, -64 - 4, -64 - 16),  # the table's start
+    "packed footer": (0, "snapshot", 6, -20, -8),  # the footer checksum
 }
 
 
 @pytest.mark.parametrize("what", sorted(FLIPS))
 def test_verify_names_the_file_and_offset_of_a_flipped_byte(root, what):
     root, _ = root
-    kind, version, offset, reported = FLIPS[what]
-    path = version_path(str(root / "0" / "1"), version, kind)
+    partition, kind, version, offset, reported = FLIPS[what]
+    path = version_path(str(root / "0" / str(partition)), version, kind)
     size = os.path.getsize(path)
     flip(path, offset % size)
     result = run("verify", root, "--json")
