@@ -22,6 +22,7 @@ import threading
 
 from statecore.conf import StateStoreConf
 from statecore.coordinator import executor_of, parse_executor_location
+from statecore.errors import IllegalStateError
 from statecore.store import create_and_init_provider
 
 __all__ = ["get", "get_read_only", "unload", "is_loaded", "is_maintenance_running", "set_coordinator",
@@ -112,15 +113,30 @@ def _held_by_sibling(coordinator, provider_id):
 def get(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None, commit_id=None):
     """The writable store of ``version`` (the attempt ``commit_id``, if given) from the
     provider of ``provider_id``, loading the provider on first use."""
-    provider = _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal)
-    return provider.get_store(version) if commit_id is None else provider.get_store(version, commit_id)
+    return _open(provider_id, key_schema, value_schema, version, conf, key_index_ordinal, commit_id, False)
 
 
 def get_read_only(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None,
                   commit_id=None):
     """Like :func:`get`, but a read-only store."""
-    provider = _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal)
-    return provider.get_read_store(version) if commit_id is None else provider.get_read_store(version, commit_id)
+    return _open(provider_id, key_schema, value_schema, version, conf, key_index_ordinal, commit_id, True)
+
+
+def _open(provider_id, key_schema, value_schema, version, conf, key_index_ordinal, commit_id, read_only):
+    """A store of the provider; once more from a new provider if the maintenance thread
+    unloaded (closed) the one found between the lookup and the open (it judged the store
+    inactive just before this process reported it)."""
+    for attempt in range(2):
+        provider = _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal)
+        get_store = provider.get_read_store if read_only else provider.get_store
+        try:
+            return get_store(version) if commit_id is None else get_store(version, commit_id)
+        except IllegalStateError:
+            with _lock:
+                unloaded = _providers.get(provider_id) is not provider
+            if not unloaded or attempt:
+                raise
+            log.info("%s was unloaded while it was opened; loading it again", provider_id)
 
 
 def unload(provider_id):
@@ -171,23 +187,23 @@ def run_maintenance_now():
         providers = list(_providers.items())
         coordinator = _coordinator
     for provider_id, provider in providers:
-        active = True
-        if coordinator is not None:
-            ref, _host, executor_id = coordinator
-            try:
-                active = ref.verify_if_instance_active(provider_id, executor_id)
-            except Exception as e:
-                log.warning("could not verify %s with the state store coordinator: %s", provider_id, e)
-            if not active and _held_by_sibling(coordinator, provider_id):
-                continue  # kept for the next task here; the sibling maintains it
+        if coordinator is not None and _held_by_sibling(coordinator, provider_id):
+            continue  # kept for the next task here; the sibling maintains it
         try:
             provider.do_maintenance()
         except Exception:
             log.exception("Error managing %s, unloading state store provider", provider)
             unload(provider_id)
             continue
-        if not active:
-            unload(provider_id)
+        if coordinator is not None:
+            ref, _host, executor_id = coordinator
+            try:
+                active = ref.verify_if_instance_active(provider_id, executor_id)
+            except Exception as e:
+                log.warning("could not verify %s with the state store coordinator: %s", provider_id, e)
+                continue
+            if not active:
+                unload(provider_id)
     with _lock:
         _passes += 1
         _passes_changed.notify_all()

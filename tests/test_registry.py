@@ -7,6 +7,7 @@ import pytest
 
 from tests.state_files import version_names
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, registry
+from statecore.errors import IllegalStateError
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("v", "<i8")])
@@ -164,6 +165,31 @@ def test_a_store_another_worker_of_this_executor_took_over_is_kept(tmp_path, loc
     registry.run_maintenance_now()
     assert registry.is_loaded(a)
     assert not any(n.endswith(".snapshot") for n in version_names(os.path.join(tmp_path, "0", "0")))
-    coord.active[a] = True
+    coord.active[a], coord.locations[a] = True, "executor_127.0.0.1_7.1001"  # active here again
     registry.run_maintenance_now()
     assert "3.snapshot" in version_names(os.path.join(tmp_path, "0", "0"))
+
+
+def test_a_store_unloaded_between_its_lookup_and_its_open_is_loaded_again(tmp_path, monkeypatch):
+    """The maintenance thread may judge a store inactive just before this process reports
+    it, and unload it while the task opens it: the open loads it again, once."""
+    conf = StateStoreConf(maintenance_interval_s=3600)
+    a = pid(tmp_path)
+    commit(a, 0, conf)
+    original, calls = registry._provider_for, []
+
+    def unloaded_meanwhile(*args):
+        provider = original(*args)
+        calls.append(provider)
+        if len(calls) == 1:
+            registry.unload(a)  # the maintenance thread, in the window
+        return provider
+
+    monkeypatch.setattr(registry, "_provider_for", unloaded_meanwhile)
+    assert registry.get_read_only(a, KEY, VALUE, 1, conf).get(1) == (0,)
+    assert len(calls) == 2 and calls[0] is not calls[1] and registry.is_loaded(a)
+    calls.clear()
+    calls.append(None)  # no unload now: a closed provider that is still registered is an error
+    registry._providers[a].close()
+    with pytest.raises(IllegalStateError, match="closed"):
+        registry.get(a, KEY, VALUE, 1, conf)
