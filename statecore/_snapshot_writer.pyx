@@ -17,7 +17,9 @@ from statecore._probe cimport (
 )
 from statecore._snapshot_format cimport footer_bytes, header_page, layout
 
+import mmap
 import operator
+import tempfile
 
 import numpy as np
 
@@ -132,9 +134,10 @@ cdef class SnapshotWriter:
         self.checksums_offset = plan["checksums_offset"]
         self.file_size = plan["file_size"]
 
-        # numpy owns the buffers (np.zeros of a large size is lazily zeroed by the kernel).
-        self._slots_arr = np.zeros((self.n_slots, 2), dtype="<u4")
-        self._key_hi_arr = np.empty(max(row_count, 1), dtype=np.uint32)
+        # numpy owns the buffers (np.zeros of a large size is lazily zeroed by the kernel);
+        # the two that grow with the rows are file-backed past a size (see _scratch_array).
+        self._slots_arr = _scratch_array((self.n_slots, 2), np.dtype("<u4"))
+        self._key_hi_arr = _scratch_array((max(row_count, 1),), np.dtype(np.uint32))
         self._block_arr = np.empty(block_size, dtype=np.uint8)
         self._checksums_arr = np.empty(self.n_blocks, dtype="<u8")
         cdef uint32_t[:, ::1] slots_view = self._slots_arr
@@ -361,6 +364,27 @@ cdef class SnapshotWriter:
         self.block_buf = NULL
         self.checksums = NULL
         self._slots_arr = self._key_hi_arr = self._block_arr = self._checksums_arr = None
+
+
+# Working buffers larger than this are mapped from an unlinked temporary file instead of
+# taken from the heap: the kernel can then write them out and drop them under memory
+# pressure, so writing the snapshot of a state larger than memory does not need the slot
+# index of that state in resident memory.
+FILE_BACKED_SCRATCH_BYTES = 64 << 20
+
+
+def _scratch_array(shape, dtype):
+    """A zeroed array of ``shape``: on the heap, or past FILE_BACKED_SCRATCH_BYTES mapped
+    from an unlinked file in the temporary directory (its pages are the kernel's to evict;
+    the file goes with the mapping)."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes <= FILE_BACKED_SCRATCH_BYTES:
+        return np.zeros(shape, dtype=dtype)
+    with tempfile.TemporaryFile(prefix="statecore-snapshot-index-") as f:
+        f.truncate(nbytes)  # a sparse file: reads as zeros
+        return np.ndarray(shape, dtype=dtype, buffer=mmap.mmap(f.fileno(), nbytes))
 
 
 def write_snapshot(fileobj, table, store_version, lineage=bytes(16), block_size=DEFAULT_BLOCK_SIZE):

@@ -268,6 +268,25 @@ def test_write_snapshot_streams_a_rowtable(tmp_path):
         assert dict(reader.items()) == dict(table.items())
 
 
+def test_a_file_backed_slot_index_writes_the_same_bytes(tmp_path, monkeypatch):
+    """Past a size the writer's slot index and key hashes live in an unlinked temporary
+    file's mapping (a state larger than memory can be written): the same bytes come out."""
+    import statecore._snapshot_writer as writer_module
+
+    rng = np.random.default_rng(17)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, misses = make_rows(rng, key_schema, value_schema, 50_000)
+    heap = write_file(tmp_path / "heap.snapshot", key_schema, value_schema, rows)
+    monkeypatch.setattr(writer_module, "FILE_BACKED_SCRATCH_BYTES", 0)
+    assert writer_module._scratch_array((4, 2), np.dtype("<u4")).base is not None  # mapped, not owned
+    mapped = write_file(tmp_path / "mapped.snapshot", key_schema, value_schema, rows)
+    assert heap == mapped
+    assert (tmp_path / "heap.snapshot").read_bytes() == (tmp_path / "mapped.snapshot").read_bytes()
+    with SnapshotReader(tmp_path / "mapped.snapshot", key_schema, value_schema) as reader:
+        check_against_model(reader, rows, misses, key_schema, value_schema)
+        reader.verify()
+
+
 def test_the_slot_index_is_built_by_rowtables_rule(tmp_path):
     """Same keys, same order, same number of slots: a RowTable's index and a snapshot's slots
     come out alike (both follow _probe.pxd), down to the farthest displacement."""
