@@ -195,14 +195,14 @@ def build(store_dir, root, keys, compression, block_size):
             "disk_bytes": disk_bytes(store_dir)}
 
 
-def run(store_dir, root, keys, n_batches, batch_rows, seed):
+def run(store_dir, root, keys, n_batches, batch_rows, seed, compression):
     """Open the built state cold, then the batches with maintenance between them."""
     evict(store_dir)
     cached_after_evict = cached_bytes(store_dir)
     status0 = proc_status()
     from statecore import StateStoreConf, StateStoreId, create_and_init_provider
     peak = AnonPeak()
-    conf = StateStoreConf()  # Spark's defaults: a snapshot after more than 10 deltas
+    conf = StateStoreConf(compression=compression)  # else Spark's defaults: a snapshot after more than 10 deltas
     work = batches(seed, keys, n_batches, batch_rows)  # each drawn before its batch, untimed
     peak.take()
     t0 = time.perf_counter()
@@ -253,9 +253,10 @@ def run(store_dir, root, keys, n_batches, batch_rows, seed):
 def probe(store_dir, keys, repeat, seed):
     """ns per key of 100k random lookups on the mapped snapshot alone, every page resident:
     what a base probe costs at this K, without the batch around it."""
-    from statecore._snapshot import SnapshotReader
-    name = next(e.path for e in store_files(store_dir) if e.name.endswith(".snapshot"))
-    reader = SnapshotReader(name, KEY, VALUE)
+    from statecore.files import open_store_files
+    from statecore.snapshot_files import open_snapshot
+    name = next(e.name for e in store_files(store_dir) if e.name.endswith(".snapshot"))
+    reader = open_snapshot(open_store_files(store_dir), name, KEY, VALUE)  # a packed one through its image
     reader.verify(index=False)  # reads and maps every block
     rng = np.random.default_rng([seed, keys, 1])
     values = np.zeros((100_000, VALUE.itemsize), np.uint8)
@@ -405,7 +406,8 @@ def main():
                                       "compression": args.compression, "block_size": args.block_size})
             print(f"built {keys:,} keys in {built['delta_s'] + built['snapshot_s']:.1f} s", flush=True)
             ran = in_fresh_process({"kind": "run", "store_dir": store_dir, "root": root, "keys": keys,
-                                    "n_batches": args.batches, "batch_rows": args.batch_rows, "seed": args.seed})
+                                    "n_batches": args.batches, "batch_rows": args.batch_rows, "seed": args.seed,
+                                    "compression": args.compression})
             probed = in_fresh_process({"kind": "probe", "store_dir": store_dir, "keys": keys, "repeat": 20,
                                        "seed": args.seed})
         finally:
