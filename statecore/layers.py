@@ -352,15 +352,17 @@ class State:
         merge looks nothing up: no damaged base can stop it half way."""
         self._check_not_frozen()
         before = self.count(self.version)
+        # Every lookup that can fail (a damaged snapshot block) comes before the head changes,
+        # or is undone: readers of this state's versions never see half a merge.
+        if del_prior is None:
+            prior_del, prior_del_found = self.lookup(self.version, del_keys)
+        else:
+            prior_del, prior_del_found = del_prior, np.ones(del_keys.shape[0], dtype=np.bool_)
         if put_prior is None:
             prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
         else:
             prior_put, prior_put_found = put_prior
             self.head.put_rows(put_keys, put_values)
-        if del_prior is None:
-            prior_del, prior_del_found = self.lookup(self.version, del_keys)
-        else:
-            prior_del, prior_del_found = del_prior, np.ones(del_keys.shape[0], dtype=np.bool_)
         if del_keys.shape[0]:
             self.head.delete_rows(del_keys, tombstone=self.base is not None)
         old = self.version
@@ -391,7 +393,8 @@ class State:
         self.merges += 1
 
     def _put_and_get_prior(self, keys, values):
-        """Write puts into the head; return each key's value and presence before the write."""
+        """Write puts into the head; return each key's value and presence before the write.
+        If the base lookup raises, the head is put back as it was before the raise."""
         n = keys.shape[0]
         prior = np.empty((n, self.value_schema.width), dtype=np.uint8)
         in_head = np.empty(n, dtype=np.uint8)
@@ -400,17 +403,23 @@ class State:
         rest = np.flatnonzero(~found)
         if rest.size == 0:
             return prior, found
-        rest_keys = take_rows(keys, rest)
+        rest_keys = all_rest_keys = take_rows(keys, rest)
         if len(self.head.dels):
             tombstoned = np.zeros(rest.size, dtype=np.uint8)
             self.head.dels.get_rows(rest_keys, no_values(rest.size), tombstoned)
-            self.head.dels.remove_rows(rest_keys)
             keep = ~tombstoned.view(np.bool_)
             rest, rest_keys = rest[keep], take_rows(rest_keys, keep)
         if self.base is not None and rest.size:
-            base_values, base_found = base_lookup(self.base, rest_keys)
+            try:
+                base_values, base_found = base_lookup(self.base, rest_keys)
+            except BaseException:
+                self.head.puts.put_rows(take_rows(keys, found), take_rows(prior, found))
+                self.head.puts.remove_rows(all_rest_keys)
+                raise
             put_rows_at(prior, rest, base_values)
             found[rest] = base_found
+        if len(self.head.dels):
+            self.head.dels.remove_rows(all_rest_keys)
         return prior, found
 
     def _check_not_frozen(self):

@@ -1170,6 +1170,31 @@ def snapshot_store(tmp_path, seed=17, n_keys=30_000, deltas_after=2, compression
     return expected, version_path(store_dir(tmp_path), 2, "snapshot")
 
 
+def test_a_commit_whose_merge_meets_a_damaged_block_leaves_the_version_as_it_was(tmp_path):
+    """The merge looks prior values up in the base; a damaged block found there fails the
+    commit, and a reader of the same version (same in-memory state) sees nothing of it."""
+    p = make(tmp_path, min_deltas_for_snapshot=1, compression="none")
+    commit_batch(p, 0, [(k, (k, 0.0)) for k in range(30_000)])
+    commit_batch(p, 1, [(0, (0, 0.0))])
+    p.do_maintenance()  # a snapshot of version 2
+    commit_batch(p, 2, [(k, (k, 1.0)) for k in range(100, 110)])  # the head: rows of block 0
+    p.close()
+    path = version_path(store_dir(tmp_path), 2, "snapshot")
+    bad = bytearray(Path(path).read_bytes())
+    bad[4096 + 5 * 65536 + 1000] ^= 0xFF  # key k is row k, 24 bytes from byte 4096: keys ~13650-16380
+    replace_file(path, bad)
+    q = make(tmp_path)
+    reader = q.get_read_store(3)
+    assert reader.metrics.num_keys == 30_000
+    writer = q.get_store(3)
+    for k in [*range(100, 110), *range(14_000, 14_010)]:  # in the head, then only in the damaged block
+        writer.put(k, (-1, -1.0))
+    with pytest.raises(StateCorruptionError, match=r"2_[0-9a-f]{16}\.snapshot"):
+        writer.commit()
+    assert [reader.get(k) for k in range(100, 110)] == [(k, 1.0) for k in range(100, 110)]
+    assert not any(n.startswith("4_") for n in version_names(store_dir(tmp_path)))
+
+
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_damaged_snapshot_data_is_found_by_the_lookup_that_touches_it(tmp_path, compression):
     """An image's damaged block is found by the lookup that touches it (an image is mapped
