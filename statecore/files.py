@@ -252,6 +252,21 @@ class StoreFiles:
 
         return self._image_cache(create=True).image_of(full, self.path(name), size, write_image)
 
+    def new_image_file(self, name):
+        """A new temporary file (open for binary writing) in the image cache's directory, for
+        an image of ``name`` written while ``name`` is (see :meth:`adopt_image`)."""
+        cache = self._image_cache(create=True)
+        os.makedirs(cache.directory, mode=0o700, exist_ok=True)
+        base = name.rsplit("/", 1)[-1]
+        return open(os.path.join(cache.directory, f".{base}.{uuid.uuid4().hex}.image.tmp"), "xb")
+
+    def adopt_image(self, name, path):
+        """Make the local file ``path`` (an image of ``name``, written with it) the cached
+        image of ``name`` as it now is: what :meth:`local_image_for_mapping` then returns."""
+        full = self._reading(name)
+        size = os.path.getsize(path)
+        self._image_cache(create=True).image_of(full, self.path(name), size, lambda tmp: os.replace(path, tmp))
+
     def _image_cache(self, create):
         """The LocalCache of images; None if ``create`` is false and no cache directory is
         given or exists (then there are no images to drop)."""

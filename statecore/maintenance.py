@@ -91,7 +91,7 @@ def _snapshot_if_due(p):
         # An image on the local filesystem is mapped before its rename, while it is made
         # durable; a packed one (or one elsewhere) is opened once it is in place.
         write_snapshot_file(p._files, name, p._key_schema, p._value_schema, row_count, top, top_id + bytes(8),
-                            state.snapshot_rows(top), p._conf.compression,
+                            state.snapshot_rows(top), p._conf.compression, keep_image=True,
                             on_flushed=lambda path: map_and_verify(
                                 SnapshotReader(path, p._key_schema, p._value_schema)))
         if not mapped:

@@ -8,6 +8,7 @@ there: lookups and iteration are the same :class:`SnapshotReader` work either wa
 checkpoint may hold both. Every reader of snapshot files in a store directory (the provider,
 maintenance, verify, repartition) goes through here; the formats are ``_snapshot``'s.
 """
+import logging
 import os
 
 from statecore._snapshot import (
@@ -18,28 +19,60 @@ from statecore.schema import as_schema
 
 __all__ = ["write_snapshot_file", "read_header", "open_snapshot", "check_snapshot"]
 
+log = logging.getLogger(__name__)
+
 
 def write_snapshot_file(files, name, key_schema, value_schema, row_count, version, lineage, chunks,
-                        compression, on_flushed=None):
+                        compression, on_flushed=None, keep_image=False):
     """Write the rows of ``chunks`` (uint8 row arrays, ``row_count`` rows in all) as snapshot
     ``name`` of ``files``, atomically: the image with ``compression="none"``, packed while
     it is written with ``"lz4"``. ``on_flushed(path)`` is called with the temporary image
     before it is renamed, for an image on the local filesystem only (see
-    :meth:`StoreFiles.write_atomic`). Returns the file's size in bytes."""
+    :meth:`StoreFiles.write_atomic`). With ``keep_image``, a packed snapshot's image is
+    written beside it into the local cache as the image of the new file (the writer maps it
+    next: nothing to unpack). Returns the file's size in bytes."""
     if compression not in ("lz4", "none"):
         raise ValueError(f"compression must be 'lz4' or 'none', got {compression!r}")
     packed = compression == "lz4"
+    image = files.new_image_file(name) if packed and keep_image else None
 
     def write(f):
         target = PackWriter(f) if packed else f
+        if image is not None:
+            target = _Tee(target, image)
         writer = SnapshotWriter(target, key_schema, value_schema, row_count, version, lineage=lineage)
         for chunk in chunks:
             writer.write_rows(chunk)
-        writer.finish()
+        info = writer.finish()
         if packed:
-            target.finish()
+            (target.first if image is not None else target).finish()
+        return info
 
-    return files.write_atomic(name, write, on_flushed=None if packed else on_flushed)
+    try:
+        size = files.write_atomic(name, write, on_flushed=None if packed else on_flushed)
+        if image is not None:
+            image.close()
+            try:
+                files.adopt_image(name, image.name)
+            except OSError as e:  # only a shortcut: opening the snapshot unpacks it instead
+                log.warning("could not keep the image of %s: %s", files.path(name), e)
+    finally:
+        if image is not None:
+            image.close()
+            _remove(image.name)  # adopted (renamed away) or abandoned
+    return size
+
+
+class _Tee:
+    """A write-only file object handing every write to ``first`` and then ``second``."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def write(self, data):
+        n = self.first.write(data)
+        self.second.write(data)
+        return n
 
 
 def read_header(files, name):

@@ -259,6 +259,25 @@ def test_the_image_is_made_once_reused_and_dropped_with_its_snapshot(tmp_path):
         r.close()
 
 
+def test_an_image_kept_while_writing_is_opened_without_unpacking(tmp_path, monkeypatch):
+    import statecore.snapshot_files as snapshot_files
+
+    files = StoreFiles(str(tmp_path / "store"), local_cache_dir=str(tmp_path / "cache"))
+    table = table_of("int64->count,sum", 3000)
+    name = f"5_{'ef' * 8}.snapshot"
+    keys, values = table.export_rows()
+    write_snapshot_file(files, name, table.key_schema, table.value_schema, len(table), 5, b"C" * 16,
+                        [np.concatenate([keys, values], axis=1)], "lz4", keep_image=True)
+    assert len(cached_images(files)) == 1
+    assert [n for n in os.listdir(files.local_cache_dir) if n.endswith(".tmp")] == []
+    unpacked = []
+    monkeypatch.setattr(snapshot_files, "unpack_snapshot", lambda *a: unpacked.append(a))
+    with open_snapshot(files, name) as reader:
+        assert dict(reader.items()) == dict(table.items())
+        reader.verify()
+    assert unpacked == []
+
+
 def test_a_damaged_packed_snapshot_is_named_and_leaves_no_image(tmp_path):
     files = StoreFiles(str(tmp_path / "store"), local_cache_dir=str(tmp_path / "cache"))
     table = table_of("int64->count,sum", 2000)
