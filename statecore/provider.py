@@ -186,8 +186,12 @@ class FileStateStoreProvider(StateStoreProvider):
         log.info("version %d of %s is not in memory; loading it from files", version, self)
         state = self._load(version, target, listing)
         with self._lock:
+            # The loaded state becomes the one kept when it is newer, or when the one kept holds
+            # another attempt of this version (its lineage was abandoned); a read of an older
+            # version it no longer holds leaves it in place.
             keep = self._conf.max_versions_to_retain_in_memory > 0 and (
-                self._latest is None or version >= self._latest.version or self._latest.commit_ids.get(version) != target)
+                self._latest is None or version >= self._latest.version
+                or self._latest.commit_ids.get(version) is not None)
             if keep:
                 self._latest = state
             return View(self, state, version, listing)

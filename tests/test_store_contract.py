@@ -524,6 +524,16 @@ def test_a_commit_and_the_next_maintenance_pass_read_no_delta_back(root, monkeyp
     assert any(n.endswith(".snapshot") for n in os.listdir(store_dir(root)))
 
 
+def test_reading_an_old_version_keeps_the_newest_in_memory(root):
+    p = make(root)
+    commit_one_key_each(p, 6)
+    hits = _metric(p, 6, "loadedMapCacheHitCount")
+    assert contents(p.get_read_store(1)) == {0: (0, 0.0)}  # older than what is held: loaded
+    assert contents(p.get_read_store(6)) == {k: (k, 0.0) for k in range(6)}
+    assert _metric(p, 6, "loadedMapCacheHitCount") == hits + 2  # version 6 still in memory
+    assert commit_batch(p, 6, [(6, (6, 0.0))]) == 7
+
+
 def test_cache_hits_and_misses(root):
     p = make(root)
     commit_batch(p, 0, [(1, (1, 0.0))])
