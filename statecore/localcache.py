@@ -6,7 +6,8 @@ a *copy* of an image on a filesystem that is not local (in the ``local_cache_dir
 *image* unpacked from a packed snapshot on any filesystem (in the ``local_cache_dir``, or
 :func:`default_cache_dir`). Each is made once (to a temporary name, fsynced, then renamed),
 reused while the source keeps its size and version, replaced when the source is re-written,
-dropped when the source is deleted.
+dropped when the source is deleted, and removed by a later process once nobody has used it
+for a day (what a process that died left behind: :meth:`LocalCache.sweep_once`).
 
 Thread-safety: threads and processes may share one cache directory: every copy appears by
 an atomic rename, and within a process one thread at a time copies a given file.
@@ -18,6 +19,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 import uuid
 
 from fsspec.utils import tokenize
@@ -69,6 +71,19 @@ def default_cache_dir():
     return path
 
 
+# A copy or image untouched this long is removed by the first cache use of a process.
+UNUSED_FOR_S = 24 * 3600
+_SWEPT = set()  # directories swept by this process
+_SWEEP_LOCK = threading.Lock()
+
+
+def _touch(path):
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 class LocalCache:
     """The local copies of files of one fsspec filesystem, in one local directory.
 
@@ -82,11 +97,33 @@ class LocalCache:
         self.storage_options = storage_options
         self.directory = directory
 
+    def sweep_once(self):
+        """Once per process and directory: remove what no one has used for
+        :data:`UNUSED_FOR_S` (copies and images a dead process left, their sources deleted
+        meanwhile, and abandoned temporary files). A process that has one mapped keeps its
+        pages; one that wants it again makes it again. Best effort."""
+        with _SWEEP_LOCK:
+            if self.directory in _SWEPT:
+                return
+            _SWEPT.add(self.directory)
+        horizon = time.time() - UNUSED_FOR_S
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return
+        for e in entries:
+            try:
+                if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < horizon:
+                    os.unlink(e.path)
+            except OSError:
+                pass
+
     def copy_of(self, full, shown):
         """A local path holding the content of the file at ``full`` (``shown``: its path for
         messages); FileNotFoundError if it does not exist. Older copies of it are removed (a
         process that has mapped one keeps its pages)."""
         os.makedirs(self.directory, exist_ok=True)
+        self.sweep_once()
         base = full.rsplit("/", 1)[1]
         # Sources change under a name only when a version is committed again; copying
         # while that happens yields a copy of the wrong size, so look again.
@@ -105,6 +142,7 @@ class LocalCache:
         not exist; what ``make`` raises (nothing is kept then). Older images of it are
         removed (a process that has mapped one keeps its pages)."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self.sweep_once()
         base = full.rsplit("/", 1)[1]
         for _ in range(3):
             _, identity = self._identity(full)
@@ -112,6 +150,7 @@ class LocalCache:
             with _COPYING[hash(cached) % len(_COPYING)]:
                 try:
                     if os.path.getsize(cached) == size:
+                        _touch(cached)  # in use: not swept
                         return cached
                 except FileNotFoundError:
                     pass
@@ -160,6 +199,7 @@ class LocalCache:
         False if the source did not have that size while it was copied."""
         try:
             if os.path.getsize(cached) == size:
+                _touch(cached)  # in use: not swept
                 return True
         except FileNotFoundError:
             pass

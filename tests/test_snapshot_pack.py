@@ -5,6 +5,7 @@ filesystem, the image cache (reused, remade when damaged, dropped with its snaps
 provider switching compression over one checkpoint."""
 import io
 import os
+import time
 import uuid
 
 import fsspec
@@ -276,6 +277,36 @@ def test_an_image_kept_while_writing_is_opened_without_unpacking(tmp_path, monke
         assert dict(reader.items()) == dict(table.items())
         reader.verify()
     assert unpacked == []
+
+
+def test_images_unused_for_a_day_are_swept_by_the_next_process(tmp_path, monkeypatch):
+    """What a dead process left in the cache (images of snapshots deleted since, temporary
+    files) goes once unused for a day; an image in use is touched when reused and stays."""
+    import statecore.localcache as localcache
+
+    files = StoreFiles(str(tmp_path / "store"), local_cache_dir=str(tmp_path / "cache"))
+    table = table_of("int64->count,sum", 500)
+    live, gone = f"6_{'aa' * 8}.snapshot", f"7_{'bb' * 8}.snapshot"
+    for name in (live, gone):
+        write_file(files, name, table, "lz4")
+        open_snapshot(files, name).close()
+    os.unlink(os.path.join(files.location, gone))  # deleted by a process that died: its image stays
+    leftover = os.path.join(files.local_cache_dir, ".x.tmp")
+    open(leftover, "wb").close()
+    day_ago = time.time() - localcache.UNUSED_FOR_S - 60
+    for n in os.listdir(files.local_cache_dir):
+        os.utime(os.path.join(files.local_cache_dir, n), (day_ago, day_ago))
+    assert len(cached_images(files)) == 2
+    monkeypatch.setattr(localcache, "_SWEPT", set())  # a new process
+    fresh = StoreFiles(files.location, local_cache_dir=files.local_cache_dir)
+    with open_snapshot(fresh, live) as reader:  # swept first, then made again
+        assert len(reader) == 500
+    assert len(cached_images(fresh)) == 1 and not os.path.exists(leftover)
+    image = os.path.join(files.local_cache_dir, cached_images(fresh)[0])
+    os.utime(image, (day_ago, day_ago))
+    monkeypatch.setattr(localcache, "_SWEPT", {files.local_cache_dir})
+    with open_snapshot(fresh, live):  # reused: touched
+        assert os.path.getmtime(image) > day_ago + 3600
 
 
 def test_a_damaged_packed_snapshot_is_named_and_leaves_no_image(tmp_path):
