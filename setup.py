@@ -64,10 +64,14 @@ def _extensions():
     ]
 
 
+JOBS = os.cpu_count() or 1  # modules are translated and compiled in parallel
+
 setup(
     ext_modules=cythonize(
         _extensions(),
         compiler_directives={"language_level": 3, "embedsignature": True, "binding": True},
         annotate=_flag("STATECORE_ANNOTATE"),
+        nthreads=JOBS,
     ),
+    options={"build_ext": {"parallel": JOBS}},
 )
