@@ -183,6 +183,17 @@ def read_snapshot_header(data, path=None):
     return _image_header(header_bytes(view, HEADER_SIZE, name), name, 0)
 
 
+def _checked_sum(buf, at, path, offset, what):
+    """The u64 checksum stored at ``at`` in ``buf`` (a header or footer read from byte
+    ``offset`` of ``path``), which must be the checksum of the bytes before it."""
+    stored = _U64.unpack_from(buf, at)[0]
+    actual = checksum(buf[:at])
+    if stored != actual:
+        raise StateCorruptionError(path, offset + at, f"{what} checksum mismatch "
+                                                      f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    return stored
+
+
 def _packed_header(bytes head, name):
     """The checked header of a packed snapshot: the container header, then the image's page."""
     def corrupt(offset, reason):
@@ -190,11 +201,7 @@ def _packed_header(bytes head, name):
 
     (_, _, header_size, codec, block_size, image_size, n_blocks, page_checksum,
      reserved) = _PACK_HEADER.unpack_from(head)
-    stored = _U64.unpack_from(head, _PACK_HEADER.size)[0]
-    actual = checksum(head[:_PACK_HEADER.size])
-    if stored != actual:
-        raise corrupt(_PACK_HEADER.size, f"container header checksum mismatch "
-                                         f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    stored = _checked_sum(head, _PACK_HEADER.size, name, 0, "container header")
     if header_size != PACK_HEADER_SIZE:
         raise corrupt(12, f"container header size {header_size} (expected {PACK_HEADER_SIZE})")
     if codec != PACK_CODEC_LZ4:
@@ -238,11 +245,7 @@ def _image_header(bytes header, name, base):
     if version != FORMAT_VERSION:
         raise corrupt(8, f"unknown snapshot format version {version} (this reader knows versions "
                          f"{FORMAT_VERSION} and {PACKED_FORMAT_VERSION})")
-    stored = _U64.unpack_from(header, _HEADER_CHECKSUM_AT)[0]
-    actual = checksum(header[:_HEADER_CHECKSUM_AT])
-    if stored != actual:
-        raise corrupt(_HEADER_CHECKSUM_AT, f"header checksum mismatch "
-                                           f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    stored = _checked_sum(header, _HEADER_CHECKSUM_AT, name, base, "header")
     # Sizes and offsets against each other and against the layout (Python ints: no overflow).
     if header_size != HEADER_SIZE:
         raise corrupt(12, f"header size {header_size} (expected {HEADER_SIZE})")
@@ -322,11 +325,7 @@ cdef SnapFooter check_footer(bytes footer, size, SnapshotHeader h, path) except 
     if footer[:8] != FOOTER_MAGIC:
         raise StateCorruptionError(path, footer_at, f"bad footer magic {footer[:8]!r} "
                                                     f"(expected {FOOTER_MAGIC!r})")
-    stored = _U64.unpack_from(footer, _FOOTER_CHECKSUM_AT)[0]
-    actual = checksum(footer[:_FOOTER_CHECKSUM_AT])
-    if stored != actual:
-        raise StateCorruptionError(path, footer_at + _FOOTER_CHECKSUM_AT, f"footer checksum mismatch "
-                                   f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    stored = _checked_sum(footer, _FOOTER_CHECKSUM_AT, path, footer_at, "footer")
     _, table_checksum, file_size, header_checksum, max_displacement = _FOOTER.unpack_from(footer)
     if file_size != size:
         raise StateCorruptionError(path, footer_at + 16, f"the footer says the file is {file_size} "
@@ -386,11 +385,7 @@ def check_pack_footer(footer, size, SnapshotHeader h, path):
     if footer[:8] != PACK_FOOTER_MAGIC:
         raise StateCorruptionError(path, footer_at, f"bad footer magic {bytes(footer[:8])!r} "
                                                     f"(expected {PACK_FOOTER_MAGIC!r})")
-    stored = _U64.unpack_from(footer, _PACK_FOOTER.size)[0]
-    actual = checksum(footer[:_PACK_FOOTER.size])
-    if stored != actual:
-        raise StateCorruptionError(path, footer_at + _PACK_FOOTER.size, f"footer checksum mismatch "
-                                   f"(expected 0x{stored:016x}, got 0x{actual:016x})")
+    _checked_sum(footer, _PACK_FOOTER.size, path, footer_at, "footer")
     _, file_size, table_checksum, header_checksum, image_footer_checksum = _PACK_FOOTER.unpack_from(footer)
     if file_size != size:
         raise StateCorruptionError(path, footer_at + 8, f"the footer says the file is {file_size} "

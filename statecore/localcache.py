@@ -77,11 +77,16 @@ _SWEPT = set()  # directories swept by this process
 _SWEEP_LOCK = threading.Lock()
 
 
-def _touch(path):
+def _reusable(cached, size):
+    """Whether ``cached`` is there whole (``size`` bytes); if so it is touched: in use, not
+    swept."""
     try:
-        os.utime(path)
+        if os.path.getsize(cached) != size:
+            return False
+        os.utime(cached)
     except OSError:
-        pass
+        return False
+    return True
 
 
 class LocalCache:
@@ -148,12 +153,8 @@ class LocalCache:
             _, identity = self._identity(full)
             cached = os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}.image")
             with _COPYING[hash(cached) % len(_COPYING)]:
-                try:
-                    if os.path.getsize(cached) == size:
-                        _touch(cached)  # in use: not swept
-                        return cached
-                except FileNotFoundError:
-                    pass
+                if _reusable(cached, size):
+                    return cached
                 tmp = self._tmp_name(cached)
                 try:
                     make(tmp)
@@ -197,12 +198,8 @@ class LocalCache:
     def _copy(self, full, cached, size):
         """Make ``cached`` a whole copy of ``full`` (``size`` bytes), unless it is one already;
         False if the source did not have that size while it was copied."""
-        try:
-            if os.path.getsize(cached) == size:
-                _touch(cached)  # in use: not swept
-                return True
-        except FileNotFoundError:
-            pass
+        if _reusable(cached, size):
+            return True
         tmp = self._tmp_name(cached)
         try:
             self.fs.get_file(full, tmp)

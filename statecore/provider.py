@@ -218,12 +218,8 @@ class FileStateStoreProvider(StateStoreProvider):
             if snapshot is not None or delta is None:
                 return None
             steps.append((u, delta))
-        parent_id, deltas = start_id, []
         try:
-            for u, f in reversed(steps):
-                own_id, blocks = self._checked_delta(f, parent_id=parent_id)
-                deltas.append((own_id, blocks))
-                parent_id = own_id
+            deltas = list(self._checked_deltas(steps, start_id))
         except FileNotFoundError:
             return None  # cleaned up meanwhile: the load lists again
         with self._lock:
@@ -232,7 +228,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 return None
             state = self._state_to_merge_into(latest, start, start_id)
             try:
-                for own_id, blocks in deltas:
+                for _, own_id, blocks in deltas:
                     self._merge_delta(state, own_id, blocks)
             except StateCorruptionError as e:  # a damaged block of the base, found by a lookup
                 log.warning("version %d of %s not reached from version %d in memory: %s; loading it from files",
@@ -519,9 +515,17 @@ class FileStateStoreProvider(StateStoreProvider):
                                                        f"version {f.version - 1} it is read on (a file of another run)")
             return reader.commit_id, list(reader)
 
-    def _replay(self, state, steps):
+    def _checked_deltas(self, steps, parent_id):
+        """``(version, commit id, blocks)`` of the delta files of ``steps`` (``(version,
+        file)``, newest first), oldest first: each read and checked whole, following the one
+        before it (the first follows ``parent_id``)."""
         for u, f in reversed(steps):
-            own_id, blocks = self._checked_delta(f, parent_id=state.commit_ids[state.version])
+            own_id, blocks = self._checked_delta(f, parent_id=parent_id)
+            yield u, own_id, blocks
+            parent_id = own_id
+
+    def _replay(self, state, steps):
+        for u, own_id, blocks in self._checked_deltas(steps, state.commit_ids[state.version]):
             for kind, keys, values in blocks:
                 state.replay(kind == BLOCK_PUTS, keys, values)
             state.advance(u, own_id)

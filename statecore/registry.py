@@ -89,25 +89,30 @@ def _provider_for(provider_id, key_schema, value_schema, version, conf, key_inde
             log.warning("could not report %s to the state store coordinator: %s", provider_id, e)
             to_unload = ()
         for pid in to_unload:
-            if not _held_by_sibling(coordinator, pid):
+            if _active_instance(coordinator, pid) != _SIBLING:
                 unload(pid)
     return provider
 
 
-def _held_by_sibling(coordinator, provider_id):
-    """Whether the active instance of ``provider_id`` is in another worker of this process's
-    executor (then this copy is kept). False when the coordinator cannot tell."""
+_HERE, _SIBLING, _ELSEWHERE = "here", "sibling", "elsewhere"
+
+
+def _active_instance(coordinator, provider_id):
+    """Where the coordinator says the active instance of ``provider_id`` is: in this process
+    (_HERE), in another worker of this process's executor (_SIBLING: this copy is kept), or
+    elsewhere (_ELSEWHERE, also when it cannot tell)."""
     ref, host, executor_id = coordinator
     try:
         location = ref.get_location(provider_id)
         if location is None:
-            return False
+            return _ELSEWHERE
         active_host, active_id = parse_executor_location(location)
-    except Exception as e:  # unreachable, or a location of another form: unload as before
+    except Exception as e:  # unreachable, or a location of another form: as if elsewhere
         log.warning("could not locate %s with the state store coordinator: %s", provider_id, e)
-        return False
-    return (active_host == host and active_id != executor_id
-            and executor_of(active_id) == executor_of(executor_id))
+        return _ELSEWHERE
+    if active_host != host or executor_of(active_id) != executor_of(executor_id):
+        return _ELSEWHERE
+    return _HERE if active_id == executor_id else _SIBLING
 
 
 def get(provider_id, key_schema, value_schema, version, conf=None, key_index_ordinal=None, commit_id=None):
@@ -187,7 +192,8 @@ def run_maintenance_now():
         providers = list(_providers.items())
         coordinator = _coordinator
     for provider_id, provider in providers:
-        if coordinator is not None and _held_by_sibling(coordinator, provider_id):
+        where = _HERE if coordinator is None else _active_instance(coordinator, provider_id)
+        if where == _SIBLING:
             continue  # kept for the next task here; the sibling maintains it
         try:
             provider.do_maintenance()
@@ -195,7 +201,7 @@ def run_maintenance_now():
             log.exception("Error managing %s, unloading state store provider", provider)
             unload(provider_id)
             continue
-        if coordinator is not None:
+        if where != _HERE:  # asked again after the pass: a task here may have taken it meanwhile
             ref, _host, executor_id = coordinator
             try:
                 active = ref.verify_if_instance_active(provider_id, executor_id)
