@@ -5,8 +5,8 @@ RowCodecs into buffers on the C stack, one key hash, the probes, the value decod
 
 It reads what ``State.get_row`` reads, in the same order: the store's update layer (its
 puts, then its deletions), then, under the provider's lock, the pinned version's layers
-(undo layers of newer versions, the head) and the base (a SnapshotReader, or a frozen
-State seen at a version, walked the same way). The update layer is the store's own (a
+(undo layers of newer versions, the head) and the base (a SnapshotReader, a Spill, or a
+frozen State seen at a version, walked the same way). The update layer is the store's own (a
 store is used by one thread), so a key the store itself put or removed is answered without
 the lock. Puts and removes change the update layer exactly as ``Layer.put_row`` and
 ``Layer.delete_row`` do. A found value is copied out of the table while the lock is held
@@ -24,6 +24,7 @@ from statecore._rowtable cimport RowTable
 from statecore._snapshot_reader cimport SnapshotReader
 
 from statecore.errors import IllegalStateError
+from statecore.spill import Spill
 
 cdef enum:
     # Rows up to this many bytes are encoded in a buffer on the C stack; wider ones on the heap.
@@ -91,8 +92,25 @@ cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint32_t 
         return 0
     if type(base) is SnapshotReader:
         return (<SnapshotReader>base).find_into(key, tag, value_out)
+    if type(base) is Spill:
+        return _spill_find(base, key, tag, value_out)
     inner = base.state  # a FrozenView: a frozen State at a version
     return _state_find(inner, base.version, inner.head, key, tag, value_out)
+
+
+cdef int _spill_find(spill, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1:
+    """``Spill.get_row``: its puts, then its dels, then the snapshot below."""
+    if (<SnapshotReader>spill.puts).find_into(key, tag, value_out):
+        return 1
+    lower = spill.lower
+    if lower is None:
+        return 0
+    dels = spill.dels
+    if dels is not None and (<SnapshotReader>dels).find_into(key, tag, NULL):
+        return 0
+    if type(lower) is Spill:  # the spill a snapshot is being written from
+        return _spill_find(lower, key, tag, value_out)
+    return (<SnapshotReader>lower).find_into(key, tag, value_out)
 
 
 @cython.final

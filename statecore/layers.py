@@ -1,8 +1,9 @@
 """The in-memory versions of one store: layers of changes over a mapped snapshot.
 
 A version is never copied. The newest version a provider holds is a :class:`State`: a
-*base* (a mapped :class:`~statecore.SnapshotReader`, another state frozen at a version, or
-nothing) under a *head* layer holding every change since that base. Each commit merges its
+*base* (a mapped :class:`~statecore.SnapshotReader`, a :class:`~statecore.spill.Spill` of
+changes mapped over one, another state frozen at a version, or nothing) under a *head* layer
+holding every change since that base. Each commit merges its
 updates into the head in place and keeps an *undo* layer (the previous value, or absence,
 of every key it changed), so the versions just before the newest stay readable while they
 are retained or pinned by an open store. A :class:`Layer` is a RowTable of puts and a
@@ -231,9 +232,9 @@ class State:
         base = self.base
         if base is None:
             return None
-        if isinstance(base, SnapshotReader):
-            return base.get_row(key)
-        return base.state.get_row(base.version, key)
+        if isinstance(base, FrozenView):
+            return base.state.get_row(base.version, key)
+        return base.get_row(key)  # a SnapshotReader or a Spill
 
     def lookup(self, version, key_rows, extra_layers=()):
         """``(value_rows, found)`` of ``key_rows`` at ``version`` (under ``extra_layers``)."""
@@ -284,28 +285,6 @@ class State:
                 keep = ~_decided_by(layers, np.ascontiguousarray(chunk[:, :kw]))
                 if keep.any():
                     yield chunk[keep]
-
-    def snapshot_rows(self, version, chunk_rows=1 << 16):
-        """Like :meth:`iter_rows`, for writing a snapshot. At the newest version over a
-        mapped base, the base rows the head overrides are found by probing the head's keys
-        in the base and skipped by a mask: one probe per changed key instead of one head
-        probe per base row (the head is the smaller side)."""
-        base = self.base
-        if version != self.version or not isinstance(base, SnapshotReader):
-            yield from self.iter_rows(version, chunk_rows=chunk_rows)
-            return
-        kw = self.key_schema.width
-        overridden = np.zeros(base.row_count, dtype=np.uint8)
-        for table in (self.head.puts, self.head.dels):
-            cursor = table.cursor()
-            while (chunk := cursor.next_rows(chunk_rows)) is not None:
-                base.mark_rows(np.ascontiguousarray(chunk[:, :kw]), overridden)
-                if table is self.head.puts:
-                    yield chunk
-        cursor = base.cursor()
-        while (chunk := cursor.next_rows(chunk_rows, skip=overridden)) is not None:
-            if chunk.shape[0]:
-                yield chunk
 
     # -- changes --------------------------------------------------------------------------
     def count(self, version):
@@ -447,14 +426,16 @@ def _decided_by(layers, key_rows):
 
 
 def base_lookup(base, key_rows):
-    """``(value_rows, found)`` from a base: a SnapshotReader or a FrozenView."""
+    """``(value_rows, found)`` from a base: a SnapshotReader, a Spill or a FrozenView."""
     if isinstance(base, SnapshotReader):
         n = key_rows.shape[0]
         values = np.zeros((n, base.value_width), dtype=np.uint8)
         found = np.zeros(n, dtype=np.uint8)
         base.get_rows(key_rows, values, found)
         return values, found.view(np.bool_)
-    return base.state.lookup(base.version, key_rows)
+    if isinstance(base, FrozenView):
+        return base.state.lookup(base.version, key_rows)
+    return base.lookup(key_rows)
 
 
 def _cat(a, b):
@@ -464,7 +445,9 @@ def _cat(a, b):
 def base_count(base):
     if isinstance(base, SnapshotReader):
         return base.row_count
-    return base.state.count(base.version)
+    if isinstance(base, FrozenView):
+        return base.state.count(base.version)
+    return base.num_keys
 
 
 def base_rows(base, chunk_rows):
@@ -472,5 +455,7 @@ def base_rows(base, chunk_rows):
         cursor = base.cursor()
         while (chunk := cursor.next_rows(chunk_rows)) is not None:
             yield chunk
-    else:
+    elif isinstance(base, FrozenView):
         yield from base.state.iter_rows(base.version, chunk_rows=chunk_rows)
+    else:
+        yield from base.rows(chunk_rows)

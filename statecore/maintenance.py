@@ -1,6 +1,7 @@
-"""A provider's background work: writing snapshots and deleting files no version needs.
+"""A provider's background work: spilling the head, writing snapshots and deleting files no
+version needs.
 
-Both follow the default lineage (:mod:`statecore.lineage`) and decide only on checked
+Snapshots and cleanup follow the default lineage (:mod:`statecore.lineage`) and decide only on checked
 bytes: headers read through the provider's checked parser, and a snapshot that lets older
 files go is verified whole first. Damage found here is logged and nothing is deleted on its
 account; files that vanish meanwhile (another instance's cleanup) end the pass quietly.
@@ -14,6 +15,7 @@ from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
 from statecore.lineage import check_names_agree, file_name
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
+from statecore.spill import Spill, spill_head, spill_rows
 
 __all__ = ["run_maintenance", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -24,7 +26,7 @@ TEMPORARY_FILE_MAX_AGE_S = 3600.0
 
 
 def run_maintenance(provider):
-    """One pass: a snapshot if one is due, then cleanup."""
+    """One pass: a spill and a snapshot if due, then cleanup."""
     try:
         _snapshot_if_due(provider)
         _cleanup(provider)
@@ -50,6 +52,9 @@ def _default_chain_down(provider, listing, stop_below):
 
 
 def _snapshot_if_due(p):
+    """Spill the head if it outgrew its share of the state, and write a snapshot if one is
+    due: from a spill, so that nothing frozen is held in memory while a whole version is
+    written (``docs/provider-rules.md``, "Spilling the head")."""
     listing = p._files.list_versions()
     top, top_id = p._chain(listing).default_top()
     if top == 0:
@@ -64,21 +69,50 @@ def _snapshot_if_due(p):
     with p._lock:
         if p._latest is not state or state.version != top or state.pending is not None:
             return
-        deltas_due = top - base > p._conf.min_deltas_for_snapshot
-        if not (deltas_due or (top > base and p._head_outgrown(state))):
+        snapshot_due = top > base and (top - base > p._conf.min_deltas_for_snapshot or p._changes_outgrown(state))
+        if not (snapshot_due or p._spill_due(state)):
             return
-        # Freeze the state at `top`: commits go on in a new state over it, while the frozen
-        # one is written out without the lock.
-        state.frozen = True
-        frozen_view = FrozenView(state, top)
-        successor = State(p._key_schema, p._value_schema, frozen_view, top, top_id, state.count(top))
-        successor.undo = dict(state.undo)
-        successor.commit_ids = dict(state.commit_ids)
-        successor.num_keys = dict(state.num_keys)
-        p._latest = successor
-    name = file_name(top, top_id, "snapshot")
-    row_count = frozen_view.num_keys
+        spill = state.base if isinstance(state.base, Spill) and not len(state.head) else None
+        if spill is None:
+            _freeze(p, state, top, top_id)
+    if spill is None:
+        spill = _spill(p, state, top)
+    if snapshot_due:
+        _write_snapshot(p, spill, file_name(top, top_id, "snapshot"), top_id)
 
+
+def _freeze(p, state, version, commit_id):
+    """Freeze ``state`` at ``version``: commits go on in a new State over it, while the
+    frozen one is read without the lock. REQUIRES: p._lock held."""
+    state.frozen = True
+    successor = State(p._key_schema, p._value_schema, FrozenView(state, version), version, commit_id,
+                      state.count(version))
+    successor.undo = dict(state.undo)
+    successor.commit_ids = dict(state.commit_ids)
+    successor.num_keys = dict(state.num_keys)
+    p._latest = successor
+
+
+def _spill(p, state, version, written=None):
+    """Write frozen ``state`` at ``version`` out as a Spill (its head, and its base's older
+    changes, but not those of ``written``, the spill a snapshot is being written from) and
+    make it the base of the State built over the frozen one."""
+    def new_file():
+        return p._files.new_image_file(f"spill-{version}")
+
+    if isinstance(state.base, FrozenView):  # no mapped base to tell changes from: every row
+        spill = spill_rows(new_file, p._key_schema, p._value_schema, version,
+                           state.iter_rows(version), state.count(version))
+    else:
+        spill = spill_head(new_file, state.head, state.base, version, state.count(version), written)
+    _replace_base(p, lambda b: isinstance(b, FrozenView) and b.state is state and b.version == version, spill)
+    log.debug("spilled version %d of %s: %r", version, p, spill)
+    return spill
+
+
+def _write_snapshot(p, spill, name, commit_id):
+    """Write ``spill``'s version as snapshot ``name``; once durable and checked, it replaces
+    the spill as the base of the State built over it."""
     mapped = []
 
     def map_and_verify(reader):
@@ -87,11 +121,18 @@ def _snapshot_if_due(p):
         mapped.append(reader)
         reader.verify(index=False)
 
+    def rows_spilling_meanwhile():
+        # The head outgrowing its share while a whole version is written is spilled at once,
+        # over the spill being written (the snapshot replaces that one when done).
+        for chunk in spill.rows():
+            yield chunk
+            _spill_if_outgrown(p, spill)
+
     try:
         # An image on the local filesystem is mapped before its rename, while it is made
         # durable; a packed one (or one elsewhere) is opened once it is in place.
-        write_snapshot_file(p._files, name, p._key_schema, p._value_schema, row_count, top, top_id + bytes(8),
-                            state.snapshot_rows(top), p._conf.compression, keep_image=True,
+        write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
+                            commit_id + bytes(8), rows_spilling_meanwhile(), p._conf.compression, keep_image=True,
                             on_flushed=lambda path: map_and_verify(
                                 SnapshotReader(path, p._key_schema, p._value_schema)))
         if not mapped:
@@ -100,24 +141,39 @@ def _snapshot_if_due(p):
         for reader in mapped:
             reader.close()
         raise
-    _swap_base(p, state, top, mapped[-1])
+    if not _replace_base(p, lambda b: b is spill, mapped[-1]):
+        mapped[-1].close()
     log.info("wrote snapshot %s for %s", p._files.path(name), p)
 
 
-def _swap_base(p, frozen_state, version, reader):
-    """Make the mapped snapshot the base of whichever State was built over the frozen one at
-    exactly ``version`` (same data, now mapped and durable); close it if none is."""
-    swapped = False
+def _spill_if_outgrown(p, written):
+    """Spill the newest State if its head outgrew its share, over ``written`` (the spill a
+    snapshot is being written from, between its chunks)."""
+    with p._lock:
+        state = p._latest
+        if (state is None or state.pending is not None or state.frozen or isinstance(state.base, FrozenView)
+                or not p._spill_due(state)):
+            return
+        _freeze(p, state, state.version, state.commit_ids[state.version])
+    _spill(p, state, state.version, written)
+
+
+def _replace_base(p, is_old, new):
+    """Make ``new`` the base of the State (newest first, down the chain of frozen ones) whose
+    base ``is_old``, or the lower of its spill: the same version, now mapped. Whether one was
+    found."""
     with p._lock:
         node = p._latest
-        while node is not None and not swapped:
+        while node is not None:
             base = node.base
-            if isinstance(base, FrozenView) and base.state is frozen_state and base.version == version:
-                node.base = reader
-                swapped = True
+            if is_old(base):
+                node.base = new
+                return True
+            if isinstance(base, Spill) and is_old(base.lower):
+                base.lower = new
+                return True
             node = base.state if isinstance(base, FrozenView) else None
-    if not swapped:
-        reader.close()
+    return False
 
 
 def _cleanup(p):

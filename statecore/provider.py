@@ -29,14 +29,20 @@ from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_nam
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
+from statecore.spill import Spill
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
 
 log = logging.getLogger(__name__)
 
+# The head (the changes since the base, in hash tables) is spilled to a mapped image once it
+# outgrows this share of the state: what the heap holds stays a fraction of the raw rows,
+# whatever the maintenance period (statecore.spill).
+SPILL_RATIO = 0.125
+SPILL_MIN_ROWS = 1 << 10
 # Besides Spark's rule (more than min_deltas_for_snapshot deltas), a snapshot is due once the
-# head (every change since the last snapshot, held in hash tables) outgrows this share of the
-# state: it keeps resident memory near the raw rows whatever the maintenance period.
+# changes since the last one (spilled and in the head) outgrow this share of the state: each
+# spill rewrites them, so they must not grow towards the state's size.
 HEAD_SNAPSHOT_RATIO = 0.5
 HEAD_SNAPSHOT_MIN_ROWS = 1 << 16
 SCHEMA_FILE = "_statecore.schema.json"  # not a version file: ignored by listings
@@ -239,7 +245,7 @@ class FileStateStoreProvider(StateStoreProvider):
             self._rolled_forward += 1
             self._latest = state
             self._retain(state)
-            head_due = self._head_outgrown(state)
+            head_due = self._spill_due(state)
             view = View(self, state, version, listing)
         log.info("version %d of %s reached from version %d in memory by %d deltas",
                  version, self, start, len(deltas))
@@ -353,7 +359,7 @@ class FileStateStoreProvider(StateStoreProvider):
         with self._lock:
             state.pending = None
             num_keys = state.num_keys[new_version]
-            head_due = self._head_outgrown(state)
+            head_due = self._spill_due(state)
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
                 self._retain(state)
@@ -437,12 +443,20 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise OSError(f"could not delete {self._files.path(f.name)} of the abandoned run of {self}: "
                               f"version {new_version} would not be the default lineage")
 
-    def _head_outgrown(self, state):
-        # REQUIRES: self._lock held
+    def _spill_due(self, state):
+        """Whether the head holds more changed keys than its share of the state (and at least
+        SPILL_MIN_ROWS): then maintenance spills it. REQUIRES: self._lock held."""
         head_rows = len(state.head)
-        if head_rows <= HEAD_SNAPSHOT_MIN_ROWS:
+        return head_rows > SPILL_MIN_ROWS and head_rows > SPILL_RATIO * state.count(state.version)
+
+    def _changes_outgrown(self, state):
+        """Whether the changes since the base snapshot, spilled and in the head, outgrew
+        their share of the state (and HEAD_SNAPSHOT_MIN_ROWS): then a snapshot is due (a
+        spill would otherwise grow towards the state's size). REQUIRES: self._lock held."""
+        changed = len(state.head) + (state.base.changed if isinstance(state.base, Spill) else 0)
+        if changed <= HEAD_SNAPSHOT_MIN_ROWS:
             return False
-        return state.base is None or head_rows > HEAD_SNAPSHOT_RATIO * state.count(state.version)
+        return state.base is None or changed > HEAD_SNAPSHOT_RATIO * state.count(state.version)
 
     # -- loading ---------------------------------------------------------------------------
     def _empty_state(self):

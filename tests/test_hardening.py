@@ -24,11 +24,13 @@ import pytest
 
 import statecore
 import statecore.errors
+import statecore.maintenance
 from tests.store_support import applied, commit_changes, contents, inject_faulty_files, store_dir, write_batch
 from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
 from statecore.files import StoreFiles
 from statecore.layers import FrozenView, State
+from statecore.spill import Spill
 
 # The old code had no CommitConflictError: a stand-in that nothing raises.
 CommitConflictError = getattr(statecore.errors, "CommitConflictError", None) or type(
@@ -673,23 +675,33 @@ def test_root_with_double_colon_is_refused(tmp_path, root):
 
 
 # -- beyond the findings: interleavings of maintenance, iterations and commits ---------------
-def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_path, monkeypatch):
-    """Maintenance writes a snapshot of 4 (blocked half-way) while versions 5 and 6 are
-    committed over the frozen 4 and version 6 is iterated (blocked half-way); the snapshot
-    is swapped in under the iteration, 7 is committed, then the iteration finishes."""
+@pytest.mark.parametrize("phase", ["spill", "snapshot"])
+def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_path, monkeypatch, phase):
+    """Maintenance spills version 4 and writes its snapshot, blocked (before the spill, the
+    frozen 4 being read; or half-way through the snapshot, over the spill) while versions 5
+    and 6 are committed and version 6 is iterated (blocked half-way); the snapshot is swapped
+    in under the iteration, 7 is committed, then the iteration finishes."""
     p, model = committed(tmp_path, 4, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
     snap_reached, snap_go = threading.Event(), threading.Event()
     iter_reached, iter_go = threading.Event(), threading.Event()
-    original_snapshot_rows, original_iter_rows = State.snapshot_rows, State.iter_rows
+    original_spill_rows, original_iter_rows = Spill.rows, State.iter_rows
+    original_spill_head = statecore.maintenance.spill_head
     hooked_threads = {}
 
-    def blocking_snapshot_rows(self, version, chunk_rows=1 << 16):
+    def block_maintenance():
+        if threading.current_thread() is hooked_threads.get("maintenance") and not snap_reached.is_set():
+            snap_reached.set()
+            assert snap_go.wait(WAIT_S)
+
+    def blocking_spill_rows(self, chunk_rows=1 << 16):
         hooked = threading.current_thread() is hooked_threads.get("maintenance")
-        for chunk in original_snapshot_rows(self, version, chunk_rows=3 if hooked else chunk_rows):
+        for chunk in original_spill_rows(self, chunk_rows=3 if hooked else chunk_rows):
             yield chunk
-            if hooked and not snap_reached.is_set():
-                snap_reached.set()
-                assert snap_go.wait(WAIT_S)
+            block_maintenance()
+
+    def blocking_spill_head(*args):
+        block_maintenance()
+        return original_spill_head(*args)
 
     def blocking_iter_rows(self, version, extra_layers=(), chunk_rows=1 << 16):
         hooked = threading.current_thread() is hooked_threads.get("iteration") and not iter_reached.is_set()
@@ -699,7 +711,10 @@ def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_p
                 iter_reached.set()
                 assert iter_go.wait(WAIT_S)
 
-    monkeypatch.setattr(State, "snapshot_rows", blocking_snapshot_rows)
+    if phase == "spill":
+        monkeypatch.setattr(statecore.maintenance, "spill_head", blocking_spill_head)
+    else:
+        monkeypatch.setattr(Spill, "rows", blocking_spill_rows)
     monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
     errors, result = [], {}
 
@@ -714,7 +729,7 @@ def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_p
     maintenance.start()
     iteration = None
     try:
-        assert snap_reached.wait(WAIT_S), "the snapshot write never reached its hook"
+        assert snap_reached.wait(WAIT_S), f"the {phase} never reached its hook"
         commit_upto(p, model, 6)
         reader = p.get_read_store(6)
         iteration = threading.Thread(target=run, args=(lambda: result.update(contents(reader)),))

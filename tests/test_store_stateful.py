@@ -5,10 +5,11 @@ lineage (``{version: {key: value}}``). Its steps: puts and removes (one row, or 
 on the open store, commits and aborts, re-executions from an older retained version,
 reloads (a fresh provider on the same directory), a switch to another live provider of the
 same store (another worker, holding an older version), maintenance with a small snapshot
-cadence and retention window, one flipped byte in any file (every load then either
-returns the model's data or raises StateCorruptionError naming that file; maintenance
-runs over it; then the bytes are restored and every retained version must load), and an
-iteration of a version while another store commits.
+cadence and retention window (and spills of the head whatever its size), one flipped byte
+in any file (every load then either returns the model's data or raises
+StateCorruptionError naming that file; maintenance runs over it; then the bytes are
+restored and every retained version must load), and an iteration of a version while
+another store commits.
 
 Deterministic (``derandomize=True``) and bounded (``max_examples``, ``stateful_step_count``):
 it runs in well under a minute. ``STATECORE_STATEFUL_EXAMPLES`` raises the number of
@@ -18,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+from unittest import mock
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -199,14 +201,19 @@ class StoreMachine(RuleBasedStateMachine):
         for v in reversed(self.retained()):
             assert self.check_version(self.p, v) == "correct"
 
-    @rule(which=st.sampled_from(["live", "fresh", "eager"]))
+    @rule(which=st.sampled_from(["live", "spill", "fresh", "eager"]))
     def maintenance(self, which):
         # also while a store is open: the registry's thread does not wait for tasks.
+        # "spill": the live provider spills its head whatever its size (its reads then go
+        # through the spill, and spills take in older ones).
         # "eager": another instance with min_deltas_for_snapshot=0 that holds the newest
         # version, so it writes a snapshot of it; the usual cadence later thins such ones.
         self.high_water = max(self.high_water, self.top)
         if which == "live":
             self.p.do_maintenance()
+        elif which == "spill":
+            with mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
+                self.p.do_maintenance()
         else:
             other = self.make(min_deltas_for_snapshot=0) if which == "eager" else self.make()
             if which == "eager":

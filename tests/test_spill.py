@@ -1,0 +1,226 @@
+"""Spilled heads (statecore.spill): reads through a spill equal the model at every retained
+version (batch lookups, per-row gets, iteration, a reload from files), spills take in older
+ones, a snapshot is written from a spill; the heap stays a fraction of the raw rows at every
+commit; a spill that fails half-way loses nothing and leaves no file."""
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+
+import statecore.provider
+import statecore.spill
+from tests.store_support import applied, contents, open_provider, write_batch
+from statecore.layers import FrozenView
+from statecore.spill import Spill
+
+KEY = np.dtype([("k", "<i8")])
+VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
+NO_VALUE = np.dtype([])
+ROW_BYTES = KEY.itemsize + VALUE.itemsize
+
+
+def spill_always():
+    """Maintenance spills any non-empty head."""
+    return mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0)
+
+
+def random_changes(rng, version, key_space, n_puts, n_removes, value):
+    ks = rng.choice(key_space, size=n_puts + n_removes, replace=False).tolist()
+    if value.names:
+        puts = {k: (int(rng.integers(0, 1000)), float(version)) for k in ks[:n_puts]}
+    else:
+        puts = {k: () for k in ks[:n_puts]}
+    return puts, ks[n_puts:]
+
+
+def commit(provider, model, puts, removes, value):
+    v = max(model)
+    store = provider.get_store(v)
+    write_batch(store, KEY, value, puts, removes)
+    assert store.commit() == v + 1
+    model[v + 1] = applied(model[v], puts, removes)
+
+
+def check(provider, model, versions, key_space, value):
+    """Every version in ``versions`` reads as the model has it: iteration, get_batch of the
+    whole key space, and per-row gets."""
+    keys = np.zeros(key_space, KEY)
+    keys["k"] = np.arange(key_space)
+    for v in versions:
+        store = provider.get_read_store(v)
+        try:
+            assert contents(store) == model[v], f"version {v}: iteration differs"
+            values, found = store.get_batch(keys)
+            assert found.tolist() == [k in model[v] for k in range(key_space)], f"version {v}: get_batch"
+            if value.names:
+                got = {k: tuple(values[k].tolist()) for k in np.flatnonzero(found).tolist()}
+                assert got == model[v], f"version {v}: get_batch values"
+            for k in range(0, key_space, 7):
+                expected = model[v].get(k)
+                got = store.get((k,))
+                assert (got is None if expected is None else tuple(got) == expected), f"version {v}: get({k})"
+        finally:
+            store.abort()
+
+
+def bases(provider):
+    out, state = [], provider._latest
+    while state is not None:
+        out.append(state.base)
+        state = state.base.state if isinstance(state.base, FrozenView) else None
+    return out
+
+
+@pytest.mark.parametrize("value", [VALUE, NO_VALUE], ids=["values", "set"])
+def test_reads_through_spills_equal_the_model(tmp_path, value):
+    rng = np.random.default_rng(7)
+    key_space = 400
+    p = open_provider(tmp_path, KEY, value, min_deltas_for_snapshot=5, max_versions_to_retain_in_memory=3)
+    model = {0: {}}
+    spills = snapshots = 0
+    for _ in range(30):
+        commit(p, model, *random_changes(rng, max(model) + 1, key_space, 40, 15, value), value)
+        with spill_always():
+            p.do_maintenance()
+        base = p._latest.base
+        spills += isinstance(base, Spill)
+        snapshots += type(base).__name__ == "SnapshotReader"
+        top = max(model)
+        check(p, model, range(max(top - 2, 0), top + 1), key_space, value)
+    assert spills > 10 and snapshots > 2, (spills, snapshots)  # both kinds of base were read
+    reloaded = open_provider(tmp_path, KEY, value)
+    check(reloaded, model, [max(model)], key_space, value)
+
+
+def test_a_spill_takes_in_the_older_one(tmp_path):
+    """Keys put in one spill and removed (or put again) in the next: the second spill alone
+    (over the snapshot) decides them; a snapshot written from it equals the model."""
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=100)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(100)}, [], VALUE)
+    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
+        p.do_maintenance()  # the changes are the whole state: a snapshot of 1
+    assert type(p._latest.base).__name__ == "SnapshotReader"
+    commit(p, model, {k: (k, 1.0) for k in range(100, 120)}, list(range(0, 10)), VALUE)
+    with spill_always():
+        p.do_maintenance()
+    first = p._latest.base
+    assert isinstance(first, Spill) and first.changed == 30
+    commit(p, model, {k: (k, 2.0) for k in range(0, 5)}, list(range(100, 110)), VALUE)
+    with spill_always():
+        p.do_maintenance()
+    second = p._latest.base
+    assert isinstance(second, Spill) and second is not first
+    assert second.lower is first.lower, "a spill stands on the snapshot, never on another spill"
+    # puts: 110..119 and 0..4; dels: 5..9 and 100..109
+    assert (second.puts.row_count, second.dels.row_count) == (15, 15)
+    check(p, model, [1, 2, 3], 130, VALUE)
+    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0), \
+            mock.patch("statecore.provider.HEAD_SNAPSHOT_RATIO", 0):
+        p.do_maintenance()
+    assert type(p._latest.base).__name__ == "SnapshotReader" and p._latest.base.store_version == 3
+    assert any(n.startswith("3_") and n.endswith(".snapshot") for n in os.listdir(tmp_path / "0" / "0"))
+    check(open_provider(tmp_path, KEY, VALUE), model, [3], 130, VALUE)
+
+
+def test_heap_stays_a_fraction_of_the_rows(tmp_path):
+    """Maintenance after every commit (as the registry's hint asks): once the state holds most
+    of its keys, the provider's tables (the head, the undo layer, the committing store's
+    update layer) stay under 0.75x the raw rows at every commit; without spills, past 1.5x."""
+    def run(root, spill_ratio):
+        rng = np.random.default_rng(3)
+        key_space, batch = 50_000, 5_000
+        p = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=1000)
+        model_version, ratios = 0, []
+        with mock.patch("statecore.provider.SPILL_RATIO", spill_ratio):
+            for _ in range(30):
+                store = p.get_store(model_version)
+                keys = np.zeros(batch, KEY)
+                keys["k"] = rng.choice(key_space, size=batch, replace=False)
+                store.put_batch(keys, np.zeros(batch, VALUE))
+                model_version = store.commit()
+                m = store.metrics
+                ratios.append(m.memory_used_bytes / (m.num_keys * ROW_BYTES))
+                p.do_maintenance()
+        return ratios[10:], p
+
+    with_spills, p = run(tmp_path / "spill", statecore.provider.SPILL_RATIO)
+    assert max(with_spills) < 0.75, with_spills
+    assert isinstance(p._latest.base, Spill)
+    without, _ = run(tmp_path / "none", float("inf"))
+    assert max(without) > 1.5, without
+
+
+def test_a_failed_spill_loses_nothing_and_leaves_no_file(tmp_path, monkeypatch):
+    rng = np.random.default_rng(11)
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=100, max_versions_to_retain_in_memory=2)
+    model = {0: {}}
+    for _ in range(3):
+        commit(p, model, *random_changes(rng, max(model) + 1, 300, 50, 10, VALUE), VALUE)
+    made = []
+    real_writer = statecore.spill.SnapshotWriter
+
+    class FailingWriter:
+        """A SnapshotWriter whose second chunk fails as a full disk would."""
+
+        def __init__(self, f, *args, **kwargs):
+            made.append(f.name)
+            self.writer = real_writer(f, *args, **kwargs)
+            self.chunks = 0
+
+        def write_rows(self, chunk):
+            self.chunks += 1
+            if self.chunks == 2:
+                raise OSError(28, "No space left on device")
+            return self.writer.write_rows(chunk)
+
+        def finish(self):
+            return self.writer.finish()
+
+    monkeypatch.setattr(statecore.spill, "SnapshotWriter", FailingWriter)
+    monkeypatch.setattr(statecore.spill, "CHUNK_ROWS", 16)
+    with spill_always(), pytest.raises(OSError, match="No space"):
+        p.do_maintenance()
+    assert made and not any(os.path.exists(f) for f in made), "the half-written spill is still there"
+    check(p, model, [2, 3], 300, VALUE)
+    commit(p, model, *random_changes(rng, 4, 300, 50, 10, VALUE), VALUE)
+    check(p, model, [3, 4], 300, VALUE)
+    monkeypatch.undo()
+    with spill_always():
+        p.do_maintenance()  # the state built over the frozen one: spilled whole
+    assert any(isinstance(b, Spill) for b in bases(p))
+    check(p, model, [3, 4], 300, VALUE)
+    check(open_provider(tmp_path, KEY, VALUE), model, [1, 2, 3, 4], 300, VALUE)
+
+
+def test_the_head_spills_over_the_spill_a_snapshot_is_written_from(tmp_path, monkeypatch):
+    """Commits go on while maintenance writes a snapshot from a spill; the head they fill is
+    spilled over that spill between chunks, and ends over the new snapshot once written."""
+    rng = np.random.default_rng(5)
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=2)
+    model = {0: {}}
+    for _ in range(3):
+        commit(p, model, *random_changes(rng, max(model) + 1, 500, 60, 10, VALUE), VALUE)
+    original_rows = Spill.rows
+    during = []
+
+    def rows_with_commits(self, chunk_rows=1 << 16):
+        for i, chunk in enumerate(original_rows(self, chunk_rows=8)):
+            yield chunk
+            if i < 2:  # the maintenance thread itself commits between chunks: no race to set up
+                commit(p, model, *random_changes(rng, max(model) + 1, 500, 60, 10, VALUE), VALUE)
+                during.append(max(model))
+
+    monkeypatch.setattr(Spill, "rows", rows_with_commits)
+    with spill_always():
+        p.do_maintenance()
+    assert during == [4, 5]
+    base = p._latest.base
+    assert isinstance(base, Spill) and base.version == 5, base
+    assert type(base.lower).__name__ == "SnapshotReader" and base.lower.store_version == 3, \
+        "the snapshot did not replace the spill it was written from"
+    assert base.lower.row_count == len(model[3])
+    monkeypatch.undo()
+    check(p, model, [4, 5], 500, VALUE)
+    check(open_provider(tmp_path, KEY, VALUE), model, [3, 4, 5], 500, VALUE)
