@@ -17,12 +17,15 @@ from statecore.lineage import check_names_agree, file_name
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
 from statecore.spill import Spill, spill_head, spill_rows
 
-__all__ = ["run_maintenance", "TEMPORARY_FILE_MAX_AGE_S"]
+__all__ = ["run_maintenance", "spill_if_outgrown", "TEMPORARY_FILE_MAX_AGE_S"]
 
 log = logging.getLogger(__name__)
 
 # Temporary files older than this are a killed writer's leftovers; maintenance deletes them.
 TEMPORARY_FILE_MAX_AGE_S = 3600.0
+# How long a pass waits for a commit in flight to be published before it spills or freezes
+# the state (commits back to back leave little time between them).
+PUBLISH_WAIT_S = 1.0
 
 
 def run_maintenance(provider):
@@ -52,33 +55,53 @@ def _default_chain_down(provider, listing, stop_below):
 
 
 def _snapshot_if_due(p):
-    """Spill the head if it outgrew its share of the state, and write a snapshot if one is
-    due: from a spill, so that nothing frozen is held in memory while a whole version is
-    written (``docs/provider-rules.md``, "Spilling the head")."""
-    listing = p._files.list_versions()
-    top, top_id = p._chain(listing).default_top()
-    if top == 0:
-        return
+    """Spill the head if it outgrew its share of the state, then write a snapshot of the
+    newest version if one is due (more than ``min_deltas_for_snapshot`` versions since the
+    snapshot the state stands on, or too many changes): from a spill, so that nothing frozen
+    is held in memory while a whole version is written (``docs/provider-rules.md``, "Spilling
+    the head"). The decisions are taken on the state alone; the files are listed once, to
+    check that the version is of the default lineage and has no snapshot yet."""
+    spill_if_outgrown(p)
     with p._lock:
-        state = p._latest
-        if (state is None or state.version != top or state.pending is not None
-                or state.commit_ids.get(top) != top_id):
-            return  # not the newest version of the default lineage, or its commit is in flight
-    steps = _default_chain_down(p, listing, top)
-    base = next((u for u, _, _, snapshot in steps if snapshot is not None), 0)
-    with p._lock:
-        if p._latest is not state or state.version != top or state.pending is not None:
+        state = _newest_published(p)
+        if state is None or state.version == 0:
             return
-        snapshot_due = top > base and (top - base > p._conf.min_deltas_for_snapshot or p._changes_outgrown(state))
-        if not (snapshot_due or p._spill_due(state)):
+        spill = state.base if isinstance(state.base, Spill) else None
+        changed = len(state.head) + (spill.changed if spill is not None else 0)
+        if not (state.version - _snapshot_version(state.base) > p._conf.min_deltas_for_snapshot
+                or p._changes_outgrown(changed, state.count(state.version))):
             return
-        spill = state.base if isinstance(state.base, Spill) and not len(state.head) else None
-        if spill is None:
-            _freeze(p, state, top, top_id)
+        if spill is None or len(state.head):
+            _freeze(p, state, state.version, state.commit_ids[state.version])
+            spill = None
     if spill is None:
-        spill = _spill(p, state, top)
-    if snapshot_due:
-        _write_snapshot(p, spill, file_name(top, top_id, "snapshot"), top_id)
+        with p._spilling:
+            spill = _spill(p, state, state.version, p._snapshot_source)
+    steps = _default_chain_down(p, p._files.list_versions(), spill.version)
+    step = next((step for step in steps if step[:2] == (spill.version, spill.commit_id)), None)
+    if step is None or step[3] is not None:
+        return  # not a version of the default lineage (a re-execution's), or it has a snapshot
+    _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
+
+
+def _newest_published(p):
+    """The newest State once no merge into it is pending (a commit in flight is waited for,
+    up to PUBLISH_WAIT_S), or None. REQUIRES: p._lock held (released while waiting)."""
+    p._published.wait_for(lambda: p._latest is None or p._latest.pending is None, timeout=PUBLISH_WAIT_S)
+    state = p._latest
+    return state if state is not None and state.pending is None and not state.frozen else None
+
+
+def _snapshot_version(base):
+    """The version of the snapshot a State's base stands on (0: none)."""
+    while base is not None:
+        if isinstance(base, FrozenView):
+            base = base.state.base
+        elif isinstance(base, Spill):
+            base = base.lower
+        else:
+            return base.store_version
+    return 0
 
 
 def _freeze(p, state, version, commit_id):
@@ -100,17 +123,18 @@ def _spill(p, state, version, written=None):
     def new_file():
         return p._files.new_image_file(f"spill-{version}")
 
+    commit_id, num_keys = state.commit_ids[version], state.count(version)
     if isinstance(state.base, FrozenView):  # no mapped base to tell changes from: every row
-        spill = spill_rows(new_file, p._key_schema, p._value_schema, version,
-                           state.iter_rows(version), state.count(version))
+        spill = spill_rows(new_file, p._key_schema, p._value_schema, version, commit_id,
+                           state.iter_rows(version), num_keys)
     else:
-        spill = spill_head(new_file, state.head, state.base, version, state.count(version), written)
+        spill = spill_head(new_file, state.head, state.base, version, commit_id, num_keys, written)
     _replace_base(p, lambda b: isinstance(b, FrozenView) and b.state is state and b.version == version, spill)
     log.debug("spilled version %d of %s: %r", version, p, spill)
     return spill
 
 
-def _write_snapshot(p, spill, name, commit_id):
+def _write_snapshot(p, spill, name):
     """Write ``spill``'s version as snapshot ``name``; once durable and checked, it replaces
     the spill as the base of the State built over it."""
     mapped = []
@@ -126,36 +150,47 @@ def _write_snapshot(p, spill, name, commit_id):
         # over the spill being written (the snapshot replaces that one when done).
         for chunk in spill.rows():
             yield chunk
-            _spill_if_outgrown(p, spill)
+            spill_if_outgrown(p)
 
+    with p._lock:
+        p._snapshot_source = spill
     try:
-        # An image on the local filesystem is mapped before its rename, while it is made
-        # durable; a packed one (or one elsewhere) is opened once it is in place.
-        write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
-                            commit_id + bytes(8), rows_spilling_meanwhile(), p._conf.compression, keep_image=True,
-                            on_flushed=lambda path: map_and_verify(
-                                SnapshotReader(path, p._key_schema, p._value_schema)))
-        if not mapped:
-            map_and_verify(open_snapshot(p._files, name, p._key_schema, p._value_schema))
-    except BaseException:
-        for reader in mapped:
-            reader.close()
-        raise
-    if not _replace_base(p, lambda b: b is spill, mapped[-1]):
-        mapped[-1].close()
+        try:
+            # An image on the local filesystem is mapped before its rename, while it is made
+            # durable; a packed one (or one elsewhere) is opened once it is in place.
+            write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
+                                spill.commit_id + bytes(8), rows_spilling_meanwhile(), p._conf.compression,
+                                keep_image=True, on_flushed=lambda path: map_and_verify(
+                                    SnapshotReader(path, p._key_schema, p._value_schema)))
+            if not mapped:
+                map_and_verify(open_snapshot(p._files, name, p._key_schema, p._value_schema))
+        except BaseException:
+            for reader in mapped:
+                reader.close()
+            raise
+        if not _replace_base(p, lambda b: b is spill, mapped[-1]):
+            mapped[-1].close()
+    finally:
+        with p._lock:
+            p._snapshot_source = None
     log.info("wrote snapshot %s for %s", p._files.path(name), p)
 
 
-def _spill_if_outgrown(p, written):
-    """Spill the newest State if its head outgrew its share, over ``written`` (the spill a
-    snapshot is being written from, between its chunks)."""
-    with p._lock:
-        state = p._latest
-        if (state is None or state.pending is not None or state.frozen or isinstance(state.base, FrozenView)
-                or not p._spill_due(state)):
-            return
-        _freeze(p, state, state.version, state.commit_ids[state.version])
-    _spill(p, state, state.version, written)
+def spill_if_outgrown(p, ratio=None):
+    """Spill the newest State if its head outgrew its share (``ratio`` of the state, by
+    default the provider's SPILL_RATIO), or if it stands on a frozen State (left by an
+    iteration during a commit, or a spill that failed: every row is spilled, and the frozen
+    heads are let go). Called by maintenance, between the chunks of a snapshot it writes, and
+    by a commit whose head outgrew the hard limit (maintenance fell behind): one spill at a
+    time, and never taking in the spill a snapshot is being written from."""
+    with p._spilling:
+        with p._lock:
+            state = _newest_published(p)
+            if state is None or not (isinstance(state.base, FrozenView) or p._spill_due(state, ratio)):
+                return
+            _freeze(p, state, state.version, state.commit_ids[state.version])
+            written = p._snapshot_source
+        _spill(p, state, state.version, written)
 
 
 def _replace_base(p, is_old, new):

@@ -29,7 +29,6 @@ from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_nam
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
-from statecore.spill import Spill
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
 
@@ -40,6 +39,9 @@ log = logging.getLogger(__name__)
 # whatever the maintenance period (statecore.spill).
 SPILL_RATIO = 0.125
 SPILL_MIN_ROWS = 1 << 10
+# Past this share, maintenance fell behind (starved of CPU, or busy elsewhere): the commit
+# spills the head itself before it returns, so the bound holds whatever the timing.
+SPILL_HARD_RATIO = 0.25
 # Besides Spark's rule (more than min_deltas_for_snapshot deltas), a snapshot is due once the
 # changes since the last one (spilled and in the head) outgrow this share of the state: each
 # spill rewrites them, so they must not grow towards the state's size.
@@ -57,6 +59,9 @@ class FileStateStoreProvider(StateStoreProvider):
 
     def __init__(self):
         self._lock = threading.RLock()  # guards _latest, _pins, every State's contents
+        self._published = threading.Condition(self._lock)  # notified when no merge is pending
+        self._spilling = threading.Lock()  # one spill at a time (maintenance, or a commit)
+        self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
         self._committing = threading.Lock()  # commits of one provider run one at a time
         self._headers_lock = threading.Lock()  # guards _headers
@@ -107,14 +112,21 @@ class FileStateStoreProvider(StateStoreProvider):
             self._latest = None
 
     def do_maintenance(self):
-        """Snapshots and cleanup (:mod:`statecore.maintenance`), one pass at a time."""
+        """Spills, snapshots and cleanup (:mod:`statecore.maintenance`), one pass at a time: a
+        call while a pass runs (the registry's thread woken by a commit) waits for it and then
+        runs its own, so that a pass asked for always sees the versions committed before."""
         from statecore.maintenance import run_maintenance
-        if not self._maintaining.acquire(blocking=False):
-            return  # a pass is already running (the thread, or a call from a test)
-        try:
+        with self._maintaining:
             run_maintenance(self)
-        finally:
-            self._maintaining.release()
+
+    def _spill_now(self):
+        """Spill the head on the committing thread: maintenance did not keep it under its
+        hard limit. A failure is logged (the commit stands; maintenance tries again)."""
+        from statecore.maintenance import spill_if_outgrown
+        try:
+            spill_if_outgrown(self, SPILL_HARD_RATIO)
+        except OSError as e:
+            log.warning("could not spill the head of %s after a commit: %s", self, e)
 
     def set_maintenance_hint(self, hint):
         """``hint()`` is called (from a committing task) when a snapshot is due early; the
@@ -338,6 +350,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 written[0].discard()
             with self._lock:
                 self._latest = None  # a half-applied merge: reload from files next time
+                self._published.notify_all()
             raise
         writer_thread.join()
         try:
@@ -358,8 +371,10 @@ class FileStateStoreProvider(StateStoreProvider):
             raise
         with self._lock:
             state.pending = None
+            self._published.notify_all()
             num_keys = state.num_keys[new_version]
             head_due = self._spill_due(state)
+            head_over_limit = self._spill_due(state, SPILL_HARD_RATIO)
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
                 self._retain(state)
@@ -368,6 +383,8 @@ class FileStateStoreProvider(StateStoreProvider):
         log.info("Committed version %d (%s) for %s", new_version, commit_id.hex(), self)
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()
+        if head_over_limit and self._latest is state:
+            self._spill_now()
         return new_version, num_keys, commit_id
 
     @staticmethod
@@ -411,6 +428,7 @@ class FileStateStoreProvider(StateStoreProvider):
         elif state is self._latest:
             self._latest = None  # iterated meanwhile: drop it, reload from files next time
         # else: a State built for this commit and never published: dropped with it
+        self._published.notify_all()
 
     def _refuse_if_stale(self, view, new_version):
         """A commit whose store opened before newer versions than ``new_version`` were
@@ -443,20 +461,19 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise OSError(f"could not delete {self._files.path(f.name)} of the abandoned run of {self}: "
                               f"version {new_version} would not be the default lineage")
 
-    def _spill_due(self, state):
-        """Whether the head holds more changed keys than its share of the state (and at least
-        SPILL_MIN_ROWS): then maintenance spills it. REQUIRES: self._lock held."""
+    def _spill_due(self, state, ratio=None):
+        """Whether the head holds more changed keys than ``ratio`` (SPILL_RATIO by default) of
+        the state, and at least SPILL_MIN_ROWS: then it is spilled. REQUIRES: self._lock held."""
         head_rows = len(state.head)
-        return head_rows > SPILL_MIN_ROWS and head_rows > SPILL_RATIO * state.count(state.version)
+        ratio = SPILL_RATIO if ratio is None else ratio
+        return head_rows > SPILL_MIN_ROWS and head_rows > ratio * state.count(state.version)
 
-    def _changes_outgrown(self, state):
-        """Whether the changes since the base snapshot, spilled and in the head, outgrew
-        their share of the state (and HEAD_SNAPSHOT_MIN_ROWS): then a snapshot is due (a
-        spill would otherwise grow towards the state's size). REQUIRES: self._lock held."""
-        changed = len(state.head) + (state.base.changed if isinstance(state.base, Spill) else 0)
-        if changed <= HEAD_SNAPSHOT_MIN_ROWS:
-            return False
-        return state.base is None or changed > HEAD_SNAPSHOT_RATIO * state.count(state.version)
+    @staticmethod
+    def _changes_outgrown(changed, num_keys):
+        """Whether ``changed`` keys since the last snapshot (spilled, or in a head) outgrew
+        their share of a version of ``num_keys`` keys (and HEAD_SNAPSHOT_MIN_ROWS): then a
+        snapshot is due (a spill would otherwise grow towards the state's size)."""
+        return changed > HEAD_SNAPSHOT_MIN_ROWS and changed > HEAD_SNAPSHOT_RATIO * num_keys
 
     # -- loading ---------------------------------------------------------------------------
     def _empty_state(self):

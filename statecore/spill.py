@@ -26,17 +26,18 @@ CHUNK_ROWS = 1 << 16
 
 
 class Spill:
-    """Version ``version`` (``num_keys`` keys) as ``puts`` and ``dels`` (SnapshotReaders)
-    over ``lower`` (a SnapshotReader, a Spill over one, or None); ``dels`` is None when
-    ``lower`` is."""
+    """Version ``version`` (attempt ``commit_id``, ``num_keys`` keys) as ``puts`` and ``dels``
+    (SnapshotReaders) over ``lower`` (a SnapshotReader, a Spill over one, or None); ``dels``
+    is None when ``lower`` is."""
 
-    __slots__ = ("puts", "dels", "lower", "version", "num_keys")
+    __slots__ = ("puts", "dels", "lower", "version", "commit_id", "num_keys")
 
-    def __init__(self, puts, dels, lower, version, num_keys):
+    def __init__(self, puts, dels, lower, version, commit_id, num_keys):
         self.puts = puts
         self.dels = dels
         self.lower = lower
         self.version = version
+        self.commit_id = commit_id
         self.num_keys = num_keys
 
     def __repr__(self):
@@ -108,15 +109,15 @@ class Spill:
         yield from _cursor_chunks(lower, chunk_rows, skip=overridden)
 
 
-def spill_rows(new_file, key_schema, value_schema, version, chunks, num_keys):
+def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
     """A Spill of every row of a version (``chunks``, ``num_keys`` rows) over nothing: for a
     State whose base is not mapped (a frozen State), where no changes can be told apart."""
     puts = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
-    return Spill(puts, None, None, version, num_keys)
+    return Spill(puts, None, None, version, commit_id, num_keys)
 
 
-def spill_head(new_file, head, base, version, num_keys, written=None):
-    """A Spill of version ``version`` (``num_keys`` keys) of a frozen State: its ``head`` (a
+def spill_head(new_file, head, base, version, commit_id, num_keys, written=None):
+    """A Spill of version ``version`` (attempt ``commit_id``, ``num_keys`` keys) of a frozen State: its ``head`` (a
     Layer) over its ``base`` (None, a SnapshotReader or a Spill), the older spill's changes
     taken in where the head does not decide them; but over ``written`` (the spill a snapshot
     is being written from), never taking it in. ``new_file()`` gives a new local file open
@@ -148,7 +149,7 @@ def spill_head(new_file, head, base, version, num_keys, written=None):
     del_image = None
     if lower is not None:
         del_image = image_of(dels, older.dels if older is not None else None, dels.value_schema)
-    return Spill(put_image, del_image, lower, version, num_keys)
+    return Spill(put_image, del_image, lower, version, commit_id, num_keys)
 
 
 def _write_image(new_file, key_schema, value_schema, version, row_count, chunks):

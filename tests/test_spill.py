@@ -133,7 +133,7 @@ def test_heap_stays_a_fraction_of_the_rows(tmp_path):
         key_space, batch = 50_000, 5_000
         p = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=1000)
         model_version, ratios = 0, []
-        with mock.patch("statecore.provider.SPILL_RATIO", spill_ratio):
+        with mock.patch.multiple("statecore.provider", SPILL_RATIO=spill_ratio, SPILL_HARD_RATIO=2 * spill_ratio):
             for _ in range(30):
                 store = p.get_store(model_version)
                 keys = np.zeros(batch, KEY)
