@@ -7,8 +7,9 @@ dict of the state each batch), in the same run.
 2. reopening a ``--big-rows`` state from a snapshot plus 5 deltas and one lookup vs
    ``pickle.load`` of the dict;
 3. a micro-batch loop of 100 batches (get_store, 100k upserts through the batch API,
-   commit) with the maintenance thread running;
-4. memory: the provider's tables and the process's peak RSS against the raw row bytes.
+   commit) over 1M keys with the maintenance thread running;
+4. memory: the provider's tables and the process's peak RSS against the raw row bytes, in
+   that loop and in the same loop over 10k and 100k keys (batches of a tenth of the keys).
 """
 import gc
 import os
@@ -61,6 +62,35 @@ def pickle_lz4_fsync(d, path):
         os.fsync(f.fileno())
 
 
+def micro_batch_loop(root, rng, key_space, batch_rows, n_batches):
+    """get_store + put_batch + commit of ``n_batches`` batches of ``batch_rows`` upserts over
+    ``key_space`` keys, through the registry with its maintenance thread (1 s period); the
+    provider's table bytes over the raw rows after each commit, untimed."""
+    registry.stop()
+    conf = StateStoreConf(maintenance_interval_s=1.0)
+    pid = StateStoreProviderId(StateStoreId(root, 0, 0), uuid.uuid4())
+    batches = [batch(rng, batch_rows, key_space) for _ in range(n_batches)]
+    per_batch, memory, sampling = [], [], 0.0
+    t0 = time.perf_counter()
+    for v, (k, val) in enumerate(batches):
+        b0 = time.perf_counter()
+        s = registry.get(pid, KEY, VALUE, v, conf)
+        s.put_batch(k, val)
+        s.commit()
+        b1 = time.perf_counter()
+        per_batch.append(b1 - b0)
+        m = s.metrics
+        memory.append(m.memory_used_bytes / max(m.num_keys * ROW_BYTES, 1))
+        sampling += time.perf_counter() - b1
+    elapsed = time.perf_counter() - t0 - sampling
+    final = registry.get_read_only(pid, KEY, VALUE, n_batches, conf)
+    out = {"elapsed": elapsed, "per_batch": per_batch, "memory": memory, "batches": batches,
+           "live": final.metrics.num_keys, "provider_bytes": final.metrics.memory_used_bytes,
+           "snapshots": [f for f in os.listdir(f"{root}/0/0") if f.endswith(".snapshot")]}
+    registry.stop()
+    return out
+
+
 def rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -77,35 +107,17 @@ def main():
     tables, extra = [], {}
     try:
         # 3. the micro-batch loop with maintenance running (first: a fresh process heap)
-        registry.stop()
-        loop_conf = StateStoreConf(maintenance_interval_s=1.0)
-        pid = StateStoreProviderId(StateStoreId(f"{scratch}/loop", 0, 0), uuid.uuid4())
-        key_space = 1_000_000
-        batches = [batch(rng, args.batch_rows, key_space) for _ in range(args.batches)]
         rss_before = rss_mib()
-        t0 = time.perf_counter()
-        per_batch = []
-        memory_samples = []  # (provider table bytes, live keys) after each commit, untimed
-        sampling = 0.0
-        for v, (k, val) in enumerate(batches):
-            b0 = time.perf_counter()
-            s = registry.get(pid, KEY, VALUE, v, loop_conf)
-            s.put_batch(k, val)
-            s.commit()
-            b1 = time.perf_counter()
-            per_batch.append(b1 - b0)
-            m = s.metrics
-            memory_samples.append(m.memory_used_bytes / max(m.num_keys * ROW_BYTES, 1))
-            sampling += time.perf_counter() - b1
-        elapsed = time.perf_counter() - t0 - sampling
-        final = registry.get_read_only(pid, KEY, VALUE, args.batches, loop_conf)
-        live = final.metrics.num_keys
-        provider_bytes = final.metrics.memory_used_bytes
-        snapshots = [f for f in os.listdir(f"{scratch}/loop/0/0") if f.endswith(".snapshot")]
-        registry.stop()
+        loop_run = micro_batch_loop(f"{scratch}/loop", rng, 1_000_000, args.batch_rows, args.batches)
+        elapsed, per_batch, memory_samples = loop_run["elapsed"], loop_run["per_batch"], loop_run["memory"]
+        batches, live, provider_bytes = loop_run["batches"], loop_run["live"], loop_run["provider_bytes"]
+        snapshots = loop_run["snapshots"]
+        # smaller states, each batch a tenth of the keys: the memory only
+        small = {n: micro_batch_loop(f"{scratch}/small{n}", rng, n, n // 10, args.batches)
+                 for n in (10_000, 100_000)}
         upserts = args.batches * args.batch_rows
-        # the same batches on a provider nobody maintains: what the batches cost by themselves
-        bare = create_and_init_provider(StateStoreId(f"{scratch}/bare", 0, 0), KEY, VALUE, loop_conf)
+        # the same batches on a provider no thread maintains (its commits spill past the hard limit)
+        bare = create_and_init_provider(StateStoreId(f"{scratch}/bare", 0, 0), KEY, VALUE, StateStoreConf())
         t1 = time.perf_counter()
         for v, (k, val) in enumerate(batches):
             s = bare.get_store(v)
@@ -115,7 +127,7 @@ def main():
         del bare
         t = Table(f"micro-batch loop: {args.batches} x {args.batch_rows:,} upserts", upserts, unit="upserts")
         t.add("get_store + put_batch + commit, maintenance on", [elapsed])
-        t.add("the same, no maintenance (head grows)", [bare_elapsed])
+        t.add("the same, no maintenance thread (commits spill)", [bare_elapsed])
         tables.append(t)
         skip = min(10, len(memory_samples) // 2)  # the first batches, while the state still grows
         extra["loop"] = {
@@ -127,6 +139,9 @@ def main():
             "memory_ratio_from_batch": skip + 1,
             "memory_ratio_median": float(np.median(memory_samples[skip:])),
             "memory_ratio_max": float(np.max(memory_samples[skip:])),
+            "memory_at": {str(n): {"batch_rows": n // 10, "median": float(np.median(r["memory"][skip:])),
+                                   "max": float(np.max(r["memory"][skip:])), "live_keys": r["live"]}
+                          for n, r in small.items()},
         }
         # 1. commit of N updated rows
         n = args.rows
@@ -211,6 +226,10 @@ def main():
           f"{loop['memory_ratio_median']:.2f}x, max {loop['memory_ratio_max']:.2f}x of the raw rows; at the end "
           f"{loop['provider_table_bytes'] / 2**20:.1f} MiB; peak RSS {loop['peak_rss_mib_before']:.0f} -> "
           f"{loop['peak_rss_mib_after']:.0f} MiB")
+    for n, r in loop["memory_at"].items():
+        print(f"memory at {int(n):,} keys ({r['batch_rows']:,}-row batches): provider tables after each commit "
+              f"(batches {loop['memory_ratio_from_batch']}-{args.batches}): median {r['median']:.2f}x, "
+              f"max {r['max']:.2f}x of the raw rows")
     print(f"reopen files: {extra['reopen_files']}")
     if args.json:
         write_json(args.json, header, tables, extra)

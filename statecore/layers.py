@@ -209,6 +209,7 @@ class State:
         self.merges = 0
         self.pending = None  # a merged version whose delta is not durable yet
         self.iterating = 0  # open iterations: while any, nothing merges into this state
+        self.spill_asked_at = None  # the version whose commit first asked for the head to be spilled
 
     def holds(self, version):
         return version in self.commit_ids and version != self.pending

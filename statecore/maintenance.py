@@ -62,15 +62,17 @@ def _snapshot_if_due(p):
     the head"). The decisions are taken on the state alone; the files are listed once, to
     check that the version is of the default lineage and has no snapshot yet."""
     spill_if_outgrown(p)
+    def snapshot_due(state):
+        spilled = state.base.changed if isinstance(state.base, Spill) else 0
+        return state.version > 0 and (
+            state.version - _snapshot_version(state.base) > p._conf.min_deltas_for_snapshot
+            or p._changes_outgrown(len(state.head) + spilled, state.count(state.version)))
+
     with p._lock:
-        state = _newest_published(p)
-        if state is None or state.version == 0:
+        state = _newest_published(p, snapshot_due)
+        if state is None:
             return
         spill = state.base if isinstance(state.base, Spill) else None
-        changed = len(state.head) + (spill.changed if spill is not None else 0)
-        if not (state.version - _snapshot_version(state.base) > p._conf.min_deltas_for_snapshot
-                or p._changes_outgrown(changed, state.count(state.version))):
-            return
         if spill is None or len(state.head):
             _freeze(p, state, state.version, state.commit_ids[state.version])
             spill = None
@@ -84,12 +86,21 @@ def _snapshot_if_due(p):
     _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
 
 
-def _newest_published(p):
-    """The newest State once no merge into it is pending (a commit in flight is waited for,
-    up to PUBLISH_WAIT_S), or None. REQUIRES: p._lock held (released while waiting)."""
-    p._published.wait_for(lambda: p._latest is None or p._latest.pending is None, timeout=PUBLISH_WAIT_S)
-    state = p._latest
-    return state if state is not None and state.pending is None and not state.frozen else None
+def _newest_published(p, wanted):
+    """The newest State if ``wanted(state)``, once no merge into it is pending (a commit in
+    flight is waited for, up to PUBLISH_WAIT_S, only if the state is wanted already), or
+    None. REQUIRES: p._lock held (released while waiting)."""
+    def ready():
+        state = p._latest
+        return state is not None and not state.frozen and wanted(state)
+
+    if not ready():
+        return None
+    if p._latest.pending is not None:
+        p._published.wait_for(lambda: p._latest is None or p._latest.pending is None, timeout=PUBLISH_WAIT_S)
+        if not ready() or p._latest.pending is not None:
+            return None
+    return p._latest
 
 
 def _snapshot_version(base):
@@ -185,8 +196,9 @@ def spill_if_outgrown(p, ratio=None):
     time, and never taking in the spill a snapshot is being written from."""
     with p._spilling:
         with p._lock:
-            state = _newest_published(p)
-            if state is None or not (isinstance(state.base, FrozenView) or p._spill_due(state, ratio)):
+            state = _newest_published(
+                p, lambda state: isinstance(state.base, FrozenView) or p._spill_due(state, ratio))
+            if state is None:
                 return
             _freeze(p, state, state.version, state.commit_ids[state.version])
             written = p._snapshot_source

@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 # whatever the maintenance period (statecore.spill).
 SPILL_RATIO = 0.125
 SPILL_MIN_ROWS = 1 << 10
-# Past this share, maintenance fell behind (starved of CPU, or busy elsewhere): the commit
-# spills the head itself before it returns, so the bound holds whatever the timing.
+# Past this share, and due since an earlier commit, maintenance fell behind (starved of CPU,
+# or busy with a snapshot): the commit spills the head itself before it returns, so the
+# bound holds whatever the timing.
 SPILL_HARD_RATIO = 0.25
 # Besides Spark's rule (more than min_deltas_for_snapshot deltas), a snapshot is due once the
 # changes since the last one (spilled and in the head) outgrow this share of the state: each
@@ -125,8 +126,8 @@ class FileStateStoreProvider(StateStoreProvider):
         from statecore.maintenance import spill_if_outgrown
         try:
             spill_if_outgrown(self, SPILL_HARD_RATIO)
-        except OSError as e:
-            log.warning("could not spill the head of %s after a commit: %s", self, e)
+        except Exception as e:  # the version is committed: a failed spill must not say otherwise
+            log.warning("could not spill the head of %s after a commit (maintenance tries again): %s", self, e)
 
     def set_maintenance_hint(self, hint):
         """``hint()`` is called (from a committing task) when a snapshot is due early; the
@@ -374,7 +375,11 @@ class FileStateStoreProvider(StateStoreProvider):
             self._published.notify_all()
             num_keys = state.num_keys[new_version]
             head_due = self._spill_due(state)
-            head_over_limit = self._spill_due(state, SPILL_HARD_RATIO)
+            # Over the hard limit, and maintenance has had since an earlier commit to spill:
+            head_over_limit = (head_due and state.spill_asked_at is not None
+                               and self._spill_due(state, SPILL_HARD_RATIO))
+            if head_due and state.spill_asked_at is None:
+                state.spill_asked_at = new_version
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
                 self._retain(state)
@@ -404,12 +409,14 @@ class FileStateStoreProvider(StateStoreProvider):
         """The State a commit on ``version`` (attempt ``commit_id``) of ``source`` merges into.
         REQUIRES: self._lock held.
 
-        The newest State when the version is its newest and nobody iterates it; otherwise
-        that State is frozen (iterations read it without the lock; a re-execution from an
+        The newest State when it holds that version and attempt as its newest (the same
+        contents: ``source`` itself, or the State maintenance built over ``source`` when it
+        froze it for a spill while the store was open) and nobody iterates it; otherwise
+        ``source`` is frozen (iterations read it without the lock; a re-execution from an
         older version leaves it to its readers) and a new one is built over it."""
         previous = self._latest
-        if (previous is source and previous.version == version and not previous.frozen
-                and not previous.iterating):
+        if (previous is not None and previous.version == version and not previous.frozen
+                and not previous.iterating and previous.commit_ids.get(version) == commit_id):
             return previous
         source.frozen = True
         state = State(self._key_schema, self._value_schema, FrozenView(source, version),

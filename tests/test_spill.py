@@ -224,3 +224,58 @@ def test_the_head_spills_over_the_spill_a_snapshot_is_written_from(tmp_path, mon
     monkeypatch.undo()
     check(p, model, [4, 5], 500, VALUE)
     check(open_provider(tmp_path, KEY, VALUE), model, [3, 4, 5], 500, VALUE)
+
+
+def test_a_store_open_across_a_spill_commits_into_the_spilled_state(tmp_path):
+    """A task opens version 3, maintenance spills 3 meanwhile, the task commits 4: version 4
+    stands on the spill (the frozen head is let go), not on the frozen State."""
+    rng = np.random.default_rng(2)
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=100)
+    model = {0: {}}
+    for _ in range(3):
+        commit(p, model, *random_changes(rng, max(model) + 1, 300, 40, 5, VALUE), VALUE)
+    store = p.get_store(3)
+    with spill_always():
+        p.do_maintenance()
+    spill = p._latest.base
+    assert isinstance(spill, Spill) and spill.version == 3
+    puts, removes = random_changes(rng, 4, 300, 40, 5, VALUE)
+    write_batch(store, KEY, VALUE, puts, removes)
+    assert store.commit() == 4
+    model[4] = applied(model[3], puts, removes)
+    assert bases(p) == [spill], bases(p)
+    check(p, model, [3, 4], 300, VALUE)
+
+
+def test_a_commit_spills_the_head_past_the_hard_limit(tmp_path, monkeypatch):
+    """No maintenance runs: a commit whose head passed SPILL_HARD_RATIO of the state, when an
+    earlier commit asked for a spill already, spills it before returning (so no two commits
+    in a row leave it past the limit); one whose spill fails still returns its version."""
+    rng = np.random.default_rng(4)
+    p = open_provider(tmp_path, KEY, VALUE)
+    model = {0: {}}
+    heads = []
+    monkeypatch.setattr(statecore.provider, "SPILL_MIN_ROWS", 16)
+    for _ in range(12):
+        commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
+        state = p._latest
+        heads.append(len(state.head) / state.count(state.version))
+    over = [h > statecore.provider.SPILL_HARD_RATIO for h in heads]
+    assert not any(a and b for a, b in zip(over, over[1:])), heads
+    assert any(over) and isinstance(p._latest.base, Spill), heads
+
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(statecore.spill, "SnapshotWriter", failing)
+    monkeypatch.setattr(statecore.provider, "SPILL_HARD_RATIO", 0)
+    monkeypatch.setattr(statecore.provider, "SPILL_RATIO", 0)
+    for _ in range(2):  # the first asks for a spill, the second tries one itself
+        commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
+    monkeypatch.undo()
+    assert attempts, "no commit tried to spill"
+    check(p, model, [max(model) - 1, max(model)], 2000, VALUE)
+    check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 2000, VALUE)
