@@ -43,6 +43,12 @@ cdef inline uint8_t* _scratch(uint8_t* stack, Py_ssize_t n, uint8_t** heap) exce
     return heap[0]
 
 
+cdef inline void _free(uint8_t* heap) noexcept:
+    """Free a row's heap buffer of _scratch (NULL for a row that fit on the stack)."""
+    if heap != NULL:
+        PyMem_Free(heap)
+
+
 cdef inline int _table_find(RowTable t, const uint8_t* key, uint32_t tag, uint8_t* value_out) noexcept:
     """1 if ``t`` holds the key, else 0; its value is copied to ``value_out`` unless NULL."""
     cdef uint64_t pos
@@ -173,8 +179,8 @@ cdef class RowCalls:
                 return None
             return self.value_codec.decode_from(v)
         finally:
-            PyMem_Free(key_heap)
-            PyMem_Free(value_heap)
+            _free(key_heap)
+            _free(value_heap)
 
     def put(self, key, value):
         """Insert or overwrite ``key`` with ``value`` in the update layer."""
@@ -199,8 +205,8 @@ cdef class RowCalls:
             if self.dels.count:
                 self.dels._check(self.dels.table_remove(k, tag))
         finally:
-            PyMem_Free(key_heap)
-            PyMem_Free(value_heap)
+            _free(key_heap)
+            _free(value_heap)
 
     def remove(self, key):
         """Remove ``key``: a deletion in the update layer, hiding it from the version below."""
@@ -218,4 +224,4 @@ cdef class RowCalls:
                 self.puts._check(self.puts.table_remove(k, tag))
             self.dels._check(self.dels.table_put(k, NULL, tag))
         finally:
-            PyMem_Free(key_heap)
+            _free(key_heap)

@@ -37,8 +37,26 @@ cdef extern from *:
     """
     /* A little-endian host is assumed, as statecore._hash checks at import. */
     static inline double sc_f32_to_f64(const uint8_t* p) { float f; memcpy(&f, p, 4); return (double)f; }
+
+    /* The value of an exact int that fits one internal digit (|v| < 2**30), read from the
+       object without a call: 1 and *out set, or 0 for any other int (then converted by
+       PyLong_AsLongLongAndOverflow). */
+    static inline int sc_small_int(PyObject* v, long long* out) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject*)v)) return 0;
+        *out = (long long)PyUnstable_Long_CompactValue((PyLongObject*)v);
+        return 1;
+    #else
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0) { *out = 0; return 1; }
+        if (size == 1) { *out = (long long)((PyLongObject*)v)->ob_digit[0]; return 1; }
+        if (size == -1) { *out = -(long long)((PyLongObject*)v)->ob_digit[0]; return 1; }
+        return 0;
+    #endif
+    }
     """
     double sc_f32_to_f64(const uint8_t* p) noexcept nogil
+    int sc_small_int(PyObject* v, long long* out) noexcept
 
 cdef enum:
     FIELD_BOOL = 0
@@ -205,7 +223,7 @@ cdef class RowCodec:
         return self.decode_from(&row[0])
 
 
-cdef bint _encode_field(const FieldSpec* f, PyObject* v_ptr, uint8_t* out) noexcept:
+cdef inline bint _encode_field(const FieldSpec* f, PyObject* v_ptr, uint8_t* out) noexcept:
     """Write one plain value at its offset; False (no error set) if RowSchema must decide."""
     cdef object v = <object>v_ptr
     cdef uint8_t* p = out + f.offset
@@ -257,6 +275,14 @@ cdef bint _encode_field(const FieldSpec* f, PyObject* v_ptr, uint8_t* out) noexc
         return True
     if not PyLong_CheckExact(v):
         return False
+    if sc_small_int(v_ptr, &x):
+        if kind == FIELD_U64:
+            if x < 0:
+                return False
+        elif not _signed_in(x, kind):
+            return False
+        _store_int(p, x, f.size)
+        return True
     if kind == FIELD_U64:
         u = _as_unsigned(v)
         if u == <unsigned long long>-1 and PyErr_Occurred() != NULL:
