@@ -379,10 +379,9 @@ cdef class RowTable(RowSource):
         cdef uint32_t row
         cdef uint8_t* dst
         cdef int rc
-        if (self.count + 1) * 4 > self.n_slots * 3:  # slots_for: the index must grow
-            rc = self.slots_reserve(self.count + 1)
-            if rc < 0:
-                return rc
+        rc = self.slots_reserve(self.count + 1)
+        if rc < 0:
+            return rc
         rc = self.row_alloc(&row)
         if rc < 0:
             return rc
