@@ -56,17 +56,23 @@ def _default_chain_down(provider, listing, stop_below):
 
 def _snapshot_if_due(p):
     """Spill the head if it outgrew its share of the state, then write a snapshot of the
-    newest version if one is due (more than ``min_deltas_for_snapshot`` versions since the
-    snapshot the state stands on, or too many changes): from a spill, so that nothing frozen
-    is held in memory while a whole version is written (``docs/provider-rules.md``, "Spilling
-    the head"). The decisions are taken on the state alone; the files are listed once, to
-    check that the version is of the default lineage and has no snapshot yet."""
+    newest version if one is due: more than ``min_deltas_for_snapshot`` versions since the
+    newest snapshot (on the files of the default lineage, or under the state), or changes
+    since the state's snapshot past half the state. It is written from a spill, so that
+    nothing frozen is held in memory while a whole version is written (``docs/provider-
+    rules.md``, "Spilling the head"). The state decides first; the files are listed once,
+    after the spill, to check that its version is of the default lineage, has no snapshot
+    yet, and is due by the files too (another worker of the store may have written one)."""
     spill_if_outgrown(p)
+    min_deltas = p._conf.min_deltas_for_snapshot
+
+    def changes_outgrown(base, head_rows, num_keys):
+        return p._changes_outgrown(head_rows + (base.changed if isinstance(base, Spill) else 0), num_keys)
+
     def snapshot_due(state):
-        spilled = state.base.changed if isinstance(state.base, Spill) else 0
-        return state.version > 0 and (
-            state.version - _snapshot_version(state.base) > p._conf.min_deltas_for_snapshot
-            or p._changes_outgrown(len(state.head) + spilled, state.count(state.version)))
+        since = max(_snapshot_version(state.base), p._snapshot_on_files)
+        return state.version > 0 and (state.version - since > min_deltas or changes_outgrown(
+            state.base, len(state.head), state.count(state.version)))
 
     with p._lock:
         state = _newest_published(p, snapshot_due)
@@ -80,9 +86,13 @@ def _snapshot_if_due(p):
         with p._spilling:
             spill = _spill(p, state, state.version, p._snapshot_source)
     steps = _default_chain_down(p, p._files.list_versions(), spill.version)
-    step = next((step for step in steps if step[:2] == (spill.version, spill.commit_id)), None)
-    if step is None or step[3] is not None:
-        return  # not a version of the default lineage (a re-execution's), or it has a snapshot
+    on_files = next((u for u, _, _, snapshot in steps if u <= spill.version and snapshot is not None), 0)
+    p._snapshot_on_files = max(p._snapshot_on_files, on_files)
+    if not any(step[:2] == (spill.version, spill.commit_id) for step in steps):
+        return  # not a version of the default lineage (a re-execution's), or gone meanwhile
+    if spill.version <= on_files or not (spill.version - on_files > min_deltas
+                                         or changes_outgrown(spill, 0, spill.num_keys)):
+        return  # another worker wrote a snapshot since: the spill serves memory alone
     _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
 
 

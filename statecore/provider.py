@@ -63,6 +63,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._published = threading.Condition(self._lock)  # notified when no merge is pending
         self._spilling = threading.Lock()  # one spill at a time (maintenance, or a commit)
         self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)
+        self._snapshot_on_files = 0  # the newest snapshot maintenance saw on the default lineage
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
         self._committing = threading.Lock()  # commits of one provider run one at a time
         self._headers_lock = threading.Lock()  # guards _headers
