@@ -217,8 +217,8 @@ def spill_if_outgrown(p, ratio=None):
 
 def _replace_base(p, is_old, new):
     """Make ``new`` the base of the State (newest first, down the chain of frozen ones) whose
-    base ``is_old``, or the lower of its spill: the same version, now mapped. Whether one was
-    found."""
+    base ``is_old``, or the lower of the level of its spills that stands on it: the same
+    version, now mapped. Whether one was found."""
     with p._lock:
         node = p._latest
         while node is not None:
@@ -226,9 +226,12 @@ def _replace_base(p, is_old, new):
             if is_old(base):
                 node.base = new
                 return True
-            if isinstance(base, Spill) and is_old(base.lower):
-                base.lower = new
-                return True
+            level = base
+            while isinstance(level, Spill):  # the levels of spills, newest first
+                if is_old(level.lower):
+                    level.lower = new
+                    return True
+                level = level.lower
             node = base.state if isinstance(base, FrozenView) else None
     return False
 

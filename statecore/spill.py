@@ -3,15 +3,18 @@ and mapped, so that the head held in memory stays small whatever the timing of s
 
 A :class:`Spill` stands where a State's base stands and holds one version: the rows put
 since ``lower`` (an image over the store's schemas), the keys removed since (an image of keys
-only; none when nothing lies below to hide), and ``lower`` itself (the mapped snapshot, a
-spill being written out as a snapshot, or nothing). It lives in the page cache, not the heap:
-its files are unlinked once mapped, so a crash leaves nothing behind (they are no checkpoint:
-the deltas are). A new spill takes in the older spill's changes (the head's win), so a base is
-one spill over a snapshot, and maintenance writes the next snapshot from a spill alone
-(:meth:`Spill.rows`) without holding a frozen head in memory. While it does, the head may be
-spilled again, over that spill: a second level, until the snapshot replaces the lower spill
-(the one change a Spill ever sees: ``lower`` becomes the same version, mapped from the
-snapshot). Rules: ``docs/provider-rules.md``.
+only; none when nothing lies below to hide), and ``lower`` itself (an older spill, the mapped
+snapshot, or nothing). It lives in the page cache, not the heap: its files are unlinked once
+mapped, so a crash leaves nothing behind (they are no checkpoint: the deltas are).
+
+Spills stack up as levels over the snapshot, and a new spill takes in the newest levels
+while each is no bigger than what it holds so far (the head's win), as a binary counter
+carries: a change is rewritten a logarithmic number of times before a snapshot takes it, a
+spill costs about what the head holds, and a base is a few levels deep. Maintenance writes
+the next snapshot from a spill alone (:meth:`Spill.rows`), holding no frozen head in memory;
+a spill made meanwhile stands over the one written, never taking it in, until the snapshot
+replaces it (the one change a Spill ever sees: ``lower`` becomes the same version, mapped
+from the snapshot). Rules: ``docs/provider-rules.md``.
 """
 import os
 
@@ -45,10 +48,15 @@ class Spill:
                 f"dels={self.dels.row_count if self.dels is not None else 0})")
 
     @property
+    def own_changed(self):
+        """Keys this level decides."""
+        return self.puts.row_count + (self.dels.row_count if self.dels is not None else 0)
+
+    @property
     def changed(self):
-        """Keys this spill (and a spill below it) decides: the changes since the snapshot."""
-        own = self.puts.row_count + (self.dels.row_count if self.dels is not None else 0)
-        return own + (self.lower.changed if isinstance(self.lower, Spill) else 0)
+        """Keys this spill and the levels below it decide: the changes since the snapshot
+        (a key changed in two levels counts twice)."""
+        return self.own_changed + (self.lower.changed if isinstance(self.lower, Spill) else 0)
 
     def lookup(self, key_rows):
         """``(value_rows, found)`` of ``key_rows``: the puts, then what the dels leave to ``lower``."""
@@ -87,26 +95,16 @@ class Spill:
         return lower.get_row(key)  # a SnapshotReader or a Spill
 
     def rows(self, chunk_rows=CHUNK_ROWS):
-        """Every row of the version, each key once: the puts, then the rows of ``lower`` that
-        no put or del overrides (over a snapshot: found by probing the changed keys in it)."""
-        yield from _cursor_chunks(self.puts, chunk_rows)
-        lower = self.lower
-        kw = self.puts.key_width
-        if isinstance(lower, Spill):
-            for chunk in lower.rows(chunk_rows):
-                keys = np.ascontiguousarray(chunk[:, :kw])
-                keep = ~(_holds(self.puts, keys) | _holds(self.dels, keys))
-                if keep.any():
-                    yield chunk[keep]
-            return
-        if lower is None or not lower.row_count:
-            return
-        overridden = np.zeros(lower.row_count, dtype=np.uint8)
-        for image in (self.puts, self.dels):
-            if image is not None:
-                for chunk in _cursor_chunks(image, chunk_rows):
-                    lower.mark_rows(np.ascontiguousarray(chunk[:, :kw]), overridden)
-        yield from _cursor_chunks(lower, chunk_rows, skip=overridden)
+        """Every row of the version, each key once: each level's puts that no newer level
+        decides, then the snapshot's rows that no level overrides (found by probing the
+        changed keys in the older images, never the other way round)."""
+        levels, bottom = _levels(self)
+        for j, level in enumerate(levels):
+            newer = [image for above in levels[:j] for image in (above.puts, above.dels) if image is not None]
+            yield from _unshadowed(level.puts, newer, chunk_rows)[1]
+        if bottom is not None and bottom.row_count:
+            changed = [image for level in levels for image in (level.puts, level.dels) if image is not None]
+            yield from _unshadowed(bottom, changed, chunk_rows)[1]
 
 
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
@@ -117,38 +115,36 @@ def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, n
 
 
 def spill_head(new_file, head, base, version, commit_id, num_keys, written=None):
-    """A Spill of version ``version`` (attempt ``commit_id``, ``num_keys`` keys) of a frozen State: its ``head`` (a
-    Layer) over its ``base`` (None, a SnapshotReader or a Spill), the older spill's changes
-    taken in where the head does not decide them; but over ``written`` (the spill a snapshot
-    is being written from), never taking it in. ``new_file()`` gives a new local file open
-    for binary writing."""
-    older = base if isinstance(base, Spill) and base is not written else None
-    lower = older.lower if older is not None else base  # a snapshot, or the spill it is written from
+    """A Spill of version ``version`` (attempt ``commit_id``, ``num_keys`` keys) of a frozen
+    State: its ``head`` (a Layer) over its ``base`` (None, a SnapshotReader or a Spill),
+    taking in the newest levels of spills while each is no bigger than what the new spill
+    holds so far; never ``written`` (the spill a snapshot is being written from) or what lies
+    below it. ``new_file()`` gives a new local file open for binary writing."""
+    taken, lower = [], base
+    size = len(head)
+    while isinstance(lower, Spill) and lower is not written and lower.own_changed <= size:
+        taken.append(lower)
+        size += lower.own_changed
+        lower = lower.lower
     ks, vs = head.key_schema, head.value_schema
-    puts, dels = head.puts, head.dels
-    kw = ks.width
 
-    def overridden_in(image):
-        # rows of the older spill's `image` that the head decides
-        mask = np.zeros(image.row_count, dtype=np.uint8)
-        for table in (puts, dels):
-            for chunk in _cursor_chunks(table, CHUNK_ROWS):
-                image.mark_rows(np.ascontiguousarray(chunk[:, :kw]), mask)
-        return mask
+    def image_of(pick, schema_v):
+        # the head's table, then each taken level's image, less what a newer source decides
+        newer = [head.puts, head.dels]
+        count, parts = len(pick(head)), [_cursor_chunks(pick(head), CHUNK_ROWS)]
+        for level in taken:
+            image = pick(level)
+            if image is not None and image.row_count:
+                kept, chunks = _unshadowed(image, newer, CHUNK_ROWS)
+                count += kept
+                parts.append(chunks)
+            newer += [i for i in (level.puts, level.dels) if i is not None]
+        return _write_image(new_file, ks, schema_v, version, count, (c for part in parts for c in part))
 
-    def image_of(table, older_image, schema_v):
-        chunks = [_cursor_chunks(table, CHUNK_ROWS)]
-        count = len(table)
-        if older_image is not None and older_image.row_count:
-            mask = overridden_in(older_image)
-            count += older_image.row_count - int(np.count_nonzero(mask))
-            chunks.append(_cursor_chunks(older_image, CHUNK_ROWS, skip=mask))
-        return _write_image(new_file, ks, schema_v, version, count, (c for it in chunks for c in it))
-
-    put_image = image_of(puts, older.puts if older is not None else None, vs)
+    put_image = image_of(lambda layer: layer.puts, vs)
     del_image = None
-    if lower is not None:
-        del_image = image_of(dels, older.dels if older is not None else None, dels.value_schema)
+    if lower is not None:  # tombstones hide only what lies below
+        del_image = image_of(lambda layer: layer.dels, head.dels.value_schema)
     return Spill(put_image, del_image, lower, version, commit_id, num_keys)
 
 
@@ -171,6 +167,28 @@ def _write_image(new_file, key_schema, value_schema, version, row_count, chunks)
         os.unlink(path)
 
 
+def _levels(spill):
+    """``(levels, bottom)``: the spills from ``spill`` down (newest first), and the snapshot
+    (or None) under them."""
+    levels, node = [], spill
+    while isinstance(node, Spill):
+        levels.append(node)
+        node = node.lower
+    return levels, node
+
+
+def _unshadowed(image, newer, chunk_rows):
+    """``(count, chunks)`` of the rows of ``image`` (a SnapshotReader) whose keys none of the
+    ``newer`` sources (RowTables or SnapshotReaders) holds: found by probing the newer keys
+    in ``image``, a mask of its rows."""
+    kw = image.key_width
+    mask = np.zeros(image.row_count, dtype=np.uint8)
+    for source in newer:
+        for chunk in _cursor_chunks(source, chunk_rows):
+            image.mark_rows(np.ascontiguousarray(chunk[:, :kw]), mask)
+    return image.row_count - int(np.count_nonzero(mask)), _cursor_chunks(image, chunk_rows, skip=mask)
+
+
 def _lookup(base, key_rows):
     """``(value_rows, found)`` from a SnapshotReader or a Spill."""
     if isinstance(base, Spill):
@@ -180,15 +198,6 @@ def _lookup(base, key_rows):
     found = np.zeros(n, dtype=np.uint8)
     base.get_rows(key_rows, values, found)
     return values, found.view(np.bool_)
-
-
-def _holds(image, key_rows):
-    """Which ``key_rows`` the image (a SnapshotReader, or None) holds."""
-    n = key_rows.shape[0]
-    found = np.zeros(n, dtype=np.uint8)
-    if image is not None and image.row_count:
-        image.get_rows(key_rows, np.empty((n, image.value_width), np.uint8), found)
-    return found.view(np.bool_)
 
 
 def _cursor_chunks(source, chunk_rows, skip=None):

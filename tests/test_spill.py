@@ -93,35 +93,48 @@ def test_reads_through_spills_equal_the_model(tmp_path, value):
     check(reloaded, model, [max(model)], key_space, value)
 
 
-def test_a_spill_takes_in_the_older_one(tmp_path):
-    """Keys put in one spill and removed (or put again) in the next: the second spill alone
-    (over the snapshot) decides them; a snapshot written from it equals the model."""
+def test_spills_stack_and_take_in_the_levels_no_bigger_than_them(tmp_path):
+    """A spill smaller than the newest level stacks over it; one at least as big takes it
+    in, and the next level too when that is no bigger than both (a binary counter); keys put
+    in one level and removed (or put again) in a newer one are decided by the newest; a
+    snapshot written from the levels equals the model."""
     p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=100)
     model = {0: {}}
     commit(p, model, {k: (k, 0.0) for k in range(100)}, [], VALUE)
     with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
         p.do_maintenance()  # the changes are the whole state: a snapshot of 1
-    assert type(p._latest.base).__name__ == "SnapshotReader"
+    snapshot = p._latest.base
+    assert type(snapshot).__name__ == "SnapshotReader"
     commit(p, model, {k: (k, 1.0) for k in range(100, 120)}, list(range(0, 10)), VALUE)
     with spill_always():
         p.do_maintenance()
     first = p._latest.base
-    assert isinstance(first, Spill) and first.changed == 30
+    assert isinstance(first, Spill) and first.own_changed == 30 and first.lower is snapshot
     commit(p, model, {k: (k, 2.0) for k in range(0, 5)}, list(range(100, 110)), VALUE)
     with spill_always():
         p.do_maintenance()
     second = p._latest.base
-    assert isinstance(second, Spill) and second is not first
-    assert second.lower is first.lower, "a spill stands on the snapshot, never on another spill"
-    # puts: 110..119 and 0..4; dels: 5..9 and 100..109
-    assert (second.puts.row_count, second.dels.row_count) == (15, 15)
+    assert isinstance(second, Spill) and second.lower is first, "15 changes stack over a level of 30"
     check(p, model, [1, 2, 3], 130, VALUE)
+    commit(p, model, {k: (k, 3.0) for k in range(200, 240)}, list(range(110, 115)), VALUE)
+    with spill_always():
+        p.do_maintenance()
+    third = p._latest.base
+    assert isinstance(third, Spill) and third.lower is snapshot, "45 changes take in 15, then 30"
+    # puts: 200..239, 0..4 (second), 115..119 (first, less second's and the head's removes);
+    # dels: 110..114, 100..109 (second), 5..9 (first, less second's puts)
+    assert (third.puts.row_count, third.dels.row_count) == (50, 20)
+    check(p, model, [2, 3, 4], 250, VALUE)
+    commit(p, model, {k: (k, 4.0) for k in range(0, 3)}, [200], VALUE)
+    with spill_always():
+        p.do_maintenance()
+    assert p._latest.base.lower is third
     with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0), \
             mock.patch("statecore.provider.HEAD_SNAPSHOT_RATIO", 0):
-        p.do_maintenance()
-    assert type(p._latest.base).__name__ == "SnapshotReader" and p._latest.base.store_version == 3
-    assert any(n.startswith("3_") and n.endswith(".snapshot") for n in os.listdir(tmp_path / "0" / "0"))
-    check(open_provider(tmp_path, KEY, VALUE), model, [3], 130, VALUE)
+        p.do_maintenance()  # a snapshot of 5, from two levels over the snapshot of 1
+    assert type(p._latest.base).__name__ == "SnapshotReader" and p._latest.base.store_version == 5
+    assert p._latest.base.row_count == len(model[5])
+    check(open_provider(tmp_path, KEY, VALUE), model, [5], 250, VALUE)
 
 
 def test_heap_stays_a_fraction_of_the_rows(tmp_path):
@@ -218,9 +231,11 @@ def test_the_head_spills_over_the_spill_a_snapshot_is_written_from(tmp_path, mon
     assert during == [4, 5]
     base = p._latest.base
     assert isinstance(base, Spill) and base.version == 5, base
-    assert type(base.lower).__name__ == "SnapshotReader" and base.lower.store_version == 3, \
+    levels, bottom = statecore.spill._levels(base)
+    assert [level.version for level in levels] in ([5], [5, 4]), levels
+    assert type(bottom).__name__ == "SnapshotReader" and bottom.store_version == 3, \
         "the snapshot did not replace the spill it was written from"
-    assert base.lower.row_count == len(model[3])
+    assert bottom.row_count == len(model[3])
     monkeypatch.undo()
     check(p, model, [4, 5], 500, VALUE)
     check(open_provider(tmp_path, KEY, VALUE), model, [3, 4, 5], 500, VALUE)
