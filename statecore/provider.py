@@ -71,7 +71,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._pins = {}
         self._headers = {}  # file name -> (commit_id, parent_id): names with ids never change
         self._verified_files = set()  # names maintenance checked whole before deleting on their account
-        self._maintenance_hint = None  # called when a snapshot is due before the next period
+        self._maintenance_hint = None  # called when the head is due to be spilled
         self._hits = self._misses = self._rolled_forward = 0
         self._schema_written = False
         self._closed = False
@@ -121,6 +121,12 @@ class FileStateStoreProvider(StateStoreProvider):
         with self._maintaining:
             run_maintenance(self)
 
+    def spill_if_outgrown(self):
+        """Spill the head if it outgrew its share of the state (``docs/provider-rules.md``,
+        "Spilling the head"); what the registry's thread does when a commit wakes it."""
+        from statecore.maintenance import spill_if_outgrown
+        spill_if_outgrown(self)
+
     def _spill_now(self):
         """Spill the head on the committing thread: maintenance did not keep it under its
         hard limit. A failure is logged (the commit stands; maintenance tries again)."""
@@ -131,8 +137,8 @@ class FileStateStoreProvider(StateStoreProvider):
             log.warning("could not spill the head of %s after a commit (maintenance tries again): %s", self, e)
 
     def set_maintenance_hint(self, hint):
-        """``hint()`` is called (from a committing task) when a snapshot is due early; the
-        registry passes a function that wakes its maintenance thread."""
+        """``hint()`` is called (from a committing task) when the head is due to be spilled;
+        the registry passes a function that wakes its maintenance thread."""
         self._maintenance_hint = hint
 
     # -- lineage over the files ----------------------------------------------------------------

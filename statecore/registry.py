@@ -2,8 +2,8 @@
 
 It loads providers by :class:`~statecore.StateStoreProviderId` and keeps them loaded across
 micro-batches, and runs the maintenance thread, started on the first :func:`get`, that
-every ``maintenance_interval_s`` runs each provider's ``do_maintenance`` (snapshots and
-cleanup) and then, if a coordinator was set, unloads the providers the coordinator says
+every ``maintenance_interval_s`` runs each provider's ``do_maintenance`` (spills, snapshots
+and cleanup; a commit that asks for a spill wakes it in between to spill only) and then, if a coordinator was set, unloads the providers the coordinator says
 are no longer active here. A provider whose maintenance raises is logged and unloaded; the
 others go on (Spark 4.0). Without a coordinator nothing is ever unloaded by maintenance.
 
@@ -19,6 +19,7 @@ run outside it.
 """
 import logging
 import threading
+import time
 
 from statecore.conf import StateStoreConf
 from statecore.coordinator import executor_of, parse_executor_location
@@ -26,7 +27,7 @@ from statecore.errors import IllegalStateError
 from statecore.store import create_and_init_provider
 
 __all__ = ["get", "get_read_only", "unload", "is_loaded", "is_maintenance_running", "set_coordinator",
-           "stop", "loaded_provider_ids", "run_maintenance_now", "wait_for_maintenance_passes"]
+           "stop", "loaded_provider_ids", "run_maintenance_now", "run_spills_now", "wait_for_maintenance_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -39,28 +40,34 @@ _passes_changed = threading.Condition(_lock)
 
 
 class _MaintenanceThread(threading.Thread):
-    """Runs a maintenance pass every ``interval_s`` until stopped (first pass after one period)."""
+    """Runs a maintenance pass every ``interval_s`` until stopped (first pass after one
+    period); woken in between by a commit, it spills the heads that outgrew their share."""
 
     def __init__(self, interval_s):
         super().__init__(name="state-store-maintenance-task", daemon=True)
         self.interval_s = interval_s
         self.stopping = threading.Event()
-        self.wakeup = threading.Event()  # set by a provider whose snapshot is due early
+        self.wakeup = threading.Event()  # set by a provider whose head is due to be spilled
 
     def run(self):
+        next_pass = time.monotonic() + self.interval_s
         while True:
-            self.wakeup.wait(self.interval_s)
+            self.wakeup.wait(max(0.0, next_pass - time.monotonic()))
             self.wakeup.clear()
             if self.stopping.is_set():
                 return
             try:
-                run_maintenance_now()
+                if time.monotonic() >= next_pass:
+                    next_pass = time.monotonic() + self.interval_s
+                    run_maintenance_now()
+                else:
+                    run_spills_now()
             except Exception:  # never let the thread die: providers are handled one by one
                 log.exception("State store maintenance pass failed")
 
 
 def _request_maintenance():
-    """Wake the maintenance thread now (a provider's head outgrew its snapshot)."""
+    """Wake the maintenance thread now (a provider's head is due to be spilled)."""
     thread = _maintenance
     if thread is not None:
         thread.wakeup.set()
@@ -183,6 +190,22 @@ def _start_maintenance_if_needed(conf):
         _maintenance = _MaintenanceThread(conf.maintenance_interval_s)
         _maintenance.start()
         log.info("State Store maintenance task started")
+
+
+def run_spills_now():
+    """Spill the head of every loaded provider that outgrew its share (what the thread does
+    when a commit wakes it between passes): memory work and local files only, no listing and
+    no coordinator call. A provider whose spill raises is logged and left to the next pass."""
+    with _lock:
+        providers = list(_providers.values())
+    for provider in providers:
+        spill = getattr(provider, "spill_if_outgrown", None)
+        if spill is None:
+            continue
+        try:
+            spill()
+        except Exception:
+            log.exception("Error spilling the head of %s", provider)
 
 
 def run_maintenance_now():

@@ -1,5 +1,6 @@
 """The executor registry: loading, maintenance thread, unloading, coordinator hooks."""
 import os
+import time
 import uuid
 
 import numpy as np
@@ -193,3 +194,27 @@ def test_a_store_unloaded_between_its_lookup_and_its_open_is_loaded_again(tmp_pa
     registry._providers[a].close()
     with pytest.raises(IllegalStateError, match="closed"):
         registry.get(a, KEY, VALUE, 1, conf)
+
+
+def test_a_commit_asking_for_a_spill_wakes_the_thread_to_spill_only(tmp_path, monkeypatch):
+    """Between passes (a one-hour period), a commit whose head outgrew its share wakes the
+    maintenance thread, which spills that head and nothing else: no pass, no snapshot."""
+    from statecore.spill import Spill
+    monkeypatch.setattr("statecore.provider.SPILL_MIN_ROWS", 8)
+    monkeypatch.setattr("statecore.provider.SPILL_HARD_RATIO", float("inf"))  # only the thread spills
+    conf = StateStoreConf(maintenance_interval_s=3600, min_deltas_for_snapshot=1)
+    p = pid(tmp_path)
+    store = registry.get(p, KEY, VALUE, 0, conf)
+    keys = np.zeros(64, KEY)
+    keys["k"] = np.arange(64)
+    store.put_batch(keys, np.zeros(64, VALUE))
+    passes = registry.maintenance_passes()
+    assert store.commit() == 1
+    provider = registry._providers[p]
+    deadline = time.monotonic() + DEADLINE_S
+    while not isinstance(provider._latest.base, Spill):
+        assert time.monotonic() < deadline, "the thread never spilled the head"
+        time.sleep(0.01)
+    assert registry.maintenance_passes() == passes
+    assert not any(name.endswith(".snapshot") for name in version_names(str(tmp_path / "0" / "0")))
+    assert registry.get_read_only(p, KEY, VALUE, 1, conf).get(5) == (0,)
