@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from statecore._snapshot import SnapshotReader, SnapshotWriter
-from statecore.layers import no_values, take_rows
+from statecore.layers import base_lookup, no_values, take_rows
 
 __all__ = ["Spill", "spill_head", "spill_rows"]
 
@@ -78,7 +78,7 @@ class Spill:
             keep = ~hidden.view(np.bool_)
             rest, rest_keys = rest[keep], take_rows(rest_keys, keep)
         if rest.size:
-            lower_values, lower_found = _lookup(lower, rest_keys)
+            lower_values, lower_found = base_lookup(lower, rest_keys)
             if self.puts.value_width:
                 values[rest] = lower_values
             found[rest] = lower_found
@@ -187,17 +187,6 @@ def _unshadowed(image, newer, chunk_rows):
         for chunk in _cursor_chunks(source, chunk_rows):
             image.mark_rows(np.ascontiguousarray(chunk[:, :kw]), mask)
     return image.row_count - int(np.count_nonzero(mask)), _cursor_chunks(image, chunk_rows, skip=mask)
-
-
-def _lookup(base, key_rows):
-    """``(value_rows, found)`` from a SnapshotReader or a Spill."""
-    if isinstance(base, Spill):
-        return base.lookup(key_rows)
-    n = key_rows.shape[0]
-    values = np.zeros((n, base.value_width), dtype=np.uint8)
-    found = np.zeros(n, dtype=np.uint8)
-    base.get_rows(key_rows, values, found)
-    return values, found.view(np.bool_)
 
 
 def _cursor_chunks(source, chunk_rows, skip=None):
