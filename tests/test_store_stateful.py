@@ -5,16 +5,17 @@ lineage (``{version: {key: value}}``). Its steps: puts and removes (one row, or 
 on the open store, commits and aborts, re-executions from an older retained version,
 reloads (a fresh provider on the same directory), a switch to another live provider of the
 same store (another worker, holding an older version), maintenance with a small snapshot
-cadence and retention window (and spills of the head whatever its size), one flipped byte
-in any file (every load then either returns the model's data or raises
-StateCorruptionError naming that file; maintenance runs over it; then the bytes are
-restored and every retained version must load), and an iteration of a version while
-another store commits.
+cadence and retention window (and spills of the head whatever its size, by maintenance or
+by a commit past the hard limit), one flipped byte in any file (every load then either
+returns the model's data or raises StateCorruptionError naming that file; maintenance runs
+over it; then the bytes are restored and every retained version must load), and an
+iteration of a version while another store commits.
 
 Deterministic (``derandomize=True``) and bounded (``max_examples``, ``stateful_step_count``):
 it runs in well under a minute. ``STATECORE_STATEFUL_EXAMPLES`` raises the number of
 examples for a longer local run.
 """
+import contextlib
 import os
 import re
 import shutil
@@ -168,9 +169,16 @@ class StoreMachine(RuleBasedStateMachine):
             self.pending.pop(k, None)
 
     @precondition(lambda self: self.store is not None)
-    @rule()
-    def commit(self):
-        assert self.store.commit() == self.base + 1
+    @rule(spilling=st.booleans())
+    def commit(self, spilling):
+        # spilling: the commit spills the head itself, whatever its size, as past the hard
+        # limit when an earlier commit asked already and maintenance did not come
+        latest = self.p._latest
+        if spilling and latest is not None and latest.spill_asked_at is None:
+            latest.spill_asked_at = latest.version
+        with mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0,
+                                 SPILL_HARD_RATIO=0) if spilling else contextlib.nullcontext():
+            assert self.store.commit() == self.base + 1
         # A re-execution from `base` abandons the versions after it.
         self.model = {v: c for v, c in self.model.items() if v <= self.base}
         self.model[self.base + 1] = self.pending
