@@ -105,7 +105,7 @@ cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint32_t 
 
 
 cdef int _spill_find(spill, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1:
-    """``Spill.get_row``: its puts, then its dels, then the snapshot below."""
+    """``Spill.get_row``: its puts, then its dels, then the level or snapshot below."""
     if (<SnapshotReader>spill.puts).find_into(key, tag, value_out):
         return 1
     lower = spill.lower
@@ -114,7 +114,7 @@ cdef int _spill_find(spill, const uint8_t* key, uint32_t tag, uint8_t* value_out
     dels = spill.dels
     if dels is not None and (<SnapshotReader>dels).find_into(key, tag, NULL):
         return 0
-    if type(lower) is Spill:  # the spill a snapshot is being written from
+    if type(lower) is Spill:  # an older level
         return _spill_find(lower, key, tag, value_out)
     return (<SnapshotReader>lower).find_into(key, tag, value_out)
 

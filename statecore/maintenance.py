@@ -1,9 +1,9 @@
 """A provider's background work: spilling the head, writing snapshots and deleting files no
 version needs.
 
-Snapshots and cleanup follow the default lineage (:mod:`statecore.lineage`) and decide only on checked
-bytes: headers read through the provider's checked parser, and a snapshot that lets older
-files go is verified whole first. Damage found here is logged and nothing is deleted on its
+Snapshots and cleanup follow the default lineage (:mod:`statecore.lineage`) and decide only
+on checked bytes: headers read through the provider's checked parser, and a snapshot that
+lets older files go is verified whole first. Damage found here is logged and nothing is deleted on its
 account; files that vanish meanwhile (another instance's cleanup) end the pass quietly.
 Rules and locks: ``docs/provider-rules.md``.
 """
@@ -74,17 +74,9 @@ def _snapshot_if_due(p):
         return state.version > 0 and (state.version - since > min_deltas or changes_outgrown(
             state.base, len(state.head), state.count(state.version)))
 
-    with p._lock:
-        state = _newest_published(p, snapshot_due)
-        if state is None:
-            return
-        spill = state.base if isinstance(state.base, Spill) else None
-        if spill is None or len(state.head):
-            _freeze(p, state, state.version, state.commit_ids[state.version])
-            spill = None
+    spill = _spill_newest(p, snapshot_due)
     if spill is None:
-        with p._spilling:
-            spill = _spill(p, state, state.version, p._snapshot_source)
+        return
     steps = _default_chain_down(p, p._files.list_versions(), spill.version)
     on_files = next((u for u, _, _, snapshot in steps if u <= spill.version and snapshot is not None), 0)
     p._snapshot_on_files = max(p._snapshot_on_files, on_files)
@@ -137,10 +129,12 @@ def _freeze(p, state, version, commit_id):
     p._latest = successor
 
 
-def _spill(p, state, version, written=None):
-    """Write frozen ``state`` at ``version`` out as a Spill (its head, and its base's older
-    changes, but not those of ``written``, the spill a snapshot is being written from) and
+def _spill(p, state, written):
+    """Write frozen ``state`` out as a Spill of its version (its head, and the newer levels of
+    its base's spills, but not ``written``, the spill a snapshot is being written from) and
     make it the base of the State built over the frozen one."""
+    version = state.version
+
     def new_file():
         return p._files.new_image_file(f"spill-{version}")
 
@@ -202,17 +196,24 @@ def spill_if_outgrown(p, ratio=None):
     default the provider's SPILL_RATIO), or if it stands on a frozen State (left by an
     iteration during a commit, or a spill that failed: every row is spilled, and the frozen
     heads are let go). Called by maintenance, between the chunks of a snapshot it writes, and
-    by a commit whose head outgrew the hard limit (maintenance fell behind): one spill at a
-    time, and never taking in the spill a snapshot is being written from."""
+    by a commit whose head outgrew the hard limit (maintenance fell behind)."""
+    _spill_newest(p, lambda state: isinstance(state.base, FrozenView) or p._spill_due(state, ratio))
+
+
+def _spill_newest(p, wanted):
+    """The Spill the newest State stands on once spilled, if ``wanted(state)``: its base
+    already when that is a spill and its head is empty; else None. One spill at a time, and
+    never taking in the spill a snapshot is being written from."""
     with p._spilling:
         with p._lock:
-            state = _newest_published(
-                p, lambda state: isinstance(state.base, FrozenView) or p._spill_due(state, ratio))
+            state = _newest_published(p, wanted)
             if state is None:
-                return
+                return None
+            if isinstance(state.base, Spill) and not len(state.head):
+                return state.base
             _freeze(p, state, state.version, state.commit_ids[state.version])
             written = p._snapshot_source
-        _spill(p, state, state.version, written)
+        return _spill(p, state, written)
 
 
 def _replace_base(p, is_old, new):

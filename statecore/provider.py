@@ -121,18 +121,18 @@ class FileStateStoreProvider(StateStoreProvider):
         with self._maintaining:
             run_maintenance(self)
 
-    def spill_if_outgrown(self):
-        """Spill the head if it outgrew its share of the state (``docs/provider-rules.md``,
-        "Spilling the head"); what the registry's thread does when a commit wakes it."""
+    def spill_if_outgrown(self, ratio=None):
+        """Spill the head if it outgrew ``ratio`` (SPILL_RATIO by default) of the state
+        (``docs/provider-rules.md``, "Spilling the head"); what the registry's thread does
+        when a commit wakes it."""
         from statecore.maintenance import spill_if_outgrown
-        spill_if_outgrown(self)
+        spill_if_outgrown(self, ratio)
 
     def _spill_now(self):
         """Spill the head on the committing thread: maintenance did not keep it under its
         hard limit. A failure is logged (the commit stands; maintenance tries again)."""
-        from statecore.maintenance import spill_if_outgrown
         try:
-            spill_if_outgrown(self, SPILL_HARD_RATIO)
+            self.spill_if_outgrown(SPILL_HARD_RATIO)
         except Exception as e:  # the version is committed: a failed spill must not say otherwise
             log.warning("could not spill the head of %s after a commit (maintenance tries again): %s", self, e)
 
