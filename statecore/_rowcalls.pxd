@@ -1,7 +1,7 @@
 # cython: language_level=3
 """RowCalls: a store's per-row get, put and remove, compiled (see _rowcalls.pyx)."""
 cimport cython
-from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable
@@ -22,4 +22,4 @@ cdef class RowCalls:
     cdef RowTable dels
     cdef readonly bint updating
 
-    cdef int _find(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1
+    cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1

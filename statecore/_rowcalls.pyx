@@ -19,6 +19,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from statecore._hash cimport key_hash, slot_tag
+from statecore._levels cimport spill_find
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable
 from statecore._snapshot_reader cimport SnapshotReader
@@ -78,12 +79,13 @@ cdef int _layer_find(layer, const uint8_t* key, uint32_t tag, uint8_t* value_out
     return -1
 
 
-cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint32_t tag,
+cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint64_t h,
                      uint8_t* value_out) except -1:
-    """``State.get_row(version, key)``: 1 (value copied out) or 0. REQUIRES: the provider's
-    lock held, or ``state`` frozen."""
+    """``State.get_row(version, key)`` for a key of hash ``h``: 1 (value copied out) or 0.
+    REQUIRES: the provider's lock held, or ``state`` frozen."""
     cdef int r
     cdef int64_t newest = state.version, u
+    cdef uint32_t tag = slot_tag(h)
     if newest != version:  # State.layers_for: the undo layers of versions + 1 .. newest first
         undo = state.undo
         for u in range(version + 1, newest + 1):
@@ -99,24 +101,9 @@ cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint32_t 
     if type(base) is SnapshotReader:
         return (<SnapshotReader>base).find_into(key, tag, value_out)
     if type(base) is Spill:
-        return _spill_find(base, key, tag, value_out)
+        return spill_find(base, key, h, value_out)
     inner = base.state  # a FrozenView: a frozen State at a version
-    return _state_find(inner, base.version, inner.head, key, tag, value_out)
-
-
-cdef int _spill_find(spill, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1:
-    """``Spill.get_row``: its puts, then its dels, then the level or snapshot below."""
-    if (<SnapshotReader>spill.puts).find_into(key, tag, value_out):
-        return 1
-    lower = spill.lower
-    if lower is None:
-        return 0
-    dels = spill.dels
-    if dels is not None and (<SnapshotReader>dels).find_into(key, tag, NULL):
-        return 0
-    if type(lower) is Spill:  # an older level
-        return _spill_find(lower, key, tag, value_out)
-    return (<SnapshotReader>lower).find_into(key, tag, value_out)
+    return _state_find(inner, base.version, inner.head, key, h, value_out)
 
 
 @cython.final
@@ -151,7 +138,8 @@ cdef class RowCalls:
         """The store committed or aborted: puts and removes are refused from now on."""
         self.updating = False
 
-    cdef int _find(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1:
+    cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
+        cdef uint32_t tag = slot_tag(h)
         if self.puts is not None:
             if _table_find(self.puts, key, tag, value_out if self.value_width else NULL):
                 return 1
@@ -159,7 +147,7 @@ cdef class RowCalls:
                 return 0
         self._acquire()
         try:
-            return _state_find(self.state, self.version, self.head, key, tag, value_out)
+            return _state_find(self.state, self.version, self.head, key, h, value_out)
         finally:
             self._release()
 
@@ -175,7 +163,7 @@ cdef class RowCalls:
             k = _scratch(key_stack, self.key_width, &key_heap)
             v = _scratch(value_stack, self.value_width, &value_heap)
             self.key_codec.encode_into(key, k)
-            if not self._find(k, slot_tag(key_hash(k, self.key_width)), v):
+            if not self._find(k, key_hash(k, self.key_width), v):
                 return None
             return self.value_codec.decode_from(v)
         finally:

@@ -44,3 +44,4 @@ cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t
                             uint32_t* tags, SnapError* err) noexcept nogil
 cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noexcept nogil
 cdef uint64_t snapshot_verified_blocks(const SnapLayout* s) noexcept nogil
+cdef void snapshot_announce_all(const SnapLayout* s) noexcept nogil

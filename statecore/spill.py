@@ -8,9 +8,11 @@ snapshot, or nothing). It lives in the page cache, not the heap: its files are u
 mapped, so a crash leaves nothing behind (they are no checkpoint: the deltas are).
 
 Spills stack up as levels over the snapshot, and a new spill takes in the newest levels
-while each is no bigger than what it holds so far (the head's win), as a binary counter
-carries: a change is rewritten a logarithmic number of times before a snapshot takes it, a
-spill costs about what the head holds, and a base is a few levels deep. Maintenance writes
+while each is no bigger than TAKE_IN_RATIO times what it holds so far (the head's win):
+levels grow geometrically downwards, a change is rewritten a logarithmic number of times
+before a snapshot takes it, a spill costs a few times what the head holds, and a base is a
+few levels deep. Each level keeps KeyFilters of its keys in memory, so that a lookup probes
+only the levels that may decide a key (``statecore/_levels.pyx``). Maintenance writes
 the next snapshot from a spill alone (:meth:`Spill.rows`), holding no frozen head in memory;
 a spill made meanwhile stands over the one written, never taking it in, until the snapshot
 replaces it (the one change a Spill ever sees: ``lower`` becomes the same version, mapped
@@ -20,28 +22,36 @@ import os
 
 import numpy as np
 
+from statecore._levels import get_rows as get_rows_through_levels
+from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader, SnapshotWriter
-from statecore.layers import base_lookup, no_values, take_rows
 
 __all__ = ["Spill", "spill_head", "spill_rows"]
 
 CHUNK_ROWS = 1 << 16
+# A new spill takes in a level no bigger than this many times what it holds so far. At 1 (a
+# binary counter) heads of nearly equal sizes stack without end (each a few keys smaller
+# than the level below); at 2 a level is always taken in by two heads of its size.
+TAKE_IN_RATIO = 2
 
 
 class Spill:
     """Version ``version`` (attempt ``commit_id``, ``num_keys`` keys) as ``puts`` and ``dels``
     (SnapshotReaders) over ``lower`` (a SnapshotReader, a Spill over one, or None); ``dels``
-    is None when ``lower`` is."""
+    is None when ``lower`` is. ``puts_filter`` and ``dels_filter`` (KeyFilters over the
+    images' keys, or None: every key may be there) let lookups skip the level."""
 
-    __slots__ = ("puts", "dels", "lower", "version", "commit_id", "num_keys")
+    __slots__ = ("puts", "dels", "lower", "version", "commit_id", "num_keys", "puts_filter", "dels_filter")
 
-    def __init__(self, puts, dels, lower, version, commit_id, num_keys):
+    def __init__(self, puts, dels, lower, version, commit_id, num_keys, puts_filter=None, dels_filter=None):
         self.puts = puts
         self.dels = dels
         self.lower = lower
         self.version = version
         self.commit_id = commit_id
         self.num_keys = num_keys
+        self.puts_filter = puts_filter
+        self.dels_filter = dels_filter
 
     def __repr__(self):
         return (f"Spill(version={self.version}, keys={self.num_keys}, puts={self.puts.row_count}, "
@@ -59,30 +69,19 @@ class Spill:
         return self.own_changed + (self.lower.changed if isinstance(self.lower, Spill) else 0)
 
     def lookup(self, key_rows):
-        """``(value_rows, found)`` of ``key_rows``: the puts, then what the dels leave to ``lower``."""
+        """``(value_rows, found)`` of ``key_rows``: each key's newest level that puts or
+        removes it decides, else the snapshot below (compiled: ``statecore._levels``)."""
         n = key_rows.shape[0]
-        lower = self.lower
-        values = np.zeros((n, self.puts.value_width), dtype=np.uint8)
-        found = np.zeros(n, dtype=np.uint8)
-        self.puts.get_rows(key_rows, values, found)
-        found = found.view(np.bool_)
-        if lower is None:
-            return values, found
-        rest = np.flatnonzero(~found)
-        if rest.size == 0:
-            return values, found
-        rest_keys = take_rows(key_rows, rest)
-        if self.dels is not None and self.dels.row_count:
-            hidden = np.zeros(rest.size, dtype=np.uint8)
-            self.dels.get_rows(rest_keys, no_values(rest.size), hidden)
-            keep = ~hidden.view(np.bool_)
-            rest, rest_keys = rest[keep], take_rows(rest_keys, keep)
-        if rest.size:
-            lower_values, lower_found = base_lookup(lower, rest_keys)
-            if self.puts.value_width:
-                values[rest] = lower_values
-            found[rest] = lower_found
-        return values, found
+        values = np.empty((n, self.puts.value_width), dtype=np.uint8)
+        found = np.empty(n, dtype=np.uint8)
+        get_rows_through_levels(self, key_rows, values, found)
+        return values, found.view(np.bool_)
+
+    @property
+    def filter_bytes(self):
+        """Heap bytes of the key filters of this level and the levels below it."""
+        own = sum(f.nbytes for f in (self.puts_filter, self.dels_filter) if f is not None)
+        return own + (self.lower.filter_bytes if isinstance(self.lower, Spill) else 0)
 
     def get_row(self, key):
         """Value bytes of one key (bytes), or None."""
@@ -110,19 +109,19 @@ class Spill:
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
     """A Spill of every row of a version (``chunks``, ``num_keys`` rows) over nothing: for a
     State whose base is not mapped (a frozen State), where no changes can be told apart."""
-    puts = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
-    return Spill(puts, None, None, version, commit_id, num_keys)
+    puts, puts_filter = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
+    return Spill(puts, None, None, version, commit_id, num_keys, puts_filter)
 
 
 def spill_head(new_file, head, base, version, commit_id, num_keys, written=None):
     """A Spill of version ``version`` (attempt ``commit_id``, ``num_keys`` keys) of a frozen
     State: its ``head`` (a Layer) over its ``base`` (None, a SnapshotReader or a Spill),
-    taking in the newest levels of spills while each is no bigger than what the new spill
-    holds so far; never ``written`` (the spill a snapshot is being written from) or what lies
+    taking in the newest levels of spills while each is no bigger than TAKE_IN_RATIO times
+    what the new spill holds so far; never ``written`` (the spill a snapshot is being written from) or what lies
     below it. ``new_file()`` gives a new local file open for binary writing."""
     taken, lower = [], base
     size = len(head)
-    while isinstance(lower, Spill) and lower is not written and lower.own_changed <= size:
+    while isinstance(lower, Spill) and lower is not written and lower.own_changed <= TAKE_IN_RATIO * size:
         taken.append(lower)
         size += lower.own_changed
         lower = lower.lower
@@ -141,28 +140,31 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None)
             newer += [i for i in (level.puts, level.dels) if i is not None]
         return _write_image(new_file, ks, schema_v, version, count, (c for part in parts for c in part))
 
-    put_image = image_of(lambda layer: layer.puts, vs)
-    del_image = None
+    put_image, put_filter = image_of(lambda layer: layer.puts, vs)
+    del_image = del_filter = None
     if lower is not None:  # tombstones hide only what lies below
-        del_image = image_of(lambda layer: layer.dels, head.dels.value_schema)
-    return Spill(put_image, del_image, lower, version, commit_id, num_keys)
+        del_image, del_filter = image_of(lambda layer: layer.dels, head.dels.value_schema)
+    return Spill(put_image, del_image, lower, version, commit_id, num_keys, put_filter, del_filter)
 
 
 def _write_image(new_file, key_schema, value_schema, version, row_count, chunks):
-    """Write ``row_count`` rows as an image in a new local file, map it (every block checked
-    now, on the caller's thread, not on first touch by a lookup) and unlink the file."""
+    """``(reader, key_filter)``: write ``row_count`` rows as an image in a new local file, map
+    it (every block checked now, on the caller's thread, not on first touch by a lookup) and
+    unlink the file; the filter holds the keys written."""
     f = new_file()
     path = f.name
+    key_filter = KeyFilter(key_schema.width, row_count) if row_count else None
     try:
         with f:
             writer = SnapshotWriter(f, key_schema, value_schema, row_count, version)
             for chunk in chunks:
                 if chunk.shape[0]:
                     writer.write_rows(chunk)
+                    key_filter.add_rows(chunk)
             writer.finish()
         reader = SnapshotReader(path, key_schema, value_schema)
         reader.verify(index=False)
-        return reader
+        return reader, key_filter
     finally:
         os.unlink(path)
 

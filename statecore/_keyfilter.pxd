@@ -1,0 +1,66 @@
+# cython: language_level=3
+"""KeyFilter: a split-block Bloom filter over key hashes, in memory (see _keyfilter.pyx)."""
+cimport cython
+from libc.stdint cimport uint32_t, uint64_t
+
+from statecore._probe cimport SC_PREFETCH
+
+cdef enum:
+    FILTER_WORDS = 8      # a block is 8 words of 32 bits (one 32-byte line); a key sets one bit in each
+    FILTER_BITS_PER_KEY = 10
+
+cdef extern from *:
+    # Odd multipliers, one per word of a block: word j's bit of a key is the top 5 bits of
+    # (low 32 bits of the key's hash) * salt j.
+    """
+    static const unsigned int SC_FILTER_SALT[8] = {
+        0x47b6137bU, 0x44974d91U, 0x8824ad5bU, 0xa2b7289dU,
+        0x705495c7U, 0x2df1424bU, 0x9efc4947U, 0x5c6bfb31U};
+    """
+    const uint32_t* FILTER_SALT "SC_FILTER_SALT"
+
+
+cdef struct FilterBits:
+    # What a nogil probe reads. n_blocks == 0: the filter holds no key.
+    uint32_t* words       # n_blocks * FILTER_WORDS words
+    uint64_t n_blocks
+
+
+cdef inline uint64_t filter_block(const FilterBits* f, uint64_t h) noexcept nogil:
+    """The block of a key hash: the high 32 bits scaled to [0, n_blocks)."""
+    return ((h >> 32) * f.n_blocks) >> 32
+
+
+cdef inline bint filter_may_hold(const FilterBits* f, uint64_t h) noexcept nogil:
+    """False only if no key with hash ``h`` was added; true for every one that was."""
+    cdef const uint32_t* block
+    cdef uint32_t low = <uint32_t>h, all_set = 1
+    cdef int j
+    if f.n_blocks == 0:
+        return False
+    block = f.words + filter_block(f, h) * FILTER_WORDS
+    for j in range(FILTER_WORDS):  # no branch per word: each is set for about half the absent keys
+        all_set &= block[j] >> ((low * FILTER_SALT[j]) >> 27)
+    return all_set & 1
+
+
+cdef inline void filter_prefetch(const FilterBits* f, uint64_t h) noexcept nogil:
+    """Start loading the block of hash ``h`` (a batch reads it a few keys later)."""
+    if f.n_blocks:
+        SC_PREFETCH(f.words + filter_block(f, h) * FILTER_WORDS)
+
+
+cdef inline void filter_add(FilterBits* f, uint64_t h) noexcept nogil:
+    # REQUIRES: n_blocks > 0.
+    cdef uint32_t* block = f.words + filter_block(f, h) * FILTER_WORDS
+    cdef uint32_t low = <uint32_t>h
+    cdef int j
+    for j in range(FILTER_WORDS):
+        block[j] |= (<uint32_t>1) << ((low * FILTER_SALT[j]) >> 27)
+
+
+@cython.final
+cdef class KeyFilter:
+    cdef FilterBits bits
+    cdef readonly Py_ssize_t key_width
+    cdef readonly uint64_t capacity      # the keys it was sized for

@@ -1,0 +1,252 @@
+# cython: language_level=3
+"""Lookups through a Spill's levels (statecore/spill.py): the rows put since the level
+below, then the keys removed since, level by level down to the snapshot, each level's
+KeyFilters asked first so that only the levels that may decide a key are probed.
+
+A key is hashed once for every level (the filters and the slot indexes use the same hash).
+The batch walk (``get_rows``) runs without the GIL in two passes: the first hashes each key
+and finds the first level whose filters may hold it; the second probes from there,
+prefetching the home slot of a key some lookups ahead in the index it will start in. A
+filter's false "maybe" costs one probe and the walk goes on down.
+"""
+cimport cython
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+from statecore._hash cimport key_hash, slot_tag
+from statecore._keyfilter cimport FilterBits, KeyFilter, filter_may_hold, filter_prefetch
+from statecore._mapping cimport Mapping
+from statecore._probe cimport SC_PREFETCH, Slot, SlotIndex, home_slot
+from statecore._rowtable cimport rows_ptr
+from statecore._snapshot_image cimport SNAP_OK, SnapError, SnapLayout, snapshot_announce_all, snapshot_find
+from statecore._snapshot_reader cimport SnapshotReader
+
+cdef enum:
+    # While lookup i runs, the home slot of lookup i + SLOT_PREFETCH_AHEAD is prefetched in
+    # the index it starts in, and the row of lookup i + ROW_PREFETCH_AHEAD (found by tag in
+    # slots that arrived meanwhile), as the snapshot's own batch lookup does (_probe.pxd).
+    SLOT_PREFETCH_AHEAD = 16
+    ROW_PREFETCH_AHEAD = 8
+    # Each level's filter block of key i + FILTER_PREFETCH_AHEAD, while key i's are read.
+    FILTER_PREFETCH_AHEAD = 8
+
+cdef struct Level:
+    # One level as the nogil walk reads it; ``dels`` is used only when has_dels.
+    SnapLayout puts
+    SnapLayout dels
+    const FilterBits* puts_filter   # NULL: no filter, every key may be there
+    const FilterBits* dels_filter
+    bint has_dels
+
+
+cdef inline const FilterBits* _bits(KeyFilter f) noexcept:
+    return NULL if f is None else &f.bits
+
+
+cdef inline bint _may_hold(const FilterBits* f, uint64_t h) noexcept nogil:
+    return f == NULL or filter_may_hold(f, h)
+
+
+cdef inline Py_ssize_t _next_candidate(const Level* levels, Py_ssize_t j, Py_ssize_t n_levels,
+                                       uint64_t h) noexcept nogil:
+    """The first level from ``j`` on whose filters may hold hash ``h``; n_levels if none."""
+    while j < n_levels:
+        if _may_hold(levels[j].puts_filter, h):
+            return j
+        if levels[j].has_dels and _may_hold(levels[j].dels_filter, h):
+            return j
+        j += 1
+    return n_levels
+
+
+cdef inline const SlotIndex* _start_index(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
+                                          uint32_t j) noexcept nogil:
+    """The index a lookup that starts at level ``j`` probes first (NULL: none)."""
+    if j < n_levels:
+        return &levels[j].puts.index
+    return &bottom.index if bottom != NULL else NULL
+
+
+cdef inline void _prefetch_filters(const Level* levels, Py_ssize_t n_levels, uint64_t h) noexcept nogil:
+    cdef Py_ssize_t j
+    for j in range(n_levels):
+        if levels[j].puts_filter != NULL:
+            filter_prefetch(levels[j].puts_filter, h)
+        if levels[j].has_dels and levels[j].dels_filter != NULL:
+            filter_prefetch(levels[j].dels_filter, h)
+
+
+cdef inline void _prefetch_row(const SlotIndex* ix, uint32_t tag) noexcept nogil:
+    """Prefetch the row the first slot with ``tag`` names (a prefetch never faults, so the
+    slots need not be checked yet)."""
+    cdef uint64_t pos = home_slot(tag, ix.mask), dist = 0
+    cdef Slot s
+    while dist <= ix.max_displacement:
+        s = ix.slots[pos]
+        if s.row == 0:
+            return
+        if s.tag == tag:
+            if s.row <= ix.row_count:
+                SC_PREFETCH(ix.rows + <uint64_t>(s.row - 1) * ix.row_width)
+            return
+        pos = (pos + 1) & ix.mask
+        dist += 1
+
+
+# REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
+# n entries; hashes and start n entries of scratch; levels n_levels entries. ``bottom`` NULL
+# when nothing lies under the levels. On a code < 0, ``failed`` is the reader that raised:
+# 2 * level (its puts), 2 * level + 1 (its dels), or 2 * n_levels (the bottom).
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
+               const uint8_t* keys, Py_ssize_t n, size_t kw, size_t vw, uint8_t* values,
+               uint8_t* found, uint64_t* hashes, uint32_t* start, SnapError* err,
+               Py_ssize_t* failed) noexcept nogil:
+    cdef Py_ssize_t i, j
+    cdef uint64_t h, row
+    cdef uint32_t tag
+    cdef const SnapLayout* image
+    cdef const SlotIndex* ix
+    cdef const uint8_t* key
+    cdef int rc
+    for i in range(n):
+        hashes[i] = key_hash(keys + <size_t>i * kw, kw)
+    for i in range(n):
+        if i + FILTER_PREFETCH_AHEAD < n:
+            _prefetch_filters(levels, n_levels, hashes[i + FILTER_PREFETCH_AHEAD])
+        start[i] = <uint32_t>_next_candidate(levels, 0, n_levels, hashes[i])
+    for i in range(n):
+        if i + SLOT_PREFETCH_AHEAD < n:
+            ix = _start_index(levels, n_levels, bottom, start[i + SLOT_PREFETCH_AHEAD])
+            if ix != NULL:
+                SC_PREFETCH(&ix.slots[home_slot(slot_tag(hashes[i + SLOT_PREFETCH_AHEAD]), ix.mask)])
+        if i + ROW_PREFETCH_AHEAD < n:
+            ix = _start_index(levels, n_levels, bottom, start[i + ROW_PREFETCH_AHEAD])
+            if ix != NULL:
+                _prefetch_row(ix, slot_tag(hashes[i + ROW_PREFETCH_AHEAD]))
+        h = hashes[i]
+        tag = slot_tag(h)
+        key = keys + <size_t>i * kw
+        found[i] = 0
+        j = start[i]
+        while j < n_levels:
+            image = &levels[j].puts
+            if _may_hold(levels[j].puts_filter, h):
+                rc = snapshot_find(image, key, tag, &row, err)
+                if rc < 0:
+                    failed[0] = 2 * j
+                    return rc
+                if row != 0:
+                    found[i] = 1
+                    if vw:
+                        memcpy(values + <size_t>i * vw, image.index.rows + (row - 1) * image.index.row_width + kw, vw)
+                    break
+            if levels[j].has_dels and _may_hold(levels[j].dels_filter, h):
+                rc = snapshot_find(&levels[j].dels, key, tag, &row, err)
+                if rc < 0:
+                    failed[0] = 2 * j + 1
+                    return rc
+                if row != 0:
+                    break  # removed here: absent, whatever lies below
+            j = _next_candidate(levels, j + 1, n_levels, h)
+        if j == n_levels and bottom != NULL:
+            rc = snapshot_find(bottom, key, tag, &row, err)
+            if rc < 0:
+                failed[0] = 2 * n_levels
+                return rc
+            if row != 0:
+                found[i] = 1
+                if vw:
+                    memcpy(values + <size_t>i * vw, bottom.index.rows + (row - 1) * bottom.index.row_width + kw, vw)
+        if not found[i] and vw:
+            memset(values + <size_t>i * vw, 0, vw)
+    return SNAP_OK
+
+
+def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,
+             uint8_t[::1] found not None):
+    """Look up ``keys`` (n, key_width) through ``spill`` and the levels below it into
+    ``values`` (zeros where not found) and ``found``. Raises what a SnapshotReader raises
+    for a damaged or truncated image; ``values`` and ``found`` then hold nothing to use."""
+    cdef list chain = []
+    node = spill
+    while node is not None and not isinstance(node, SnapshotReader):
+        chain.append(node)
+        node = node.lower
+    cdef SnapshotReader bottom_reader = node
+    cdef SnapshotReader first = spill.puts
+    cdef Py_ssize_t n = first._lookup_size(keys, values, found)
+    cdef Py_ssize_t n_levels = len(chain), j, failed = -1
+    if n == 0:
+        return
+    cdef list readers = []   # (reader, mapping) in the order ``failed`` counts them
+    cdef Level* levels = <Level*>PyMem_Malloc(max(n_levels, 1) * sizeof(Level))
+    cdef uint64_t* hashes = <uint64_t*>PyMem_Malloc(n * sizeof(uint64_t))
+    cdef uint32_t* start = <uint32_t*>PyMem_Malloc(n * sizeof(uint32_t))
+    cdef SnapLayout bottom
+    cdef SnapError err
+    cdef int rc
+    cdef SnapshotReader r
+    cdef Mapping m
+    cdef bint has_bottom = bottom_reader is not None
+    cdef uint8_t* value_ptr = <uint8_t*>rows_ptr(values)
+    cdef size_t kw = <size_t>first.key_width, vw = <size_t>first.value_width
+    try:
+        if levels == NULL or hashes == NULL or start == NULL:
+            raise MemoryError(f"cannot allocate the scratch of a lookup of {n} keys")
+        for j in range(n_levels):
+            level = chain[j]
+            r = level.puts
+            m = r._acquire()
+            readers.append((r, m))
+            levels[j].puts = r._layout_of(m)
+            levels[j].puts_filter = _bits(level.puts_filter)
+            r = level.dels
+            levels[j].has_dels = r is not None and r.row_count > 0 and level.lower is not None
+            if levels[j].has_dels:
+                m = r._acquire()
+                levels[j].dels = r._layout_of(m)
+                levels[j].dels_filter = _bits(level.dels_filter)
+            else:
+                m = None
+            readers.append((r, m))
+        if has_bottom:
+            m = bottom_reader._acquire()
+            readers.append((bottom_reader, m))
+            bottom = bottom_reader._layout_of(m)
+        with nogil:
+            if has_bottom and <uint64_t>n >= bottom.n_blocks:
+                snapshot_announce_all(&bottom)  # as SnapshotReader.get_rows does
+            rc = _walk(levels, n_levels, &bottom if has_bottom else NULL,
+                       &keys[0, 0], n, kw, vw, value_ptr, &found[0], hashes, start, &err, &failed)
+        for r, m in readers:
+            if m is not None and not m.sound():
+                r._raise_truncated(m)
+        if rc < 0:
+            r = readers[failed][0]
+            r._raise_for(&err)
+    finally:
+        PyMem_Free(levels)
+        PyMem_Free(hashes)
+        PyMem_Free(start)
+
+
+cdef int spill_find(spill, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
+    """The per-row walk: 1 (value copied to ``value_out``) if the key's newest level puts
+    it, 0 if a level removes it or no level nor the snapshot holds it."""
+    cdef uint32_t tag = slot_tag(h)
+    node = spill
+    while not isinstance(node, SnapshotReader):
+        if _may_hold(_bits(node.puts_filter), h) and (<SnapshotReader>node.puts).find_into(key, tag, value_out):
+            return 1
+        lower = node.lower
+        if lower is None:
+            return 0
+        dels = node.dels
+        if (dels is not None and _may_hold(_bits(node.dels_filter), h)
+                and (<SnapshotReader>dels).find_into(key, tag, NULL)):
+            return 0
+        node = lower
+    return (<SnapshotReader>node).find_into(key, tag, value_out)

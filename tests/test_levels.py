@@ -1,0 +1,128 @@
+"""Lookups through spilled levels (statecore._levels) and their key filters
+(statecore._keyfilter): the filter never forgets a key and rarely claims an absent one;
+the compiled walk through deep stacks of levels with removes equals the model, with real
+filters and with none; damage in the snapshot under the levels is reported, naming it."""
+from unittest import mock
+
+import numpy as np
+import pytest
+
+import statecore.spill
+from statecore._keyfilter import KeyFilter
+from statecore.errors import StateCorruptionError
+from statecore.spill import Spill
+from tests.store_support import open_provider
+from tests.test_spill import KEY, VALUE, NO_VALUE, check, commit, random_changes, spill_always
+
+
+def key_rows(values):
+    return np.ascontiguousarray(np.asarray(values, dtype="<i8").view(np.uint8).reshape(-1, 8))
+
+
+def test_a_filter_holds_every_key_added_and_few_others():
+    rng = np.random.default_rng(5)
+    added = rng.choice(1 << 40, size=50_000, replace=False)
+    f = KeyFilter(8, added.size)
+    f.add_rows(key_rows(added[:25_000]))
+    f.add_rows(np.hstack([key_rows(added[25_000:]), np.zeros((25_000, 16), np.uint8)]))  # whole rows
+    assert f.may_hold_rows(key_rows(added)).all()
+    absent = np.setdiff1d(rng.choice(1 << 40, size=200_000, replace=False), added)
+    rate = f.may_hold_rows(key_rows(absent)).mean()
+    assert 0.002 < rate < 0.03, rate  # 10 bits a key: about one in a hundred
+    assert f.nbytes == 50_000 * 10 // 8 + 32 - (50_000 * 10 // 8) % 32
+
+
+def test_a_filter_refuses_what_it_cannot_hold():
+    assert not KeyFilter(8, 0).may_hold_rows(key_rows([1, 2, 3])).any()
+    with pytest.raises(ValueError, match="sized for no keys"):
+        KeyFilter(8, 0).add_rows(key_rows([1]))
+    with pytest.raises(ValueError, match="8-byte key"):
+        KeyFilter(8, 10).add_rows(np.zeros((2, 4), np.uint8))
+    with pytest.raises(ValueError, match=r"\(n, 8\)"):
+        KeyFilter(8, 10).may_hold_rows(np.zeros((2, 16), np.uint8))
+    with pytest.raises(ValueError, match="positive"):
+        KeyFilter(0, 10)
+
+
+def levels_of(spill):
+    out, node = [], spill
+    while isinstance(node, Spill):
+        out.append(node)
+        node = node.lower
+    return out, node
+
+
+def python_walk(spill, keys):
+    """The reference: each key's newest level that puts or removes it, per row, no filters."""
+    out = []
+    for row in keys:
+        value = spill.get_row(bytes(row))
+        out.append(value)
+    return out
+
+
+@pytest.mark.parametrize("value", [VALUE, NO_VALUE], ids=["values", "set"])
+@pytest.mark.parametrize("filters", [True, False], ids=["filters", "no-filters"])
+def test_the_walk_through_deep_levels_equals_the_model(tmp_path, value, filters):
+    """Levels never taken in (so ten stack up), each with puts and removes over a snapshot:
+    batch lookups, per-row gets and iteration equal the model at every retained version, and
+    the batch walk equals a per-row walk that asks no filter."""
+    rng = np.random.default_rng(17)
+    key_space = 600
+    p = open_provider(tmp_path, KEY, value, min_deltas_for_snapshot=1000, max_versions_to_retain_in_memory=3)
+    model = {0: {}}
+    commit(p, model, {k: ((k, 0.0) if value.names else ()) for k in range(300)}, [], value)
+    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
+        p.do_maintenance()  # a snapshot of 1
+    with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
+        for _ in range(10):
+            commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 20, value), value)
+            with spill_always():
+                p.do_maintenance()
+    top = p._latest.base
+    levels, bottom = levels_of(top)
+    assert len(levels) == 10 and type(bottom).__name__ == "SnapshotReader"
+    assert all(level.dels is not None and level.dels.row_count for level in levels)
+    if not filters:
+        for level in levels:
+            level.puts_filter = level.dels_filter = None
+    check(p, model, range(max(model) - 2, max(model) + 1), key_space, value)
+    keys = key_rows(np.arange(key_space))
+    values, found = top.lookup(keys)
+    reference = python_walk(top, keys)
+    assert found.tolist() == [r is not None for r in reference]
+    if value.names:
+        assert [bytes(values[i]) for i in np.flatnonzero(found)] == [r for r in reference if r is not None]
+        assert not values[~found].any(), "absent keys read as zeros"
+
+
+def test_the_walk_reports_damage_in_the_snapshot_below_the_levels(tmp_path):
+    """The data blocks of the mapped snapshot, damaged after it was opened, while most were
+    not yet checked: the walk raises StateCorruptionError naming that file, and the store keeps
+    serving the keys the levels decide."""
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(20_000)}, [], VALUE)
+    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
+        p.do_maintenance()
+    reopened = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)  # blocks not yet checked
+    commit(reopened, model, {k: (k, 1.0) for k in range(10)}, [], VALUE)
+    with spill_always():
+        reopened.do_maintenance()
+    top = reopened._latest.base
+    _, bottom = levels_of(top)
+    assert isinstance(top, Spill) and type(bottom).__name__ == "SnapshotReader"
+    n_blocks = bottom.n_blocks
+    assert bottom.verified_blocks() < n_blocks  # the commit's lookups read a few
+    with open(bottom.path, "r+b") as f:  # a byte of every data block: the mapping sees the writes
+        for b in range(n_blocks):
+            at = bottom.rows_offset + b * bottom.block_size
+            f.seek(at)
+            damaged = bytes([f.read(1)[0] ^ 0xFF])
+            f.seek(at)
+            f.write(damaged)
+    with pytest.raises(StateCorruptionError, match="checksum mismatch") as raised:
+        top.lookup(key_rows(np.arange(20_000)))
+    assert str(bottom.path) in str(raised.value)
+    values, found = top.lookup(key_rows(np.arange(10)))  # decided by the level: no block read
+    assert found.all() and (values.view(VALUE)["sum"] == 1.0).all()
