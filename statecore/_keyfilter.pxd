@@ -1,7 +1,7 @@
 # cython: language_level=3
 """KeyFilter: a split-block Bloom filter over key hashes, in memory (see _keyfilter.pyx)."""
 cimport cython
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
 from statecore._probe cimport SC_PREFETCH
 
@@ -64,3 +64,5 @@ cdef class KeyFilter:
     cdef FilterBits bits
     cdef readonly Py_ssize_t key_width
     cdef readonly uint64_t capacity      # the keys it was sized for
+
+    cdef int _check_rows(self, const uint8_t[:, ::1] rows) except -1

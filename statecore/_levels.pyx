@@ -29,7 +29,7 @@ cdef enum:
     SLOT_PREFETCH_AHEAD = 16
     ROW_PREFETCH_AHEAD = 8
     # Each level's filter block of key i + FILTER_PREFETCH_AHEAD, while key i's are read.
-    FILTER_PREFETCH_AHEAD = 8
+    FILTER_PREFETCH_AHEAD = 16
 
 cdef struct Level:
     # One level as the nogil walk reads it; ``dels`` is used only when has_dels.
@@ -48,23 +48,27 @@ cdef inline bint _may_hold(const FilterBits* f, uint64_t h) noexcept nogil:
     return f == NULL or filter_may_hold(f, h)
 
 
-cdef inline Py_ssize_t _next_candidate(const Level* levels, Py_ssize_t j, Py_ssize_t n_levels,
-                                       uint64_t h) noexcept nogil:
-    """The first level from ``j`` on whose filters may hold hash ``h``; n_levels if none."""
+cdef inline uint32_t _next_candidate(const Level* levels, Py_ssize_t j, Py_ssize_t n_levels,
+                                     uint64_t h) noexcept nogil:
+    """Where a key of hash ``h`` is looked for next, from level ``j`` on: ``level << 2``, plus
+    2 if that level's puts filter may hold it and 1 if its dels filter may; ``n_levels << 2``
+    (the snapshot) if no level's may."""
+    cdef bint puts, dels
     while j < n_levels:
-        if _may_hold(levels[j].puts_filter, h):
-            return j
-        if levels[j].has_dels and _may_hold(levels[j].dels_filter, h):
-            return j
+        puts = _may_hold(levels[j].puts_filter, h)
+        dels = levels[j].has_dels and _may_hold(levels[j].dels_filter, h)
+        if puts or dels:
+            return <uint32_t>((j << 2) | (puts << 1) | dels)
         j += 1
-    return n_levels
+    return <uint32_t>(n_levels << 2)
 
 
 cdef inline const SlotIndex* _start_index(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
-                                          uint32_t j) noexcept nogil:
-    """The index a lookup that starts at level ``j`` probes first (NULL: none)."""
+                                          uint32_t where) noexcept nogil:
+    """The index a lookup at ``where`` (as _next_candidate gives it) probes first (NULL: none)."""
+    cdef Py_ssize_t j = where >> 2
     if j < n_levels:
-        return &levels[j].puts.index
+        return &levels[j].puts.index if where & 2 else &levels[j].dels.index
     return &bottom.index if bottom != NULL else NULL
 
 
@@ -95,9 +99,10 @@ cdef inline void _prefetch_row(const SlotIndex* ix, uint32_t tag) noexcept nogil
 
 
 # REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
-# n entries; hashes and start n entries of scratch; levels n_levels entries. ``bottom`` NULL
-# when nothing lies under the levels. On a code < 0, ``failed`` is the reader that raised:
-# 2 * level (its puts), 2 * level + 1 (its dels), or 2 * n_levels (the bottom).
+# n entries; hashes and start n entries of scratch (start: where each key is looked for
+# first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
+# lies under the levels. On a code < 0, ``failed`` is the reader that raised: 2 * level (its
+# puts), 2 * level + 1 (its dels), or 2 * n_levels (the bottom).
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
@@ -106,7 +111,7 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
                Py_ssize_t* failed) noexcept nogil:
     cdef Py_ssize_t i, j
     cdef uint64_t h, row
-    cdef uint32_t tag
+    cdef uint32_t tag, where
     cdef const SnapLayout* image
     cdef const SlotIndex* ix
     cdef const uint8_t* key
@@ -116,7 +121,7 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
     for i in range(n):
         if i + FILTER_PREFETCH_AHEAD < n:
             _prefetch_filters(levels, n_levels, hashes[i + FILTER_PREFETCH_AHEAD])
-        start[i] = <uint32_t>_next_candidate(levels, 0, n_levels, hashes[i])
+        start[i] = _next_candidate(levels, 0, n_levels, hashes[i])
     for i in range(n):
         if i + SLOT_PREFETCH_AHEAD < n:
             ix = _start_index(levels, n_levels, bottom, start[i + SLOT_PREFETCH_AHEAD])
@@ -130,10 +135,11 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
         tag = slot_tag(h)
         key = keys + <size_t>i * kw
         found[i] = 0
-        j = start[i]
-        while j < n_levels:
-            image = &levels[j].puts
-            if _may_hold(levels[j].puts_filter, h):
+        where = start[i]
+        while (where >> 2) < <uint32_t>n_levels:
+            j = where >> 2
+            if where & 2:
+                image = &levels[j].puts
                 rc = snapshot_find(image, key, tag, &row, err)
                 if rc < 0:
                     failed[0] = 2 * j
@@ -143,15 +149,15 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
                     if vw:
                         memcpy(values + <size_t>i * vw, image.index.rows + (row - 1) * image.index.row_width + kw, vw)
                     break
-            if levels[j].has_dels and _may_hold(levels[j].dels_filter, h):
+            if where & 1:
                 rc = snapshot_find(&levels[j].dels, key, tag, &row, err)
                 if rc < 0:
                     failed[0] = 2 * j + 1
                     return rc
                 if row != 0:
                     break  # removed here: absent, whatever lies below
-            j = _next_candidate(levels, j + 1, n_levels, h)
-        if j == n_levels and bottom != NULL:
+            where = _next_candidate(levels, j + 1, n_levels, h)
+        if (where >> 2) == <uint32_t>n_levels and bottom != NULL:
             rc = snapshot_find(bottom, key, tag, &row, err)
             if rc < 0:
                 failed[0] = 2 * n_levels

@@ -100,10 +100,10 @@ class Spill:
         levels, bottom = _levels(self)
         for j, level in enumerate(levels):
             newer = [image for above in levels[:j] for image in (above.puts, above.dels) if image is not None]
-            yield from _unshadowed(level.puts, newer, chunk_rows)[1]
+            yield from _unshadowed(level.puts, level.puts_filter, newer, chunk_rows)[1]
         if bottom is not None and bottom.row_count:
             changed = [image for level in levels for image in (level.puts, level.dels) if image is not None]
-            yield from _unshadowed(bottom, changed, chunk_rows)[1]
+            yield from _unshadowed(bottom, None, changed, chunk_rows)[1]
 
 
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
@@ -127,23 +127,24 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None)
         lower = lower.lower
     ks, vs = head.key_schema, head.value_schema
 
-    def image_of(pick, schema_v):
+    def image_of(kind, schema_v):
         # the head's table, then each taken level's image, less what a newer source decides
         newer = [head.puts, head.dels]
-        count, parts = len(pick(head)), [_cursor_chunks(pick(head), CHUNK_ROWS)]
+        table = getattr(head, kind)
+        count, parts = len(table), [_cursor_chunks(table, CHUNK_ROWS)]
         for level in taken:
-            image = pick(level)
+            image = getattr(level, kind)
             if image is not None and image.row_count:
-                kept, chunks = _unshadowed(image, newer, CHUNK_ROWS)
+                kept, chunks = _unshadowed(image, getattr(level, f"{kind}_filter"), newer, CHUNK_ROWS)
                 count += kept
                 parts.append(chunks)
             newer += [i for i in (level.puts, level.dels) if i is not None]
         return _write_image(new_file, ks, schema_v, version, count, (c for part in parts for c in part))
 
-    put_image, put_filter = image_of(lambda layer: layer.puts, vs)
+    put_image, put_filter = image_of("puts", vs)
     del_image = del_filter = None
     if lower is not None:  # tombstones hide only what lies below
-        del_image, del_filter = image_of(lambda layer: layer.dels, head.dels.value_schema)
+        del_image, del_filter = image_of("dels", head.dels.value_schema)
     return Spill(put_image, del_image, lower, version, commit_id, num_keys, put_filter, del_filter)
 
 
@@ -179,15 +180,17 @@ def _levels(spill):
     return levels, node
 
 
-def _unshadowed(image, newer, chunk_rows):
-    """``(count, chunks)`` of the rows of ``image`` (a SnapshotReader) whose keys none of the
-    ``newer`` sources (RowTables or SnapshotReaders) holds: found by probing the newer keys
-    in ``image``, a mask of its rows."""
+def _unshadowed(image, image_filter, newer, chunk_rows):
+    """``(count, chunks)`` of the rows of ``image`` (a SnapshotReader; ``image_filter`` its
+    KeyFilter, or None) whose keys none of the ``newer`` sources (RowTables or
+    SnapshotReaders) holds: found by probing the newer keys in ``image`` (those its filter
+    may hold), a mask of its rows."""
     kw = image.key_width
     mask = np.zeros(image.row_count, dtype=np.uint8)
     for source in newer:
         for chunk in _cursor_chunks(source, chunk_rows):
-            image.mark_rows(np.ascontiguousarray(chunk[:, :kw]), mask)
+            keys = image_filter.keys_it_may_hold(chunk) if image_filter is not None else chunk[:, :kw]
+            image.mark_rows(np.ascontiguousarray(keys), mask)
     return image.row_count - int(np.count_nonzero(mask)), _cursor_chunks(image, chunk_rows, skip=mask)
 
 
