@@ -162,6 +162,7 @@ class FileStore(FileReadStore, StateStore):
         super().__init__(provider, view)
         self._state = _UPDATING
         self._commit_id = None
+        self._opened = None  # (version, commit id) opened, once the view moved to the commit's
         self.put = self._calls.put
         self.remove = self._calls.remove
 
@@ -204,15 +205,33 @@ class FileStore(FileReadStore, StateStore):
 
     def commit(self):
         self._check_updating("commit")
-        new_version, self._committed_num_keys, commit_id = self._provider._commit(self._view, self._update)
+        new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(self._view, self._update)
         self._commit_id = commit_id
         self._state = _COMMITTED
+        if committed is not None:
+            # Reads after the commit see the version it made, from the provider's State: the
+            # update layer, merged there, is let go (no longer a copy held beside the head).
+            # ``version`` and ``base_commit_id`` still name the version the store opened.
+            self._opened = (self._view.version, self._view.commit_id)
+            self._view.release()
+            self._view = committed
+            self._update = Layer(self._key_schema, self._value_schema)
+            self._calls = RowCalls(committed, self._provider._lock, self._key_schema, self._value_schema)
+            self.get, self.put, self.remove = self._calls.get, self._calls.put, self._calls.remove
         self._calls.close_updates()
         return new_version
 
     @property
     def commit_id(self):
         return None if self._commit_id is None else self._commit_id.hex()
+
+    @property
+    def version(self):
+        return self._opened[0] if self._opened else self._view.version
+
+    @property
+    def base_commit_id(self):
+        return (self._opened[1] if self._opened else self._view.commit_id).hex()
 
     def abort(self):
         self._state = _ABORTED

@@ -314,6 +314,8 @@ class FileStateStoreProvider(StateStoreProvider):
 
     # -- commit ----------------------------------------------------------------------------
     def _commit(self, view, update):
+        """``(new_version, num_keys, commit_id, committed)``: ``committed`` is a View of the
+        new version (None when no version is kept in memory), for the store's reads after."""
         with self._committing:
             return self._commit_serialized(view, update)
 
@@ -388,17 +390,17 @@ class FileStateStoreProvider(StateStoreProvider):
                                and self._spill_due(state, SPILL_HARD_RATIO))
             if head_due and state.spill_asked_at is None:
                 state.spill_asked_at = new_version
+            committed = None
             if self._conf.max_versions_to_retain_in_memory > 0:
                 self._latest = state
                 self._retain(state)
-            else:
-                self._latest = None
+                committed = View(self, state, new_version, view.listing)
         log.info("Committed version %d (%s) for %s", new_version, commit_id.hex(), self)
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()
         if head_over_limit and self._latest is state:
             self._spill_now()
-        return new_version, num_keys, commit_id
+        return new_version, num_keys, commit_id, committed
 
     @staticmethod
     def _removed_keys(view, update):

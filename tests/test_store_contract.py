@@ -95,6 +95,42 @@ def test_lifecycle_messages(root, provider_class):
     assert p.get_read_store(1).get(1) is None
 
 
+def test_reads_after_a_commit_see_its_version_and_its_updates_are_let_go(root):
+    """After commit, the store reads the version it made (from the provider's State, as every
+    reader does), ``version`` still names the one it opened, and the update layer is let go:
+    the store reports no memory beyond the provider's. With no version kept in
+    memory, the store keeps its updates to read them."""
+    p = make(root)
+    commit_batch(p, 0, [(k, (k, 0.0)) for k in range(2000)])
+    store = p.get_store(1)
+    keys = np.zeros(2000, KEY)
+    keys["k"] = np.arange(1000, 3000)
+    values = np.zeros(2000, VALUE)
+    values["count"] = 7
+    store.put_batch(keys, values)
+    store.remove(0)
+    opened = store.base_commit_id
+    assert store.commit() == 2
+    assert store.version == 1 and store.base_commit_id == opened
+    assert store.get(0) is None and store.get(1) == (1, 0.0) and store.get(2999) == (7, 0.0)
+    assert store.get_batch(keys)[1].all() and len(dict(store.iterator())) == 2999
+    assert store.metrics.num_keys == 2999
+    reader = p.get_read_store(2)
+    assert store.metrics.memory_used_bytes == reader.metrics.memory_used_bytes  # nothing of its own
+    reader.abort()
+    with pytest.raises(IllegalStateError, match="Cannot put after already committed or aborted"):
+        store.put(5, (5, 5.0))
+    store.abort()  # after a commit: releases the view, changes nothing
+    assert p.get_read_store(2).get(2999) == (7, 0.0)
+
+    kept = make(root + "-none", max_versions_to_retain_in_memory=0)
+    commit_batch(kept, 0, [(1, (1, 0.0))])
+    store = kept.get_store(1)
+    store.put(2, (2, 2.0))
+    store.commit()
+    assert store.get(1) == (1, 0.0) and store.get(2) == (2, 2.0)
+
+
 def test_batch_api_matches_scalar_api(root, provider_class):
     p = make(root, provider_class)
     s = p.get_store(0)
