@@ -3,6 +3,7 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
+from statecore._keyfilter cimport FilterBits
 from statecore._probe cimport Slot
 
 cdef struct KeySearch:
@@ -50,10 +51,13 @@ cdef class SnapshotWriter:
     cdef uint64_t* checksums
     cdef uint64_t blocks_done
     cdef KeySearch search
+    cdef object _key_filter             # a KeyFilter the rows' keys are added to, or None
+    cdef FilterBits* filter_bits        # its bits, or NULL
 
     cdef int slots_add(self, uint32_t tag, uint64_t row) noexcept nogil
     cdef int index_rows(self, const uint8_t* rows, Py_ssize_t m, uint32_t* tags,
                         Py_ssize_t* bad) noexcept nogil
+    cdef uint64_t _full_hash(self, const uint32_t* tags, Py_ssize_t i) noexcept nogil
     cdef object _check_open(self)
     cdef object _feed(self, object flat)
     cdef object _flush_block(self)

@@ -12,6 +12,7 @@ from libc.string cimport memcpy
 
 from statecore._delta_format cimport lineage_bytes
 from statecore._hash cimport checksum, key_hash, slot_tag, xxh64
+from statecore._keyfilter cimport KeyFilter, filter_add, filter_prefetch
 from statecore._probe cimport (
     SC_PREFETCH, SLOT_PREFETCH_AHEAD, home_slot, probe_insert, rows_equal,
 )
@@ -92,6 +93,9 @@ cdef class SnapshotWriter:
         Ties the snapshot to one store lineage; readers may require it.
     block_size : int
         Bytes per checksummed block, a power of two in [64, 2**30].
+    key_filter : KeyFilter or None
+        Each row's key is added to it, from the hash the slot index is built with (a spill's
+        level keeps it, statecore/spill.py).
 
     Raises
     ------
@@ -102,7 +106,7 @@ cdef class SnapshotWriter:
     """
 
     def __cinit__(self, fileobj, key_schema, value_schema, row_count, store_version,
-                  lineage=bytes(16), block_size=DEFAULT_BLOCK_SIZE):
+                  lineage=bytes(16), block_size=DEFAULT_BLOCK_SIZE, KeyFilter key_filter=None):
         if not callable(getattr(fileobj, "write", None)):
             raise TypeError(f"fileobj must have a write() method, got {type(fileobj).__name__}")
         self.key_schema, self.value_schema = key_value_schemas(key_schema, value_schema)
@@ -124,6 +128,14 @@ cdef class SnapshotWriter:
         header = header_page(self.key_schema, self.value_schema, store_version, row_count, lineage,
                              block_size, plan, &self.header_checksum)
         self.fileobj = fileobj
+        self._key_filter = key_filter
+        self.filter_bits = NULL
+        if key_filter is not None:
+            if key_filter.key_width != self.key_width:
+                raise ValueError(f"the key filter is for {key_filter.key_width}-byte keys, not {self.key_width}")
+            if row_count and not key_filter.bits.n_blocks:
+                raise ValueError("the key filter is sized for no keys")
+            self.filter_bits = &key_filter.bits
         self.row_count = row_count
         self.store_version = store_version
         self.block_size = block_size
@@ -200,10 +212,18 @@ cdef class SnapshotWriter:
         for i in range(m):
             if i + SLOT_PREFETCH_AHEAD < m:
                 SC_PREFETCH(&self.slots[home_slot(tags[i + SLOT_PREFETCH_AHEAD], mask)])
+                if self.filter_bits != NULL:
+                    filter_prefetch(self.filter_bits, self._full_hash(tags, i + SLOT_PREFETCH_AHEAD))
             if self.slots_add(tags[i], self.rows_written + <uint64_t>i):
                 bad[0] = i
                 return 1
+            if self.filter_bits != NULL:
+                filter_add(self.filter_bits, self._full_hash(tags, i))
         return 0
+
+    cdef inline uint64_t _full_hash(self, const uint32_t* tags, Py_ssize_t i) noexcept nogil:
+        """The key hash of row i of the call being indexed (its tag and its key_hi)."""
+        return (<uint64_t>self.key_hi[self.rows_written + <uint64_t>i] << 32) | tags[i]
 
     # -- output ---------------------------------------------------------------------------
     cdef object _emit(self, object chunk):

@@ -157,11 +157,10 @@ def _write_image(new_file, key_schema, value_schema, version, row_count, chunks)
     key_filter = KeyFilter(key_schema.width, row_count) if row_count else None
     try:
         with f:
-            writer = SnapshotWriter(f, key_schema, value_schema, row_count, version)
+            writer = SnapshotWriter(f, key_schema, value_schema, row_count, version, key_filter=key_filter)
             for chunk in chunks:
                 if chunk.shape[0]:
                     writer.write_rows(chunk)
-                    key_filter.add_rows(chunk)
             writer.finish()
         reader = SnapshotReader(path, key_schema, value_schema)
         reader.verify(index=False)

@@ -1,5 +1,6 @@
 """Lookups through spilled levels (statecore._levels) and their key filters
-(statecore._keyfilter): the filter never forgets a key and rarely claims an absent one;
+(statecore._keyfilter): the filter never forgets a key and rarely claims an absent one, and
+a snapshot writer fills one with the keys it writes;
 the compiled walk through deep stacks of levels with removes equals the model, with real
 filters and with none; damage in the snapshot under the levels is reported, naming it."""
 from unittest import mock
@@ -9,6 +10,7 @@ import pytest
 
 import statecore.spill
 from statecore._keyfilter import KeyFilter
+from statecore._snapshot import SnapshotWriter
 from statecore.errors import StateCorruptionError
 from statecore.spill import Spill
 from tests.store_support import open_provider
@@ -42,6 +44,26 @@ def test_a_filter_refuses_what_it_cannot_hold():
         KeyFilter(8, 10).may_hold_rows(np.zeros((2, 16), np.uint8))
     with pytest.raises(ValueError, match="positive"):
         KeyFilter(0, 10)
+
+
+def test_a_snapshot_writer_fills_a_filter_with_the_keys_it_writes(tmp_path):
+    rng = np.random.default_rng(9)
+    keys = rng.choice(1 << 40, size=30_000, replace=False)
+    rows = np.zeros(keys.size, np.dtype([("k", "<i8"), ("count", "<i8"), ("sum", "<f8")]))
+    rows["k"] = keys
+    f = KeyFilter(8, keys.size)
+    with open(tmp_path / "image", "wb") as out:
+        writer = SnapshotWriter(out, KEY, VALUE, keys.size, 1, key_filter=f)
+        for part in np.array_split(rows.view(np.uint8).reshape(keys.size, -1), 7):
+            writer.write_rows(np.ascontiguousarray(part))
+        writer.finish()
+    assert f.may_hold_rows(key_rows(keys)).all()
+    assert f.may_hold_rows(key_rows(keys + (1 << 41))).mean() < 0.03
+    with open(tmp_path / "other", "wb") as out:
+        with pytest.raises(ValueError, match="16-byte keys, not 8"):
+            SnapshotWriter(out, KEY, VALUE, 1, 1, key_filter=KeyFilter(16, 1))
+        with pytest.raises(ValueError, match="sized for no keys"):
+            SnapshotWriter(out, KEY, VALUE, 1, 1, key_filter=KeyFilter(8, 0))
 
 
 def levels_of(spill):
