@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -52,6 +53,24 @@ HEAD_SNAPSHOT_MIN_ROWS = 1 << 16
 SCHEMA_FILE = "_statecore.schema.json"  # not a version file: ignored by listings
 MAX_SCHEMA_FILE_BYTES = 1 << 20
 _HEADER_CACHE_ENTRIES = 4096
+# Deltas written at once in a process (commits of different stores); more queue.
+DELTA_WRITERS = 4
+
+
+_writers_lock = threading.Lock()
+_writers = None  # (pid, ThreadPoolExecutor): the delta writers of this process
+
+
+def _delta_writers():
+    """The threads that write commits' deltas beside their merges: kept for the process (a
+    thread started per commit waits for the GIL twice: measurable at a commit's scale),
+    made again in a forked child, where the parent's threads do not run."""
+    global _writers
+    with _writers_lock:
+        if _writers is None or _writers[0] != os.getpid():
+            _writers = (os.getpid(), ThreadPoolExecutor(max_workers=DELTA_WRITERS,
+                                                        thread_name_prefix="statecore-delta-writer"))
+        return _writers[1]
 
 
 class FileStateStoreProvider(StateStoreProvider):
@@ -341,33 +360,20 @@ class FileStateStoreProvider(StateStoreProvider):
         # while the merge runs here (lz4, checksums, fsync and the table loops release the
         # GIL). It is renamed into place only once the merge succeeded: raised means not
         # visible. Until then the merged version is pending: no reader sees it.
-        written = []
-
-        def write_delta():
-            try:
-                written.append(self._files.write_pending(name, write))
-            except BaseException as e:  # re-raised on the committing thread
-                written.append(e)
-
-        writer_thread = threading.Thread(target=write_delta, name="statecore-delta-writer")
-        writer_thread.start()
+        written = _delta_writers().submit(self._files.write_pending, name, write)
         try:
             with self._lock:
                 state = self._state_to_merge_into(view.state, view.version, view.commit_id)
                 state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior)
         except BaseException:
-            writer_thread.join()
-            if written and not isinstance(written[0], BaseException):
-                written[0].discard()
+            if written.exception() is None:  # waits for the write
+                written.result().discard()
             with self._lock:
                 self._latest = None  # a half-applied merge: reload from files next time
                 self._published.notify_all()
             raise
-        writer_thread.join()
         try:
-            if isinstance(written[0], BaseException):
-                raise written[0]
-            pending = written[0]
+            pending = written.result()  # waits; re-raises the write's error here
             try:
                 pending.publish()
                 self._remember_header(name, commit_id, parent_id)  # maintenance reads no header back

@@ -339,6 +339,30 @@ def test_flipped_byte_in_a_delta_a_thinned_snapshot_stands_in_for_keeps_it(tmp_p
         assert_reads(make(tmp_path), u, model[u])
 
 
+def test_a_forked_child_commits_with_delta_writers_of_its_own(tmp_path):
+    """Deltas are written by threads kept for the process; a child forked after the parent
+    committed (as Spark forks its Python workers) has none of them running, and must make
+    its own rather than queue a write nobody takes."""
+    committed(tmp_path / "parent", 2)  # the parent's writers exist now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 once its commit returned
+        code = 1
+        try:
+            committed(tmp_path / "child", 2)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + WAIT_S
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the child's exit, not a synchronisation by delay
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child's commit hung: its delta write was queued to the parent's threads")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert has_file(tmp_path / "child", 2, "delta")
+
+
 # -- 4. commit() raises though the merge ran ------------------------------------------------
 @pytest.mark.parametrize("merge", ["raises_after_merging", "raises_after_part", "raises_before"])
 def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch, merge):
@@ -347,12 +371,18 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
     original = State.merge
     saw = []
 
+    written = threading.Event()
+    write_pending = p._files.write_pending
+
+    def write_and_tell(*args):
+        try:
+            return write_pending(*args)
+        finally:
+            written.set()
+
     def failing_merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None):
-        # Let the delta write finish first (the commit's writer thread): the write succeeds.
-        for t in threading.enumerate():
-            if t.name == "statecore-delta-writer":
-                t.join(WAIT_S)
-                assert not t.is_alive()
+        # Let the delta write finish first (on a delta writer thread): the write succeeds.
+        assert written.wait(WAIT_S), "the delta write did not finish"
         saw.append(sorted(n for n in os.listdir(store_dir(tmp_path)) if n.startswith((f"{v + 1}", f".{v + 1}"))))
         if merge == "raises_after_merging":
             original(self, put_keys, put_values, del_keys, commit_id, pending, del_prior)
@@ -362,6 +392,7 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
         raise RuntimeError("injected: the merge failed")
 
     monkeypatch.setattr(State, "merge", failing_merge)
+    monkeypatch.setattr(p._files, "write_pending", write_and_tell)
     store = p.get_store(v)
     write(store, *batch(v + 1))
     with pytest.raises(RuntimeError, match="injected"):
