@@ -17,7 +17,7 @@ from libc.string cimport memcpy, memset
 from statecore._hash cimport key_hash, slot_tag
 from statecore._keyfilter cimport FilterBits, KeyFilter, filter_may_hold, filter_prefetch
 from statecore._mapping cimport Mapping
-from statecore._probe cimport SC_PREFETCH, Slot, SlotIndex, home_slot
+from statecore._probe cimport SC_PREFETCH, SlotIndex, home_slot, prefetch_row
 from statecore._rowtable cimport rows_ptr
 from statecore._snapshot_image cimport SNAP_OK, SnapError, SnapLayout, snapshot_announce_all, snapshot_find
 from statecore._snapshot_reader cimport SnapshotReader
@@ -81,23 +81,6 @@ cdef inline void _prefetch_filters(const Level* levels, Py_ssize_t n_levels, uin
             filter_prefetch(levels[j].dels_filter, h)
 
 
-cdef inline void _prefetch_row(const SlotIndex* ix, uint32_t tag) noexcept nogil:
-    """Prefetch the row the first slot with ``tag`` names (a prefetch never faults, so the
-    slots need not be checked yet)."""
-    cdef uint64_t pos = home_slot(tag, ix.mask), dist = 0
-    cdef Slot s
-    while dist <= ix.max_displacement:
-        s = ix.slots[pos]
-        if s.row == 0:
-            return
-        if s.tag == tag:
-            if s.row <= ix.row_count:
-                SC_PREFETCH(ix.rows + <uint64_t>(s.row - 1) * ix.row_width)
-            return
-        pos = (pos + 1) & ix.mask
-        dist += 1
-
-
 # REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
 # n entries; hashes and start n entries of scratch (start: where each key is looked for
 # first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
@@ -130,7 +113,7 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
         if i + ROW_PREFETCH_AHEAD < n:
             ix = _start_index(levels, n_levels, bottom, start[i + ROW_PREFETCH_AHEAD])
             if ix != NULL:
-                _prefetch_row(ix, slot_tag(hashes[i + ROW_PREFETCH_AHEAD]))
+                prefetch_row(ix, slot_tag(hashes[i + ROW_PREFETCH_AHEAD]))
         h = hashes[i]
         tag = slot_tag(h)
         key = keys + <size_t>i * kw

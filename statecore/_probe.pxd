@@ -166,28 +166,29 @@ cdef inline void probe_erase(Slot* slots, uint64_t mask, uint64_t pos) noexcept 
     slots[pos].row = 0
 
 
+cdef inline void prefetch_row(const SlotIndex* ix, uint32_t tag) noexcept nogil:
+    """Prefetch the row the first slot with ``tag`` names (its slots should have arrived)."""
+    cdef uint64_t pos = home_slot(tag, ix.mask), dist = 0
+    cdef Slot s
+    while dist <= ix.max_displacement:
+        s = ix.slots[pos]
+        if s.row == 0:
+            return
+        if s.tag == tag:
+            if s.row <= ix.row_count:
+                SC_PREFETCH(ix.rows + <uint64_t>(s.row - 1) * ix.row_width)
+            return
+        pos = (pos + 1) & ix.mask
+        dist += 1
+
+
 cdef inline void probe_prefetch(const SlotIndex* ix, const uint32_t* tags, Py_ssize_t i,
                                 Py_ssize_t n) noexcept nogil:
     """The software pipeline of a batch of ``n`` lookups by ``tags``, at lookup ``i``: the home
     slot of lookup i + SLOT_PREFETCH_AHEAD, and the row of lookup i + ROW_PREFETCH_AHEAD (its
     slots arrived meanwhile; found by tag alone). A prefetch never faults and never changes
     a result, so unchecked slot bytes (a snapshot's) may choose what to prefetch."""
-    cdef uint64_t pos, dist
-    cdef uint32_t tag
-    cdef Slot s
     if i + SLOT_PREFETCH_AHEAD < n:
         SC_PREFETCH(&ix.slots[home_slot(tags[i + SLOT_PREFETCH_AHEAD], ix.mask)])
     if i + ROW_PREFETCH_AHEAD < n:
-        tag = tags[i + ROW_PREFETCH_AHEAD]
-        pos = home_slot(tag, ix.mask)
-        dist = 0
-        while dist <= ix.max_displacement:
-            s = ix.slots[pos]
-            if s.row == 0:
-                return
-            if s.tag == tag:
-                if s.row <= ix.row_count:
-                    SC_PREFETCH(ix.rows + <uint64_t>(s.row - 1) * ix.row_width)
-                return
-            pos = (pos + 1) & ix.mask
-            dist += 1
+        prefetch_row(ix, tags[i + ROW_PREFETCH_AHEAD])

@@ -163,6 +163,18 @@ def test_repartition_benchmark_runs_small(tmp_path):
     assert [r["name"] for r in next(iter(payload["tables"].values()))][1].startswith("statecore.repartition")
 
 
+def test_levels_benchmark_runs_small(tmp_path):
+    """bench_levels on a small state: every row timed, the two walks agreed (it asserts so)."""
+    path = tmp_path / "levels.json"
+    done = subprocess.run([sys.executable, "-m", "bench.bench_levels", "--rows", "20000", "--batch-rows", "2000",
+                           "--repeat", "1", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [r["name"] for r in next(iter(json.loads(path.read_text())["tables"].values()))]
+    assert rows[0] == "the snapshot alone (no level)" and "6 levels: the compiled walk" in rows
+    assert rows[-1].startswith("dict.get")
+
+
 def test_scale_benchmark_runs_small(tmp_path):
     """bench_scale end to end on a tiny state: the built checkpoint opens cold, the store and
     the dict anchor end with the same keys, one row per batch, the page cache was dropped."""
