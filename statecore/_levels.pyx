@@ -40,7 +40,14 @@ cdef struct Level:
     bint has_dels
 
 
-cdef inline const FilterBits* _bits(KeyFilter f) noexcept:
+cdef FilterBits NO_KEYS  # what an empty image holds (n_blocks 0: no key)
+
+
+cdef inline const FilterBits* _filter_of(SnapshotReader image, KeyFilter f) noexcept:
+    """What the walk asks about ``image``: its filter; none for an empty image; NULL (every
+    key may be there) for one without a filter."""
+    if image.row_count == 0:
+        return &NO_KEYS
     return NULL if f is None else &f.bits
 
 
@@ -191,13 +198,13 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
             m = r._acquire()
             readers.append((r, m))
             levels[j].puts = r._layout_of(m)
-            levels[j].puts_filter = _bits(level.puts_filter)
+            levels[j].puts_filter = _filter_of(r, level.puts_filter)
             r = level.dels
             levels[j].has_dels = r is not None and r.row_count > 0 and level.lower is not None
             if levels[j].has_dels:
                 m = r._acquire()
                 levels[j].dels = r._layout_of(m)
-                levels[j].dels_filter = _bits(level.dels_filter)
+                levels[j].dels_filter = _filter_of(r, level.dels_filter)
             else:
                 m = None
             readers.append((r, m))
@@ -228,13 +235,15 @@ cdef int spill_find(spill, const uint8_t* key, uint64_t h, uint8_t* value_out) e
     cdef uint32_t tag = slot_tag(h)
     node = spill
     while not isinstance(node, SnapshotReader):
-        if _may_hold(_bits(node.puts_filter), h) and (<SnapshotReader>node.puts).find_into(key, tag, value_out):
+        puts = node.puts
+        if (_may_hold(_filter_of(puts, node.puts_filter), h)
+                and (<SnapshotReader>puts).find_into(key, tag, value_out)):
             return 1
         lower = node.lower
         if lower is None:
             return 0
         dels = node.dels
-        if (dels is not None and _may_hold(_bits(node.dels_filter), h)
+        if (dels is not None and _may_hold(_filter_of(dels, node.dels_filter), h)
                 and (<SnapshotReader>dels).find_into(key, tag, NULL)):
             return 0
         node = lower

@@ -148,3 +148,23 @@ def test_the_walk_reports_damage_in_the_snapshot_below_the_levels(tmp_path):
     assert str(bottom.path) in str(raised.value)
     values, found = top.lookup(key_rows(np.arange(10)))  # decided by the level: no block read
     assert found.all() and (values.view(VALUE)["sum"] == 1.0).all()
+
+
+def test_levels_that_only_remove_or_only_put(tmp_path):
+    """A level whose puts image is empty (its version only removed keys) and one with no
+    removes: lookups, per-row gets and iteration still equal the model."""
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(200)}, [], VALUE)
+    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
+        p.do_maintenance()
+    with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
+        commit(p, model, {}, list(range(0, 50)), VALUE)
+        with spill_always():
+            p.do_maintenance()
+        commit(p, model, {k: (k, 2.0) for k in range(40, 60)}, [], VALUE)
+        with spill_always():
+            p.do_maintenance()
+    levels, _ = levels_of(p._latest.base)
+    assert [(level.puts.row_count, level.dels.row_count) for level in levels] == [(20, 0), (0, 50)]
+    check(p, model, [max(model)], 250, VALUE)
