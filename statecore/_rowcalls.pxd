@@ -3,6 +3,7 @@
 cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
+from statecore._lock cimport ProviderLock
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable
 
@@ -16,8 +17,7 @@ cdef class RowCalls:
     cdef object state                 # the pinned version's State, and the version
     cdef int64_t version
     cdef object head                  # state.head (a State keeps its head Layer)
-    cdef object _acquire              # the provider lock's acquire and release
-    cdef object _release
+    cdef ProviderLock lock            # the provider's lock, taken from C per lookup
     cdef RowTable puts                # the store's update layer, or None (a read store)
     cdef RowTable dels
     cdef readonly bint updating

@@ -4,7 +4,8 @@ compiled, so that a call is one C function: the key (and value) encoded by the s
 RowCodecs into buffers on the C stack, one key hash, the probes, the value decoded.
 
 It reads what ``State.get_row`` reads, in the same order: the store's update layer (its
-puts, then its deletions), then, under the provider's lock, the pinned version's layers
+puts, then its deletions), then, under the provider's lock (a ProviderLock, taken from C:
+``statecore/_lock.pyx``), the pinned version's layers
 (undo layers of newer versions, the head) and the base (a SnapshotReader, a Spill, or a
 frozen State seen at a version, walked the same way). The update layer is the store's own (a
 store is used by one thread), so a key the store itself put or removed is answered without
@@ -20,6 +21,7 @@ from libc.string cimport memcpy
 
 from statecore._hash cimport key_hash, slot_tag
 from statecore._levels cimport spill_find
+from statecore._lock cimport ProviderLock, lock_enter, lock_exit
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable
 from statecore._snapshot_reader cimport SnapshotReader
@@ -112,7 +114,7 @@ cdef class RowCalls:
     update Layer, or None for a read store. The store binds ``get`` (and ``put``, ``remove``)
     on itself, so that ``store.get(key)`` calls straight into C."""
 
-    def __cinit__(self, view, lock, key_schema, value_schema, update=None):
+    def __cinit__(self, view, ProviderLock lock not None, key_schema, value_schema, update=None):
         self.key_codec = key_schema.codec
         self.value_codec = value_schema.codec
         self.key_width = key_schema.width
@@ -120,8 +122,7 @@ cdef class RowCalls:
         self.state = view.state
         self.version = view.version
         self.head = self.state.head
-        self._acquire = lock.acquire
-        self._release = lock.release
+        self.lock = lock
         self.set_update(update)
 
     def set_update(self, update):
@@ -145,11 +146,11 @@ cdef class RowCalls:
                 return 1
             if _table_find(self.dels, key, tag, NULL):
                 return 0
-        self._acquire()
+        lock_enter(self.lock)
         try:
             return _state_find(self.state, self.version, self.head, key, h, value_out)
         finally:
-            self._release()
+            lock_exit(self.lock)
 
     def get(self, key):
         """The value tuple of ``key`` (tuple, scalar, or what RowSchema.encode takes), or None."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
+from statecore._lock import ProviderLock
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
 from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
@@ -79,7 +80,7 @@ class FileStateStoreProvider(StateStoreProvider):
     ``_pin``/``_unpin``, ``_commit``, ``_metrics``)."""
 
     def __init__(self):
-        self._lock = threading.RLock()  # guards _latest, _pins, every State's contents
+        self._lock = ProviderLock()  # guards _latest, _pins, every State's contents (re-entrant)
         self._published = threading.Condition(self._lock)  # notified when no merge is pending
         self._spilling = threading.Lock()  # one spill at a time (maintenance, or a commit)
         self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)

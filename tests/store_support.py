@@ -1,9 +1,11 @@
 """What the store tests share: opening a provider on a directory, committing a batch of
 per-row or batch updates and keeping a model of each version, reading a store back as a dict,
-handing every provider a FaultInjectingFiles, and a maintenance thread racing the test."""
+handing every provider a FaultInjectingFiles, a maintenance thread racing the test, and
+waiting for a condition another thread brings about."""
 import contextlib
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -115,3 +117,13 @@ def maintaining(provider):
     finally:
         stop.set()
         thread.join()
+
+
+def wait_until(condition, what, deadline_s=30.0):
+    """Poll ``condition`` (letting the GIL go between polls) until it holds; AssertionError
+    naming ``what`` after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.001)
