@@ -11,7 +11,7 @@ import os
 
 _COLORS = {"floor": "#888888", "stream_floor": "#bbbbbb", "hdfs": "#1f77b4", "rocksdb": "#ff7f0e", "rocksdb_changelog": "#d62728",
            "pandas_state": "#9467bd", "tws_pandas": "#8c564b", "statecore": "#2ca02c",
-           "statecore_raw": "#98df8a"}
+           "statecore_raw": "#98df8a", "statecore_pre": "#c5b0d5"}
 
 
 def _pyplot():

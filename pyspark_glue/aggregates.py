@@ -12,6 +12,13 @@ __all__ = ["RunningAggregate", "group_rows", "PARTIAL_COUNT", "PARTIAL_SUM"]
 
 # Columns of the per-batch partial aggregate RunningAggregate.prepare hands to its tasks.
 PARTIAL_COUNT, PARTIAL_SUM = "__statecore_count", "__statecore_sum"
+# pre_aggregate="auto": Spark's aggregation before the shuffle is dropped after a batch of at
+# least AUTO_MIN_ROWS rows with more than AUTO_OFF_ABOVE keys per row (most keys came once:
+# the race at 1M keys, 1M rows a batch, has 0.63), and taken up again below AUTO_ON_BELOW
+# (at 100k keys it has 0.1); between the two, it stays as it is.
+AUTO_MIN_ROWS = 10_000
+AUTO_OFF_ABOVE = 0.5
+AUTO_ON_BELOW = 0.3
 
 
 def group_rows(keys):
@@ -64,11 +71,14 @@ class RunningAggregate:
         Names of the value fields (and output columns).
     emit : bool, default True
         Whether to output the updated rows (False: state only, no output).
-    pre_aggregate : bool, default True
+    pre_aggregate : bool or "auto", default "auto"
         Whether :meth:`prepare` has Spark aggregate each batch first. It pays when a batch
         holds several rows per key and costs when most keys come once (Spark's hash
         aggregation of nearly every row is then dearer than shuffling the rows and grouping
-        them with one numpy sort); bench/RESULTS.md has the figures.
+        them with one numpy sort); bench/RESULTS.md has the figures. ``"auto"`` starts with
+        it and, after each batch (:meth:`observe`), turns it off when the batch had more
+        than AUTO_OFF_ABOVE keys per row (of at least AUTO_MIN_ROWS rows), and on again
+        below AUTO_ON_BELOW.
 
     Attributes
     ----------
@@ -77,7 +87,7 @@ class RunningAggregate:
     """
 
     def __init__(self, key_schema, value_column, *, key_columns=None, sum_dtype="<i8", count_field="count",
-                 sum_field="sum", emit=True, pre_aggregate=True):
+                 sum_field="sum", emit=True, pre_aggregate="auto"):
         self.key_dtype = as_schema(key_schema).dtype
         self.value_column = value_column
         self.key_columns = None if key_columns is None else tuple(key_columns)
@@ -87,8 +97,12 @@ class RunningAggregate:
         if self.sum_dtype.kind not in "iuf":
             raise TypeError(f"sum_dtype must be numeric, got {self.sum_dtype}")
         self.emit = emit
-        self.pre_aggregate = bool(pre_aggregate)
+        if pre_aggregate not in (True, False, "auto"):
+            raise ValueError(f"pre_aggregate must be True, False or 'auto', got {pre_aggregate!r}")
+        self.pre_aggregate = pre_aggregate
+        self.pre_aggregating = pre_aggregate is not False  # what prepare() does for the next batch
         self._pending = {}  # id(store) -> [(keys, values)] of the current task
+        self._context = None  # the task's PartitionContext (open())
 
     @property
     def output_schema(self):
@@ -97,7 +111,24 @@ class RunningAggregate:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_pending"] = {}
+        state["_context"] = None
         return state
+
+    def open(self, context):
+        """In each task: keep its PartitionContext, to count rows and keys into."""
+        self._context = context
+
+    def observe(self, progress):
+        """After each batch, on the driver: with ``pre_aggregate="auto"``, whether the next
+        batch is aggregated by Spark first, from the keys per row this one had."""
+        counts = progress.get("fn_counts") or {}
+        rows, keys = counts.get("input_rows", 0), counts.get("keys", 0)
+        if self.pre_aggregate != "auto" or rows < AUTO_MIN_ROWS:
+            return
+        if self.pre_aggregating and keys > AUTO_OFF_ABOVE * rows:
+            self.pre_aggregating = False
+        elif not self.pre_aggregating and keys < AUTO_ON_BELOW * rows:
+            self.pre_aggregating = True
 
     def prepare(self, df, key_columns):
         """The micro-batch aggregated per key in Spark (count and sum), before the operator's
@@ -105,7 +136,7 @@ class RunningAggregate:
         its own streaming aggregation does, so only one row per key and batch reaches Python.
         The operator calls this on the driver; the tasks then see :data:`PARTIAL_COUNT` and
         :data:`PARTIAL_SUM` columns, each key once per partition."""
-        if not self.pre_aggregate:
+        if not self.pre_aggregating:
             return df
         from pyspark.sql import functions as F
 
@@ -131,6 +162,10 @@ class RunningAggregate:
             distinct = keys[order[starts]]
             counts = np.diff(np.append(starts, len(keys)))
             sums = np.add.reduceat(amounts[order], starts) if len(starts) else amounts[:0]
+        if self._context is not None:
+            tally = self._context.counts
+            tally["input_rows"] = tally.get("input_rows", 0) + int(counts.sum())
+            tally["keys"] = tally.get("keys", 0) + len(distinct)
         if not len(distinct):
             return None
         old, found = store.get_batch(distinct)

@@ -122,7 +122,9 @@ class StatefulOperator:
         ``rows_in``, ``rows_out``, ``state_keys``, ``memory_used_bytes``, ``custom_metrics``
         (summed over partitions), ``stores_already_loaded`` and
         ``stores_loaded_from_files`` (tasks whose store was already in their Python worker),
-        ``re_execution``, ``seconds``, and ``partitions`` (the per-partition status rows).
+        ``re_execution``, ``seconds``, ``fn_counts`` (the counters ``fn`` kept in its
+        PartitionContext's ``counts``, summed), and ``partitions`` (the per-partition status
+        rows). After each batch, ``fn.observe(last_progress)`` is called if ``fn`` has it.
     """
 
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
@@ -411,6 +413,9 @@ class StatefulOperator:
         self._record_batch(records, state_info, statuses, watermarks)
         records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
         self._record_progress(batch_id, run_id, statuses, re_execution, seconds, watermarks)
+        observe = getattr(self.fn, "observe", None)
+        if callable(observe):  # fn adapts to what the batch showed (RunningAggregate's "auto")
+            observe(self.last_progress)
         oldest_kept = batch_id - self.output_batches_to_retain + 1
         if oldest_kept > 0:
             operator_files.delete_outputs_before(self.operator_dir, oldest_kept, self.conf.storage_options)
@@ -570,6 +575,7 @@ class StatefulOperator:
             "custom_metrics": metrics.custom_metrics, "stores_already_loaded": loaded,
             "stores_loaded_from_files": len(statuses) - loaded, "re_execution": re_execution,
             "seconds": seconds, "partitions": statuses,
+            "fn_counts": _summed_counts(s["fn_counts"] for s in statuses),
         }
         if watermarks is not None:
             maxima = [s["max_event_time_us"] for s in statuses if s["max_event_time_us"] is not None]
@@ -578,3 +584,12 @@ class StatefulOperator:
                 "watermark_for_eviction_ms": watermarks.for_eviction,
                 "max_event_time_ms": max(maxima) // 1000 if maxima else None,
                 "late_rows": sum(s["late_rows"] for s in statuses)})
+
+
+def _summed_counts(encoded):
+    """The partitions' ``fn_counts`` (JSON objects of ints), summed by name."""
+    total = {}
+    for text in encoded:
+        for name, value in json.loads(text or "{}").items():
+            total[name] = total.get(name, 0) + value
+    return total

@@ -40,14 +40,14 @@ INITIAL_STATE_COLUMN = "__statecore_initial_state"
 STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
               "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
               "write_s double, commit_s double, custom_metrics string, commit_id string, base_commit_id string, "
-              "store_commit_ids string, max_event_time_us long, late_rows long")
+              "store_commit_ids string, max_event_time_us long, late_rows long, fn_counts string")
 _STATUS_SCHEMA = pa.schema([
     ("partition_id", pa.int32()), ("rows_in", pa.int64()), ("batches_in", pa.int32()), ("rows_out", pa.int64()),
     ("num_keys", pa.int64()), ("memory_used_bytes", pa.int64()), ("already_loaded", pa.bool_()),
     ("worker", pa.string()), ("open_s", pa.float64()), ("fn_s", pa.float64()), ("write_s", pa.float64()),
     ("commit_s", pa.float64()), ("custom_metrics", pa.string()), ("commit_id", pa.string()),
     ("base_commit_id", pa.string()), ("store_commit_ids", pa.string()), ("max_event_time_us", pa.int64()),
-    ("late_rows", pa.int64()),
+    ("late_rows", pa.int64()), ("fn_counts", pa.string()),
 ])
 
 
@@ -103,6 +103,9 @@ class PartitionContext:
         The batch's processing time (the driver's clock when the batch began).
     late_rows : int
         Rows ``fn`` dropped as late; ``fn`` adds to it (it is summed into ``last_progress``).
+    counts : dict
+        Counters of ``fn``'s own (name -> int), summed over the partitions into
+        ``last_progress["fn_counts"]`` (what an ``fn.observe`` may adapt to).
     """
 
     def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0):
@@ -112,6 +115,7 @@ class PartitionContext:
         self.watermarks = watermarks
         self.batch_timestamp_ms = batch_timestamp_ms
         self.late_rows = 0
+        self.counts = {}
 
 
 _generations = {}  # provider id -> generation of the last task that used it in this process
@@ -291,6 +295,7 @@ def _run_partition(task, batches):
         "store_commit_ids": [json.dumps({name: [s.base_commit_id, s.commit_id] for name, s in stores.items()
                                          if name != task.store_name})],
         "max_event_time_us": [max_event_time], "late_rows": [int(context.late_rows)],
+        "fn_counts": [json.dumps({k: int(v) for k, v in context.counts.items()})],
     }
     yield pa.RecordBatch.from_pydict(status, schema=_STATUS_SCHEMA)
 

@@ -114,6 +114,29 @@ def test_running_aggregate_merges_partial_aggregates_like_raw_rows(tmp_path):
     provider.close()
 
 
+def test_running_aggregate_auto_drops_and_takes_up_spark_s_aggregation():
+    """pre_aggregate="auto": off after a batch of mostly distinct keys, on again after one of
+    many rows per key, unchanged in between or on small batches; True and False stay."""
+    from pyspark_glue import RunningAggregate
+    from pyspark_glue.aggregates import AUTO_MIN_ROWS
+
+    def after(agg, rows, keys):
+        agg.observe({"fn_counts": {"input_rows": rows, "keys": keys}})
+        return agg.pre_aggregating
+
+    agg = RunningAggregate(KEY, "amount")
+    assert agg.pre_aggregate == "auto" and agg.pre_aggregating
+    assert after(agg, AUTO_MIN_ROWS - 1, AUTO_MIN_ROWS - 1)  # too small to tell
+    assert after(agg, 100_000, 40_000)  # 0.4 keys a row: between the two thresholds
+    assert not after(agg, 1_000_000, 632_000)  # most keys once: off
+    assert not after(agg, 100_000, 40_000)
+    assert after(agg, 1_000_000, 100_000)  # ten rows a key: on again
+    assert after(RunningAggregate(KEY, "amount", pre_aggregate=True), 10**6, 10**6)
+    assert not after(RunningAggregate(KEY, "amount", pre_aggregate=False), 10**6, 10)
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        RunningAggregate(KEY, "amount", pre_aggregate="yes")
+
+
 def test_rows_of_another_partition_fail_the_task_before_fn():
     from pyspark_glue.operator_task import PARTITION_COLUMN, checked_partition
 
@@ -463,4 +486,40 @@ def test_float_keys_group_as_spark_groups_them(spark, tmp_path, pre_aggregate):
                                                      F.sum("amount").alias("sum")).collect()}
     got = {label(r["x"]): (r["count"], r["sum"]) for r in read_state(spark, str(tmp_path / "state"), 0).collect()}
     assert expected == {"0.0": (4, 53), "nan": (3, 53), "1.5": (1, 4)}
+    assert got == expected
+
+
+@pytest.mark.spark
+def test_auto_pre_aggregation_follows_the_batches_and_keeps_the_state_exact(spark, tmp_path):
+    """RunningAggregate's default, on Spark: the tasks count the batch's rows and keys into
+    ``fn_counts``; after a batch of distinct keys the next is shuffled raw, after a batch of
+    repeated keys Spark aggregates again; the state equals Spark's groupBy over every batch."""
+    from pyspark.sql import functions as F
+
+    from pyspark_glue import RunningAggregate, StatefulOperator, read_state
+    from pyspark_glue.aggregates import AUTO_MIN_ROWS
+
+    key = np.dtype([("k", "<i8")])
+    agg = RunningAggregate(key, "amount")
+    op = StatefulOperator(str(tmp_path / "state"), 0, 2, ["k"], key, agg.value_schema, agg, agg.output_schema,
+                          coordinator=False)
+    n = AUTO_MIN_ROWS * 2
+    distinct = spark.range(n).selectExpr("id as k", "id % 7 as amount")
+    repeated = spark.range(n).selectExpr("id % 50 as k", "1 as amount")
+    modes = []
+    for batch_id, df in enumerate([distinct, distinct, repeated, repeated]):
+        modes.append(agg.pre_aggregating)
+        op.process(df, batch_id, read_output=False)
+        counts = op.last_progress["fn_counts"]
+        assert counts["input_rows"] == n
+        if df is distinct:
+            assert counts["keys"] == n
+        else:  # raw rows are grouped per Arrow batch: a key may count once per batch of a task
+            assert 50 <= counts["keys"] <= (50 if modes[-1] else 200)
+    op.close()
+    assert modes == [True, False, False, True]
+    everything = distinct.unionAll(distinct).unionAll(repeated).unionAll(repeated)
+    expected = {r["k"]: (r["count"], r["sum"]) for r in
+                everything.groupBy("k").agg(F.count("amount").alias("count"), F.sum("amount").alias("sum")).collect()}
+    got = {r["k"]: (r["count"], r["sum"]) for r in read_state(spark, str(tmp_path / "state"), 0).collect()}
     assert got == expected
