@@ -8,6 +8,7 @@ account; files that vanish meanwhile (another instance's cleanup) end the pass q
 Rules and locks: ``docs/provider-rules.md``.
 """
 import logging
+import time
 
 from statecore._delta import DeltaReader
 from statecore._snapshot import SnapshotReader
@@ -26,6 +27,10 @@ TEMPORARY_FILE_MAX_AGE_S = 3600.0
 # How long a pass waits for a commit in flight to be published before it spills or freezes
 # the state (commits back to back leave little time between them).
 PUBLISH_WAIT_S = 1.0
+# After a spill failed (a full or failing local disk), spills the head's size asks for wait
+# this long before they are tried again: each try after a failure writes the whole state
+# (the State stands on a frozen one), and a commit or a hint would otherwise try at once.
+SPILL_RETRY_S = 10.0
 
 
 def run_maintenance(provider):
@@ -191,13 +196,24 @@ def _write_snapshot(p, spill, name):
     log.info("wrote snapshot %s for %s", p._files.path(name), p)
 
 
-def spill_if_outgrown(p, ratio=None):
+def spill_if_outgrown(p, ratio=None, after_failure_wait=False):
     """Spill the newest State if its head outgrew its share (``ratio`` of the state, by
     default the provider's SPILL_RATIO), or if it stands on a frozen State (left by an
     iteration during a commit, or a spill that failed: every row is spilled, and the frozen
     heads are let go). Called by maintenance, between the chunks of a snapshot it writes, and
-    by a commit whose head outgrew the hard limit (maintenance fell behind)."""
-    _spill_newest(p, lambda state: isinstance(state.base, FrozenView) or p._spill_due(state, ratio))
+    by a commit whose head outgrew the hard limit (maintenance fell behind). With
+    ``after_failure_wait`` (a commit, or a commit's hint to the registry's thread), does
+    nothing within SPILL_RETRY_S of a failed spill: the head stays over its share meanwhile,
+    and a maintenance pass tries again."""
+    failed_at = p._spill_failed_at
+    if after_failure_wait and failed_at is not None and time.monotonic() - failed_at < SPILL_RETRY_S:
+        return
+    try:
+        _spill_newest(p, lambda state: isinstance(state.base, FrozenView) or p._spill_due(state, ratio))
+    except Exception:
+        p._spill_failed_at = time.monotonic()
+        raise
+    p._spill_failed_at = None
 
 
 def _spill_newest(p, wanted):

@@ -84,6 +84,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._published = threading.Condition(self._lock)  # notified when no merge is pending
         self._spilling = threading.Lock()  # one spill at a time (maintenance, or a commit)
         self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)
+        self._spill_failed_at = None  # time.monotonic() of the last failed spill (maintenance.SPILL_RETRY_S)
         self._snapshot_on_files = 0  # the newest snapshot maintenance saw on the default lineage
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
         self._committing = threading.Lock()  # commits of one provider run one at a time
@@ -145,9 +146,10 @@ class FileStateStoreProvider(StateStoreProvider):
     def spill_if_outgrown(self, ratio=None):
         """Spill the head if it outgrew ``ratio`` (SPILL_RATIO by default) of the state
         (``docs/provider-rules.md``, "Spilling the head"); what the registry's thread does
-        when a commit wakes it."""
+        when a commit wakes it. Not within SPILL_RETRY_S of a failed spill (maintenance
+        passes try again on their period)."""
         from statecore.maintenance import spill_if_outgrown
-        spill_if_outgrown(self, ratio)
+        spill_if_outgrown(self, ratio, after_failure_wait=True)
 
     def _spill_now(self):
         """Spill the head on the committing thread: maintenance did not keep it under its

@@ -8,6 +8,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+import statecore.maintenance
 import statecore.provider
 import statecore.spill
 from tests.store_support import applied, contents, open_provider, write_batch
@@ -295,3 +296,39 @@ def test_a_commit_spills_the_head_past_the_hard_limit(tmp_path, monkeypatch):
     assert attempts, "no commit tried to spill"
     check(p, model, [max(model) - 1, max(model)], 2000, VALUE)
     check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 2000, VALUE)
+
+
+def test_after_a_failed_spill_the_commits_wait_before_trying_again(tmp_path, monkeypatch):
+    """A spill that fails (a full disk) leaves the State on a frozen one, so the next try
+    writes the whole state: commits within SPILL_RETRY_S of the failure do not try, and
+    their versions stand; once the window passed, a spill is tried again and succeeds."""
+    rng = np.random.default_rng(6)
+    p = open_provider(tmp_path, KEY, VALUE)
+    model = {0: {}}
+    commit(p, model, *random_changes(rng, 1, 2000, 300, 0, VALUE), VALUE)
+    attempts = []
+    writer = statecore.spill.SnapshotWriter
+
+    def failing(*args, **kwargs):
+        attempts.append(args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(statecore.provider, "SPILL_HARD_RATIO", 0)
+    monkeypatch.setattr(statecore.provider, "SPILL_RATIO", 0)
+    monkeypatch.setattr(statecore.provider, "SPILL_MIN_ROWS", 16)
+    monkeypatch.setattr(statecore.maintenance, "SPILL_RETRY_S", 3600.0)
+    monkeypatch.setattr(statecore.spill, "SnapshotWriter", failing)
+    for _ in range(2):  # the first asks for a spill, the second tries one itself, and fails
+        commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
+    assert len(attempts) == 1 and p._spill_failed_at is not None
+    for _ in range(3):
+        commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
+        p.spill_if_outgrown()  # what the registry's thread does on a commit's hint
+    assert len(attempts) == 1, "a spill was tried again within SPILL_RETRY_S of a failure"
+    check(p, model, [max(model) - 1, max(model)], 2000, VALUE)
+
+    monkeypatch.setattr(statecore.spill, "SnapshotWriter", writer)
+    monkeypatch.setattr(statecore.maintenance, "SPILL_RETRY_S", 0.0)
+    commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
+    assert isinstance(p._latest.base, Spill) and p._spill_failed_at is None
+    check(p, model, [max(model)], 2000, VALUE)
