@@ -104,7 +104,8 @@ def main():
         snapshot = providers[LEVELS[0]][1].lower
         values = np.empty((args.batch_rows, snapshot.value_width), np.uint8)
         found = np.empty(args.batch_rows, np.uint8)
-        t.add("the snapshot alone (no level)", measure(lambda: snapshot.get_rows(probe_rows, values, found), args.repeat))
+        alone = measure(lambda: snapshot.get_rows(probe_rows, values, found), args.repeat)
+        t.add("the snapshot alone (no level)", alone)
         for n in LEVELS:
             base = providers[n][1]
             levels = f"{n} level{'s' if n > 1 else ''}"

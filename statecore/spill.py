@@ -117,8 +117,9 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None)
     """A Spill of version ``version`` (attempt ``commit_id``, ``num_keys`` keys) of a frozen
     State: its ``head`` (a Layer) over its ``base`` (None, a SnapshotReader or a Spill),
     taking in the newest levels of spills while each is no bigger than TAKE_IN_RATIO times
-    what the new spill holds so far; never ``written`` (the spill a snapshot is being written from) or what lies
-    below it. ``new_file()`` gives a new local file open for binary writing."""
+    what the new spill holds so far; never ``written`` (the spill a snapshot is being written
+    from) or what lies below it. ``new_file()`` gives a new local file open for binary
+    writing."""
     taken, lower = [], base
     size = len(head)
     while isinstance(lower, Spill) and lower is not written and lower.own_changed <= TAKE_IN_RATIO * size:
