@@ -26,6 +26,10 @@ Spark's queries write their updated rows to the ``noop`` sink; statecore's opera
 updated rows as parquet files (its materialized output), which is more work, not less (the
 files are not read back: ``process(..., read_output=False)``, as a caller not using them would).
 
+``--runs N`` runs every contender N times, in turn, each round in another order, and
+shows each contender's median run (with every run's s/batch): runs of the same code move
+by a third at K = 100k on a 2-core machine, more than most changes.
+
 ``--small``: 50 batches of 10,000 rows over 100,000 keys for ``stream_floor``, ``hdfs`` and
 ``statecore``: per-batch latency (median and p95 over batches 21..50: every contender's
 batches are still getting faster, JIT and all, over the first 20) when a batch's fixed
@@ -443,6 +447,40 @@ def summarize(result, rows, first_measured):
             "python_workers_peak_mib": result["python_workers_peak_bytes"] / 2**20}
 
 
+def run_contender(args, keys, contender, files, slow_files, root, suffix=""):
+    """One run of ``contender`` at K = ``keys`` in its own process: its summary."""
+    slow = contender in SLOW
+    n_rows = args.slow_rows if slow else args.rows
+    work = os.path.join(root, f"{contender}-k{keys}{suffix}")
+    done = os.path.join(work, f"{contender}-k{keys}.json")
+    print(f"  K={keys:,} {contender} ...", flush=True)
+    if args.resume and os.path.exists(done):  # finished in an earlier, interrupted run
+        with open(done) as f:
+            raw = dict(json.load(f), process_s=None)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        source = os.path.join(work, "input")
+        link_inputs(slow_files if slow else files, source)
+        raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory, args.timeout)
+    s = summarize(raw, n_rows, 1 if slow else min(args.warmup, len(raw["batches"]) - 1))
+    s["rows_per_batch"] = n_rows
+    if contender not in ("floor", "stream_floor"):  # statecore's state lives beside the query's checkpoint
+        if "state_bytes" not in raw:  # a result from before the worker measured them: measure now
+            ours = contender.startswith("statecore")
+            raw["state_bytes"] = (tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) if ours
+                                  else tree_bytes(os.path.join(work, "checkpoint", "state")))
+            raw["checkpoint_bytes"] = tree_bytes(os.path.join(work, "checkpoint"))
+        s["state_bytes"] = raw["state_bytes"]
+        s["checkpoint_bytes"] = raw["checkpoint_bytes"] + raw["state_bytes"] * contender.startswith("statecore")
+    s["process_s"] = raw["process_s"]
+    print(f"    {s['batch_s']:.2f} s/batch, {s['rows_per_s']:,.0f} rows/s, commit {s['commit_s'] * 1e3:.0f} ms, "
+          f"JVM {s['jvm_peak_mib']:.0f} MiB, workers {s['python_workers_peak_mib']:.0f} MiB "
+          f"(batches: {' '.join(f'{x:.2f}' for x in s['batch_seconds'])})", flush=True)
+    if suffix:  # an earlier round: its figures are kept, its files are not
+        shutil.rmtree(work, ignore_errors=True)
+    return s
+
+
 def race(args, root, header):
     results = {"machine": header, "argv": sys.argv, "settings": vars(args), "race": {}, "restart": {}}
     for keys in args.keys:
@@ -450,37 +488,23 @@ def race(args, root, header):
         files = write_batches(data, args.batches, args.rows, keys, seed=args.seed)
         slow_data = os.path.join(args.data, f"uniform-k{keys}-r{args.slow_rows}-b{args.slow_batches}")
         slow_files = write_batches(slow_data, args.slow_batches, args.slow_rows, keys, seed=args.seed + 1)
+        runs = {contender: [] for contender in args.contenders}
+        for r in range(args.runs):
+            # Each round in another order: a contender's place in the sequence (the page cache,
+            # what the run before it left running) may move its figures.
+            shift = r % len(args.contenders)
+            for contender in args.contenders[shift:] + args.contenders[:shift]:
+                # the last round's directories keep the plain names: the restarts reuse them
+                suffix = "" if r == args.runs - 1 else f"-run{r}"
+                runs[contender].append(run_contender(args, keys, contender, files, slow_files, root, suffix))
         table = {}
-        for contender in args.contenders:
-            slow = contender in SLOW
-            n_rows = args.slow_rows if slow else args.rows
-            work = os.path.join(root, f"{contender}-k{keys}")
-            done = os.path.join(work, f"{contender}-k{keys}.json")
-            print(f"  K={keys:,} {contender} ...", flush=True)
-            if args.resume and os.path.exists(done):  # finished in an earlier, interrupted run
-                with open(done) as f:
-                    raw = dict(json.load(f), process_s=None)
-            else:
-                shutil.rmtree(work, ignore_errors=True)
-                source = os.path.join(work, "input")
-                link_inputs(slow_files if slow else files, source)
-                raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory,
-                                     args.timeout)
-            s = summarize(raw, n_rows, 1 if slow else min(args.warmup, len(raw["batches"]) - 1))
-            s["rows_per_batch"] = n_rows
-            if contender not in ("floor", "stream_floor"):  # statecore's state lives beside the query's checkpoint
-                if "state_bytes" not in raw:  # a result from before the worker measured them: measure now
-                    ours = contender.startswith("statecore")
-                    raw["state_bytes"] = (tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) if ours
-                                          else tree_bytes(os.path.join(work, "checkpoint", "state")))
-                    raw["checkpoint_bytes"] = tree_bytes(os.path.join(work, "checkpoint"))
-                s["state_bytes"] = raw["state_bytes"]
-                s["checkpoint_bytes"] = raw["checkpoint_bytes"] + raw["state_bytes"] * contender.startswith("statecore")
-            s["process_s"] = raw["process_s"]
+        for contender, summaries in runs.items():
+            s = sorted(summaries, key=lambda x: x["batch_s"])[(len(summaries) - 1) // 2]  # the median run
+            if len(summaries) > 1:
+                s = dict(s, run_batch_s=[x["batch_s"] for x in summaries])
+                print(f"  K={keys:,} {contender}: {len(summaries)} runs, s/batch "
+                      f"{' '.join(f'{x:.2f}' for x in s['run_batch_s'])} -> median {s['batch_s']:.2f}", flush=True)
             table[contender] = s
-            print(f"    {s['batch_s']:.2f} s/batch, {s['rows_per_s']:,.0f} rows/s, commit {s['commit_s'] * 1e3:.0f} ms, "
-                  f"JVM {s['jvm_peak_mib']:.0f} MiB, workers {s['python_workers_peak_mib']:.0f} MiB "
-                  f"(batches: {' '.join(f'{x:.2f}' for x in s['batch_seconds'])})", flush=True)
         results["race"][str(keys)] = table
     return results
 
@@ -594,6 +618,9 @@ def parser():
     p.add_argument("--keys", type=ints, default=[100_000, 1_000_000], help="key spaces K (default 100000,1000000)")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows per micro-batch (default %(default)s)")
     p.add_argument("--batches", type=int, default=10)
+    p.add_argument("--runs", type=int, default=1,
+                   help="runs of every contender, in turn and each round in another order; a table shows each "
+                        "contender's median run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="first batches left out of the medians (default %(default)s)")
     p.add_argument("--slow-rows", type=int, default=100_000, help="rows per batch of the per-key Python contenders")
     p.add_argument("--slow-batches", type=int, default=2)

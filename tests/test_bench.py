@@ -43,6 +43,26 @@ def test_ratios_compare_contenders_of_the_same_run():
     assert out["restart_1000"] == {"restart_speedup_vs_hdfs": pytest.approx(40.0)}
 
 
+def test_runs_rotate_the_order_and_keep_each_contender_s_median_run(tmp_path, monkeypatch):
+    from bench import race
+
+    calls = []
+    times = {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0]}
+
+    def fake_run(args, keys, contender, files, slow_files, root, suffix=""):
+        calls.append((contender, suffix))
+        return {"batch_s": times[contender][sum(1 for c, _ in calls if c == contender) - 1], "run": len(calls)}
+
+    monkeypatch.setattr(race, "run_contender", fake_run)
+    monkeypatch.setattr(race, "write_batches", lambda *a, **k: [])
+    args = race.parser().parse_args(["--keys", "10", "--contenders", "a,b", "--runs", "3", "--data", str(tmp_path)])
+    table = race.race(args, str(tmp_path), {})["race"]["10"]
+    assert [c for c, _ in calls] == ["a", "b", "b", "a", "a", "b"]
+    assert [s for _, s in calls] == ["-run0", "-run0", "-run1", "-run1", "", ""]
+    assert table["a"]["batch_s"] == 2.0 and table["a"]["run_batch_s"] == [3.0, 1.0, 2.0]
+    assert table["b"]["batch_s"] == 5.0
+
+
 def test_input_batches_are_written_once(tmp_path):
     files = race.write_batches(str(tmp_path / "data"), 2, 1000, 50, seed=3)
     table = pq.read_table(files[1])
