@@ -10,7 +10,6 @@ from the low 32 bits by a per-word multiplier (``FILTER_SALT``). At FILTER_BITS_
 bits a key, about one absent key in a hundred is answered "maybe" and probed for nothing.
 A filter is built from the keys it covers when their level is written, and never changes.
 """
-cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -18,25 +17,6 @@ from libc.string cimport memcpy, memset
 from statecore._hash cimport key_hash
 
 import numpy as np
-
-cdef enum:
-    # add_rows hashes this many keys ahead of the bits it sets, their blocks prefetched.
-    ADD_AHEAD = 8
-
-
-@cython.cdivision(True)
-cdef void _add_all(FilterBits* f, const uint8_t* rows, Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
-    """Add n keys (the first kw bytes of each row of ``stride`` bytes); each block is
-    prefetched ADD_AHEAD keys before its bits are set (a filter outgrows the caches)."""
-    cdef uint64_t ring[ADD_AHEAD]
-    cdef Py_ssize_t i
-    for i in range(n + ADD_AHEAD):
-        if i >= ADD_AHEAD:
-            filter_add(f, ring[i % ADD_AHEAD])
-        if i < n:
-            ring[i % ADD_AHEAD] = key_hash(rows + <size_t>i * stride, kw)
-            filter_prefetch(f, ring[i % ADD_AHEAD])
-
 
 cdef class KeyFilter:
     """A filter over keys of ``key_width`` bytes, sized for ``capacity`` keys (more may be
@@ -65,15 +45,18 @@ cdef class KeyFilter:
 
     def add_rows(self, const uint8_t[:, ::1] rows not None):
         """Add the keys of ``rows`` ((n, key_width) keys, or wider rows whose first
-        key_width bytes are the key)."""
-        cdef Py_ssize_t n = rows.shape[0]
+        key_width bytes are the key). A spill's filter is filled by its SnapshotWriter."""
+        cdef Py_ssize_t i, n = rows.shape[0]
+        cdef size_t kw = <size_t>self.key_width, stride = <size_t>rows.shape[1]
         if n == 0:
             return
         self._check_rows(rows)
         if self.bits.n_blocks == 0:
             raise ValueError("a filter sized for no keys cannot take any")
+        cdef const uint8_t* p = &rows[0, 0]
         with nogil:
-            _add_all(&self.bits, &rows[0, 0], n, <size_t>rows.shape[1], <size_t>self.key_width)
+            for i in range(n):
+                filter_add(&self.bits, key_hash(p + <size_t>i * stride, kw))
 
     def keys_it_may_hold(self, const uint8_t[:, ::1] rows not None):
         """The keys of ``rows`` (as add_rows takes them) that the filter may hold, as a new

@@ -88,6 +88,21 @@ cdef inline void _prefetch_filters(const Level* levels, Py_ssize_t n_levels, uin
             filter_prefetch(levels[j].dels_filter, h)
 
 
+cdef inline int _find_value(const SnapLayout* image, const uint8_t* key, uint32_t tag, uint8_t* value_out,
+                            size_t vw, SnapError* err) noexcept nogil:
+    """1 if ``image`` holds ``key`` (its value copied to ``value_out`` when vw > 0), 0 if
+    not, or the code < 0 of the damage found (described in ``err``)."""
+    cdef uint64_t row
+    cdef int rc = snapshot_find(image, key, tag, &row, err)
+    if rc < 0:
+        return rc
+    if row == 0:
+        return 0
+    if vw:
+        memcpy(value_out, image.index.rows + (row - 1) * image.index.row_width + image.index.key_width, vw)
+    return 1
+
+
 # REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
 # n entries; hashes and start n entries of scratch (start: where each key is looked for
 # first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
@@ -100,12 +115,12 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
                uint8_t* found, uint64_t* hashes, uint32_t* start, SnapError* err,
                Py_ssize_t* failed) noexcept nogil:
     cdef Py_ssize_t i, j
-    cdef uint64_t h, row
+    cdef uint64_t h
     cdef uint32_t tag, where
-    cdef const SnapLayout* image
     cdef const SlotIndex* ix
     cdef const uint8_t* key
-    cdef int rc
+    cdef uint8_t* value
+    cdef int rc, hit
     for i in range(n):
         hashes[i] = key_hash(keys + <size_t>i * kw, kw)
     for i in range(n):
@@ -124,40 +139,35 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
         h = hashes[i]
         tag = slot_tag(h)
         key = keys + <size_t>i * kw
-        found[i] = 0
+        value = values + <size_t>i * vw if vw else NULL
+        hit = 0
         where = start[i]
         while (where >> 2) < <uint32_t>n_levels:
             j = where >> 2
             if where & 2:
-                image = &levels[j].puts
-                rc = snapshot_find(image, key, tag, &row, err)
+                rc = _find_value(&levels[j].puts, key, tag, value, vw, err)
                 if rc < 0:
                     failed[0] = 2 * j
                     return rc
-                if row != 0:
-                    found[i] = 1
-                    if vw:
-                        memcpy(values + <size_t>i * vw, image.index.rows + (row - 1) * image.index.row_width + kw, vw)
+                if rc:
+                    hit = 1
                     break
             if where & 1:
-                rc = snapshot_find(&levels[j].dels, key, tag, &row, err)
+                rc = _find_value(&levels[j].dels, key, tag, NULL, 0, err)
                 if rc < 0:
                     failed[0] = 2 * j + 1
                     return rc
-                if row != 0:
+                if rc:
                     break  # removed here: absent, whatever lies below
             where = _next_candidate(levels, j + 1, n_levels, h)
         if (where >> 2) == <uint32_t>n_levels and bottom != NULL:
-            rc = snapshot_find(bottom, key, tag, &row, err)
-            if rc < 0:
+            hit = _find_value(bottom, key, tag, value, vw, err)
+            if hit < 0:
                 failed[0] = 2 * n_levels
-                return rc
-            if row != 0:
-                found[i] = 1
-                if vw:
-                    memcpy(values + <size_t>i * vw, bottom.index.rows + (row - 1) * bottom.index.row_width + kw, vw)
-        if not found[i] and vw:
-            memset(values + <size_t>i * vw, 0, vw)
+                return hit
+        found[i] = hit
+        if not hit and vw:
+            memset(value, 0, vw)
     return SNAP_OK
 
 

@@ -17,17 +17,24 @@ cdef class ProviderLock:
     cdef int _wait(self, unsigned long me, double timeout) except -1
 
 
-cdef inline int lock_enter(ProviderLock lock) except -1:
-    """Acquire ``lock`` for this thread, blocking (re-entrant). REQUIRES: the GIL."""
-    cdef unsigned long me = PyThread_get_thread_ident()
+cdef inline bint lock_take(ProviderLock lock, unsigned long me) noexcept:
+    """Take ``lock`` for thread ``me`` if it is free or already ``me``'s (one more depth):
+    whether it did. REQUIRES: the GIL (the two fields change together under it)."""
     if lock.depth == 0:
         lock.owner = me
         lock.depth = 1
-        return 0
+        return True
     if lock.owner == me:
         lock.depth += 1
-        return 0
-    lock._wait(me, -1.0)
+        return True
+    return False
+
+
+cdef inline int lock_enter(ProviderLock lock) except -1:
+    """Acquire ``lock`` for this thread, blocking (re-entrant). REQUIRES: the GIL."""
+    cdef unsigned long me = PyThread_get_thread_ident()
+    if not lock_take(lock, me):
+        lock._wait(me, -1.0)
     return 0
 
 

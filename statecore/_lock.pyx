@@ -67,12 +67,7 @@ cdef class ProviderLock:
         while True:
             # Read afresh on each turn: signal handlers run below, and any Python code may
             # have let other threads run.
-            if self.depth == 0:
-                self.owner = me
-                self.depth = 1
-                return 1
-            if self.owner == me:
-                self.depth += 1
+            if lock_take(self, me):
                 return 1
             if not self.handoff and PyThread_acquire_lock(self.wait_lock, NOWAIT_LOCK):
                 self.handoff = True  # the holder's last release frees it, and wakes a waiter
@@ -88,9 +83,7 @@ cdef class ProviderLock:
             if got == PY_LOCK_ACQUIRED:
                 # wait_lock is ours; handoff is clear (whoever set it released it to us)
                 self.handoff = True
-                if self.depth == 0:
-                    self.owner = me
-                    self.depth = 1
+                if lock_take(self, me):
                     return 1
                 # another thread took the lock before this one got the GIL back: wait_lock
                 # stays held on its behalf
@@ -106,12 +99,7 @@ cdef class ProviderLock:
         if timeout < 0 and timeout != -1:
             raise ValueError(f"timeout must be -1 (no limit) or a non-negative number of seconds, got {timeout}")
         cdef unsigned long me = PyThread_get_thread_ident()
-        if self.depth == 0:
-            self.owner = me
-            self.depth = 1
-            return True
-        if self.owner == me:
-            self.depth += 1
+        if lock_take(self, me):
             return True
         if not blocking:
             return False

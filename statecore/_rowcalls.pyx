@@ -5,9 +5,9 @@ RowCodecs into buffers on the C stack, one key hash, the probes, the value decod
 
 It reads what ``State.get_row`` reads, in the same order: the store's update layer (its
 puts, then its deletions), then, under the provider's lock (a ProviderLock, taken from C:
-``statecore/_lock.pyx``), the pinned version's layers
-(undo layers of newer versions, the head) and the base (a SnapshotReader, a Spill, or a
-frozen State seen at a version, walked the same way). The update layer is the store's own (a
+``statecore/_lock.pyx``), the pinned version's layers (undo layers of newer versions, the
+head) and the base (a SnapshotReader, a Spill, or a frozen State seen at a version, walked
+the same way). The update layer is the store's own (a
 store is used by one thread), so a key the store itself put or removed is answered without
 the lock. Puts and removes change the update layer exactly as ``Layer.put_row`` and
 ``Layer.delete_row`` do. A found value is copied out of the table while the lock is held

@@ -4,9 +4,10 @@ A version is never copied. The newest version a provider holds is a :class:`Stat
 *base* (a mapped :class:`~statecore.SnapshotReader`, a :class:`~statecore.spill.Spill` of
 changes mapped over one, another state frozen at a version, or nothing) under a *head*
 layer holding every change since that base. Each commit merges its updates into the head
-in place and keeps an *undo* layer (the previous value, or absence, of every key it changed), so the versions just before the newest stay readable while they
-are retained or pinned by an open store. A :class:`Layer` is a RowTable of puts and a
-RowTable set of deletions; the first layer that holds a key decides its value.
+in place and keeps an *undo* layer (the previous value, or absence, of every key it
+changed), so the versions just before the newest stay readable while they are retained or
+pinned by an open store. A :class:`Layer` is a RowTable of puts and a RowTable set of
+deletions; the first layer that holds a key decides its value.
 
 Lookups go, for version ``v``: undo layers ``v+1 .. newest`` (oldest first: the undo of
 ``v+1`` holds the value at ``v``), the head, then the base. Everything is batch-shaped

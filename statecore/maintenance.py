@@ -3,8 +3,8 @@ version needs.
 
 Snapshots and cleanup follow the default lineage (:mod:`statecore.lineage`) and decide only
 on checked bytes: headers read through the provider's checked parser, and a snapshot that
-lets older files go is verified whole first. Damage found here is logged and nothing is deleted on its
-account; files that vanish meanwhile (another instance's cleanup) end the pass quietly.
+lets older files go is verified whole first. Damage found here is logged and nothing is
+deleted on its account; files that vanish meanwhile (another instance's cleanup) end the pass quietly.
 Rules and locks: ``docs/provider-rules.md``.
 """
 import logging

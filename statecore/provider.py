@@ -404,6 +404,8 @@ class FileStateStoreProvider(StateStoreProvider):
                 self._latest = state
                 self._retain(state)
                 committed = View(self, state, new_version, view.listing)
+            else:
+                self._latest = None
         log.info("Committed version %d (%s) for %s", new_version, commit_id.hex(), self)
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()

@@ -4,8 +4,9 @@ It loads providers by :class:`~statecore.StateStoreProviderId` and keeps them lo
 micro-batches, and runs the maintenance thread, started on the first :func:`get`, that
 every ``maintenance_interval_s`` runs each provider's ``do_maintenance`` (spills, snapshots
 and cleanup; a commit that asks for a spill wakes it in between to spill only) and then, if
-a coordinator was set, unloads the providers the coordinator says are no longer active here. A provider whose maintenance raises is logged and unloaded; the
-others go on (Spark 4.0). Without a coordinator nothing is ever unloaded by maintenance.
+a coordinator was set, unloads the providers the coordinator says are no longer active
+here. A provider whose maintenance raises is logged and unloaded; the others go on (Spark
+4.0). Without a coordinator nothing is ever unloaded by maintenance.
 
 A provider whose active instance is in a sibling worker (another Python worker process of
 the same executor, :func:`statecore.coordinator.executor_of`) is kept, not unloaded: the

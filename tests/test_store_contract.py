@@ -129,6 +129,7 @@ def test_reads_after_a_commit_see_its_version_and_its_updates_are_let_go(root):
     store.put(2, (2, 2.0))
     store.commit()
     assert store.get(1) == (1, 0.0) and store.get(2) == (2, 2.0)
+    assert kept._latest is None  # nothing of it kept in memory
 
 
 def test_batch_api_matches_scalar_api(root, provider_class):
