@@ -23,7 +23,7 @@ from statecore._hash cimport key_hash, slot_tag
 from statecore._levels cimport spill_find
 from statecore._lock cimport ProviderLock, lock_enter, lock_exit
 from statecore._rowcodec cimport RowCodec
-from statecore._rowtable cimport RowTable
+from statecore._rowtable cimport RowTable, table_may_hold
 from statecore._snapshot_reader cimport SnapshotReader
 
 from statecore.errors import IllegalStateError
@@ -56,7 +56,7 @@ cdef inline int _table_find(RowTable t, const uint8_t* key, uint32_t tag, uint8_
     """1 if ``t`` holds the key, else 0; its value is copied to ``value_out`` unless NULL."""
     cdef uint64_t pos
     cdef uint32_t row
-    if t.count == 0:
+    if not table_may_hold(t, tag):  # empty, or the filter rules the key out
         return 0
     row = t.table_find(key, tag, &pos)
     if row == 0:
@@ -180,6 +180,7 @@ cdef class RowCalls:
         cdef uint8_t* k
         cdef uint8_t* v
         cdef uint32_t tag
+        cdef int rc
         if value is None:
             raise ValueError("Cannot put a null value")
         if not self.updating:
@@ -190,9 +191,13 @@ cdef class RowCalls:
             self.key_codec.encode_into(key, k)
             self.value_codec.encode_into(value, v)
             tag = slot_tag(key_hash(k, self.key_width))
-            self.puts._check(self.puts.table_put(k, v if self.value_width else NULL, tag))
-            if self.dels.count:
-                self.dels._check(self.dels.table_remove(k, tag))
+            rc = self.puts.table_put(k, v if self.value_width else NULL, tag)
+            if rc < 0:
+                self.puts._check(rc)
+            if table_may_hold(self.dels, tag):
+                rc = self.dels.table_remove(k, tag)
+                if rc < 0:
+                    self.dels._check(rc)
         finally:
             _free(key_heap)
             _free(value_heap)
@@ -203,14 +208,19 @@ cdef class RowCalls:
         cdef uint8_t* key_heap = NULL
         cdef uint8_t* k
         cdef uint32_t tag
+        cdef int rc
         if not self.updating:
             raise IllegalStateError("Cannot remove after already committed or aborted")
         try:
             k = _scratch(key_stack, self.key_width, &key_heap)
             self.key_codec.encode_into(key, k)
             tag = slot_tag(key_hash(k, self.key_width))
-            if self.puts.count:
-                self.puts._check(self.puts.table_remove(k, tag))
-            self.dels._check(self.dels.table_put(k, NULL, tag))
+            if table_may_hold(self.puts, tag):
+                rc = self.puts.table_remove(k, tag)
+                if rc < 0:
+                    self.puts._check(rc)
+            rc = self.dels.table_put(k, NULL, tag)
+            if rc < 0:
+                self.dels._check(rc)
         finally:
             _free(key_heap)

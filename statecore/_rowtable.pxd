@@ -44,6 +44,10 @@ cdef class RowTable(RowSource):
     cdef uint32_t max_displacement  # an upper bound on every entry's distance from home
     cdef uint64_t count
 
+    cdef uint64_t* filter           # the negative filter: n_slots / 16 words (see table_may_hold)
+    cdef uint32_t filter_shift      # a tag's word: tag >> filter_shift
+    cdef uint64_t filter_stale      # keys removed since the filter was built (their bits stay)
+
     cdef uint8_t* rows              # the arena: row i at rows + i * row_width (key, then value)
     cdef uint8_t* row_state         # ROW_FREE / ROW_LIVE / ROW_ZOMBIE per arena row
     cdef uint64_t rows_used         # high-water mark of the arena
@@ -59,12 +63,13 @@ cdef class RowTable(RowSource):
 
     cdef int open_cursors
     cdef size_t allocated_bytes
-    cdef size_t slots_bytes, rows_bytes, state_bytes, free_bytes, zombie_bytes
+    cdef size_t slots_bytes, rows_bytes, state_bytes, free_bytes, zombie_bytes, filter_bytes
 
     cdef int mem_resize(self, void** buf, size_t* cur_bytes, size_t new_bytes) noexcept nogil
     cdef void mem_release(self, void** buf, size_t* cur_bytes) noexcept nogil
     cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil
     cdef inline void slots_insert(self, uint32_t tag, uint32_t row) noexcept nogil
+    cdef void filter_rebuild(self) noexcept nogil
     cdef int rows_reserve(self, uint64_t n_rows) noexcept nogil
     cdef int row_alloc(self, uint32_t* row_out) noexcept nogil
     cdef int _push_row(self, uint32_t** stack, uint64_t* n, uint64_t* capacity, size_t* nbytes,
@@ -101,3 +106,20 @@ cdef class RowCursor:
     cdef bint is_open
 
     cdef void close_cursor(self) noexcept
+
+
+cdef inline uint64_t filter_bits(uint32_t tag) noexcept nogil:
+    """The two bits a key sets in its filter word: chosen by the tag's low 12 bits (its word
+    by the high ones)."""
+    return ((<uint64_t>1) << (tag & 63)) | ((<uint64_t>1) << ((tag >> 6) & 63))
+
+
+cdef inline bint table_may_hold(RowTable t, uint32_t tag) noexcept nogil:
+    """False if ``t`` surely holds no key with this tag: a probe of its negative filter, a
+    word per 16 slots (1/16 of the index's bytes, so it stays in cache when the index does
+    not). True is no answer (a probe of the index decides)."""
+    cdef uint64_t bits
+    if t.count == 0:
+        return False
+    bits = filter_bits(tag)
+    return (t.filter[(<uint64_t>tag) >> t.filter_shift] & bits) == bits

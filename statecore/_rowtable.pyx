@@ -9,6 +9,13 @@ lookups of absent keys stop as soon as they pass a richer entry, and deletion sh
 following entries back, so there are no tombstones and lookups do not degrade after many
 delete/insert cycles. The table grows (doubles) at 3/4 load.
 
+Negative filter. Beside the index, one 64-bit word per 16 slots in which each key sets two
+bits, both chosen by its tag (the word by the tag's high bits, the bits by its low 12):
+``table_may_hold`` answers most lookups of absent keys from it, 1/16 of the index's bytes,
+without touching the index. It is built with the index (at each growth) and kept by every
+insert; a removal leaves the key's bits set (still correct, only weaker), and once more keys
+were removed than the table holds it is rebuilt from the index.
+
 Iteration. A :class:`RowCursor` visits each row that was live when it opened exactly once,
 even while rows are put and removed: while any cursor is open, removed rows become
 zombies (kept, not reused) and new rows are appended past every cursor's end.
@@ -44,6 +51,7 @@ from statecore.schema import key_value_schemas
 
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
+    int __builtin_ctzll(unsigned long long) nogil
 
 cdef extern from "Python.h":
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size) nogil
@@ -227,6 +235,7 @@ cdef class RowTable(RowSource):
 
     def __dealloc__(self):
         self.mem_release(<void**>&self.slots, &self.slots_bytes)
+        self.mem_release(<void**>&self.filter, &self.filter_bytes)
         self.mem_release(<void**>&self.rows, &self.rows_bytes)
         self.mem_release(<void**>&self.row_state, &self.state_bytes)
         self.mem_release(<void**>&self.free_rows, &self.free_bytes)
@@ -290,28 +299,53 @@ cdef class RowTable(RowSource):
         probe_insert(self.slots, self.n_slots - 1, carried, NULL, NULL, &farthest)
         if farthest > self.max_displacement:
             self.max_displacement = <uint32_t>farthest
+        self.filter[(<uint64_t>tag) >> self.filter_shift] |= filter_bits(tag)
+
+    cdef void filter_rebuild(self) noexcept nogil:
+        """Set the filter from the index alone (the bits of removed keys go)."""
+        cdef uint64_t i
+        cdef uint32_t tag
+        memset(self.filter, 0, (self.n_slots >> 4) * sizeof(uint64_t))
+        for i in range(self.n_slots):
+            if self.slots[i].row != 0:
+                tag = self.slots[i].tag
+                self.filter[(<uint64_t>tag) >> self.filter_shift] |= filter_bits(tag)
+        self.filter_stale = 0
 
     cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil:
-        """Size the index for ``n_keys`` at no more than 3/4 load; rebuild it if it grows."""
+        """Size the index (and its filter) for ``n_keys`` at no more than 3/4 load; rebuild
+        both if it grows."""
         cdef uint64_t target = slots_for(n_keys, self.n_slots)
         if target == self.n_slots:
             return TABLE_OK
         cdef Slot* old = self.slots
+        cdef uint64_t* old_filter = self.filter
         cdef uint64_t old_n = self.n_slots, i
-        cdef size_t old_bytes = self.slots_bytes
+        cdef size_t old_bytes = self.slots_bytes, old_filter_bytes = self.filter_bytes
+        cdef uint64_t words = target >> 4  # target >= MIN_SLOTS = 16
         self.slots = NULL
         self.slots_bytes = 0
-        if self.mem_resize(<void**>&self.slots, &self.slots_bytes, target * sizeof(Slot)) < 0:
+        self.filter = NULL
+        self.filter_bytes = 0
+        if (self.mem_resize(<void**>&self.slots, &self.slots_bytes, target * sizeof(Slot)) < 0
+                or self.mem_resize(<void**>&self.filter, &self.filter_bytes, words * sizeof(uint64_t)) < 0):
+            self.mem_release(<void**>&self.slots, &self.slots_bytes)
             self.slots = old
             self.slots_bytes = old_bytes
+            self.filter = old_filter
+            self.filter_bytes = old_filter_bytes
             return TABLE_NO_MEMORY
         memset(self.slots, 0, target * sizeof(Slot))
+        memset(self.filter, 0, words * sizeof(uint64_t))
         self.n_slots = target
+        self.filter_shift = 32 - __builtin_ctzll(words)  # words is a power of two
+        self.filter_stale = 0
         self.max_displacement = 0
         for i in range(old_n):
             if old[i].row != 0:
                 self.slots_insert(old[i].tag, old[i].row)
         self.mem_release(<void**>&old, &old_bytes)
+        self.mem_release(<void**>&old_filter, &old_filter_bytes)
         return TABLE_OK
 
     # -- arena ----------------------------------------------------------------------------
@@ -366,7 +400,10 @@ cdef class RowTable(RowSource):
     cdef int table_put(self, const uint8_t* key, const uint8_t* value, uint32_t tag) noexcept nogil:
         """1 if the key was new, 0 if its value was overwritten, < 0 on error (table unchanged)."""
         cdef uint64_t pos
-        cdef uint32_t row = self.table_find(key, tag, &pos)
+        cdef uint32_t row
+        if not table_may_hold(self, tag):  # surely new: no probe before the insert's own
+            return self.table_insert_new(key, value, tag)
+        row = self.table_find(key, tag, &pos)
         if row != 0:
             if self.value_width:
                 memcpy(self.rows + <uint64_t>(row - 1) * self.row_width + self.key_width,
@@ -416,6 +453,9 @@ cdef class RowTable(RowSource):
             self.row_state[row] = ROW_FREE
         probe_erase(self.slots, self.n_slots - 1, pos)
         self.count -= 1
+        self.filter_stale += 1
+        if self.filter_stale > self.count + 1024:
+            self.filter_rebuild()
         return 1
 
     cdef void cursor_closed(self) noexcept nogil:
@@ -723,18 +763,22 @@ cdef class RowTable(RowSource):
             raise RuntimeError("cannot reset a RowTable while a cursor is open")
         if self.n_slots:
             memset(self.slots, 0, self.n_slots * sizeof(Slot))
+            memset(self.filter, 0, (self.n_slots >> 4) * sizeof(uint64_t))
         self.count = self.rows_used = self.n_free = self.n_zombies = 0
         self.max_displacement = 0
+        self.filter_stale = 0
 
     def clear(self):
         """Remove every row and give the memory back."""
         if self.open_cursors:
             raise RuntimeError("cannot clear a RowTable while a cursor is open")
         self.mem_release(<void**>&self.slots, &self.slots_bytes)
+        self.mem_release(<void**>&self.filter, &self.filter_bytes)
         self.mem_release(<void**>&self.rows, &self.rows_bytes)
         self.mem_release(<void**>&self.row_state, &self.state_bytes)
         self.mem_release(<void**>&self.free_rows, &self.free_bytes)
         self.mem_release(<void**>&self.zombies, &self.zombie_bytes)
+        self.filter_stale = 0
         self.n_slots = self.count = self.rows_used = self.rows_capacity = 0
         self.n_free = self.free_capacity = self.n_zombies = self.zombie_capacity = 0
         self.max_displacement = 0

@@ -3,6 +3,7 @@ of the same type and message), and a store's per-row get/put/remove (RowCalls) a
 what its batch path answers, on random workloads over every kind of base."""
 import math
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from statecore.errors import IllegalStateError
 from statecore.schema import RowSchema, key_value_schemas
-from tests.store_support import open_provider
+from tests.store_support import commit_batch, open_provider, wait_until
 
 INT_BOUNDS = {"i1": (-2**7, 2**7 - 1), "u1": (0, 2**8 - 1), "<i2": (-2**15, 2**15 - 1), "<u2": (0, 2**16 - 1),
               "<i4": (-2**31, 2**31 - 1), "<u4": (0, 2**32 - 1), "<i8": (-2**63, 2**63 - 1), "<u8": (0, 2**64 - 1)}
@@ -240,5 +241,69 @@ def test_wide_rows_take_the_heap_buffer(tmp_path):
     assert store.get(b"short") is None
     with pytest.raises(ValueError, match="holds at most 300 bytes, got 301"):
         store.get(b"k" * 301)
+    store.abort()
+    provider.close()
+
+
+# -- the kept walk and the lock ------------------------------------------------------------
+K1, K2, K3 = (1, 1.0, b"a"), (2, 1.0, b"a"), (3, 1.0, b"a")
+
+
+def val(n):
+    return (n, 1.0, True, b"v")
+
+
+def test_a_kept_walk_follows_the_merges_after_it(tmp_path):
+    provider = open_provider(tmp_path, KEY, VALUE)
+    commit_batch(provider, 0, puts=[(K1, val(1)), (K2, val(2))])
+    reader = provider.get_read_store(1)
+    assert reader.get(K1) == val(1) and reader.get(K3) is None  # the walk is taken: the head
+    # Version 2 merges into the same head, and keeps version 1 readable through an undo layer.
+    commit_batch(provider, 1, puts=[(K1, val(10)), (K3, val(3))], removes=[K2])
+    assert (reader.get(K1), reader.get(K2), reader.get(K3)) == (val(1), val(2), None)
+    newest = provider.get_read_store(2)
+    assert (newest.get(K1), newest.get(K2), newest.get(K3)) == (val(10), None, val(3))
+    reader.abort()
+    newest.abort()
+    provider.close()
+
+
+def test_a_get_waits_for_a_merge_holding_the_lock_then_reads_its_version(tmp_path):
+    provider = open_provider(tmp_path, KEY, VALUE)
+    commit_batch(provider, 0, puts=[(K1, val(1))])
+    reader = provider.get_read_store(1)
+    assert reader.get(K1) == val(1)
+    results = []
+    provider._lock.acquire()  # as a merge does
+    try:
+        t = threading.Thread(target=lambda: results.append(reader.get(K1)))
+        t.start()
+        wait_until(lambda: provider._lock.handoff, "the get blocks on the provider's lock")
+        assert not results
+        commit_batch(provider, 1, puts=[(K1, val(10))])  # takes the lock again (re-entrant)
+    finally:
+        provider._lock.release()
+    t.join()
+    assert results == [val(1)]
+    reader.abort()
+    provider.close()
+
+
+def test_per_row_calls_after_many_removals_of_the_update_layers_puts(tmp_path):
+    # Removing most of the puts rebuilds the puts table's negative filter: the keys left
+    # are still found, the removed ones are not, and putting them again makes no duplicate.
+    provider = open_provider(tmp_path, KEY, VALUE)
+    store = provider.get_store(0)
+    keys = [(i, 0.5, b"k") for i in range(3000)]
+    for i, k in enumerate(keys):
+        store.put(k, val(i))
+    for k in keys[:2800]:
+        store.remove(k)
+    assert all(store.get(k) is None for k in keys[:2800])
+    assert all(store.get(k) == val(i) for i, k in enumerate(keys) if i >= 2800)
+    for i, k in enumerate(keys):
+        store.put(k, val(-i))
+    assert all(store.get(k) == val(-i) for i, k in enumerate(keys))
+    assert store.metrics.num_keys == 3000 and len(list(store.iterator())) == 3000
     store.abort()
     provider.close()

@@ -1,5 +1,7 @@
 """RowTable against a dict model, plus the edges: empty, one row, the resize threshold,
-probe wrap-around, cursors under mutation, memory accounting and probe lengths."""
+probe wrap-around, cursors under mutation, memory accounting, probe lengths, and the
+negative filter (a put of a key it rules out inserts without a lookup: a filter that forgot
+a key would make a duplicate)."""
 import gc
 import tracemalloc
 
@@ -99,6 +101,27 @@ def test_scalar_ops_match_dict_model(rand):
             assert (k in table) == (k in model)
     assert len(table) == len(model)
     assert dict(table.items()) == {(k,): v for k, v in model.items()}
+
+
+def test_puts_after_removals_reset_and_clear_never_duplicate_a_key():
+    t = RowTable(KEY, VALUE)
+    n = 5000
+    for k in range(n):
+        assert t.put_row(np.int64(k).tobytes(), np.zeros(1, VALUE).tobytes())
+    # More removals than keys left: the filter is rebuilt from the index along the way.
+    for k in range(0, n - 100):
+        assert t.remove_row(np.int64(k).tobytes())
+    for k in range(n):  # the 100 left are overwritten (found), the others are new
+        assert t.put_row(np.int64(k).tobytes(), np.ones(1, VALUE).tobytes()) == (k < n - 100)
+    assert len(t) == n and len(dict(t.items())) == n
+    t.reset()
+    for k in range(0, n, 3):
+        t.put_row(np.int64(k).tobytes(), np.zeros(1, VALUE).tobytes())
+        assert not t.put_row(np.int64(k).tobytes(), np.zeros(1, VALUE).tobytes())
+    assert len(t) == len(range(0, n, 3))
+    t.clear()
+    assert t.put_row(np.int64(7).tobytes(), np.zeros(1, VALUE).tobytes())
+    assert not t.put_row(np.int64(7).tobytes(), np.zeros(1, VALUE).tobytes()) and len(t) == 1
 
 
 def test_empty_table():
