@@ -13,8 +13,8 @@ Negative filter. Beside the index, one 64-bit word per 16 slots in which each ke
 bits, both chosen by its tag (the word by the tag's high bits, the bits by its low 12):
 ``table_may_hold`` answers most lookups of absent keys from it, 1/16 of the index's bytes,
 without touching the index. It is built with the index (at each growth) and kept by every
-insert; a removal leaves the key's bits set (still correct, only weaker), and once more keys
-were removed than the table holds it is rebuilt from the index.
+insert; a removal leaves the key's bits set (still correct, only weaker), and the first
+insert after more keys were removed than the table holds rebuilds it from the index.
 
 Iteration. A :class:`RowCursor` visits each row that was live when it opened exactly once,
 even while rows are put and removed: while any cursor is open, removed rows become
@@ -41,7 +41,8 @@ from libc.string cimport memcpy, memset
 
 from statecore._hash cimport key_hash, slot_tag
 from statecore._probe cimport (
-    MAX_ROWS, displacement, probe_erase, probe_find, probe_insert, probe_prefetch, slots_for,
+    MAX_ROWS, SC_PREFETCH, SLOT_PREFETCH_AHEAD, displacement, probe_erase, probe_find, probe_insert, probe_prefetch,
+    slots_for,
 )
 
 import numpy as np
@@ -306,11 +307,13 @@ cdef class RowTable(RowSource):
         cdef uint64_t i
         cdef uint32_t tag
         memset(self.filter, 0, (self.n_slots >> 4) * sizeof(uint64_t))
+        self.filter_stale = 0
+        if self.count == 0:
+            return
         for i in range(self.n_slots):
             if self.slots[i].row != 0:
                 tag = self.slots[i].tag
                 self.filter[(<uint64_t>tag) >> self.filter_shift] |= filter_bits(tag)
-        self.filter_stale = 0
 
     cdef int slots_reserve(self, uint64_t n_keys) noexcept nogil:
         """Size the index (and its filter) for ``n_keys`` at no more than 3/4 load; rebuild
@@ -419,6 +422,10 @@ cdef class RowTable(RowSource):
         rc = self.slots_reserve(self.count + 1)
         if rc < 0:
             return rc
+        if self.filter_stale > self.count + 1024:
+            # More keys were removed than the table holds: drop their bits before they
+            # make the filter useless (amortized: a scan of the index per that many removals).
+            self.filter_rebuild()
         rc = self.row_alloc(&row)
         if rc < 0:
             return rc
@@ -453,9 +460,7 @@ cdef class RowTable(RowSource):
             self.row_state[row] = ROW_FREE
         probe_erase(self.slots, self.n_slots - 1, pos)
         self.count -= 1
-        self.filter_stale += 1
-        if self.filter_stale > self.count + 1024:
-            self.filter_rebuild()
+        self.filter_stale += 1  # its bits stay: the next insert may rebuild the filter
         return 1
 
     cdef void cursor_closed(self) noexcept nogil:
@@ -550,6 +555,8 @@ cdef class RowTable(RowSource):
             return rc
         for i in range(n):
             self._prefetch(tags, i, n)
+            if i + SLOT_PREFETCH_AHEAD < n and self.filter != NULL:  # the word a new key sets
+                SC_PREFETCH(&self.filter[(<uint64_t>tags[i + SLOT_PREFETCH_AHEAD]) >> self.filter_shift])
             row = self.table_find(keys + i * kw, tags[i], &pos)
             if found != NULL:
                 found[i] = row != 0
