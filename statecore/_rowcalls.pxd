@@ -16,10 +16,16 @@ cdef class RowCalls:
     cdef Py_ssize_t value_width
     cdef object state                 # the pinned version's State, and the version
     cdef int64_t version
-    cdef object head                  # state.head (a State keeps its head Layer)
     cdef ProviderLock lock            # the provider's lock, taken from C per lookup
+    cdef object changes               # state.changes, and its count when the walk was taken
+    cdef const uint64_t* changes_at
+    cdef uint64_t walked_at
+    cdef bint walked
+    cdef list walk                    # the version's non-empty layers: puts, dels, puts, dels...
+    cdef object base                  # and the State's base
     cdef RowTable puts                # the store's update layer, or None (a read store)
     cdef RowTable dels
     cdef readonly bint updating
 
+    cdef int _take_walk(self) except -1
     cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1

@@ -13,6 +13,14 @@ the lock. Puts and removes change the update layer exactly as ``Layer.put_row`` 
 ``Layer.delete_row`` do. A found value is copied out of the table while the lock is held
 and decoded after, from the copy: decoding allocates, and nothing that allocation may run
 (a finalizer) can then change what is being read.
+
+The walk of the pinned version's own State (the tables of its non-empty layers, newest
+first, and the base) is kept between calls: it is taken, under the lock, on the first
+lookup and again whenever ``State.changes`` moved, which every change to what the walk
+holds counts before it is made (layers.py), also under the lock. The tables kept are the
+layers' own objects, so rows merged into the head later are seen; they are probed under
+the lock, as before. A frozen State under the base is walked afresh on each call
+(``_state_find``), and a Spill base follows its levels on each call (``spill_find``).
 """
 cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -97,15 +105,32 @@ cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint64_t 
     r = _layer_find(head, key, tag, value_out)
     if r >= 0:
         return r
-    base = state.base
+    return _base_find(state.base, key, h, value_out)
+
+
+cdef int _base_find(base, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
+    """The lookup in a State's base: 1 (value copied out) or 0. REQUIRES: as _state_find."""
     if base is None:
         return 0
     if type(base) is SnapshotReader:
-        return (<SnapshotReader>base).find_into(key, tag, value_out)
+        return (<SnapshotReader>base).find_into(key, slot_tag(h), value_out)
     if type(base) is Spill:
         return spill_find(base, key, h, value_out)
     inner = base.state  # a FrozenView: a frozen State at a version
     return _state_find(inner, base.version, inner.head, key, h, value_out)
+
+
+cdef int _walk_layer(layer, list walk) except -1:
+    """Append the tables of ``layer`` to ``walk`` if it holds anything (an undo layer kept
+    as arrays is turned into tables here, once, as ``_layer_find`` would)."""
+    if layer._puts is None and layer._pending is None:
+        return 0  # nothing in it
+    puts = layer.puts
+    dels = layer.dels
+    if (<RowTable>puts).count or (<RowTable>dels).count:
+        walk.append(puts)
+        walk.append(dels)
+    return 0
 
 
 @cython.final
@@ -119,10 +144,16 @@ cdef class RowCalls:
         self.value_codec = value_schema.codec
         self.key_width = key_schema.width
         self.value_width = value_schema.width
+        cdef const uint64_t[::1] changes
         self.state = view.state
         self.version = view.version
-        self.head = self.state.head
         self.lock = lock
+        self.changes = self.state.changes
+        changes = self.changes
+        if changes.shape[0] != 1:
+            raise ValueError(f"State.changes must hold one count, got {changes.shape[0]}")
+        self.changes_at = &changes[0]
+        self.walked = False
         self.set_update(update)
 
     def set_update(self, update):
@@ -139,8 +170,30 @@ cdef class RowCalls:
         """The store committed or aborted: puts and removes are refused from now on."""
         self.updating = False
 
+    cdef int _take_walk(self) except -1:
+        """Keep the walk of the pinned version (see the module docstring). REQUIRES: the
+        provider's lock held."""
+        cdef int64_t u
+        cdef uint64_t at = self.changes_at[0]
+        state = self.state
+        undo = state.undo
+        walk = []
+        for u in range(self.version + 1, <int64_t>state.version + 1):  # State.layers_for
+            _walk_layer(undo[u], walk)
+        _walk_layer(state.head, walk)
+        self.walk = walk
+        self.base = state.base
+        self.walked_at = at
+        self.walked = True
+        return 0
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
         cdef uint32_t tag = slot_tag(h)
+        cdef Py_ssize_t i, n
+        cdef RowTable puts
+        cdef list walk
         if self.puts is not None:
             if _table_find(self.puts, key, tag, value_out if self.value_width else NULL):
                 return 1
@@ -148,7 +201,17 @@ cdef class RowCalls:
                 return 0
         lock_enter(self.lock)
         try:
-            return _state_find(self.state, self.version, self.head, key, h, value_out)
+            if not self.walked or self.walked_at != self.changes_at[0]:
+                self._take_walk()
+            walk = self.walk
+            n = len(walk)
+            for i in range(0, n, 2):
+                puts = <RowTable>walk[i]
+                if _table_find(puts, key, tag, value_out if puts.value_width else NULL):
+                    return 1
+                if _table_find(<RowTable>walk[i + 1], key, tag, NULL):
+                    return 0
+            return _base_find(self.base, key, h, value_out)
         finally:
             lock_exit(self.lock)
 

@@ -15,7 +15,13 @@ Lookups go, for version ``v``: undo layers ``v+1 .. newest`` (oldest first: the 
 
 Thread-safety: a State's owner (the provider) serializes merges and base swaps with its
 lock; lookups read a consistent state as long as they hold the same lock or the state is
-frozen. A frozen State never changes again.
+frozen. A frozen State never changes again (but for its base: a swap maps the same rows).
+
+What a lookup walks (the version, the undo layers, the base, and which layers hold
+anything) changes only through State's methods and its ``base`` setter (and the provider's
+set-up of a new State before anyone reads it), and each of them counts the change in
+``State.changes`` before it changes anything: a compiled reader (RowCalls) keeps the walk
+of its version and takes it again when that count moved.
 """
 import threading
 
@@ -199,6 +205,9 @@ class State:
     def __init__(self, key_schema, value_schema, base, version, commit_id, num_keys):
         self.key_schema = key_schema
         self.value_schema = value_schema
+        # One uint64: changes to what a lookup walks (see the module docstring); an array,
+        # so that compiled readers compare it through a pointer.
+        self.changes = np.zeros(1, dtype=np.uint64)
         self.base = base
         self.head = Layer(key_schema, value_schema)
         self.version = version
@@ -210,6 +219,21 @@ class State:
         self.pending = None  # a merged version whose delta is not durable yet
         self.iterating = 0  # open iterations: while any, nothing merges into this state
         self.spill_asked_at = None  # the version whose commit first asked for the head to be spilled
+
+    @property
+    def base(self):
+        """A SnapshotReader, a Spill, a FrozenView, or None."""
+        return self._base
+
+    @base.setter
+    def base(self, base):
+        self._changed()
+        self._base = base
+
+    def _changed(self):
+        """Count a change to what lookups walk. REQUIRES: the owner's lock held (or nobody
+        reads this State yet); called before the change."""
+        self.changes[0] += 1
 
     def holds(self, version):
         return version in self.commit_ids and version != self.pending
@@ -310,6 +334,7 @@ class State:
         self._check_not_frozen()
         if keys.shape[0] == 0:
             return
+        self._changed()
         self.num_keys[self.version] = None
         if kind_is_put:
             self.head.put_rows(keys, values)
@@ -318,6 +343,7 @@ class State:
 
     def advance(self, version, commit_id):
         """Make the head (just replayed) the given version."""
+        self._changed()
         n = self.num_keys.pop(self.version)
         self.commit_ids.pop(self.version)
         self.version = version
@@ -332,6 +358,7 @@ class State:
         merge looks nothing up: no damaged base can stop it half way."""
         self._check_not_frozen()
         before = self.count(self.version)
+        self._changed()
         # Every lookup that can fail (a damaged snapshot block) comes before the head changes,
         # or is undone: readers of this state's versions never see half a merge.
         if del_prior is None:
@@ -360,6 +387,7 @@ class State:
         """Undo the newest merge (its delta could not be written): the head returns to the
         previous version, exactly, from the undo layer."""
         self._check_not_frozen()
+        self._changed()
         undo = self.undo.pop(self.version)
         keys, prior_values, prior_found = undo.changes()
         if prior_found.any():
@@ -410,6 +438,7 @@ class State:
 
     def retain(self, keep_from):
         """Forget versions older than ``keep_from`` (and the undo layers only they need)."""
+        self._changed()
         for v in [v for v in self.commit_ids if v < keep_from]:
             del self.commit_ids[v]
             del self.num_keys[v]

@@ -1,13 +1,15 @@
 """The compiled per-row path: RowCodec converts exactly as RowSchema does (rows, and errors
 of the same type and message), and a store's per-row get/put/remove (RowCalls) answer
-what its batch path answers, on random workloads over every kind of base."""
+what its batch path answers, on random workloads over every kind of base, with stores kept
+open across commits (RowCalls keeps the walk of its version between calls); a get waits
+for a merge that holds the provider's lock."""
 import math
 import struct
 import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from statecore.errors import IllegalStateError
@@ -135,15 +137,22 @@ def check_per_row_equals_batch(store, model):
         assert (got is None and want is None) or same_values(got, want), (k, got, want)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["put", "put", "remove", "commit", "snapshot+reopen", "read old"]),
+ops = st.lists(st.tuples(st.sampled_from(["put", "put", "remove", "commit", "snapshot+reopen", "read old",
+                                          "keep a reader"]),
                          st.sampled_from(KEY_SPACE),
                          st.tuples(st.integers(-2**63, 2**63 - 1), st.floats(width=32, allow_nan=False),
                                    st.booleans(), st.binary(max_size=5))),
                max_size=40)
 
 
+_V1, _V2 = (1, 0.5, True, b"one"), (2, 0.25, False, b"two")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
+# a reader kept open over the head while the next version merges into it
+@example([("put", KEY_SPACE[0], _V1), ("commit", KEY_SPACE[0], _V1), ("keep a reader", KEY_SPACE[0], _V1),
+          ("put", KEY_SPACE[0], _V2), ("remove", KEY_SPACE[1], _V2), ("commit", KEY_SPACE[0], _V2)])
 def test_store_per_row_calls_equal_the_batch_path(tmp_path_factory, workload):
     root = tmp_path_factory.mktemp("rowcalls")
     provider = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=0)
@@ -151,6 +160,7 @@ def test_store_per_row_calls_equal_the_batch_path(tmp_path_factory, workload):
     versions = {0: {}}  # version -> {key row: value tuple}
     version, model = 0, {}
     store = provider.get_store(0)
+    kept = None  # (a read store kept open across the ops that follow, its version's model)
     try:
         for op, k, v in workload:
             if op == "put":
@@ -166,6 +176,9 @@ def test_store_per_row_calls_equal_the_batch_path(tmp_path_factory, workload):
             elif op == "snapshot+reopen":
                 version = store.commit()
                 versions = {version: dict(model)}
+                if kept is not None:
+                    kept[0].abort()
+                    kept = None
                 provider.do_maintenance()
                 provider.close()
                 provider = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=0)
@@ -175,9 +188,17 @@ def test_store_per_row_calls_equal_the_batch_path(tmp_path_factory, workload):
                 reader = provider.get_read_store(old)
                 check_per_row_equals_batch(reader, versions[old])
                 reader.abort()
+            elif op == "keep a reader":
+                if kept is not None:
+                    kept[0].abort()
+                kept = (provider.get_read_store(version), versions[version])
             check_per_row_equals_batch(store, model)
+            if kept is not None:
+                check_per_row_equals_batch(*kept)
     finally:
         store.abort()
+        if kept is not None:
+            kept[0].abort()
         provider.close()
 
 
@@ -307,3 +328,39 @@ def test_per_row_calls_after_many_removals_of_the_update_layers_puts(tmp_path):
     assert store.metrics.num_keys == 3000 and len(list(store.iterator())) == 3000
     store.abort()
     provider.close()
+
+
+def test_a_kept_walk_follows_the_merges_and_base_swaps_of_the_state_it_reads():
+    # RowCalls over a State directly (no provider: no retain after a merge to count a change
+    # for it): a merge and a new base must each make the kept walk be taken again.
+    from types import SimpleNamespace
+
+    from statecore._lock import ProviderLock
+    from statecore._rowcalls import RowCalls
+    from statecore.layers import FrozenView, State
+
+    key_schema, value_schema = key_value_schemas(KEY, VALUE)
+
+    def rows(schema, items):
+        return np.frombuffer(b"".join(schema.encode(x) for x in items), np.uint8).reshape(len(items), schema.width)
+
+    def merge(state, puts=(), removes=()):
+        state.merge(rows(key_schema, [k for k, _ in puts]), rows(value_schema, [v for _, v in puts]),
+                    rows(key_schema, list(removes)), bytes(16))
+
+    def reader(state, version):
+        return RowCalls(SimpleNamespace(state=state, version=version), ProviderLock(), key_schema, value_schema)
+
+    state = State(key_schema, value_schema, None, 0, bytes(16), 0)
+    merge(state, puts=[(K1, val(1))])
+    r1 = reader(state, 1)
+    assert r1.get(K1) == val(1) and r1.get(K2) is None  # the walk is taken: the head alone
+    merge(state, puts=[(K1, val(10)), (K2, val(2))], removes=[])  # version 1 now reads an undo layer
+    assert (r1.get(K1), r1.get(K2)) == (val(1), None)
+    r2 = reader(state, 2)
+    assert (r2.get(K1), r2.get(K2), r2.get(K3)) == (val(10), val(2), None)
+    below = State(key_schema, value_schema, None, 0, bytes(16), 0)
+    merge(below, puts=[(K3, val(3))])
+    below.frozen = True
+    state.base = FrozenView(below, 1)  # keys the head does not decide now come from it
+    assert (r2.get(K1), r2.get(K3)) == (val(10), val(3))
