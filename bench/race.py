@@ -334,6 +334,7 @@ def run_streaming(args, start_query=start_query):
         ops = p.get("stateOperators") or []
         batches.append({"rows": p["numInputRows"], "seconds": p["durationMs"]["triggerExecution"] / 1e3,
                         "add_batch_s": p["durationMs"].get("addBatch", 0) / 1e3,
+                        "duration_ms": dict(p["durationMs"]),
                         "commit_s": sum(o.get("commitTimeMs", 0) for o in ops) / 1e3,
                         "late_rows": sum(o.get("numRowsDroppedByWatermark", 0) for o in ops),
                         "state_keys": sum(o.get("numRowsTotal", 0) for o in ops),
@@ -344,7 +345,9 @@ def run_streaming(args, start_query=start_query):
             batch.update(commit_s=sum(t["commit_s"] for t in p["partitions"]), state_keys=p["state_keys"],
                          state_memory_bytes=p["memory_used_bytes"], late_rows=p.get("late_rows", 0),
                          task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")},
-                         driver_s=p.get("driver_s"))
+                         driver_s=p.get("driver_s"), loaded_from_files=p["stores_loaded_from_files"],
+                         partitions=[{k: t[k] for k in ("worker", "already_loaded", "open_s", "fn_s", "commit_s")}
+                                     for t in p["partitions"]])
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
               "python_workers_peak_bytes": memory.workers_peak,
               # measured here, before any later run (a restart) adds to the same checkpoint
