@@ -345,7 +345,7 @@ def run_streaming(args, start_query=start_query):
             batch.update(commit_s=sum(t["commit_s"] for t in p["partitions"]), state_keys=p["state_keys"],
                          state_memory_bytes=p["memory_used_bytes"], late_rows=p.get("late_rows", 0),
                          task_s={k: max(t[k] for t in p["partitions"]) for k in ("open_s", "fn_s", "write_s")},
-                         driver_s=p.get("driver_s"), loaded_from_files=p["stores_loaded_from_files"],
+                         driver_s=p.get("driver_s"),
                          partitions=[{k: t[k] for k in ("worker", "already_loaded", "open_s", "fn_s", "commit_s")}
                                      for t in p["partitions"]])
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,

@@ -20,8 +20,7 @@ cdef class RowCalls:
     cdef object changes               # state.changes, and its count when the walk was taken
     cdef const uint64_t* changes_at
     cdef uint64_t walked_at
-    cdef bint walked
-    cdef list walk                    # the version's non-empty layers: puts, dels, puts, dels...
+    cdef list walk                    # the version's non-empty layers: puts, dels, ... (None: not taken yet)
     cdef object base                  # and the State's base
     cdef RowTable puts                # the store's update layer, or None (a read store)
     cdef RowTable dels

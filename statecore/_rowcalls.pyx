@@ -153,7 +153,6 @@ cdef class RowCalls:
         if changes.shape[0] != 1:
             raise ValueError(f"State.changes must hold one count, got {changes.shape[0]}")
         self.changes_at = &changes[0]
-        self.walked = False
         self.set_update(update)
 
     def set_update(self, update):
@@ -184,7 +183,6 @@ cdef class RowCalls:
         self.walk = walk
         self.base = state.base
         self.walked_at = at
-        self.walked = True
         return 0
 
     @cython.boundscheck(False)
@@ -201,7 +199,7 @@ cdef class RowCalls:
                 return 0
         lock_enter(self.lock)
         try:
-            if not self.walked or self.walked_at != self.changes_at[0]:
+            if self.walk is None or self.walked_at != self.changes_at[0]:
                 self._take_walk()
             walk = self.walk
             n = len(walk)
