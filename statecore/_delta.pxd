@@ -48,6 +48,11 @@ cdef class DeltaReader:
     cdef uint64_t _seen_blocks, _seen_puts, _seen_removes
     cdef bint _done
     cdef object _error             # the error that stopped iteration: raised again if asked
+    cdef bytes _trailer_magic      # the trailer of the header's format version (TRAILERS)
+    cdef object _trailer_struct
+    cdef Py_ssize_t _trailer_size
+    cdef bint _trailer_counts_keys
+    cdef object _num_keys          # the trailer's key count, once read (None: not recorded)
 
     cdef object _corrupt(self, offset, reason)
     cdef object _take(self, Py_ssize_t n, str what)

@@ -37,15 +37,15 @@ import numpy as np
 from statecore._delta_format import (
     BLOCK_HEADER_SIZE, BLOCK_HEADER_STRUCT, BLOCK_PUTS, BLOCK_REMOVES, COMPRESSION_CODES, COMPRESSION_LZ4,
     COMPRESSION_NONE, DEFAULT_BLOCK_BYTES, DELTA_HEADER_SIZE, FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT,
-    MAGIC, MAX_BLOCK_RAW_SIZE, TRAILER_MAGIC, TRAILER_SIZE, TRAILER_STRUCT, U64, DeltaHeader,
-    read_delta_header,
+    MAGIC, MAX_BLOCK_RAW_SIZE, NUM_KEYS_UNKNOWN, TRAILER_MAGIC, TRAILER_SIZE, TRAILER_STRUCT, TRAILERS, U64,
+    DeltaHeader, read_delta_header,
 )
 from statecore.errors import IllegalStateError, SchemaMismatchError, StateCorruptionError
 from statecore.schema import as_schema, key_value_schemas
 
 __all__ = [
     "BLOCK_PUTS", "BLOCK_REMOVES", "DEFAULT_BLOCK_BYTES", "DELTA_HEADER_SIZE", "FORMAT_VERSION",
-    "HEADER_SIZE", "MAX_BLOCK_RAW_SIZE", "DeltaHeader", "DeltaReader", "DeltaWriter", "apply_delta",
+    "HEADER_SIZE", "MAX_BLOCK_RAW_SIZE", "NUM_KEYS_UNKNOWN", "DeltaHeader", "DeltaReader", "DeltaWriter", "apply_delta",
     "encode_delta", "read_delta", "read_delta_header",
 ]
 
@@ -263,14 +263,19 @@ cdef class DeltaWriter:
         else:
             self._n_removes += <uint64_t>n
 
-    def finish(self):
-        """Write the pending block and the trailer. Returns ``dict(n_puts, n_removes,
-        n_blocks, bytes_written)``. The file is neither flushed nor closed."""
+    def finish(self, num_keys=None):
+        """Write the pending block and the trailer, which records ``num_keys``, the key count
+        of the version the delta produces (None: not known). Returns ``dict(n_puts,
+        n_removes, n_blocks, bytes_written)``. The file is neither flushed nor closed."""
+        if num_keys is not None and (not isinstance(num_keys, int) or isinstance(num_keys, bool)
+                                     or not 0 <= num_keys < NUM_KEYS_UNKNOWN):
+            raise ValueError(f"num_keys must be None or an int in [0, 2**64 - 1), got {num_keys!r}")
         self._check_open()
         self._flush()
         blocks_checksum = checksum(self._block_checksums, self._header_checksum)
-        self._write_all(sealed(TRAILER_STRUCT.pack(TRAILER_MAGIC, self._n_blocks, self._n_puts,
-                                              self._n_removes, blocks_checksum)))
+        self._write_all(sealed(TRAILER_STRUCT.pack(
+            TRAILER_MAGIC, self._n_blocks, self._n_puts, self._n_removes,
+            NUM_KEYS_UNKNOWN if num_keys is None else num_keys, blocks_checksum)))
         self._finished = True
         PyMem_Free(self._buf)
         self._buf = NULL
@@ -283,7 +288,7 @@ cdef class DeltaWriter:
 
 
 def encode_delta(key_schema, value_schema, store_version, puts=None, removes=None,
-                 lineage=bytes(16), compression="lz4", block_bytes=DEFAULT_BLOCK_BYTES):
+                 lineage=bytes(16), compression="lz4", block_bytes=DEFAULT_BLOCK_BYTES, num_keys=None):
     """The bytes of a delta holding ``puts`` (a ``(keys, values)`` pair of row arrays), then
     ``removes`` (key rows); either may be None. See :class:`DeltaWriter`."""
     out = io.BytesIO()
@@ -294,7 +299,7 @@ def encode_delta(key_schema, value_schema, store_version, puts=None, removes=Non
         writer.put_rows(keys, values)
     if removes is not None:
         writer.remove_rows(removes)
-    writer.finish()
+    writer.finish(num_keys)
     return out.getvalue()
 
 
@@ -356,6 +361,7 @@ cdef class DeltaReader:
         self._seen_blocks = self._seen_puts = self._seen_removes = 0
         self._done = False
         self._error = None
+        self._num_keys = None
         self._read_header(key_schema, value_schema, expected_lineage)
 
     # -- bytes in ---------------------------------------------------------------------------
@@ -399,6 +405,8 @@ cdef class DeltaReader:
         cdef _delta_format.DeltaHeader h = read_delta_header(self._take(HEADER_SIZE, "the header"), self.path)
         self.header = h
         self._lz4 = h.compression == "lz4"
+        self._trailer_magic, self._trailer_struct, self._trailer_counts_keys = TRAILERS[h.format_version]
+        self._trailer_size = self._trailer_struct.size + 8
         self._check_schema("key", key_schema, h.key_width, h.key_fingerprint)
         self._check_schema("value", value_schema, h.value_width, h.value_fingerprint)
         if expected_lineage is not None:
@@ -432,7 +440,7 @@ cdef class DeltaReader:
         cdef Py_ssize_t at = self._pos
         try:
             head = self._take(BLOCK_HEADER_SIZE, "a block header or the trailer")
-            if head[:8] == TRAILER_MAGIC:  # a block's first byte is its kind, 1 or 2
+            if head[:8] == self._trailer_magic:  # a block's first byte is its kind, 1 or 2
                 self._read_trailer(at, head)
                 raise StopIteration
             return self._read_block(at, head)
@@ -501,10 +509,12 @@ cdef class DeltaReader:
         return (BLOCK_PUTS, keys, rows[n * kw:].reshape(n, vw))
 
     cdef void _read_trailer(self, Py_ssize_t at, head) except *:
-        trailer = bytes(head) + bytes(self._take(TRAILER_SIZE - BLOCK_HEADER_SIZE, "the trailer"))
-        _, n_blocks, n_puts, n_removes, blocks_checksum = TRAILER_STRUCT.unpack_from(trailer, 0)
-        stored = U64.unpack_from(trailer, TRAILER_SIZE - 8)[0]
-        computed = checksum(trailer[:TRAILER_SIZE - 8])
+        cdef Py_ssize_t size = self._trailer_size
+        trailer = bytes(head) + bytes(self._take(size - BLOCK_HEADER_SIZE, "the trailer"))
+        fields = self._trailer_struct.unpack_from(trailer, 0)
+        n_blocks, n_puts, n_removes, blocks_checksum = fields[1], fields[2], fields[3], fields[-1]
+        stored = U64.unpack_from(trailer, size - 8)[0]
+        computed = checksum(trailer[:size - 8])
         if stored != computed:
             raise self._corrupt(at, f"trailer checksum mismatch (stored 0x{stored:016x}, "
                                     f"computed 0x{computed:016x})")
@@ -517,7 +527,9 @@ cdef class DeltaReader:
             raise self._corrupt(at, "blocks checksum mismatch: a block was dropped, reordered or "
                                     f"replaced (stored 0x{blocks_checksum:016x}, computed 0x{computed:016x})")
         if not self._at_end():
-            raise self._corrupt(at + TRAILER_SIZE, "bytes follow the trailer")
+            raise self._corrupt(at + size, "bytes follow the trailer")
+        if self._trailer_counts_keys and fields[4] != NUM_KEYS_UNKNOWN:
+            self._num_keys = fields[4]
         self._done = True
 
     def check(self, bint decode=True):
@@ -533,7 +545,7 @@ cdef class DeltaReader:
             at = self._pos
             try:
                 head = self._take(BLOCK_HEADER_SIZE, "a block header or the trailer")
-                if head[:8] == TRAILER_MAGIC:
+                if head[:8] == self._trailer_magic:
                     self._read_trailer(at, head)
                 else:
                     self._read_block(at, head, decode)
@@ -557,6 +569,12 @@ cdef class DeltaReader:
     def n_removes(self):
         """Remove records in the delta, once fully read (None before)."""
         return self._seen_removes if self._done else None
+
+    @property
+    def num_keys(self):
+        """The key count of the version the delta produces, as its writer recorded it, once
+        fully read; None before, and when not recorded (format version 1, or not known)."""
+        return self._num_keys
 
     @property
     def n_blocks(self):

@@ -7,6 +7,7 @@ from libc.stdint cimport uint64_t
 
 @cython.final
 cdef class DeltaHeader:
+    cdef readonly int format_version
     cdef readonly object store_version
     cdef readonly bytes lineage
     cdef readonly str compression

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The delta format, version 1: its constants and record layouts, the header (DeltaHeader,
+"""The delta format, versions 1 and 2: its constants and record layouts, the header (DeltaHeader,
 :func:`read_delta_header`, its only parser), and what the headers of both file formats
 share: the 16-byte lineage field (:func:`lineage_bytes`), how a parser takes its bytes
 (:func:`header_bytes`) and how a reader shows its header's fields (:func:`header_field`).
@@ -16,12 +16,15 @@ import uuid
 from statecore.errors import StateCorruptionError
 
 MAGIC = b"SCDELTA\x01"
-TRAILER_MAGIC = b"SCDEND\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                # what writers write; readers read every version of TRAILERS
 HEADER_SIZE = 72
 DELTA_HEADER_SIZE = HEADER_SIZE   # what read_delta_header needs: read this many bytes
 BLOCK_HEADER_SIZE = 32
-TRAILER_SIZE = 48
+TRAILER_MAGIC = b"SCDEND\x00\x02"
+TRAILER_SIZE = 56
+# The trailer of version 2 records the key count of the version the delta produces; this
+# value says the writer did not know it.
+NUM_KEYS_UNKNOWN = (1 << 64) - 1
 BLOCK_PUTS = 1
 BLOCK_REMOVES = 2
 COMPRESSION_NONE = 0
@@ -38,10 +41,18 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 
 HEADER_STRUCT = struct.Struct("<8sHBBIIIQQQ16s")    # bytes 0..63 of the header
 BLOCK_HEADER_STRUCT = struct.Struct("<BBHIIIQ")      # bytes 0..23 of a block header
-TRAILER_STRUCT = struct.Struct("<8sQQQQ")            # bytes 0..39 of the trailer
+TRAILER_STRUCT = struct.Struct("<8sQQQQQ")           # bytes 0..47 of the trailer
 U64 = struct.Struct("<Q")
 assert HEADER_STRUCT.size + 8 == HEADER_SIZE and BLOCK_HEADER_STRUCT.size + 8 == BLOCK_HEADER_SIZE
 assert TRAILER_STRUCT.size + 8 == TRAILER_SIZE
+
+# Per format version: the trailer's magic, its struct (every field but the final checksum,
+# which follows it) and whether it records the key count (between the removes and the
+# blocks checksum). Version 1 is version 2 without the key count.
+TRAILERS = {
+    1: (b"SCDEND\x00\x01", struct.Struct("<8sQQQQ"), False),
+    2: (TRAILER_MAGIC, TRAILER_STRUCT, True),
+}
 
 
 cdef bytes sealed(bytes body, uint64_t seed=0):
@@ -105,7 +116,8 @@ cdef class DeltaHeader:
         return self.lineage[8:]
 
     def __repr__(self):
-        return (f"DeltaHeader(store_version={self.store_version}, lineage={self.lineage.hex()}, "
+        return (f"DeltaHeader(format_version={self.format_version}, store_version={self.store_version}, "
+                f"lineage={self.lineage.hex()}, "
                 f"key_width={self.key_width}, value_width={self.value_width}, "
                 f"compression={self.compression!r})")
 
@@ -126,10 +138,10 @@ def read_delta_header(data, path=None):
     computed = checksum(head[:HEADER_SIZE - 8])
     if magic != MAGIC:
         raise StateCorruptionError(name, 0, f"not a statecore delta: magic {magic!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
+    if version not in TRAILERS:
         hint = "" if stored == computed else " (or a damaged header: its checksum does not match)"
         raise StateCorruptionError(name, 8, f"unknown delta format version {version}; this build reads "
-                                            f"version {FORMAT_VERSION}{hint}")
+                                            f"versions {', '.join(map(str, sorted(TRAILERS)))}{hint}")
     if stored != computed:
         raise StateCorruptionError(name, HEADER_SIZE - 8, f"header checksum mismatch (stored 0x{stored:016x}, "
                                                           f"computed 0x{computed:016x})")
@@ -143,6 +155,7 @@ def read_delta_header(data, path=None):
         raise StateCorruptionError(name, 12, f"rows of {key_width + value_width} bytes exceed the "
                                              f"{MAX_BLOCK_RAW_SIZE}-byte block limit")
     cdef DeltaHeader h = DeltaHeader.__new__(DeltaHeader)
+    h.format_version = version
     h.store_version = store_version
     h.lineage = lineage
     h.compression = COMPRESSION_NAMES[compression]

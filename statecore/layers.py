@@ -341,14 +341,14 @@ class State:
         else:
             self.head.delete_rows(keys, tombstone=self.base is not None)
 
-    def advance(self, version, commit_id):
-        """Make the head (just replayed) the given version."""
+    def advance(self, version, commit_id, num_keys=None):
+        """Make the head (just replayed) the given version, of ``num_keys`` keys if known."""
         self._changed()
         n = self.num_keys.pop(self.version)
         self.commit_ids.pop(self.version)
         self.version = version
         self.commit_ids[version] = commit_id
-        self.num_keys[version] = n
+        self.num_keys[version] = n if num_keys is None else num_keys
 
     def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None, put_prior=None):
         """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -252,9 +252,12 @@ class FileStateStoreProvider(StateStoreProvider):
         lineage, a snapshot newer than the version held (fewer deltas to replay from it),
         or the state changed while the deltas were read.
 
-        Each delta is checked whole and must follow the one before; it is merged as a commit
-        is (its undo kept), so the versions held before stay readable. A delta holds each
-        key once, its removes and puts disjoint (only a commit's update layer writes one)."""
+        Each delta is checked whole and must follow the one before. When nobody reads
+        ``latest`` (no open store, iteration or maintenance) and every delta records its
+        version's key count, the deltas are replayed into its head as a load replays them:
+        no lookups, and the versions held before are dropped. Otherwise each is merged as a
+        commit is (its undo kept), so the versions held before stay readable. A delta holds
+        each key once, its removes and puts disjoint (only a commit's update layer writes one)."""
         if latest is None or latest.pending is not None or latest.version >= version:
             return None
         start, start_id = latest.version, latest.commit_ids[latest.version]
@@ -275,9 +278,18 @@ class FileStateStoreProvider(StateStoreProvider):
             if (self._closed or self._latest is not latest or latest.version != start
                     or latest.pending is not None):
                 return None
-            state = self._state_to_merge_into(latest, start, start_id)
+            if self._unread(latest) and all(count is not None for *_, count in deltas):
+                state = latest
+                try:
+                    self._replay_deltas(state, deltas, drop_older=True)
+                except BaseException:
+                    self._latest = None  # replayed in part: load from files next time
+                    raise
+                deltas = ()
+            else:
+                state = self._state_to_merge_into(latest, start, start_id)
             try:
-                for _, own_id, blocks in deltas:
+                for _, own_id, blocks, _ in deltas:
                     self._merge_delta(state, own_id, blocks)
             except StateCorruptionError as e:  # a damaged block of the base, found by a lookup
                 log.warning("version %d of %s not reached from version %d in memory: %s; loading it from files",
@@ -290,11 +302,18 @@ class FileStateStoreProvider(StateStoreProvider):
             self._retain(state)
             head_due = self._spill_due(state)
             view = View(self, state, version, listing)
-        log.info("version %d of %s reached from version %d in memory by %d deltas",
-                 version, self, start, len(deltas))
+        log.info("version %d of %s reached from version %d in memory by %d deltas (%s)",
+                 version, self, start, len(steps), "merged" if deltas else "replayed")
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()
         return view
+
+    def _unread(self, state):
+        """Whether nothing reads ``state`` but through this provider's lock: no open store
+        pins a version of it, nothing iterates it, maintenance has not frozen it and no
+        commit is pending on it. Then it may be changed in place. REQUIRES: self._lock held."""
+        return (not state.frozen and not state.iterating and state.pending is None
+                and not any(sid == id(state) for sid, _ in self._pins))
 
     def _merge_delta(self, state, commit_id, blocks):
         """Merge one checked delta's blocks as the next version of ``state``. REQUIRES:
@@ -351,30 +370,35 @@ class FileStateStoreProvider(StateStoreProvider):
         put_keys, put_values = update.puts.export_rows()
         del_keys, del_prior = self._removed_keys(view, update)
         name = file_name(new_version, commit_id, "delta")
+        merged_count = Future()  # the new version's key count, once the merge knows it
 
         def write(f):
             writer = DeltaWriter(f, self._key_schema, self._value_schema, new_version,
                                  lineage=commit_id + parent_id, compression=self._conf.compression)
             writer.remove_rows(del_keys)
             writer.put_rows(put_keys, put_values)
-            writer.finish()
+            writer.finish(num_keys=merged_count.result())
 
         # The delta is encoded and made durable under a temporary name on a second thread
         # while the merge runs here (lz4, checksums, fsync and the table loops release the
-        # GIL). It is renamed into place only once the merge succeeded: raised means not
-        # visible. Until then the merged version is pending: no reader sees it.
+        # GIL); its trailer waits for the key count the merge finds. It is renamed into place
+        # only once the merge succeeded: raised means not visible. Until then the merged
+        # version is pending: no reader sees it.
         written = _delta_writers().submit(self._files.write_pending, name, write)
         try:
             with self._lock:
                 state = self._state_to_merge_into(view.state, view.version, view.commit_id)
                 state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior)
+                count = state.num_keys[new_version]
         except BaseException:
+            merged_count.set_result(None)  # lets the write end; its file is discarded
             if written.exception() is None:  # waits for the write
                 written.result().discard()
             with self._lock:
                 self._latest = None  # a half-applied merge: reload from files next time
                 self._published.notify_all()
             raise
+        merged_count.set_result(count)
         try:
             pending = written.result()  # waits; re-raises the write's error here
             try:
@@ -562,8 +586,9 @@ class FileStateStoreProvider(StateStoreProvider):
         return State(self._key_schema, self._value_schema, reader, f.version, commit_id, reader.row_count)
 
     def _checked_delta(self, f, parent_id=None):
-        """``(commit id, blocks)`` of the delta file ``f``, read whole and verified to its
-        trailer before any row is used; its header must agree with its name and, given
+        """``(commit id, blocks, key count)`` of the delta file ``f``, read whole and verified
+        to its trailer before any row is used (the key count of its version is None when the
+        file does not record it); its header must agree with its name and, given
         ``parent_id``, follow that attempt of the version before."""
         path = self._files.path(f.name)
         with self._files.open_read(f.name) as source:
@@ -572,23 +597,34 @@ class FileStateStoreProvider(StateStoreProvider):
             if parent_id is not None and reader.parent_id != parent_id:
                 raise StateCorruptionError(path, None, f"delta of version {f.version} does not follow the "
                                                        f"version {f.version - 1} it is read on (a file of another run)")
-            return reader.commit_id, list(reader)
+            blocks = list(reader)
+            return reader.commit_id, blocks, reader.num_keys
 
     def _checked_deltas(self, steps, parent_id):
-        """``(version, commit id, blocks)`` of the delta files of ``steps`` (``(version,
-        file)``, newest first), oldest first: each read and checked whole, following the one
-        before it (the first follows ``parent_id``)."""
+        """``(version, commit id, blocks, key count)`` of the delta files of ``steps``
+        (``(version, file)``, newest first), oldest first: each read and checked whole,
+        following the one before it (the first follows ``parent_id``)."""
         for u, f in reversed(steps):
-            own_id, blocks = self._checked_delta(f, parent_id=parent_id)
-            yield u, own_id, blocks
+            own_id, blocks, count = self._checked_delta(f, parent_id=parent_id)
+            yield u, own_id, blocks, count
             parent_id = own_id
 
     def _replay(self, state, steps):
-        for u, own_id, blocks in self._checked_deltas(steps, state.commit_ids[state.version]):
+        self._replay_deltas(state, self._checked_deltas(steps, state.commit_ids[state.version]))
+        return state
+
+    @staticmethod
+    def _replay_deltas(state, deltas, drop_older=False):
+        """Replay ``deltas`` (as :meth:`_checked_deltas` yields them) into ``state``'s head,
+        each becoming its newest version with the key count its file records (or an unknown
+        one). ``drop_older``: first forget the versions ``state`` held before its newest,
+        which the replay makes unreadable."""
+        if drop_older:
+            state.retain(state.version)
+        for u, own_id, blocks, count in deltas:
             for kind, keys, values in blocks:
                 state.replay(kind == BLOCK_PUTS, keys, values)
-            state.advance(u, own_id)
-        return state
+            state.advance(u, own_id, count)
 
     # -- whole versions, read once -------------------------------------------------------------
     def version_rows(self, version, commit_id=None, rows_per_batch=1 << 20):
@@ -605,7 +641,7 @@ class FileStateStoreProvider(StateStoreProvider):
         chain = self._chain(listing)
         delta = chain.find("delta", 1, target) if version == 1 else None
         if delta is not None and chain.find("snapshot", 1, target) is None:
-            _, blocks = self._checked_delta(delta, parent_id=ROOT_COMMIT_ID)
+            _, blocks, _ = self._checked_delta(delta, parent_id=ROOT_COMMIT_ID)
             for kind, keys, values in blocks:
                 if kind == BLOCK_PUTS:
                     for start in range(0, keys.shape[0], rows_per_batch):
@@ -648,7 +684,7 @@ class FileStateStoreProvider(StateStoreProvider):
                     f"than the retained snapshots are deleted by maintenance)")
             steps.append((u, delta))
         for u, f in reversed(steps):
-            _, blocks = self._checked_delta(f)
+            _, blocks, _ = self._checked_delta(f)
             for kind, keys, values in blocks:
                 if kind == BLOCK_PUTS:
                     yield u, True, self._key_schema.from_rows(keys), self._value_schema.from_rows(values)

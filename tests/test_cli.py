@@ -188,7 +188,7 @@ FLIPS = {  # (partition, kind, version, offset flipped, offset reported)
     "delta header": (1, "delta", 4, 20, 64),  # the header checksum
     "delta block header": (1, "delta", 4, 72 + 5, 72),  # the block
     "delta payload": (1, "delta", 4, 72 + 32 + 3, 72 + 32),  # the payload
-    "delta trailer": (1, "delta", 4, -10, -48),  # the trailer
+    "delta trailer": (1, "delta", 4, -10, -56),  # the trailer (56 bytes in format version 2)
     "snapshot header": (1, "snapshot", 6, 50, 4088),  # the header checksum
     "snapshot schema json": (1, "snapshot", 6, 140, 4088),
     "snapshot rows": (1, "snapshot", 6, 4096 + 30, 4096),  # the data block

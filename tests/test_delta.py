@@ -1,5 +1,5 @@
 """Delta files: round trips over layouts and sources, order of interleaved puts and removes
-against a dict model, golden bytes pinning format version 1, header checks, and damage
+against a dict model, golden bytes pinning format versions 1 and 2, header checks, and damage
 (truncation at every offset, seeded byte-level fuzz in subprocesses, splicing), which must
 always be StateCorruptionError and never wrong rows or a crash."""
 import io
@@ -18,7 +18,7 @@ import statecore
 from statecore import RowTable, SchemaMismatchError, StateCorruptionError
 from statecore._delta import (
     BLOCK_HEADER_SIZE, BLOCK_PUTS, BLOCK_REMOVES, DEFAULT_BLOCK_BYTES, DELTA_HEADER_SIZE, FORMAT_VERSION,
-    HEADER_SIZE, MAX_BLOCK_RAW_SIZE, TRAILER_SIZE, DeltaHeader, DeltaReader, DeltaWriter, apply_delta,
+    HEADER_SIZE, MAX_BLOCK_RAW_SIZE, TRAILER_MAGIC, TRAILER_SIZE, DeltaHeader, DeltaReader, DeltaWriter, apply_delta,
     encode_delta, read_delta, read_delta_header,
 )
 from statecore.errors import IllegalStateError
@@ -279,56 +279,100 @@ def test_fsspec_files_need_no_seek():
 # -- the format ----------------------------------------------------------------------------
 
 def tiny_delta(compression):
-    """The golden delta: put 1->(10, 0.5), put 2->(20, 1.5), remove 1; version 7."""
+    """The golden delta: put 1->(10, 0.5), put 2->(20, 1.5), remove 1; version 7, of 1 key."""
     values = np.array([(10, 0.5), (20, 1.5)], dtype=I8F8.dtype).view(np.uint8).reshape(2, 16)
     return encode_delta(I8, I8F8, 7, puts=(int_keys([1, 2]), values), removes=int_keys([1]),
-                        lineage=bytes(range(16)), compression=compression)
+                        lineage=bytes(range(16)), compression=compression, num_keys=1)
 
 
-# Pinned once from format version 1. If a change breaks these, deltas already written no
-# longer read: bump FORMAT_VERSION instead. The uncompressed file must also still encode
-# byte for byte; lz4's output may change between lz4 releases, so that file is only read.
-GOLDEN_NONE = bytes.fromhex(
+# Pinned once from format version 1 (the same delta, with no key count): deltas written by
+# earlier builds, which must still read.
+GOLDEN_V1_NONE = bytes.fromhex(
     "534344454c5441010100000008000000100000000000000005023e6143c5809242bcdd79550d7f250700000000000000"
     "000102030405060708090a0b0c0d0e0f79e3d6ed81615e7001000000020000003000000030000000bc29eae4f1d3d032"
     "b7b5c68d757023af010000000000000002000000000000000a00000000000000000000000000e03f1400000000000000"
     "000000000000f83f020000000100000008000000080000009599a4a217cb299f6475631c21031d220100000000000000"
     "534344454e440001020000000000000002000000000000000100000000000000c074319f17d066eac3a26adcd1cd9372"
 )
-GOLDEN_LZ4 = bytes.fromhex(
+GOLDEN_V1_LZ4 = bytes.fromhex(
     "534344454c5441010100010008000000100000000000000005023e6143c5809242bcdd79550d7f250700000000000000"
     "000102030405060708090a0b0c0d0e0fae29b8b44713d63401000000020000003000000021000000fd36bbdd2c65625c"
     "41c425aaf6a5210022010001001202070023000a080002020032e03f1409009000000000000000f83f02000000010000"
     "0008000000090000006389b99e66777cd85a77e1d2ad104c3c800100000000000000534344454e440001020000000000"
     "0000020000000000000001000000000000009d97802322ee6669b941fd63e2ba24a9"
 )
+# Pinned once from format version 2. If a change breaks these, deltas already written no
+# longer read: bump FORMAT_VERSION instead. The uncompressed file must also still encode
+# byte for byte; lz4's output may change between lz4 releases, so that file is only read.
+GOLDEN_NONE = bytes.fromhex(
+    "534344454c5441010200000008000000100000000000000005023e6143c5809242bcdd79550d7f250700000000000000"
+    "000102030405060708090a0b0c0d0e0f3f114bdcf9a85e7901000000020000003000000030000000bc29eae4f1d3d032"
+    "b7b5c68d757023af010000000000000002000000000000000a00000000000000000000000000e03f1400000000000000"
+    "000000000000f83f020000000100000008000000080000009599a4a217cb299f6475631c21031d220100000000000000"
+    "534344454e4400020200000000000000020000000000000001000000000000000100000000000000bc45c075e5e330d3"
+    "630043a0c8489371"
+)
+GOLDEN_LZ4 = bytes.fromhex(
+    "534344454c5441010200010008000000100000000000000005023e6143c5809242bcdd79550d7f250700000000000000"
+    "000102030405060708090a0b0c0d0e0fb4bf208d381ef7e801000000020000003000000021000000fd36bbdd2c65625c"
+    "41c425aaf6a5210022010001001202070023000a080002020032e03f1409009000000000000000f83f02000000010000"
+    "0008000000090000006389b99e66777cd85a77e1d2ad104c3c800100000000000000534344454e440002020000000000"
+    "00000200000000000000010000000000000001000000000000002196b065f83046ca7064753e9b712f04"
+)
 
 
 def test_golden_header_bytes():
     data = tiny_delta("lz4")
-    expected = (b"SCDELTA\x01" + bytes.fromhex("0100" "01" "00" "08000000" "10000000" "00000000")
+    expected = (b"SCDELTA\x01" + bytes.fromhex("0200" "01" "00" "08000000" "10000000" "00000000")
                 + I8.fingerprint.to_bytes(8, "little") + I8F8.fingerprint.to_bytes(8, "little")
                 + (7).to_bytes(8, "little") + bytes(range(16)))
     assert data[:64] == expected
     assert data[64:72] == xxhash.xxh64_digest(expected)[::-1]  # u64 little-endian
-    assert len(data) >= HEADER_SIZE + TRAILER_SIZE and data[-48:-40] == b"SCDEND\x00\x01"
+    assert len(data) >= HEADER_SIZE + TRAILER_SIZE and data[-56:-48] == b"SCDEND\x00\x02"
+    assert data[-24:-16] == (1).to_bytes(8, "little")  # the key count, before the two checksums
 
 
 def test_golden_files():
     assert tiny_delta("none") == GOLDEN_NONE
     assert tiny_delta("lz4")[:64] == GOLDEN_LZ4[:64]
-    for golden in [GOLDEN_NONE, GOLDEN_LZ4]:
+    for golden, version, num_keys in [(GOLDEN_NONE, 2, 1), (GOLDEN_LZ4, 2, 1),
+                                      (GOLDEN_V1_NONE, 1, None), (GOLDEN_V1_LZ4, 1, None)]:
         reader = DeltaReader(golden, I8, I8F8, expected_lineage=bytes(range(16)))
+        assert reader.format_version == version and reader.num_keys is None  # not read yet
         assert flatten(reader) == [
             (BLOCK_PUTS, int_keys([1]).tobytes(), np.array([(10, 0.5)], I8F8.dtype).tobytes()),
             (BLOCK_PUTS, int_keys([2]).tobytes(), np.array([(20, 1.5)], I8F8.dtype).tobytes()),
             (BLOCK_REMOVES, int_keys([1]).tobytes(), None),
         ]
         assert (reader.store_version, reader.n_puts, reader.n_removes, reader.n_blocks) == (7, 2, 1, 2)
+        assert reader.num_keys == num_keys
+        assert DeltaReader(golden).check(decode=False) == (2, 2, 1)
+
+
+def test_the_key_count_is_recorded_when_given():
+    keys = int_keys(range(10))
+    values = np.zeros((10, 16), np.uint8)
+    for num_keys in [None, 0, 10, (1 << 64) - 2]:
+        reader = DeltaReader(encode_delta(I8, I8F8, 3, puts=(keys, values), num_keys=num_keys))
+        reader.check()
+        assert reader.num_keys == num_keys
+    for bad in [-1, 1 << 64, (1 << 64) - 1, 2.0, True, "3"]:
+        writer = DeltaWriter(io.BytesIO(), I8, I8F8, 3)
+        with pytest.raises(ValueError, match="num_keys must be"):
+            writer.finish(num_keys=bad)
+        writer.finish(num_keys=1)  # refused before anything was written: the writer still works
+
+
+def test_a_damaged_key_count_is_caught():
+    data = bytearray(tiny_delta("none"))
+    data[-24] ^= 1
+    with pytest.raises(StateCorruptionError, match="trailer checksum mismatch") as e:
+        read_delta(bytes(data))
+    assert e.value.offset == len(data) - TRAILER_SIZE
 
 
 def test_layout_constants():
-    assert (HEADER_SIZE, BLOCK_HEADER_SIZE, TRAILER_SIZE, FORMAT_VERSION) == (72, 32, 48, 1)
+    assert (HEADER_SIZE, BLOCK_HEADER_SIZE, TRAILER_SIZE, FORMAT_VERSION) == (72, 32, 56, 2)
     assert DEFAULT_BLOCK_BYTES <= MAX_BLOCK_RAW_SIZE
 
 
@@ -342,8 +386,9 @@ def reseal(data, offset, patch):
 
 
 def test_unknown_format_version_is_named():
-    data = reseal(multi_block_delta(), 8, (2).to_bytes(2, "little"))
-    with pytest.raises(StateCorruptionError, match="unknown delta format version 2") as e:
+    data = reseal(multi_block_delta(), 8, (3).to_bytes(2, "little"))
+    with pytest.raises(StateCorruptionError, match="unknown delta format version 3; this build reads "
+                                                   "versions 1, 2") as e:
         DeltaReader(data, path="ckpt/0/0/3.delta")
     assert (e.value.path, e.value.offset) == ("ckpt/0/0/3.delta", 8)
     assert "checksum does not match" not in str(e.value)
@@ -416,7 +461,7 @@ def test_read_delta_header_refuses_what_the_reader_refuses():
         with pytest.raises(StateCorruptionError, match="truncated") as e:
             read_delta_header(data[:cut], path="d")
         assert (e.value.path, e.value.offset) == ("d", cut)
-    cases = [reseal(data, 8, (2).to_bytes(2, "little")), reseal(data, 10, b"\x07"), reseal(data, 11, b"\x01"),
+    cases = [reseal(data, 8, (3).to_bytes(2, "little")), reseal(data, 10, b"\x07"), reseal(data, 11, b"\x01"),
              reseal(data, 20, b"\x01"), reseal(data, 12, bytes(4)), reseal(data, 12, (5 << 20).to_bytes(4, "little"))]
     for at in range(HEADER_SIZE):
         for bit in range(8):
@@ -496,7 +541,7 @@ def test_truncation_at_every_offset():
         assert e.value.path == "t.delta" and e.value.offset == cut, cut
     with pytest.raises(StateCorruptionError, match="truncated"):
         read_delta(TrickleReader(data[:-1]))
-    for extra in [b"\0", b"SCDEND\x00\x01" * 6]:
+    for extra in [b"\0", TRAILER_MAGIC * 7]:
         with pytest.raises(StateCorruptionError, match="bytes follow the trailer") as e:
             read_delta(data + extra)
         assert e.value.offset == len(data)
@@ -549,7 +594,7 @@ def test_an_endless_file_fails_fast_and_reads_little(tmp_path):
 def block_spans(data):
     """``[(start, end)]`` of each block (header and payload) of a valid delta."""
     spans, at = [], HEADER_SIZE
-    while data[at:at + 8] != b"SCDEND\x00\x01":
+    while data[at:at + 8] != TRAILER_MAGIC:
         stored = int.from_bytes(data[at + 12:at + 16], "little")
         spans.append((at, at + BLOCK_HEADER_SIZE + stored))
         at += BLOCK_HEADER_SIZE + stored
@@ -739,7 +784,7 @@ def test_check_reads_to_the_end_with_or_without_decompressing(decode):
                         block_bytes=4096)
     assert DeltaReader(data, key, value).check(decode=decode) == (DeltaReader(data).check()[0], 3000, 10)
     # header (its checksum), block header, payload, trailer: where each is reported
-    for offset, reported in ((20, 64), (72 + 5, 72), (72 + 32 + 3, 72 + 32), (len(data) - 10, len(data) - 48)):
+    for offset, reported in ((20, 64), (72 + 5, 72), (72 + 32 + 3, 72 + 32), (len(data) - 10, len(data) - TRAILER_SIZE)):
         damaged = bytearray(data)
         damaged[offset] ^= 0xFF
         with pytest.raises(StateCorruptionError) as e:

@@ -371,18 +371,19 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
     original = State.merge
     saw = []
 
-    written = threading.Event()
+    writing = threading.Event()
     write_pending = p._files.write_pending
 
-    def write_and_tell(*args):
-        try:
-            return write_pending(*args)
-        finally:
-            written.set()
+    def write_and_tell(name, write, *args):
+        def told(f):
+            writing.set()
+            return write(f)
+        return write_pending(name, told, *args)
 
     def failing_merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None):
-        # Let the delta write finish first (on a delta writer thread): the write succeeds.
-        assert written.wait(WAIT_S), "the delta write did not finish"
+        # Let the delta write start first (on a delta writer thread): its temporary file is
+        # there, and its trailer waits for the merge.
+        assert writing.wait(WAIT_S), "the delta write did not start"
         saw.append(sorted(n for n in os.listdir(store_dir(tmp_path)) if n.startswith((f"{v + 1}", f".{v + 1}"))))
         if merge == "raises_after_merging":
             original(self, put_keys, put_values, del_keys, commit_id, pending, del_prior)
@@ -398,7 +399,7 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="injected"):
         store.commit()
     monkeypatch.setattr(State, "merge", original)
-    assert saw and saw[0], "the delta was not written before the merge raised"
+    assert saw and saw[0], "the delta was not being written when the merge raised"
 
     assert not has_file(tmp_path, v + 1, "delta") and not has_file(tmp_path, v + 1, "snapshot"), \
         f"a file of version {v + 1} is visible after its commit raised: {version_files(tmp_path)}"

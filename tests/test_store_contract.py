@@ -486,10 +486,9 @@ def _metric(p, version, name):
         store.abort()
 
 
-def test_a_version_committed_by_another_worker_is_reached_by_its_deltas(root):
-    """Two providers of one store (two workers of an executor) take the batches in turn:
-    each reaches the newest version from the one it holds by the deltas since, keeps its
-    older versions readable, and sees exactly what the other committed (puts and removes)."""
+def _two_workers_taking_turns(root):
+    """Providers ``a`` and ``b`` of one store (two workers of an executor): ``a`` commits
+    versions 1 and 2, ``b`` loads 2 and commits 3 and 4. Returns ``(a, b, version 3, version 4)``."""
     a, b = make(root), make(root)
     commit_batch(a, 0, [(k, (k, 0.0)) for k in range(6)])
     commit_batch(a, 1, [(6, (6, 0.0))])
@@ -497,17 +496,74 @@ def test_a_version_committed_by_another_worker_is_reached_by_its_deltas(root):
     assert _metric(b, 2, "rolledForwardCount") == 0
     commit_batch(b, 2, [(0, (0, 9.5)), (7, (7, 0.0))], removes=[1, 99])
     commit_batch(b, 3, [(8, (8, 0.0))], removes=[2])
-    expected = {k: (k, 0.0) for k in range(9) if k not in (1, 2)}
-    expected[0] = (0, 9.5)
-    assert contents(a.get_read_store(4)) == expected
-    assert _metric(a, 4, "rolledForwardCount") == 1
-    hits = _metric(a, 4, "loadedMapCacheHitCount")
     version_3 = {k: (k, 0.0) for k in range(8) if k != 1}
     version_3[0] = (0, 9.5)
-    assert contents(a.get_read_store(3)) == version_3  # held in memory by the roll forward's undo
-    assert _metric(a, 4, "loadedMapCacheHitCount") == hits + 2
+    version_4 = {k: v for k, v in version_3.items() if k != 2}
+    version_4[8] = (8, 0.0)
+    return a, b, version_3, version_4
+
+
+def test_a_version_committed_by_another_worker_is_reached_by_its_deltas(root):
+    """Two workers take the batches in turn: each reaches the newest version from the one
+    it holds by the deltas since, and sees exactly what the other committed (puts and
+    removes). Nothing reads the version ``a`` holds, so the deltas are replayed into it,
+    each version's key count taken from its delta, and the versions passed over are read
+    from files again when asked for."""
+    a, _, version_3, version_4 = _two_workers_taking_turns(root)
+    store = a.get_read_store(4)
+    assert contents(store) == version_4 and store.metrics.num_keys == len(version_4)
+    store.abort()
+    assert _metric(a, 4, "rolledForwardCount") == 1
+    misses = _metric(a, 4, "loadedMapCacheMissCount")
+    assert contents(a.get_read_store(3)) == version_3  # replayed over: loaded again
+    assert _metric(a, 4, "loadedMapCacheMissCount") == misses + 1
     commit_batch(a, 4, [(9, (9, 0.0))])
-    assert contents(make(root).get_read_store(5)) == {**expected, 9: (9, 0.0)}
+    assert contents(make(root).get_read_store(5)) == {**version_4, 9: (9, 0.0)}
+
+
+def test_a_roll_forward_under_an_open_reader_keeps_the_versions_held(root):
+    """A store of the held version is open (it pins it): the deltas are merged as commits
+    are, their undo kept, so that store reads on unchanged and the versions in between are
+    held in memory."""
+    a, b = make(root), make(root)
+    commit_batch(a, 0, [(k, (k, 0.0)) for k in range(6)])
+    reader = a.get_read_store(1)
+    b.get_read_store(1).abort()
+    commit_batch(b, 1, [(0, (0, 9.5)), (7, (7, 0.0))], removes=[1, 99])
+    commit_batch(b, 2, [(8, (8, 0.0))], removes=[2])
+    version_2 = {k: (k, 0.0) for k in (0, 2, 3, 4, 5, 7)}
+    version_2[0] = (0, 9.5)
+    version_3 = {k: v for k, v in version_2.items() if k != 2}
+    version_3[8] = (8, 0.0)
+    store = a.get_read_store(3)
+    assert contents(store) == version_3 and store.metrics.num_keys == len(version_3)
+    store.abort()
+    assert _metric(a, 3, "rolledForwardCount") == 1
+    hits = _metric(a, 3, "loadedMapCacheHitCount")
+    assert contents(a.get_read_store(2)) == version_2  # held by the roll forward's undo
+    assert _metric(a, 3, "loadedMapCacheHitCount") == hits + 2
+    assert contents(reader) == {k: (k, 0.0) for k in range(6)}
+    reader.abort()
+
+
+def test_deltas_that_record_no_key_count_are_merged(root, monkeypatch):
+    """Deltas written before their trailer recorded the key count (format version 1) are
+    merged as commits are, which finds the count: the versions passed over stay held."""
+    a, _, version_3, version_4 = _two_workers_taking_turns(root)
+    checked = FileStateStoreProvider._checked_delta
+
+    def without_count(self, f, parent_id=None):
+        commit_id, blocks, _ = checked(self, f, parent_id)
+        return commit_id, blocks, None
+
+    monkeypatch.setattr(FileStateStoreProvider, "_checked_delta", without_count)
+    store = a.get_read_store(4)
+    assert contents(store) == version_4 and store.metrics.num_keys == len(version_4)
+    store.abort()
+    assert _metric(a, 4, "rolledForwardCount") == 1
+    hits = _metric(a, 4, "loadedMapCacheHitCount")
+    assert contents(a.get_read_store(3)) == version_3  # held by the merge's undo
+    assert _metric(a, 4, "loadedMapCacheHitCount") == hits + 2
 
 
 def test_no_roll_forward_across_another_lineage_or_past_a_newer_snapshot(root):

@@ -187,7 +187,8 @@ HOOKS = {}
 
 class HookedFiles(FaultInjectingFiles):
     """FaultInjectingFiles whose operations call HOOKS: ``"listed"`` (after a listing, name
-    None), ``"writer"`` (before a write callback), each step (``"flush"``, ``"fsync"``,
+    None), ``"writer"`` (before a write callback), ``"wrote"`` (after each write of the
+    callback's bytes), each step (``"flush"``, ``"fsync"``,
     ``"rename"``, ``"delete"``, ``"read"``: before it), ``"fired"`` (an injected fault fires),
     ``"pending"`` (write_pending returned: durable under its temporary name),
     ``"published"`` (renamed into place, its directory fsynced) and ``"written"``
@@ -205,7 +206,7 @@ class HookedFiles(FaultInjectingFiles):
 
     def _writer(self, f, name):
         self._hook("writer", name)
-        return super()._writer(f, name)
+        return _ToldWriter(super()._writer(f, name), self, name)
 
     def _step(self, step, name):
         self._hook(step, name)
@@ -229,6 +230,18 @@ class HookedFiles(FaultInjectingFiles):
         size = super().write_atomic(name, write, overwrite, on_flushed)
         self._hook("written", name)
         return size
+
+
+class _ToldWriter:
+    """A writable file that calls the ``"wrote"`` hook after each write."""
+
+    def __init__(self, f, files, name):
+        self._f, self._files, self._name = f, files, name
+
+    def write(self, data):
+        n = self._f.write(data)
+        self._files._hook("wrote", self._name)
+        return n
 
 
 @pytest.fixture
@@ -633,11 +646,12 @@ def test_kill_in_a_deep_re_executions_deletes_leaves_a_loadable_lineage(tmp_path
 
 # -- injected faults at commit -----------------------------------------------------------------
 STEPS = [("write", 0), ("write", 150), ("flush", 0), ("fsync", 0), ("rename", 0)]
-# The delta is written on the commit's writer thread while the merge runs: the fault fires
-# before the merge (the merge then runs, and is undone), or after it. The rename comes after
-# the merge in any case.
+# The delta's header and blocks are written on the commit's writer thread while the merge
+# runs, its trailer (which records the merged version's key count), flush, fsync and rename
+# after the merge: a fault in the header fires before the merge (the merge then runs, and is
+# undone), or any fault after it.
 FAULT_CASES = [(step, after_bytes, order) for step, after_bytes in STEPS
-               for order in ("fault-first", "merge-first") if not (step == "rename" and order == "fault-first")]
+               for order in ("fault-first", "merge-first") if order == "merge-first" or (step, after_bytes) == ("write", 0)]
 
 
 @pytest.mark.parametrize("step,after_bytes,order", FAULT_CASES,
@@ -746,45 +760,72 @@ def test_failed_commit_can_be_retried_by_the_same_store(tmp_path, faulty, hooks,
     assert tmp_files(tmp_path) == [] and len(attempts(tmp_path, 4)) == 1
 
 
+def test_the_deltas_trailer_waits_for_the_merge_and_records_its_key_count(tmp_path, faulty, hooks):
+    """A commit's delta is made durable only after the merge, and its trailer records the
+    key count the merge found: what a roll forward in another worker takes as that
+    version's count instead of looking every key up."""
+    seed = 27
+    expected = workload(seed, 4)
+    p = make(tmp_path)
+    commit_workload(p, seed, 0, 3)
+    seen = []
+    hooks.update(merged=lambda _: seen.append("merged"),
+                 flush=lambda name: seen.append("delta flushed") if fnmatch.fnmatch(name, "4_*.delta") else None)
+    s = p.get_store(3)
+    cw.apply_to_store(s, cw.batch(seed, 4))
+    assert s.commit() == 4
+    hooks.clear()
+    assert seen == ["merged", "delta flushed"]
+    assert s.metrics.num_keys == len(expected[4])
+    for version in range(1, 5):
+        (name,) = attempts(tmp_path, version)
+        path = os.path.join(store_dir(tmp_path), name)
+        reader = DeltaReader(Path(path).read_bytes(), KEY, VALUE, path=path)
+        reader.check()
+        assert reader.num_keys == len(expected[version])
+
+
 @pytest.mark.parametrize("fails", ["merge", "merged"], ids=["before-it-changed-anything", "after-it-merged"])
-@pytest.mark.parametrize("when", ["delta-durable", "delta-being-written"])
+@pytest.mark.parametrize("when", ["delta-partly-written", "delta-not-started"])
 def test_failed_merge_leaves_no_file(tmp_path, faulty, hooks, fails, when):
-    """The merge fails while the writer thread's delta is already durable under its
-    temporary name, or still being written: the delta is discarded (never renamed), the
-    version the commit builds on stays exact (an open reader of it too), and the same store
-    commits once the merge works."""
+    """The merge fails while the writer thread's delta is partly written under its
+    temporary name (its trailer waits for the merge), or before its first byte: the delta
+    is discarded (never renamed), the version the commit builds on stays exact (an open
+    reader of it too), and the same store commits once the merge works."""
     seed = 26
     expected = workload(seed, 5)
     p = make(tmp_path)
     commit_workload(p, seed, 0, 3)
     reader = p.get_read_store(3)
-    durable, writing, go_on = threading.Event(), threading.Event(), threading.Event()
+    wrote, writing, go_on = threading.Event(), threading.Event(), threading.Event()
     seen = []
 
     def on_pending(name):
         if fnmatch.fnmatch(name, "4_*.delta"):
             seen.append("delta durable")
-            durable.set()
 
     def on_writer(name):
-        if fnmatch.fnmatch(name, "4_*.delta") and when == "delta-being-written":
+        if fnmatch.fnmatch(name, "4_*.delta") and when == "delta-not-started":
             writing.set()
-            assert go_on.wait(10)  # written on once the merge failed
+            assert go_on.wait(10)  # written once the merge failed
+
+    def on_wrote(name):
+        if fnmatch.fnmatch(name, "4_*.delta"):
+            wrote.set()
 
     def fail(_):
-        assert (durable if when == "delta-durable" else writing).wait(10)
+        assert (wrote if when == "delta-partly-written" else writing).wait(10)
         seen.append("merge failed")
         go_on.set()
         raise RuntimeError("injected merge failure")
 
-    hooks.update(pending=on_pending, writer=on_writer, **{fails: fail})
+    hooks.update(pending=on_pending, writer=on_writer, wrote=on_wrote, **{fails: fail})
     s = p.get_store(3)
     cw.apply_to_store(s, cw.batch(seed, 4))
     with pytest.raises(RuntimeError, match="injected merge failure"):
         s.commit()
     hooks.clear()
-    assert seen == (["delta durable", "merge failed"] if when == "delta-durable"
-                    else ["merge failed", "delta durable"])
+    assert seen == ["merge failed", "delta durable"]
     assert not s.has_committed
     assert tmp_files(tmp_path) == [] and 4 not in versions_on_disk(tmp_path)[0]
     assert contents(reader) == expected[3]
