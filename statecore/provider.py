@@ -278,32 +278,32 @@ class FileStateStoreProvider(StateStoreProvider):
             if (self._closed or self._latest is not latest or latest.version != start
                     or latest.pending is not None):
                 return None
-            if self._unread(latest) and all(count is not None for *_, count in deltas):
+            replayed = self._unread(latest) and all(count is not None for *_, count in deltas)
+            if replayed:
                 state = latest
                 try:
                     self._replay_deltas(state, deltas, drop_older=True)
                 except BaseException:
                     self._latest = None  # replayed in part: load from files next time
                     raise
-                deltas = ()
             else:
                 state = self._state_to_merge_into(latest, start, start_id)
-            try:
-                for _, own_id, blocks, _ in deltas:
-                    self._merge_delta(state, own_id, blocks)
-            except StateCorruptionError as e:  # a damaged block of the base, found by a lookup
-                log.warning("version %d of %s not reached from version %d in memory: %s; loading it from files",
-                            version, self, start, e)
-                if state.version > start:  # merged whole up to there: a consistent state
-                    self._latest = state
-                return None
+                try:
+                    for _, own_id, blocks, _ in deltas:
+                        self._merge_delta(state, own_id, blocks)
+                except StateCorruptionError as e:  # a damaged block of the base, found by a lookup
+                    log.warning("version %d of %s not reached from version %d in memory: %s; loading it from "
+                                "files", version, self, start, e)
+                    if state.version > start:  # merged whole up to there: a consistent state
+                        self._latest = state
+                    return None
             self._rolled_forward += 1
             self._latest = state
             self._retain(state)
             head_due = self._spill_due(state)
             view = View(self, state, version, listing)
         log.info("version %d of %s reached from version %d in memory by %d deltas (%s)",
-                 version, self, start, len(steps), "merged" if deltas else "replayed")
+                 version, self, start, len(steps), "replayed" if replayed else "merged")
         if head_due and self._maintenance_hint is not None:
             self._maintenance_hint()
         return view

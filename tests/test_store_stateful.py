@@ -116,12 +116,14 @@ class StoreMachine(RuleBasedStateMachine):
             return "gone"
         try:
             got = reads(store)
+            num_keys = store.metrics.num_keys
         except StateCorruptionError as e:
             assert damaged is not None and e.path == damaged, f"version {v}: {e}"
             return "corrupt"
         finally:
             store.abort()
         assert got == self.model[v], f"version {v} differs from the model"
+        assert num_keys == len(got), f"version {v} counts {num_keys} keys, holds {len(got)}"
         return "correct"
 
     @invariant()
