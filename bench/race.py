@@ -20,7 +20,11 @@ update mode. Contenders, each in a fresh Python process with its own Spark sessi
 - ``floor``: the same per-batch aggregation as a plain batch job with no state at all: what no
   Spark-based stateful query can beat;
 - ``stream_floor`` (a diagnostic): that aggregation inside a streaming query's ``foreachBatch``,
-  still without state: the floor plus what the streaming machinery costs per batch.
+  still without state: the floor plus what the streaming machinery costs per batch;
+- ``hop_floor`` (a diagnostic): inside ``foreachBatch``, the batch routed by key into the
+  state partitions and handed to Python by ``mapInArrow``, which only counts the rows: the
+  least any Python operator that keeps its state by partition pays per batch (statecore's
+  operator is this plus its state, its output and its commit).
 
 Spark's queries write their updated rows to the ``noop`` sink; statecore's operator writes its
 updated rows as parquet files (its materialized output), which is more work, not less (the
@@ -64,8 +68,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
-CONTENDERS = ("floor", "stream_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas",
-              "statecore", "statecore_raw", "statecore_pre")
+CONTENDERS = ("floor", "stream_floor", "hop_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state",
+              "tws_pandas", "statecore", "statecore_raw", "statecore_pre")
+FLOORS = ("floor", "stream_floor", "hop_floor")  # keep no state: what the others are held against
 # statecore's contenders: RunningAggregate's pre_aggregate for each
 STATECORE_PRE_AGGREGATE = {"statecore": "auto", "statecore_raw": False, "statecore_pre": True}
 SLOW = ("pandas_state", "tws_pandas")
@@ -206,7 +211,7 @@ def start_spark(name, contender, driver_memory):
                .config("spark.driver.memory", driver_memory)
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
-    if contender in ("floor", "stream_floor"):  # the same two partitions as the streaming plans
+    if contender in FLOORS:  # the same two partitions as the streaming plans
         builder = builder.config("spark.sql.adaptive.enabled", "false")
     if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["rocksdb"])
@@ -256,6 +261,13 @@ def _tws_processor():
     return CountSum()
 
 
+def _count_rows(batches):
+    """hop_floor's Python side: the rows of its partition, counted."""
+    import pyarrow as pa
+
+    yield pa.RecordBatch.from_pydict({"rows": [sum(b.num_rows for b in batches)]})
+
+
 def _statecore_operator(state_root, pre_aggregate="auto"):
     from pyspark_glue import RunningAggregate, StatefulOperator
 
@@ -299,6 +311,11 @@ def start_query(spark, contender, source, checkpoint, state_root):
              .write.format("noop").mode("overwrite").save())
 
         writer = events.writeStream.foreachBatch(aggregate)
+    elif contender == "hop_floor":
+        def hop(df, batch_id):
+            df.repartition(2, "key").mapInArrow(_count_rows, "rows long").collect()
+
+        writer = events.writeStream.foreachBatch(hop)
     elif contender in STATECORE_PRE_AGGREGATE:
         operator = _statecore_operator(state_root, pre_aggregate=STATECORE_PRE_AGGREGATE[contender])
         writer = operator_writer(events, operator)
@@ -467,7 +484,7 @@ def run_contender(args, keys, contender, files, slow_files, root, suffix=""):
         raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory, args.timeout)
     s = summarize(raw, n_rows, 1 if slow else min(args.warmup, len(raw["batches"]) - 1))
     s["rows_per_batch"] = n_rows
-    if contender not in ("floor", "stream_floor"):  # statecore's state lives beside the query's checkpoint
+    if contender not in FLOORS:  # statecore's state lives beside the query's checkpoint
         if "state_bytes" not in raw:  # a result from before the worker measured them: measure now
             ours = contender.startswith("statecore")
             raw["state_bytes"] = (tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) if ours
@@ -575,13 +592,13 @@ def add_ratios(results):
             if not sc:
                 continue
             tag = "" if ours == "statecore" else ours.removeprefix("statecore_") + "_"
-            for floor in ("floor", "stream_floor"):
+            for floor in FLOORS:
                 if floor in table:
                     r[f"{ours}_batch_over_{floor}"] = sc["batch_s"] / table[floor]["batch_s"]
                     if "batch_p95_s" in sc and "batch_p95_s" in table[floor]:
                         r[f"{ours}_p95_over_{floor}"] = sc["batch_p95_s"] / table[floor]["batch_p95_s"]
             for other in CONTENDERS:
-                if other in table and other not in (*STATECORE_PRE_AGGREGATE, "floor", "stream_floor"):
+                if other in table and other not in (*STATECORE_PRE_AGGREGATE, *FLOORS):
                     r[f"{tag}speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
                     if "state_bytes" in table[other]:
                         r[f"{tag}state_bytes_vs_{other}"] = sc["state_bytes"] / max(1, table[other]["state_bytes"])

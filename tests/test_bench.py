@@ -30,6 +30,7 @@ def test_summary_takes_the_median_of_the_measured_batches():
 def test_ratios_compare_contenders_of_the_same_run():
     table = {
         "floor": {"batch_s": 1.0, "rows_per_s": 1e6},
+        "hop_floor": {"batch_s": 1.0 / 1.1, "rows_per_s": 1.1e6},
         "hdfs": {"batch_s": 2.0, "rows_per_s": 5e5, "state_bytes": 400},
         "pandas_state": {"batch_s": 10.0, "rows_per_s": 1e4, "state_bytes": 900},
         "statecore": {"batch_s": 1.1, "rows_per_s": 1e6 / 1.1, "state_bytes": 300},
@@ -37,6 +38,8 @@ def test_ratios_compare_contenders_of_the_same_run():
     restart = {"hdfs": {"restart_cost_s": 20.0}, "statecore": {"restart_cost_s": 0.5}}
     out = race.add_ratios({"race": {"100": table}, "restart": {"1000": restart}})["ratios"]
     assert out["100"]["statecore_batch_over_floor"] == pytest.approx(1.1)
+    assert out["100"]["statecore_batch_over_hop_floor"] == pytest.approx(1.21)
+    assert "speedup_vs_hop_floor" not in out["100"] and "speedup_vs_floor" not in out["100"]
     assert out["100"]["speedup_vs_hdfs"] == pytest.approx(2 / 1.1)
     assert out["100"]["speedup_vs_pandas_state"] == pytest.approx(100 / 1.1)
     assert out["100"]["state_bytes_vs_hdfs"] == pytest.approx(0.75)
@@ -148,6 +151,17 @@ def test_race_contender_runs_in_its_own_process(tmp_path):
         provider.close()
     amounts = sum(pq.read_table(f).column("amount").to_numpy().sum() for f in files)
     assert (total_count, total_sum) == (6000, int(amounts))
+
+
+@pytest.mark.spark
+def test_hop_floor_contender_runs_in_its_own_process(tmp_path):
+    """The hop_floor diagnostic runs its batches (each routed by key into Python, no state)."""
+    files = race.write_batches(str(tmp_path / "data"), 2, 1500, 300, seed=6)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("h", "hop_floor", os.path.join(work, "input"), work, "1g", timeout=600)
+    assert [b["rows"] for b in result["batches"]] == [1500, 1500]
+    assert all(b["seconds"] > 0 for b in result["batches"])
 
 
 @pytest.mark.spark
