@@ -1,7 +1,8 @@
 # cython: language_level=3
 """Lookups through a Spill's levels (statecore/spill.py): the rows put since the level
 below, then the keys removed since, level by level down to the snapshot, each level's
-KeyFilters asked first so that only the levels that may decide a key are probed.
+KeyFilters (and the snapshot's, once it has one) asked first so that only the images that
+may decide a key are probed.
 
 A key is hashed once for every level (the filters and the slot indexes use the same hash).
 The batch walk (``get_rows``) runs without the GIL in two passes: the first hashes each key
@@ -56,10 +57,10 @@ cdef inline bint _may_hold(const FilterBits* f, uint64_t h) noexcept nogil:
 
 
 cdef inline uint32_t _next_candidate(const Level* levels, Py_ssize_t j, Py_ssize_t n_levels,
-                                     uint64_t h) noexcept nogil:
+                                     const FilterBits* bottom_filter, uint64_t h) noexcept nogil:
     """Where a key of hash ``h`` is looked for next, from level ``j`` on: ``level << 2``, plus
-    2 if that level's puts filter may hold it and 1 if its dels filter may; ``n_levels << 2``
-    (the snapshot) if no level's may."""
+    2 if that level's puts filter may hold it and 1 if its dels filter may; if no level's
+    may, ``n_levels << 2`` (the snapshot), plus 2 if the snapshot's filter may hold it."""
     cdef bint puts, dels
     while j < n_levels:
         puts = _may_hold(levels[j].puts_filter, h)
@@ -67,7 +68,7 @@ cdef inline uint32_t _next_candidate(const Level* levels, Py_ssize_t j, Py_ssize
         if puts or dels:
             return <uint32_t>((j << 2) | (puts << 1) | dels)
         j += 1
-    return <uint32_t>(n_levels << 2)
+    return <uint32_t>((n_levels << 2) | (_may_hold(bottom_filter, h) << 1))
 
 
 cdef inline const SlotIndex* _start_index(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
@@ -76,7 +77,7 @@ cdef inline const SlotIndex* _start_index(const Level* levels, Py_ssize_t n_leve
     cdef Py_ssize_t j = where >> 2
     if j < n_levels:
         return &levels[j].puts.index if where & 2 else &levels[j].dels.index
-    return &bottom.index if bottom != NULL else NULL
+    return &bottom.index if bottom != NULL and where & 2 else NULL
 
 
 cdef inline void _prefetch_filters(const Level* levels, Py_ssize_t n_levels, uint64_t h) noexcept nogil:
@@ -106,12 +107,12 @@ cdef inline int _find_value(const SnapLayout* image, const uint8_t* key, uint32_
 # REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
 # n entries; hashes and start n entries of scratch (start: where each key is looked for
 # first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
-# lies under the levels. On a code < 0, ``failed`` is the reader that raised: 2 * level (its
+# lies under the levels; ``bottom_filter`` its filter (NULL: every key may be there). On a code < 0, ``failed`` is the reader that raised: 2 * level (its
 # puts), 2 * level + 1 (its dels), or 2 * n_levels (the bottom).
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
-               const uint8_t* keys, Py_ssize_t n, size_t kw, size_t vw, uint8_t* values,
+               const FilterBits* bottom_filter, const uint8_t* keys, Py_ssize_t n, size_t kw, size_t vw, uint8_t* values,
                uint8_t* found, uint64_t* hashes, uint32_t* start, SnapError* err,
                Py_ssize_t* failed) noexcept nogil:
     cdef Py_ssize_t i, j
@@ -126,7 +127,7 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
     for i in range(n):
         if i + FILTER_PREFETCH_AHEAD < n:
             _prefetch_filters(levels, n_levels, hashes[i + FILTER_PREFETCH_AHEAD])
-        start[i] = _next_candidate(levels, 0, n_levels, hashes[i])
+        start[i] = _next_candidate(levels, 0, n_levels, bottom_filter, hashes[i])
     for i in range(n):
         if i + SLOT_PREFETCH_AHEAD < n:
             ix = _start_index(levels, n_levels, bottom, start[i + SLOT_PREFETCH_AHEAD])
@@ -159,8 +160,8 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
                     return rc
                 if rc:
                     break  # removed here: absent, whatever lies below
-            where = _next_candidate(levels, j + 1, n_levels, h)
-        if (where >> 2) == <uint32_t>n_levels and bottom != NULL:
+            where = _next_candidate(levels, j + 1, n_levels, bottom_filter, h)
+        if (where >> 2) == <uint32_t>n_levels and where & 2 and bottom != NULL:
             hit = _find_value(bottom, key, tag, value, vw, err)
             if hit < 0:
                 failed[0] = 2 * n_levels
@@ -192,6 +193,8 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
     cdef uint64_t* hashes = <uint64_t*>PyMem_Malloc(n * sizeof(uint64_t))
     cdef uint32_t* start = <uint32_t*>PyMem_Malloc(n * sizeof(uint32_t))
     cdef SnapLayout bottom
+    cdef const FilterBits* bottom_filter = NULL
+    cdef KeyFilter bottom_keys = None  # held while the walk reads its bits
     cdef SnapError err
     cdef int rc
     cdef SnapshotReader r
@@ -222,10 +225,12 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
             m = bottom_reader._acquire()
             readers.append((bottom_reader, m))
             bottom = bottom_reader._layout_of(m)
+            bottom_keys = bottom_reader.key_filter
+            bottom_filter = _filter_of(bottom_reader, bottom_keys)
         with nogil:
             if has_bottom and <uint64_t>n >= bottom.n_blocks:
                 snapshot_announce_all(&bottom)  # as SnapshotReader.get_rows does
-            rc = _walk(levels, n_levels, &bottom if has_bottom else NULL,
+            rc = _walk(levels, n_levels, &bottom if has_bottom else NULL, bottom_filter,
                        &keys[0, 0], n, kw, vw, value_ptr, &found[0], hashes, start, &err, &failed)
         for r, m in readers:
             if m is not None and not m.sound():
@@ -242,19 +247,18 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
 cdef int spill_find(spill, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
     """The per-row walk: 1 (value copied to ``value_out``) if the key's newest level puts
     it, 0 if a level removes it or no level nor the snapshot holds it."""
-    cdef uint32_t tag = slot_tag(h)
     node = spill
     while not isinstance(node, SnapshotReader):
         puts = node.puts
         if (_may_hold(_filter_of(puts, node.puts_filter), h)
-                and (<SnapshotReader>puts).find_into(key, tag, value_out)):
+                and (<SnapshotReader>puts).find_into(key, h, value_out)):
             return 1
         lower = node.lower
         if lower is None:
             return 0
         dels = node.dels
         if (dels is not None and _may_hold(_filter_of(dels, node.dels_filter), h)
-                and (<SnapshotReader>dels).find_into(key, tag, NULL)):
+                and (<SnapshotReader>dels).find_into(key, h, NULL)):
             return 0
         node = lower
-    return (<SnapshotReader>node).find_into(key, tag, value_out)
+    return (<SnapshotReader>node).find_into(key, h, value_out)  # asks the snapshot's filter

@@ -113,7 +113,7 @@ cdef int _base_find(base, const uint8_t* key, uint64_t h, uint8_t* value_out) ex
     if base is None:
         return 0
     if type(base) is SnapshotReader:
-        return (<SnapshotReader>base).find_into(key, slot_tag(h), value_out)
+        return (<SnapshotReader>base).find_into(key, h, value_out)
     if type(base) is Spill:
         return spill_find(base, key, h, value_out)
     inner = base.state  # a FrozenView: a frozen State at a version

@@ -3,6 +3,7 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
+from statecore._keyfilter cimport KeyFilter
 from statecore._mapping cimport Mapping
 from statecore._rowtable cimport RowSource
 from statecore._snapshot_image cimport SnapError, SnapLayout
@@ -19,6 +20,7 @@ cdef class SnapshotReader(RowSource):
     cdef SnapLayout layout              # base is NULL here: see SnapLayout
     cdef uint8_t* verified
     cdef uint8_t table_ok
+    cdef KeyFilter _filter              # of every key, once built from the rows; else None
 
     cdef object _corrupt(self, offset, reason)
     cdef object _open(self, int fd, size, key_schema, value_schema, expected_lineage)
@@ -26,7 +28,7 @@ cdef class SnapshotReader(RowSource):
     cdef SnapLayout _layout_of(self, Mapping mapping)
     cdef object _raise_truncated(self, Mapping mapping)
     cdef object _raise_for(self, const SnapError* err)
-    cdef int find_into(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1
+    cdef int find_into(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1
 
 
 @cython.final

@@ -25,6 +25,7 @@ from libc.string cimport memcpy
 
 from statecore._delta_format cimport header_field, lineage_bytes
 from statecore._hash cimport key_hash, slot_tag
+from statecore._keyfilter cimport KeyFilter, filter_may_hold
 from statecore._probe cimport Slot
 from statecore._rowtable cimport RowSource, rows_ptr
 from statecore._snapshot_format cimport SnapFooter, SnapshotHeader, check_footer
@@ -190,14 +191,27 @@ cdef class SnapshotReader(RowSource):
 
     # -- raw rows -------------------------------------------------------------------------
     def get_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,
-                 uint8_t[::1] found not None):
+                 uint8_t[::1] found not None, bint filtered=True):
         """Look up ``keys`` (n, key_width) into ``values`` (n, value_width; zeros where not
-        found) and ``found`` (n,). Raises StateCorruptionError if a touched block is damaged
+        found) and ``found`` (n,), asking the key filter first if there is one (``filtered``
+        False: probe every key). Raises StateCorruptionError if a touched block is damaged
         or the file was truncated; ``values`` and ``found`` then hold nothing to use."""
         cdef Mapping mapping = self._acquire()
         cdef Py_ssize_t n = self._lookup_size(keys, values, found)
         if n == 0:
             return
+        cdef KeyFilter key_filter = self._filter
+        if key_filter is not None and filtered:
+            maybe = np.flatnonzero(key_filter.may_hold_rows(keys))
+            if maybe.shape[0] < n:  # probe only the keys the filter does not rule out
+                sub_values = np.zeros((maybe.shape[0], self.value_width), dtype=np.uint8)
+                sub_found = np.zeros(maybe.shape[0], dtype=np.uint8)
+                self.get_rows(np.ascontiguousarray(np.asarray(keys)[maybe]), sub_values, sub_found, False)
+                np.asarray(values)[...] = 0
+                np.asarray(found)[...] = 0
+                np.asarray(values)[maybe] = sub_values
+                np.asarray(found)[maybe] = sub_found
+                return
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
         cdef uint8_t* value_ptr = <uint8_t*>rows_ptr(values)
         cdef SnapLayout lay = self._layout_of(mapping)
@@ -239,15 +253,19 @@ cdef class SnapshotReader(RowSource):
         if key.shape[0] != self.key_width:
             raise ValueError(f"a key row is {self.key_width} bytes, got {key.shape[0]}")
         value = PyBytes_FromStringAndSize(NULL, self.value_width)
-        if self.find_into(&key[0], slot_tag(key_hash(&key[0], <size_t>self.key_width)),
-                          <uint8_t*>PyBytes_AS_STRING(value)):
+        if self.find_into(&key[0], key_hash(&key[0], <size_t>self.key_width), <uint8_t*>PyBytes_AS_STRING(value)):
             return value
         return None
 
-    cdef int find_into(self, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -1:
-        """1 and the value copied to ``value_out`` if the ``key_width`` bytes at ``key`` (whose
-        slot tag is ``tag``) are a key here, else 0: the per-row probe of get_row and of the
-        stores' compiled per-row path. Raises as get_rows does."""
+    cdef int find_into(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
+        """1 and the value copied to ``value_out`` if the ``key_width`` bytes at ``key`` (of
+        hash ``h``) are a key here, else 0: the per-row probe of get_row and of the stores'
+        compiled per-row path, which asks the key filter first if there is one. Raises as
+        get_rows does."""
+        cdef KeyFilter key_filter = self._filter
+        if key_filter is not None and not filter_may_hold(&key_filter.bits, h):
+            return 0
+        cdef uint32_t tag = slot_tag(h)
         cdef Mapping mapping = self._acquire()
         cdef SnapLayout lay = self._layout_of(mapping)
         cdef SnapError err
@@ -262,6 +280,26 @@ cdef class SnapshotReader(RowSource):
         if rc < 0:
             self._raise_for(&err)
         return found
+
+    # -- the key filter ----------------------------------------------------------------------
+    def build_key_filter(self, Py_ssize_t chunk_rows=1 << 16):
+        """Build the :class:`~statecore._keyfilter.KeyFilter` of every key here, from the rows
+        themselves (each block checked against its checksum as it is read), and ask it first
+        from then on: a key it rules out is absent without a probe of the mapped slots. Once:
+        a reader that has one keeps it. Raises StateCorruptionError for a damaged block, and
+        then has none."""
+        if self._filter is not None:
+            return
+        cdef KeyFilter built = KeyFilter(self.key_width, self.row_count)
+        cursor = self.cursor()
+        while (chunk := cursor.next_rows(chunk_rows)) is not None:
+            built.add_rows(chunk)
+        self._filter = built
+
+    @property
+    def key_filter(self):
+        """The KeyFilter lookups ask first (:meth:`build_key_filter`), or None."""
+        return self._filter
 
     # -- the schema-level API (the rest is RowSource's) ------------------------------------
     def __len__(self):

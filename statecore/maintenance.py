@@ -1,5 +1,5 @@
-"""A provider's background work: spilling the head, writing snapshots and deleting files no
-version needs.
+"""A provider's background work: spilling the head, writing snapshots, building the key
+filter of the snapshot under the state, and deleting files no version needs.
 
 Snapshots and cleanup follow the default lineage (:mod:`statecore.lineage`) and decide only
 on checked bytes: headers read through the provider's checked parser, and a snapshot that
@@ -16,7 +16,7 @@ from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
 from statecore.lineage import check_names_agree, file_name
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
-from statecore.spill import Spill, spill_head, spill_rows
+from statecore.spill import Spill, bottom_snapshot, spill_head, spill_rows
 
 __all__ = ["run_maintenance", "spill_if_outgrown", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -27,6 +27,10 @@ TEMPORARY_FILE_MAX_AGE_S = 3600.0
 # How long a pass waits for a commit in flight to be published before it spills or freezes
 # the state (commits back to back leave little time between them).
 PUBLISH_WAIT_S = 1.0
+# The snapshot under the newest state gets a key filter (so that lookups of keys it does not
+# hold probe nothing mapped) if it has at most this many rows: the filter is built by one
+# scan of its rows, which for a larger one would bring the whole state into memory once.
+KEY_FILTER_MAX_ROWS = 1 << 23
 # After a spill failed (a full or failing local disk), spills the head's size asks for wait
 # this long before they are tried again: each try after a failure writes the whole state
 # (the State stands on a frozen one), and a commit or a hint would otherwise try at once.
@@ -34,9 +38,11 @@ SPILL_RETRY_S = 10.0
 
 
 def run_maintenance(provider):
-    """One pass: a spill and a snapshot if due, then cleanup."""
+    """One pass: a spill and a snapshot if due, the key filter of the snapshot under the
+    state, then cleanup."""
     try:
         _snapshot_if_due(provider)
+        _filter_bottom(provider)
         _cleanup(provider)
     except (FileNotFoundError, VersionNotFoundError) as e:
         log.info("files of %s changed during maintenance (another instance's cleanup?); "
@@ -91,6 +97,23 @@ def _snapshot_if_due(p):
                                          or changes_outgrown(spill, 0, spill.num_keys)):
         return  # another worker wrote a snapshot since: the spill serves memory alone
     _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
+
+
+def _filter_bottom(p):
+    """Build the key filter of the snapshot under the newest state, if it has none and at most
+    KEY_FILTER_MAX_ROWS rows. The scan reads the mapped rows without the provider's lock (the
+    reader keeps its mapping for each call); a snapshot closed meanwhile (swapped for a newer
+    one) is left without one."""
+    with p._lock:
+        state = p._latest
+        reader = bottom_snapshot(state.base) if state is not None else None
+    if reader is None or reader.key_filter is not None or reader.row_count > KEY_FILTER_MAX_ROWS:
+        return
+    try:
+        reader.build_key_filter()
+    except ValueError:
+        if not reader.closed:
+            raise
 
 
 def _newest_published(p, wanted):

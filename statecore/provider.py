@@ -30,7 +30,7 @@ from statecore.layers import FrozenView, State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
-from statecore.spill import Spill
+from statecore.spill import Spill, filter_bytes as spill_filter_bytes
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
@@ -724,12 +724,11 @@ class FileStateStoreProvider(StateStoreProvider):
         with self._lock:
             state = self._latest
             layers = {}  # a state built over a frozen one shares its undo layers: count each once
-            filters = 0  # a spilled base's key filters (its images are mapped, not heap)
+            filters = 0  # the base's key filters (its images are mapped, not heap)
             while state is not None:
                 for layer in (state.head, *state.undo.values()):
                     layers[id(layer)] = layer
-                if isinstance(state.base, Spill):
-                    filters += state.base.filter_bytes
+                filters += spill_filter_bytes(state.base)
                 state = state.base.state if isinstance(state.base, FrozenView) else None
             return filters + sum(layer.sizeof() for layer in layers.values())
 

@@ -26,13 +26,29 @@ from statecore._levels import get_rows as get_rows_through_levels
 from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader, SnapshotWriter
 
-__all__ = ["Spill", "spill_head", "spill_rows"]
+__all__ = ["Spill", "bottom_snapshot", "filter_bytes", "spill_head", "spill_rows"]
 
 CHUNK_ROWS = 1 << 16
 # A new spill takes in a level no bigger than this many times what it holds so far. At 1 (a
 # binary counter) heads of nearly equal sizes stack without end (each a few keys smaller
 # than the level below); at 2 a level is always taken in by two heads of its size.
 TAKE_IN_RATIO = 2
+
+
+def bottom_snapshot(base):
+    """The mapped snapshot at the bottom of ``base`` (a SnapshotReader, or a Spill over
+    one), or None (nothing under the levels, or another kind of base)."""
+    while isinstance(base, Spill):
+        base = base.lower
+    return base if isinstance(base, SnapshotReader) else None
+
+
+def filter_bytes(base):
+    """Heap bytes of the key filters of ``base`` (a SnapshotReader, a Spill, or None)."""
+    if isinstance(base, Spill):
+        return base.filter_bytes
+    keys = base.key_filter if isinstance(base, SnapshotReader) else None
+    return keys.nbytes if keys is not None else 0
 
 
 class Spill:
@@ -79,9 +95,10 @@ class Spill:
 
     @property
     def filter_bytes(self):
-        """Heap bytes of the key filters of this level and the levels below it."""
+        """Heap bytes of the key filters of this level and the levels below it, the
+        snapshot's included."""
         own = sum(f.nbytes for f in (self.puts_filter, self.dels_filter) if f is not None)
-        return own + (self.lower.filter_bytes if isinstance(self.lower, Spill) else 0)
+        return own + filter_bytes(self.lower)
 
     def get_row(self, key):
         """Value bytes of one key (bytes), or None."""

@@ -2,12 +2,13 @@
 (statecore._keyfilter): the filter never forgets a key and rarely claims an absent one, and
 a snapshot writer fills one with the keys it writes;
 the compiled walk through deep stacks of levels with removes equals the model, with real
-filters and with none; damage in the snapshot under the levels is reported, naming it."""
+filters (the levels' and the snapshot's) and with none; damage in the snapshot under the levels is reported, naming it."""
 from unittest import mock
 
 import numpy as np
 import pytest
 
+import statecore.maintenance
 import statecore.spill
 from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotWriter
@@ -85,10 +86,12 @@ def python_walk(spill, keys):
 
 @pytest.mark.parametrize("value", [VALUE, NO_VALUE], ids=["values", "set"])
 @pytest.mark.parametrize("filters", [True, False], ids=["filters", "no-filters"])
-def test_the_walk_through_deep_levels_equals_the_model(tmp_path, value, filters):
-    """Levels never taken in (so ten stack up), each with puts and removes over a snapshot:
-    batch lookups, per-row gets and iteration equal the model at every retained version, and
-    the batch walk equals a per-row walk that asks no filter."""
+def test_the_walk_through_deep_levels_equals_the_model(tmp_path, monkeypatch, value, filters):
+    """Levels never taken in (so ten stack up), each with puts and removes over a snapshot
+    (given its key filter by maintenance, or not): batch lookups, per-row gets and iteration
+    equal the model at every retained version, and the batch walk equals a per-row walk."""
+    if not filters:
+        monkeypatch.setattr(statecore.maintenance, "KEY_FILTER_MAX_ROWS", -1)
     rng = np.random.default_rng(17)
     key_space = 600
     p = open_provider(tmp_path, KEY, value, min_deltas_for_snapshot=1000, max_versions_to_retain_in_memory=3)
@@ -104,6 +107,7 @@ def test_the_walk_through_deep_levels_equals_the_model(tmp_path, value, filters)
     top = p._latest.base
     levels, bottom = levels_of(top)
     assert len(levels) == 10 and type(bottom).__name__ == "SnapshotReader"
+    assert (bottom.key_filter is not None) == filters
     assert all(level.dels is not None and level.dels.row_count for level in levels)
     if not filters:
         for level in levels:

@@ -233,6 +233,48 @@ def test_round_trip_matches_dict_model(tmp_path, layout, n):
         assert reader.store_version == 7 and reader.lineage == bytes(16)
         check_against_model(reader, rows, misses, key_schema, value_schema)
         reader.verify()
+        # With its key filter, asked first by every lookup: the same answers.
+        assert reader.key_filter is None
+        reader.build_key_filter(chunk_rows=1000)
+        assert reader.key_filter is not None and reader.key_filter.capacity == n
+        check_against_model(reader, rows, misses, key_schema, value_schema)
+
+
+def test_the_key_filter_rules_out_most_absent_keys(tmp_path):
+    """Built from the rows, it holds every key and lets at most a few absent ones through:
+    most misses never touch the mapped slots."""
+    rng = np.random.default_rng(8)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, misses = make_rows(rng, key_schema, value_schema, 20_000, n_misses=20_000)
+    path = tmp_path / "f.snapshot"
+    write_file(path, key_schema, value_schema, rows)
+    with SnapshotReader(path, key_schema, value_schema) as reader:
+        reader.build_key_filter()
+        keys = reader.key_filter
+        reader.build_key_filter()  # once: kept
+        assert reader.key_filter is keys
+        assert keys.may_hold_rows(np.ascontiguousarray(rows[:, :8])).all()
+        assert keys.may_hold_rows(misses).mean() < 0.03
+        assert keys.nbytes <= 20_000 * 10 // 8 + 64
+
+
+def test_a_damaged_block_leaves_no_key_filter(small_snapshot):
+    """The filter is built from rows checked against their blocks' checksums: a damaged
+    block stops the build (naming the block) and the reader keeps probing without one."""
+    path, rows, _, _, _ = small_snapshot
+    offset = HEADER_SIZE + 321 * rows.shape[1] + 3  # inside a key
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    with SnapshotReader(path) as reader:
+        block_start = HEADER_SIZE + block_of(reader, offset) * reader.block_size
+        with pytest.raises(StateCorruptionError) as info:
+            reader.build_key_filter()
+        assert info.value.offset == block_start
+        assert reader.key_filter is None
+        assert reader.get_row(rows[5, :8].tobytes()) == rows[5, 8:].tobytes()
+        with pytest.raises(StateCorruptionError):
+            reader.get_row(rows[321, :8].tobytes())
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -691,3 +691,38 @@ def test_maintenance_racing_commits_keeps_every_version_exact(root):
     assert p.get_read_store(60).metrics.num_keys == len(model)
     p.do_maintenance()
     assert contents(make(root).get_read_store(60)) == model
+
+
+def test_maintenance_gives_the_snapshot_under_the_state_its_key_filter(root, monkeypatch):
+    """A state loaded from a snapshot: the next maintenance pass builds the snapshot's key
+    filter (counted in the provider's memory), after which every lookup path answers as
+    before; a snapshot over KEY_FILTER_MAX_ROWS rows gets none."""
+    import statecore.maintenance
+
+    p = make(root, min_deltas_for_snapshot=1)
+    commit_batch(p, 0, [(k, (k, 0.5)) for k in range(0, 4000, 2)])
+    commit_batch(p, 1, [(1, (1, 0.0))], removes=[0])
+    p.do_maintenance()  # a snapshot of version 2
+    assert any(n.startswith("2_") and n.endswith(".snapshot") for n in os.listdir(store_dir(root)))
+    expected = {k: (k, 0.5) for k in range(2, 4000, 2)}
+    expected[1] = (1, 0.0)
+    for cap, filtered in ((100, False), (1 << 23, True)):
+        monkeypatch.setattr(statecore.maintenance, "KEY_FILTER_MAX_ROWS", cap)
+        q = make(root, min_deltas_for_snapshot=1000)
+        reader = q.get_read_store(2)  # loaded: the snapshot is the base
+        bytes_before = reader.metrics.memory_used_bytes
+        reader.abort()
+        q.do_maintenance()
+        base = q._latest.base
+        assert type(base).__name__ == "SnapshotReader" and (base.key_filter is not None) == filtered
+        store = q.get_read_store(2)
+        assert contents(store) == expected
+        assert [store.get(k) for k in (0, 1, 2, 3, 3999, 4000, -2)] == \
+            [None, (1, 0.0), (2, 0.5), None, None, None, None]
+        keys = np.zeros(8000, KEY)
+        keys["k"] = np.arange(-2000, 6000)
+        values, found = store.get_batch(keys)
+        assert found.tolist() == [int(k) in expected for k in keys["k"]]
+        assert store.metrics.memory_used_bytes == bytes_before + (base.key_filter.nbytes if filtered else 0)
+        store.abort()
+        q.close()
