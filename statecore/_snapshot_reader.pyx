@@ -262,11 +262,11 @@ cdef class SnapshotReader(RowSource):
         hash ``h``) are a key here, else 0: the per-row probe of get_row and of the stores'
         compiled per-row path, which asks the key filter first if there is one. Raises as
         get_rows does."""
+        cdef Mapping mapping = self._acquire()  # raises when closed, whatever the filter says
         cdef KeyFilter key_filter = self._filter
         if key_filter is not None and not filter_may_hold(&key_filter.bits, h):
             return 0
         cdef uint32_t tag = slot_tag(h)
-        cdef Mapping mapping = self._acquire()
         cdef SnapLayout lay = self._layout_of(mapping)
         cdef SnapError err
         cdef uint64_t row

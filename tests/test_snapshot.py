@@ -256,6 +256,9 @@ def test_the_key_filter_rules_out_most_absent_keys(tmp_path):
         assert keys.may_hold_rows(np.ascontiguousarray(rows[:, :8])).all()
         assert keys.may_hold_rows(misses).mean() < 0.03
         assert keys.nbytes <= 20_000 * 10 // 8 + 64
+    absent = next(bytes(k) for k in misses if not keys.may_hold_rows(k[None, :])[0])
+    with pytest.raises(ValueError, match="closed"):  # closed is closed, whatever the filter says
+        reader.get_row(absent)
 
 
 def test_a_damaged_block_leaves_no_key_filter(small_snapshot):
