@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""KeyFilter: which keys a spilled level certainly does not hold, answered from memory.
+"""KeyFilter: which keys a mapped image (a spilled level, a snapshot) certainly does not
+hold, answered from memory.
 
 A lookup through spilled levels (statecore/spill.py) would otherwise probe each level's
 mapped slot index, a likely cache miss per level, for every key, though most keys are
@@ -8,7 +9,8 @@ decided lower down. The filter is a split-block Bloom filter over the keys' XXH6
 32-byte block by the hash's high 32 bits and sets one bit in each of its 8 words, chosen
 from the low 32 bits by a per-word multiplier (``FILTER_SALT``). At FILTER_BITS_PER_KEY
 bits a key, about one absent key in a hundred is answered "maybe" and probed for nothing.
-A filter is built from the keys it covers when their level is written, and never changes.
+A filter is filled with the keys it covers as their image is written (or, for a snapshot
+read from files, from its rows: ``SnapshotReader.build_key_filter``), and never changes.
 """
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint8_t, uint64_t

@@ -44,12 +44,13 @@ cdef struct Level:
 cdef FilterBits NO_KEYS  # what an empty image holds (n_blocks 0: no key)
 
 
-cdef inline const FilterBits* _filter_of(SnapshotReader image, KeyFilter f) noexcept:
-    """What the walk asks about ``image``: its filter; none for an empty image; NULL (every
-    key may be there) for one without a filter."""
+cdef inline const FilterBits* _filter_of(SnapshotReader image) noexcept:
+    """What the walk asks about ``image``: its key filter (which never changes once set, so
+    the reader held keeps it alive); none for an empty image; NULL (every key may be there)
+    for one without a filter."""
     if image.row_count == 0:
         return &NO_KEYS
-    return NULL if f is None else &f.bits
+    return NULL if image._filter is None else &image._filter.bits
 
 
 cdef inline bint _may_hold(const FilterBits* f, uint64_t h) noexcept nogil:
@@ -107,13 +108,14 @@ cdef inline int _find_value(const SnapLayout* image, const uint8_t* key, uint32_
 # REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
 # n entries; hashes and start n entries of scratch (start: where each key is looked for
 # first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
-# lies under the levels; ``bottom_filter`` its filter (NULL: every key may be there). On a code < 0, ``failed`` is the reader that raised: 2 * level (its
-# puts), 2 * level + 1 (its dels), or 2 * n_levels (the bottom).
+# lies under the levels; ``bottom_filter`` its filter (NULL: every key may be there). On a
+# code < 0, ``failed`` is the reader that raised: 2 * level (its puts), 2 * level + 1 (its
+# dels), or 2 * n_levels (the bottom).
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
-               const FilterBits* bottom_filter, const uint8_t* keys, Py_ssize_t n, size_t kw, size_t vw, uint8_t* values,
-               uint8_t* found, uint64_t* hashes, uint32_t* start, SnapError* err,
+               const FilterBits* bottom_filter, const uint8_t* keys, Py_ssize_t n, size_t kw, size_t vw,
+               uint8_t* values, uint8_t* found, uint64_t* hashes, uint32_t* start, SnapError* err,
                Py_ssize_t* failed) noexcept nogil:
     cdef Py_ssize_t i, j
     cdef uint64_t h
@@ -194,7 +196,6 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
     cdef uint32_t* start = <uint32_t*>PyMem_Malloc(n * sizeof(uint32_t))
     cdef SnapLayout bottom
     cdef const FilterBits* bottom_filter = NULL
-    cdef KeyFilter bottom_keys = None  # held while the walk reads its bits
     cdef SnapError err
     cdef int rc
     cdef SnapshotReader r
@@ -211,13 +212,13 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
             m = r._acquire()
             readers.append((r, m))
             levels[j].puts = r._layout_of(m)
-            levels[j].puts_filter = _filter_of(r, level.puts_filter)
+            levels[j].puts_filter = _filter_of(r)
             r = level.dels
             levels[j].has_dels = r is not None and r.row_count > 0 and level.lower is not None
             if levels[j].has_dels:
                 m = r._acquire()
                 levels[j].dels = r._layout_of(m)
-                levels[j].dels_filter = _filter_of(r, level.dels_filter)
+                levels[j].dels_filter = _filter_of(r)
             else:
                 m = None
             readers.append((r, m))
@@ -225,8 +226,7 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
             m = bottom_reader._acquire()
             readers.append((bottom_reader, m))
             bottom = bottom_reader._layout_of(m)
-            bottom_keys = bottom_reader.key_filter
-            bottom_filter = _filter_of(bottom_reader, bottom_keys)
+            bottom_filter = _filter_of(bottom_reader)
         with nogil:
             if has_bottom and <uint64_t>n >= bottom.n_blocks:
                 snapshot_announce_all(&bottom)  # as SnapshotReader.get_rows does
@@ -246,19 +246,17 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
 
 cdef int spill_find(spill, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
     """The per-row walk: 1 (value copied to ``value_out``) if the key's newest level puts
-    it, 0 if a level removes it or no level nor the snapshot holds it."""
+    it, 0 if a level removes it or no level nor the snapshot holds it. Each image's
+    ``find_into`` asks its key filter first."""
     node = spill
     while not isinstance(node, SnapshotReader):
-        puts = node.puts
-        if (_may_hold(_filter_of(puts, node.puts_filter), h)
-                and (<SnapshotReader>puts).find_into(key, h, value_out)):
+        if (<SnapshotReader>node.puts).find_into(key, h, value_out):
             return 1
         lower = node.lower
         if lower is None:
             return 0
         dels = node.dels
-        if (dels is not None and _may_hold(_filter_of(dels, node.dels_filter), h)
-                and (<SnapshotReader>dels).find_into(key, h, NULL)):
+        if dels is not None and (<SnapshotReader>dels).find_into(key, h, NULL):
             return 0
         node = lower
-    return (<SnapshotReader>node).find_into(key, h, value_out)  # asks the snapshot's filter
+    return (<SnapshotReader>node).find_into(key, h, value_out)

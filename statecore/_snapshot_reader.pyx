@@ -282,6 +282,17 @@ cdef class SnapshotReader(RowSource):
         return found
 
     # -- the key filter ----------------------------------------------------------------------
+    def set_key_filter(self, KeyFilter key_filter not None):
+        """Ask ``key_filter`` first from now on: it must hold every key here, as the filter a
+        SnapshotWriter filled while writing this image does (a spill's images get theirs so).
+        ValueError for another key width, or if the reader has a filter already."""
+        if key_filter.key_width != self.key_width:
+            raise ValueError(f"a key filter of {key_filter.key_width}-byte keys for a snapshot of "
+                             f"{self.key_width}-byte keys")
+        if self._filter is not None:
+            raise ValueError(f"the snapshot '{self.path}' has a key filter already")
+        self._filter = key_filter
+
     def build_key_filter(self, Py_ssize_t chunk_rows=1 << 16):
         """Build the :class:`~statecore._keyfilter.KeyFilter` of every key here, from the rows
         themselves (each block checked against its checksum as it is read), and ask it first
@@ -298,7 +309,8 @@ cdef class SnapshotReader(RowSource):
 
     @property
     def key_filter(self):
-        """The KeyFilter lookups ask first (:meth:`build_key_filter`), or None."""
+        """The KeyFilter lookups ask first (:meth:`set_key_filter`, :meth:`build_key_filter`),
+        or None. Once set, it never changes."""
         return self._filter
 
     # -- the schema-level API (the rest is RowSource's) ------------------------------------

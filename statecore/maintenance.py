@@ -11,6 +11,7 @@ import logging
 import time
 
 from statecore._delta import DeltaReader
+from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
@@ -179,8 +180,11 @@ def _spill(p, state, written):
 
 def _write_snapshot(p, spill, name):
     """Write ``spill``'s version as snapshot ``name``; once durable and checked, it replaces
-    the spill as the base of the State built over it."""
+    the spill as the base of the State built over it, with the key filter its writer filled
+    (up to KEY_FILTER_MAX_ROWS rows: no scan of it later)."""
     mapped = []
+    key_filter = (KeyFilter(p._key_schema.width, spill.num_keys)
+                  if 0 < spill.num_keys <= KEY_FILTER_MAX_ROWS else None)
 
     def map_and_verify(reader):
         # Check every block (and fault its pages in) here, on the maintenance thread, not in
@@ -203,10 +207,12 @@ def _write_snapshot(p, spill, name):
             # durable; a packed one (or one elsewhere) is opened once it is in place.
             write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
                                 spill.commit_id + bytes(8), rows_spilling_meanwhile(), p._conf.compression,
-                                keep_image=True, on_flushed=lambda path: map_and_verify(
+                                keep_image=True, key_filter=key_filter, on_flushed=lambda path: map_and_verify(
                                     SnapshotReader(path, p._key_schema, p._value_schema)))
             if not mapped:
                 map_and_verify(open_snapshot(p._files, name, p._key_schema, p._value_schema))
+            if key_filter is not None:
+                mapped[-1].set_key_filter(key_filter)
         except BaseException:
             for reader in mapped:
                 reader.close()

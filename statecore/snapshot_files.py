@@ -23,14 +23,15 @@ log = logging.getLogger(__name__)
 
 
 def write_snapshot_file(files, name, key_schema, value_schema, row_count, version, lineage, chunks,
-                        compression, on_flushed=None, keep_image=False):
+                        compression, on_flushed=None, keep_image=False, key_filter=None):
     """Write the rows of ``chunks`` (uint8 row arrays, ``row_count`` rows in all) as snapshot
     ``name`` of ``files``, atomically: the image with ``compression="none"``, packed while
     it is written with ``"lz4"``. ``on_flushed(path)`` is called with the temporary image
     before it is renamed, for an image on the local filesystem only (see
     :meth:`StoreFiles.write_atomic`). With ``keep_image``, a packed snapshot's image is
     written beside it into the local cache as the image of the new file (the writer maps it
-    next: nothing to unpack). Returns the file's size in bytes."""
+    next: nothing to unpack). ``key_filter`` (a KeyFilter) is filled with the keys written,
+    as SnapshotWriter fills it. Returns the file's size in bytes."""
     if compression not in ("lz4", "none"):
         raise ValueError(f"compression must be 'lz4' or 'none', got {compression!r}")
     packed = compression == "lz4"
@@ -40,7 +41,8 @@ def write_snapshot_file(files, name, key_schema, value_schema, row_count, versio
         target = PackWriter(f) if packed else f
         if image is not None:
             target = _Tee(target, image)
-        writer = SnapshotWriter(target, key_schema, value_schema, row_count, version, lineage=lineage)
+        writer = SnapshotWriter(target, key_schema, value_schema, row_count, version, lineage=lineage,
+                                key_filter=key_filter)
         for chunk in chunks:
             writer.write_rows(chunk)
         info = writer.finish()

@@ -11,9 +11,10 @@ Spills stack up as levels over the snapshot, and a new spill takes in the newest
 while each is no bigger than TAKE_IN_RATIO times what it holds so far (the head's win):
 levels grow geometrically downwards, a change is rewritten a logarithmic number of times
 before a snapshot takes it, a spill costs a few times what the head holds, and a base is a
-few levels deep. Each level keeps KeyFilters of its keys in memory, so that a lookup probes
-only the levels that may decide a key (``statecore/_levels.pyx``). Maintenance writes
-the next snapshot from a spill alone (:meth:`Spill.rows`), holding no frozen head in memory;
+few levels deep. Each level's images keep KeyFilters of their keys in memory (their
+readers' ``key_filter``), so that a lookup probes only the levels that may decide a key
+(``statecore/_levels.pyx``). Maintenance writes the next snapshot from a spill alone
+(:meth:`Spill.rows`), holding no frozen head in memory;
 a spill made meanwhile stands over the one written, never taking it in, until the snapshot
 replaces it (the one change a Spill ever sees: ``lower`` becomes the same version, mapped
 from the snapshot). Rules: ``docs/provider-rules.md``.
@@ -53,21 +54,19 @@ def filter_bytes(base):
 
 class Spill:
     """Version ``version`` (attempt ``commit_id``, ``num_keys`` keys) as ``puts`` and ``dels``
-    (SnapshotReaders) over ``lower`` (a SnapshotReader, a Spill over one, or None); ``dels``
-    is None when ``lower`` is. ``puts_filter`` and ``dels_filter`` (KeyFilters over the
-    images' keys, or None: every key may be there) let lookups skip the level."""
+    (SnapshotReaders, each with the KeyFilter of its keys its writer filled, which lookups
+    ask to skip the level) over ``lower`` (a SnapshotReader, a Spill over one, or None);
+    ``dels`` is None when ``lower`` is."""
 
-    __slots__ = ("puts", "dels", "lower", "version", "commit_id", "num_keys", "puts_filter", "dels_filter")
+    __slots__ = ("puts", "dels", "lower", "version", "commit_id", "num_keys")
 
-    def __init__(self, puts, dels, lower, version, commit_id, num_keys, puts_filter=None, dels_filter=None):
+    def __init__(self, puts, dels, lower, version, commit_id, num_keys):
         self.puts = puts
         self.dels = dels
         self.lower = lower
         self.version = version
         self.commit_id = commit_id
         self.num_keys = num_keys
-        self.puts_filter = puts_filter
-        self.dels_filter = dels_filter
 
     def __repr__(self):
         return (f"Spill(version={self.version}, keys={self.num_keys}, puts={self.puts.row_count}, "
@@ -97,8 +96,7 @@ class Spill:
     def filter_bytes(self):
         """Heap bytes of the key filters of this level and the levels below it, the
         snapshot's included."""
-        own = sum(f.nbytes for f in (self.puts_filter, self.dels_filter) if f is not None)
-        return own + filter_bytes(self.lower)
+        return filter_bytes(self.puts) + filter_bytes(self.dels) + filter_bytes(self.lower)
 
     def get_row(self, key):
         """Value bytes of one key (bytes), or None."""
@@ -117,17 +115,17 @@ class Spill:
         levels, bottom = _levels(self)
         for j, level in enumerate(levels):
             newer = [image for above in levels[:j] for image in (above.puts, above.dels) if image is not None]
-            yield from _unshadowed(level.puts, level.puts_filter, newer, chunk_rows)[1]
+            yield from _unshadowed(level.puts, newer, chunk_rows)[1]
         if bottom is not None and bottom.row_count:
             changed = [image for level in levels for image in (level.puts, level.dels) if image is not None]
-            yield from _unshadowed(bottom, None, changed, chunk_rows)[1]
+            yield from _unshadowed(bottom, changed, chunk_rows)[1]
 
 
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
     """A Spill of every row of a version (``chunks``, ``num_keys`` rows) over nothing: for a
     State whose base is not mapped (a frozen State), where no changes can be told apart."""
-    puts, puts_filter = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
-    return Spill(puts, None, None, version, commit_id, num_keys, puts_filter)
+    puts = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
+    return Spill(puts, None, None, version, commit_id, num_keys)
 
 
 def spill_head(new_file, head, base, version, commit_id, num_keys, written=None):
@@ -153,23 +151,23 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None)
         for level in taken:
             image = getattr(level, kind)
             if image is not None and image.row_count:
-                kept, chunks = _unshadowed(image, getattr(level, f"{kind}_filter"), newer, CHUNK_ROWS)
+                kept, chunks = _unshadowed(image, newer, CHUNK_ROWS)
                 count += kept
                 parts.append(chunks)
             newer += [i for i in (level.puts, level.dels) if i is not None]
         return _write_image(new_file, ks, schema_v, version, count, (c for part in parts for c in part))
 
-    put_image, put_filter = image_of("puts", vs)
-    del_image = del_filter = None
+    put_image = image_of("puts", vs)
+    del_image = None
     if lower is not None:  # tombstones hide only what lies below
-        del_image, del_filter = image_of("dels", head.dels.value_schema)
-    return Spill(put_image, del_image, lower, version, commit_id, num_keys, put_filter, del_filter)
+        del_image = image_of("dels", head.dels.value_schema)
+    return Spill(put_image, del_image, lower, version, commit_id, num_keys)
 
 
 def _write_image(new_file, key_schema, value_schema, version, row_count, chunks):
-    """``(reader, key_filter)``: write ``row_count`` rows as an image in a new local file, map
-    it (every block checked now, on the caller's thread, not on first touch by a lookup) and
-    unlink the file; the filter holds the keys written."""
+    """The reader of ``row_count`` rows written as an image in a new local file, mapped
+    (every block checked now, on the caller's thread, not on first touch by a lookup) with
+    the key filter its writer filled, the file unlinked."""
     f = new_file()
     path = f.name
     key_filter = KeyFilter(key_schema.width, row_count) if row_count else None
@@ -182,7 +180,9 @@ def _write_image(new_file, key_schema, value_schema, version, row_count, chunks)
             writer.finish()
         reader = SnapshotReader(path, key_schema, value_schema)
         reader.verify(index=False)
-        return reader, key_filter
+        if key_filter is not None:
+            reader.set_key_filter(key_filter)
+        return reader
     finally:
         os.unlink(path)
 
@@ -197,12 +197,12 @@ def _levels(spill):
     return levels, node
 
 
-def _unshadowed(image, image_filter, newer, chunk_rows):
-    """``(count, chunks)`` of the rows of ``image`` (a SnapshotReader; ``image_filter`` its
-    KeyFilter, or None) whose keys none of the ``newer`` sources (RowTables or
-    SnapshotReaders) holds: found by probing the newer keys in ``image`` (those its filter
-    may hold), a mask of its rows."""
+def _unshadowed(image, newer, chunk_rows):
+    """``(count, chunks)`` of the rows of ``image`` (a SnapshotReader) whose keys none of the
+    ``newer`` sources (RowTables or SnapshotReaders) holds: found by probing the newer keys
+    in ``image`` (those its key filter, if any, may hold), a mask of its rows."""
     kw = image.key_width
+    image_filter = image.key_filter
     mask = np.zeros(image.row_count, dtype=np.uint8)
     for source in newer:
         for chunk in _cursor_chunks(source, chunk_rows):

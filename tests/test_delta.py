@@ -784,7 +784,8 @@ def test_check_reads_to_the_end_with_or_without_decompressing(decode):
                         block_bytes=4096)
     assert DeltaReader(data, key, value).check(decode=decode) == (DeltaReader(data).check()[0], 3000, 10)
     # header (its checksum), block header, payload, trailer: where each is reported
-    for offset, reported in ((20, 64), (72 + 5, 72), (72 + 32 + 3, 72 + 32), (len(data) - 10, len(data) - TRAILER_SIZE)):
+    cases = ((20, 64), (72 + 5, 72), (72 + 32 + 3, 72 + 32), (len(data) - 10, len(data) - TRAILER_SIZE))
+    for offset, reported in cases:
         damaged = bytearray(data)
         damaged[offset] ^= 0xFF
         with pytest.raises(StateCorruptionError) as e:

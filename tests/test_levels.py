@@ -2,7 +2,8 @@
 (statecore._keyfilter): the filter never forgets a key and rarely claims an absent one, and
 a snapshot writer fills one with the keys it writes;
 the compiled walk through deep stacks of levels with removes equals the model, with real
-filters (the levels' and the snapshot's) and with none; damage in the snapshot under the levels is reported, naming it."""
+filters (the levels' and the snapshot's) and with none; damage in the snapshot under the
+levels is reported, naming it."""
 from unittest import mock
 
 import numpy as np
@@ -90,8 +91,9 @@ def test_the_walk_through_deep_levels_equals_the_model(tmp_path, monkeypatch, va
     """Levels never taken in (so ten stack up), each with puts and removes over a snapshot
     (given its key filter by maintenance, or not): batch lookups, per-row gets and iteration
     equal the model at every retained version, and the batch walk equals a per-row walk."""
-    if not filters:
+    if not filters:  # no level's writer fills a filter, and maintenance builds none
         monkeypatch.setattr(statecore.maintenance, "KEY_FILTER_MAX_ROWS", -1)
+        monkeypatch.setattr(statecore.spill, "KeyFilter", lambda key_width, capacity: None)
     rng = np.random.default_rng(17)
     key_space = 600
     p = open_provider(tmp_path, KEY, value, min_deltas_for_snapshot=1000, max_versions_to_retain_in_memory=3)
@@ -109,9 +111,7 @@ def test_the_walk_through_deep_levels_equals_the_model(tmp_path, monkeypatch, va
     assert len(levels) == 10 and type(bottom).__name__ == "SnapshotReader"
     assert (bottom.key_filter is not None) == filters
     assert all(level.dels is not None and level.dels.row_count for level in levels)
-    if not filters:
-        for level in levels:
-            level.puts_filter = level.dels_filter = None
+    assert all((image.key_filter is not None) == filters for level in levels for image in (level.puts, level.dels))
     check(p, model, range(max(model) - 2, max(model) + 1), key_space, value)
     keys = key_rows(np.arange(key_space))
     values, found = top.lookup(keys)

@@ -261,6 +261,26 @@ def test_the_key_filter_rules_out_most_absent_keys(tmp_path):
         reader.get_row(absent)
 
 
+def test_a_key_filter_is_set_once_and_for_its_key_width(small_snapshot):
+    """A writer's filter (a spill's images get theirs so) is taken as it is; another width,
+    or a second filter, is refused."""
+    from statecore._keyfilter import KeyFilter
+
+    path, rows, misses, key_schema, value_schema = small_snapshot
+    with SnapshotReader(path) as reader:
+        with pytest.raises(ValueError, match="16-byte keys for a snapshot of 8-byte keys"):
+            reader.set_key_filter(KeyFilter(16, 10))
+        keys = KeyFilter(8, len(rows))
+        keys.add_rows(np.ascontiguousarray(rows))
+        reader.set_key_filter(keys)
+        assert reader.key_filter is keys
+        with pytest.raises(ValueError, match="has a key filter already"):
+            reader.set_key_filter(KeyFilter(8, 10))
+        reader.build_key_filter()  # has one: kept
+        assert reader.key_filter is keys
+        check_against_model(reader, rows, misses, key_schema, value_schema)
+
+
 def test_a_damaged_block_leaves_no_key_filter(small_snapshot):
     """The filter is built from rows checked against their blocks' checksums: a damaged
     block stops the build (naming the block) and the reader keeps probing without one."""

@@ -726,3 +726,24 @@ def test_maintenance_gives_the_snapshot_under_the_state_its_key_filter(root, mon
         assert store.metrics.memory_used_bytes == bytes_before + (base.key_filter.nbytes if filtered else 0)
         store.abort()
         q.close()
+
+
+def test_a_snapshot_maintenance_writes_keeps_its_writers_key_filter(root, monkeypatch):
+    """The snapshot maintenance writes and maps gets the filter its writer filled while
+    writing it: no later scan of its rows builds one."""
+    import statecore.maintenance
+    from statecore.spill import bottom_snapshot
+
+    monkeypatch.setattr(statecore.maintenance, "_filter_bottom", lambda p: None)  # no scan at all
+    p = make(root, min_deltas_for_snapshot=1)
+    commit_batch(p, 0, [(k, (k, 0.5)) for k in range(300)])
+    commit_batch(p, 1, [(300, (300, 0.0))], removes=[0])
+    p.do_maintenance()
+    reader = bottom_snapshot(p._latest.base)
+    assert reader is not None and reader.store_version == 2 and reader.key_filter is not None
+    keys = np.zeros(400, KEY)
+    keys["k"] = np.arange(400)
+    assert reader.key_filter.may_hold_rows(keys.view(np.uint8).reshape(400, -1)[1:301]).all()
+    store = p.get_read_store(2)
+    assert contents(store) == {**{k: (k, 0.5) for k in range(1, 300)}, 300: (300, 0.0)}
+    store.abort()

@@ -650,8 +650,8 @@ STEPS = [("write", 0), ("write", 150), ("flush", 0), ("fsync", 0), ("rename", 0)
 # runs, its trailer (which records the merged version's key count), flush, fsync and rename
 # after the merge: a fault in the header fires before the merge (the merge then runs, and is
 # undone), or any fault after it.
-FAULT_CASES = [(step, after_bytes, order) for step, after_bytes in STEPS
-               for order in ("fault-first", "merge-first") if order == "merge-first" or (step, after_bytes) == ("write", 0)]
+FAULT_CASES = [(step, after_bytes, order) for step, after_bytes in STEPS for order in ("fault-first", "merge-first")
+               if order == "merge-first" or (step, after_bytes) == ("write", 0)]
 
 
 @pytest.mark.parametrize("step,after_bytes,order", FAULT_CASES,
