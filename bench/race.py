@@ -211,7 +211,7 @@ def start_spark(name, contender, driver_memory):
                .config("spark.driver.memory", driver_memory)
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
-    if contender in FLOORS:  # the same two partitions as the streaming plans
+    if contender in ("floor", "stream_floor"):  # the same two partitions as the streaming plans
         builder = builder.config("spark.sql.adaptive.enabled", "false")
     if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["rocksdb"])
