@@ -1,9 +1,10 @@
 """Ready-made ``fn``s for :class:`~pyspark_glue.StatefulOperator` and continuous mode:
 :class:`RunningAggregate` (a running count and sum per key), and :func:`group_rows`, the one
-numpy grouping they share.
+grouping they share (``statecore.grouping``'s, named here too).
 """
 import numpy as np
 
+from statecore.grouping import group_rows
 from statecore.schema import RowSchema, as_schema
 
 from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, spark_schema_of, to_record_batch
@@ -21,31 +22,6 @@ AUTO_OFF_ABOVE = 0.5
 AUTO_ON_BELOW = 0.3
 
 
-def group_rows(keys):
-    """``(order, starts)`` grouping the equal rows of a structured array: ``keys[order]`` is
-    sorted so that equal keys are adjacent, and group ``g`` is ``order[starts[g]:starts[g+1]]``
-    (stable: rows of a group keep their input order). Keys are equal when the store's key
-    rows are: float fields normalized (``-0.0`` is ``0.0``, every NaN one key), the rest
-    compared by bytes. One sort, no Python loop."""
-    n = keys.shape[0]
-    if keys.dtype.names is not None and len(keys.dtype.names) == 1 and keys.dtype[0].kind in "iub":
-        sort_key = keys[keys.dtype.names[0]]
-    elif keys.dtype.names is not None and any(keys.dtype[f].kind == "f" for f in keys.dtype.names):
-        rows = as_schema(keys.dtype, key=True).rows(keys)
-        sort_key = rows.view(f"S{rows.shape[1]}").ravel() if rows.shape[1] else np.zeros(n, "S1")
-    else:
-        packed = np.ascontiguousarray(keys)
-        sort_key = packed.view(f"S{packed.dtype.itemsize}") if packed.dtype.itemsize else np.zeros(n, "S1")
-    order = np.argsort(sort_key, kind="stable")
-    if n == 0:
-        return order, np.zeros(0, dtype=np.intp)
-    ordered = sort_key[order]
-    new_group = np.empty(n, dtype=np.bool_)
-    new_group[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=new_group[1:])
-    return order, np.flatnonzero(new_group)
-
-
 class RunningAggregate:
     """``fn`` for a running count and sum per key (Spark's ``groupBy(keys).agg(count, sum)``
     in update mode): one row per key updated in the micro-batch, with its new totals.
@@ -53,7 +29,7 @@ class RunningAggregate:
     In a :class:`~pyspark_glue.StatefulOperator`, :meth:`prepare` has Spark count and sum each micro-batch
     per key first, so a task merges one row per key: one ``get_batch`` and one ``put_batch``
     per Arrow batch. Given raw rows instead (other runners call it that way), a batch's keys
-    are grouped with one sort (:func:`group_rows`) and counted and summed with
+    are grouped by hash (:func:`group_rows`) and counted and summed with
     ``np.add.reduceat`` (exact for integer sums). The output is emitted by :meth:`finish`,
     once per key per micro-batch.
 
@@ -75,7 +51,7 @@ class RunningAggregate:
         Whether :meth:`prepare` has Spark aggregate each batch first. It pays when a batch
         holds several rows per key and costs when most keys come once (Spark's hash
         aggregation of nearly every row is then dearer than shuffling the rows and grouping
-        them with one numpy sort); bench/RESULTS.md has the figures. ``"auto"`` starts with
+        them in one compiled pass); bench/RESULTS.md has the figures. ``"auto"`` starts with
         it and, after each batch (:meth:`observe`), turns it off when the batch had more
         than AUTO_OFF_ABOVE keys per row (of at least AUTO_MIN_ROWS rows), and on again
         below AUTO_ON_BELOW.
@@ -191,6 +167,7 @@ class RunningAggregate:
         else:  # a key may be in several Arrow batches: emit it once, with its final totals
             everything = np.concatenate([k for k, _ in parts])
             order, starts = group_rows(everything)
-            keys = everything[order[starts]]
-            values, _found = store.get_batch(keys)
+            last = order[np.append(starts[1:], len(everything)) - 1]  # a group's rows keep their order
+            keys = everything[last]
+            values = np.concatenate([v for _, v in parts])[last]
         return to_record_batch(keys, values)

@@ -9,7 +9,8 @@ watermark) are dropped and counted. The state is one row per key (its expiry) pl
 """
 import numpy as np
 
-from pyspark_glue.aggregates import group_rows
+from statecore.grouping import group_rows
+
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns
 from pyspark_glue.event_time import event_times_us
 from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
@@ -60,7 +61,7 @@ class Deduplicate(KeyedEventTimeFn):
             return None
         keys = columns_from_arrow(batch, self.key_schema, self.key_columns)[rows]
         order, starts = group_rows(keys)
-        first = np.sort(order[starts])  # each key's first row in the batch, in input order
+        first = order[starts]  # each key's first row in the batch, ascending
         candidates = keys[first]
         _, seen = store.get_batch(candidates)
         kept = first[~seen]

@@ -13,7 +13,8 @@ import copy
 import numpy as np
 import pyarrow as pa
 
-from pyspark_glue.aggregates import group_rows
+from statecore.grouping import group_rows
+
 from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, dtype_of_columns
 from pyspark_glue.event_time import event_times_us, parse_duration_us
 from pyspark_glue.operator_task import INITIAL_STATE_COLUMN

@@ -13,10 +13,10 @@ even where it overlaps the emitted one. State: each key's open sessions as a
 import numpy as np
 import pyarrow as pa
 
+from statecore.grouping import group_rows
 from statecore.keyed_lists import COUNT_FIELD, KeyedLists
 
 from pyspark_glue.aggregate_specs import Aggregates
-from pyspark_glue.aggregates import group_rows
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
 from pyspark_glue.event_time import event_times_us, parse_duration_us
 from pyspark_glue.keyed_event_fn import KeyedEventTimeFn

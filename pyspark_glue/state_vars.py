@@ -16,10 +16,10 @@ them to the stores in each task (``docs/processor.md``).
 import numpy as np
 
 from statecore.expiry import ExpiryIndex
+from statecore.grouping import group_rows
 from statecore.keyed_lists import KeyedLists
 from statecore.schema import as_schema
 
-from pyspark_glue.aggregates import group_rows
 from pyspark_glue.event_time import parse_duration_us
 
 __all__ = ["StateHandle", "ValueState", "ListState", "MapState", "Timers", "EXPIRES"]

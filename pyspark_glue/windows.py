@@ -13,8 +13,9 @@ and an :class:`~statecore.expiry.ExpiryIndex` by window end (``docs/event-time.m
 import numpy as np
 import pyarrow as pa
 
+from statecore.grouping import group_rows
+
 from pyspark_glue.aggregate_specs import Aggregates
-from pyspark_glue.aggregates import group_rows
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
 from pyspark_glue.event_time import event_times_us, parse_duration_us
 from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
