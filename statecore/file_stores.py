@@ -206,6 +206,8 @@ class FileStore(FileReadStore, StateStore):
     def commit(self):
         self._check_updating("commit")
         new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(self._view, self._update)
+        # The update layer may be the provider's head now: no per-row call may write to it again.
+        self._calls.close_updates()
         self._commit_id = commit_id
         self._state = _COMMITTED
         if committed is not None:

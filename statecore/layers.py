@@ -219,6 +219,7 @@ class State:
         self.pending = None  # a merged version whose delta is not durable yet
         self.iterating = 0  # open iterations: while any, nothing merges into this state
         self.spill_asked_at = None  # the version whose commit first asked for the head to be spilled
+        self.adopted_head = None  # the version whose merge made its store's update layer the head
 
     @property
     def base(self):
@@ -350,12 +351,17 @@ class State:
         self.commit_ids[version] = commit_id
         self.num_keys[version] = n if num_keys is None else num_keys
 
-    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None, put_prior=None):
+    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None, put_prior=None,
+              update=None):
         """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
         their undo: the prior value or absence of every key they change. ``del_prior``: the
         values ``del_keys`` have now, if the caller looked them up (all of them present);
         ``put_prior``: ``(values, found)`` of ``put_keys`` now, likewise. Given both, the
-        merge looks nothing up: no damaged base can stop it half way."""
+        merge looks nothing up: no damaged base can stop it half way.
+
+        ``update``: the store's update Layer those rows came from, which no one writes to
+        again. Over an empty head, an update that only puts becomes the head itself (its
+        table is already the head's contents: no second insert of every key)."""
         self._check_not_frozen()
         before = self.count(self.version)
         self._changed()
@@ -365,7 +371,12 @@ class State:
             prior_del, prior_del_found = self.lookup(self.version, del_keys)
         else:
             prior_del, prior_del_found = del_prior, np.ones(del_keys.shape[0], dtype=np.bool_)
-        if put_prior is None:
+        adopted = (update is not None and put_prior is None and not len(self.head) and not len(update.dels)
+                   and len(update.puts) == put_keys.shape[0])
+        if adopted:
+            prior_put, prior_put_found = self._base_prior(put_keys)
+            self.head = update
+        elif put_prior is None:
             prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
         else:
             prior_put, prior_put_found = put_prior
@@ -380,25 +391,38 @@ class State:
         self.commit_ids[self.version] = commit_id
         self.num_keys[self.version] = (before + int((~prior_put_found).sum()) - int(prior_del_found.sum()))
         self.merges += 1
+        self.adopted_head = self.version if adopted else None
         if pending:
             self.pending = self.version
 
     def rollback(self):
         """Undo the newest merge (its delta could not be written): the head returns to the
-        previous version, exactly, from the undo layer."""
+        previous version, exactly, from the undo layer (or, when the merge made the store's
+        update layer the head, to the empty head it replaced, leaving that layer as it was)."""
         self._check_not_frozen()
         self._changed()
         undo = self.undo.pop(self.version)
-        keys, prior_values, prior_found = undo.changes()
-        if prior_found.any():
-            self.head.put_rows(take_rows(keys, prior_found), take_rows(prior_values, prior_found))
-        if not prior_found.all():
-            self.head.delete_rows(take_rows(keys, ~prior_found), tombstone=self.base is not None)
+        if self.adopted_head == self.version:
+            self.head = Layer(self.key_schema, self.value_schema)
+        else:
+            keys, prior_values, prior_found = undo.changes()
+            if prior_found.any():
+                self.head.put_rows(take_rows(keys, prior_found), take_rows(prior_values, prior_found))
+            if not prior_found.all():
+                self.head.delete_rows(take_rows(keys, ~prior_found), tombstone=self.base is not None)
+        self.adopted_head = None
         del self.commit_ids[self.version]
         del self.num_keys[self.version]
         self.version -= 1
         self.pending = None
         self.merges += 1
+
+    def _base_prior(self, keys):
+        """Each key's value and presence in the base alone (the head holds none of them)."""
+        if self.base is None or keys.shape[0] == 0:
+            return (np.zeros((keys.shape[0], self.value_schema.width), dtype=np.uint8),
+                    np.zeros(keys.shape[0], dtype=np.bool_))
+        return base_lookup(self.base, keys)
 
     def _put_and_get_prior(self, keys, values):
         """Write puts into the head; return each key's value and presence before the write.

@@ -388,7 +388,8 @@ class FileStateStoreProvider(StateStoreProvider):
         try:
             with self._lock:
                 state = self._state_to_merge_into(view.state, view.version, view.commit_id)
-                state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior)
+                state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior,
+                            update=update)
                 count = state.num_keys[new_version]
         except BaseException:
             merged_count.set_result(None)  # lets the write end; its file is discarded

@@ -380,13 +380,13 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
             return write(f)
         return write_pending(name, told, *args)
 
-    def failing_merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None):
+    def failing_merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None, **more):
         # Let the delta write start first (on a delta writer thread): its temporary file is
         # there, and its trailer waits for the merge.
         assert writing.wait(WAIT_S), "the delta write did not start"
         saw.append(sorted(n for n in os.listdir(store_dir(tmp_path)) if n.startswith((f"{v + 1}", f".{v + 1}"))))
         if merge == "raises_after_merging":
-            original(self, put_keys, put_values, del_keys, commit_id, pending, del_prior)
+            original(self, put_keys, put_values, del_keys, commit_id, pending, del_prior, **more)
         elif merge == "raises_after_part":
             half = put_keys.shape[0] // 2
             original(self, put_keys[:half], put_values[:half], del_keys[:0], commit_id, pending)
@@ -412,6 +412,90 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
     commit_next(p, model)  # and the batch can be committed again
     for provider in (p, make(tmp_path)):
         assert_reads(provider, v + 1, model[v + 1])
+
+
+# -- 4b. a commit whose update becomes the head ----------------------------------------------
+def loaded_over_a_snapshot(tmp_path, monkeypatch=None):
+    """Versions 1..3 committed and snapshot 3 written; a new provider that loads 3 from it
+    (its head empty), the model, and the files of the new provider if ``monkeypatch`` asks
+    for fault-injecting ones."""
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=1)
+    p.do_maintenance()
+    assert has_file(tmp_path, 3, "snapshot")
+    made = inject_faulty_files(monkeypatch) if monkeypatch is not None else None
+    q = make(tmp_path)
+    assert_reads(q, 3, model[3])
+    assert len(q._latest.head) == 0, "loaded from the snapshot alone, the head should be empty"
+    return q, model, (made[-1] if made else None)
+
+
+def put_only(store, v):
+    """Put-only changes of version ``v``: keys of the state and new ones; returns the puts."""
+    puts = {k: (v, k / 4) for k in range(0, KEY_SPACE + 10, 3)}
+    write(store, puts, [])
+    return puts
+
+
+def test_an_update_that_only_puts_becomes_the_empty_head(tmp_path):
+    """The merge makes the store's update layer the head (no second insert); the per-row
+    calls the store handed out before its commit can no longer write into it."""
+    q, model, _ = loaded_over_a_snapshot(tmp_path)
+    store = q.get_store(3)
+    puts = put_only(store, 4)
+    put = store.put  # bound before the commit: it must not reach the head afterwards
+    layer = store._update
+    store.commit()
+    model[4] = applied(model[3], puts, [])
+    state = q._latest
+    assert state.head is layer and state.adopted_head == 4, "the update layer did not become the head"
+    with pytest.raises(statecore.errors.IllegalStateError):
+        put(np.array([(7,)], dtype=KEY)[0], np.array([(99, 9.0)], dtype=VALUE)[0])
+    for u in (3, 4):
+        assert_reads(q, u, model[u])  # 3 through the undo layer, over the adopted head
+    commit_next(q, model)  # the next merge goes into the adopted head
+    for provider in (q, make(tmp_path)):
+        for u in (3, 4, 5):
+            assert_reads(provider, u, model[u])
+
+
+def test_a_failed_delta_write_after_the_update_became_the_head_leaves_both_as_they_were(tmp_path, monkeypatch):
+    """The delta's fsync fails after the merge adopted the update layer: the rollback gives
+    the State its empty head back without touching the layer (a rollback into it would
+    write prior values into the store's own updates), and nothing of version 4 is visible."""
+    q, model, files = loaded_over_a_snapshot(tmp_path, monkeypatch)
+    store = q.get_store(3)
+    puts = put_only(store, 4)
+    layer = store._update
+    before = layer.puts.export_rows()
+    adopted = []
+    original = State.merge
+
+    def watched_merge(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        adopted.append(self.head is kwargs.get("update"))
+
+    monkeypatch.setattr(State, "merge", watched_merge)
+    files.arm("fsync", "*.delta*")
+    with pytest.raises(OSError, match="injected"):
+        store.commit()
+    assert adopted == [True], "the failed commit's merge did not adopt the update layer"
+    assert files.raised["fsync"] == 1
+    state = q._latest
+    assert state is not None and state.version == 3 and len(state.head) == 0 and state.head is not layer
+    after = layer.puts.export_rows()
+    assert all(np.array_equal(a, b) for a, b in zip(before, after)) and len(layer.dels) == 0, \
+        "the rollback changed the store's update layer"
+    assert not has_file(tmp_path, 4, "delta")
+    for provider in (q, make(tmp_path)):
+        with pytest.raises(VersionNotFoundError):
+            provider.get_store(4)
+        assert_reads(provider, 3, model[3])
+    again = q.get_store(3)
+    assert put_only(again, 4) == puts
+    again.commit()
+    model[4] = applied(model[3], puts, [])
+    for provider in (q, make(tmp_path)):
+        assert_reads(provider, 4, model[4])
 
 
 # -- 5. the snapshot's fsync (or rename) fails ------------------------------------------------
