@@ -12,6 +12,7 @@ level: the floor), then 1, 3 and 6 levels, each by the compiled walk and level b
 worked before the walk and its key filters), and a dict of the same keys (``dict.get`` per
 key, the Python anchor). ``relative`` is the snapshot's time over the row's.
 """
+import dataclasses
 import shutil
 import tempfile
 from unittest import mock
@@ -36,8 +37,8 @@ def stacked(root, rows, batch_rows, n_levels, rng):
     s = p.get_store(0)
     s.put_batch(keys, np.zeros(rows, VALUE))
     s.commit()
-    with mock.patch.object(provider_module, "HEAD_SNAPSHOT_MIN_ROWS", 0):
-        p.do_maintenance()
+    with mock.patch.object(p, "_conf", dataclasses.replace(p._conf, min_deltas_for_snapshot=0)):
+        p.do_maintenance()  # the snapshot of version 1
     with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0), \
             mock.patch.multiple(provider_module, SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
         for v in range(1, n_levels + 1):

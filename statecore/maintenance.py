@@ -67,11 +67,13 @@ def _default_chain_down(provider, listing, stop_below):
 
 
 def _snapshot_if_due(p):
-    """Spill the head if it outgrew its share of the state, then write a snapshot of the
-    newest version if one is due: more than ``min_deltas_for_snapshot`` versions since the
-    newest snapshot (on the files of the default lineage, or under the state), or changes
-    since the state's snapshot past half the state. It is written from a spill, so that
-    nothing frozen is held in memory while a whole version is written (``docs/provider-
+    """Spill the head if it outgrew its share of the state; then write a snapshot of the
+    newest version if more than ``min_deltas_for_snapshot`` versions follow the newest
+    snapshot on the files of the default lineage, or else compact its levels if the changes
+    since the State's bottom image (a snapshot, or a whole spill) passed half the state:
+    every row written again as one whole spill, local as any spill (no file of the
+    checkpoint, nothing made durable: the deltas are). Both are written from a spill, so
+    that nothing frozen is held in memory while a whole version is written (``docs/provider-
     rules.md``, "Spilling the head"). The state decides first; the files are listed once,
     after the spill, to check that its version is of the default lineage, has no snapshot
     yet, and is due by the files too (another worker of the store may have written one)."""
@@ -81,23 +83,49 @@ def _snapshot_if_due(p):
     def changes_outgrown(base, head_rows, num_keys):
         return p._changes_outgrown(head_rows + (base.changed if isinstance(base, Spill) else 0), num_keys)
 
-    def snapshot_due(state):
+    def due(state):
         since = max(_snapshot_version(state.base), p._snapshot_on_files)
         return state.version > 0 and (state.version - since > min_deltas or changes_outgrown(
             state.base, len(state.head), state.count(state.version)))
 
-    spill = _spill_newest(p, snapshot_due)
+    spill = _spill_newest(p, due)
     if spill is None:
         return
     steps = _default_chain_down(p, p._files.list_versions(), spill.version)
     on_files = next((u for u, _, _, snapshot in steps if u <= spill.version and snapshot is not None), 0)
     p._snapshot_on_files = max(p._snapshot_on_files, on_files)
-    if not any(step[:2] == (spill.version, spill.commit_id) for step in steps):
-        return  # not a version of the default lineage (a re-execution's), or gone meanwhile
-    if spill.version <= on_files or not (spill.version - on_files > min_deltas
-                                         or changes_outgrown(spill, 0, spill.num_keys)):
-        return  # another worker wrote a snapshot since: the spill serves memory alone
-    _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
+    of_default_lineage = any(step[:2] == (spill.version, spill.commit_id) for step in steps)
+    if of_default_lineage and spill.version > on_files and spill.version - on_files > min_deltas:
+        _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
+    elif changes_outgrown(spill, 0, spill.num_keys):
+        _compact(p, spill)
+
+
+def _compact(p, spill):
+    """Write ``spill``'s version whole as a new spill, over nothing, and stand it where
+    ``spill`` stood: its levels are let go (lookups probe one image where they walked
+    several, and later spills take it in or stack over it as over a snapshot)."""
+    with p._lock:
+        p._snapshot_source = spill
+    try:
+        whole = spill_rows(lambda: p._files.new_image_file(f"spill-{spill.version}"), p._key_schema,
+                           p._value_schema, spill.version, spill.commit_id, _rows_spilling_meanwhile(p, spill),
+                           spill.num_keys)
+        if not _replace_base(p, lambda b: b is spill, whole):
+            whole.puts.close()
+    finally:
+        with p._lock:
+            p._snapshot_source = None
+    log.debug("compacted version %d of %s: %r", spill.version, p, whole)
+
+
+def _rows_spilling_meanwhile(p, spill):
+    """``spill``'s rows, chunk by chunk; between chunks, a head that outgrew its share while a
+    whole version is written is spilled at once, over ``spill`` (which the version written
+    replaces when done)."""
+    for chunk in spill.rows():
+        yield chunk
+        spill_if_outgrown(p)
 
 
 def _filter_bottom(p):
@@ -192,13 +220,6 @@ def _write_snapshot(p, spill, name):
         mapped.append(reader)
         reader.verify(index=False)
 
-    def rows_spilling_meanwhile():
-        # The head outgrowing its share while a whole version is written is spilled at once,
-        # over the spill being written (the snapshot replaces that one when done).
-        for chunk in spill.rows():
-            yield chunk
-            spill_if_outgrown(p)
-
     with p._lock:
         p._snapshot_source = spill
     try:
@@ -206,7 +227,7 @@ def _write_snapshot(p, spill, name):
             # An image on the local filesystem is mapped before its rename, while it is made
             # durable; a packed one (or one elsewhere) is opened once it is in place.
             write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
-                                spill.commit_id + bytes(8), rows_spilling_meanwhile(), p._conf.compression,
+                                spill.commit_id + bytes(8), _rows_spilling_meanwhile(p, spill), p._conf.compression,
                                 keep_image=True, key_filter=key_filter, on_flushed=lambda path: map_and_verify(
                                     SnapshotReader(path, p._key_schema, p._value_schema)))
             if not mapped:

@@ -30,6 +30,9 @@ from statecore._snapshot import SnapshotReader, SnapshotWriter
 __all__ = ["Spill", "bottom_snapshot", "filter_bytes", "spill_head", "spill_rows"]
 
 CHUNK_ROWS = 1 << 16
+# An image of more rows gets no KeyFilter: its filter would put a tenth of the rows' bytes
+# and more on the heap (a whole spill of a large state; levels are smaller).
+KEY_FILTER_MAX_ROWS = 1 << 23
 # A new spill takes in a level no bigger than this many times what it holds so far. At 1 (a
 # binary counter) heads of nearly equal sizes stack without end (each a few keys smaller
 # than the level below); at 2 a level is always taken in by two heads of its size.
@@ -78,9 +81,18 @@ class Spill:
         return self.puts.row_count + (self.dels.row_count if self.dels is not None else 0)
 
     @property
+    def whole(self):
+        """Whether this spill holds every row of its version (it stands on nothing): the
+        bottom image of the levels above it, as a snapshot is."""
+        return self.lower is None
+
+    @property
     def changed(self):
-        """Keys this spill and the levels below it decide: the changes since the snapshot
-        (a key changed in two levels counts twice)."""
+        """Keys this spill and the levels below it decide over their bottom image (a snapshot,
+        or a whole spill): the changes since it (a key changed in two levels counts twice);
+        none for a whole spill itself."""
+        if self.whole:
+            return 0
         return self.own_changed + (self.lower.changed if isinstance(self.lower, Spill) else 0)
 
     def lookup(self, key_rows):
@@ -122,8 +134,9 @@ class Spill:
 
 
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
-    """A Spill of every row of a version (``chunks``, ``num_keys`` rows) over nothing: for a
-    State whose base is not mapped (a frozen State), where no changes can be told apart."""
+    """A whole Spill: every row of a version (``chunks``, ``num_keys`` rows) over nothing. For
+    a State whose base is not mapped (a frozen State), where no changes can be told apart,
+    and to compact the levels of a spill whose changes outgrew the state (``compact``)."""
     puts = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
     return Spill(puts, None, None, version, commit_id, num_keys)
 
@@ -170,7 +183,7 @@ def _write_image(new_file, key_schema, value_schema, version, row_count, chunks)
     the key filter its writer filled, the file unlinked."""
     f = new_file()
     path = f.name
-    key_filter = KeyFilter(key_schema.width, row_count) if row_count else None
+    key_filter = KeyFilter(key_schema.width, row_count) if 0 < row_count <= KEY_FILTER_MAX_ROWS else None
     try:
         with f:
             writer = SnapshotWriter(f, key_schema, value_schema, row_count, version, key_filter=key_filter)

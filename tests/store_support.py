@@ -1,11 +1,13 @@
 """What the store tests share: opening a provider on a directory, committing a batch of
 per-row or batch updates and keeping a model of each version, reading a store back as a dict,
-handing every provider a FaultInjectingFiles, a maintenance thread racing the test, and
+handing every provider a FaultInjectingFiles, a maintenance pass that writes a snapshot, a maintenance thread racing the test, and
 waiting for a condition another thread brings about."""
 import contextlib
+import dataclasses
 import os
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -17,6 +19,13 @@ from statecore.faults import FaultInjectingFiles
 def open_provider(root, key, value, partition=0, **conf):
     """A provider of ``StateStoreId(root, 0, partition)`` with ``StateStoreConf(**conf)``."""
     return create_and_init_provider(StateStoreId(str(root), 0, partition), key, value, StateStoreConf(**conf))
+
+
+def snapshot_now(provider):
+    """A maintenance pass in which the newest version is due for a snapshot on files (as if
+    ``min_deltas_for_snapshot`` versions had passed since the last one)."""
+    with mock.patch.object(provider, "_conf", dataclasses.replace(provider._conf, min_deltas_for_snapshot=0)):
+        provider.do_maintenance()
 
 
 def store_dir(root, partition=0):

@@ -15,7 +15,7 @@ from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotWriter
 from statecore.errors import StateCorruptionError
 from statecore.spill import Spill
-from tests.store_support import open_provider
+from tests.store_support import open_provider, snapshot_now
 from tests.test_spill import KEY, VALUE, NO_VALUE, check, commit, random_changes, spill_always
 
 
@@ -99,8 +99,7 @@ def test_the_walk_through_deep_levels_equals_the_model(tmp_path, monkeypatch, va
     p = open_provider(tmp_path, KEY, value, min_deltas_for_snapshot=1000, max_versions_to_retain_in_memory=3)
     model = {0: {}}
     commit(p, model, {k: ((k, 0.0) if value.names else ()) for k in range(300)}, [], value)
-    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
-        p.do_maintenance()  # a snapshot of 1
+    snapshot_now(p)  # a snapshot of 1
     with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
         for _ in range(10):
             commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 20, value), value)
@@ -129,8 +128,7 @@ def test_the_walk_reports_damage_in_the_snapshot_below_the_levels(tmp_path):
     p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
     model = {0: {}}
     commit(p, model, {k: (k, 0.0) for k in range(20_000)}, [], VALUE)
-    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
-        p.do_maintenance()
+    snapshot_now(p)
     reopened = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)  # blocks not yet checked
     commit(reopened, model, {k: (k, 1.0) for k in range(10)}, [], VALUE)
     with spill_always():
@@ -160,8 +158,7 @@ def test_levels_that_only_remove_or_only_put(tmp_path):
     p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
     model = {0: {}}
     commit(p, model, {k: (k, 0.0) for k in range(200)}, [], VALUE)
-    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
-        p.do_maintenance()
+    snapshot_now(p)
     with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
         commit(p, model, {}, list(range(0, 50)), VALUE)
         with spill_always():

@@ -11,7 +11,7 @@ import pytest
 import statecore.maintenance
 import statecore.provider
 import statecore.spill
-from tests.store_support import applied, contents, open_provider, write_batch
+from tests.store_support import applied, contents, open_provider, snapshot_now, write_batch
 from statecore.layers import FrozenView
 from statecore.spill import Spill
 
@@ -102,8 +102,7 @@ def test_spills_stack_and_take_in_the_levels_no_bigger_than_them(tmp_path):
     p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=100)
     model = {0: {}}
     commit(p, model, {k: (k, 0.0) for k in range(100)}, [], VALUE)
-    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0):
-        p.do_maintenance()  # the changes are the whole state: a snapshot of 1
+    snapshot_now(p)  # a snapshot of 1
     snapshot = p._latest.base
     assert type(snapshot).__name__ == "SnapshotReader"
     commit(p, model, {k: (k, 1.0) for k in range(100, 120)}, list(range(0, 10)), VALUE)
@@ -130,12 +129,127 @@ def test_spills_stack_and_take_in_the_levels_no_bigger_than_them(tmp_path):
     with spill_always():
         p.do_maintenance()
     assert p._latest.base.lower is third
-    with mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0), \
-            mock.patch("statecore.provider.HEAD_SNAPSHOT_RATIO", 0):
-        p.do_maintenance()  # a snapshot of 5, from two levels over the snapshot of 1
+    snapshot_now(p)  # a snapshot of 5, from two levels over the snapshot of 1
     assert type(p._latest.base).__name__ == "SnapshotReader" and p._latest.base.store_version == 5
     assert p._latest.base.row_count == len(model[5])
     check(open_provider(tmp_path, KEY, VALUE), model, [5], 250, VALUE)
+
+
+def snapshot_files(root):
+    d = os.path.join(str(root), "0", "0")
+    return sorted(n for n in os.listdir(d) if n.endswith(".snapshot"))
+
+
+def snapshot_below(provider):
+    node = provider._latest.base
+    while isinstance(node, Spill):
+        node = node.lower
+    assert type(node).__name__ == "SnapshotReader", node
+    return node
+
+
+def outgrown_at_any_size():
+    """Changes past half the state are due for compaction whatever the state's size."""
+    return mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
+
+
+@pytest.mark.parametrize("value", [VALUE, NO_VALUE], ids=["values", "set"])
+def test_changes_past_half_the_state_compact_the_levels_into_a_whole_spill(tmp_path, value):
+    """Levels stacked over the snapshot of 1 until their changes pass half the state: the
+    pass writes the version whole as one local spill (no snapshot file: none is due by the
+    deltas), the levels are let go, and every retained version reads as the model, from
+    memory and from files; later spills stand over the whole one as over a snapshot."""
+    rng = np.random.default_rng(23)
+    key_space = 300
+    p = open_provider(tmp_path, KEY, value, min_deltas_for_snapshot=1000, max_versions_to_retain_in_memory=3)
+    model = {0: {}}
+    commit(p, model, {k: ((k, 0.0) if value.names else ()) for k in range(200)}, [], value)
+    snapshot_now(p)
+    with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
+        for _ in range(3):  # three levels of up to 40 changes each, of about 200 keys
+            commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 10, value), value)
+            with spill_always():
+                p.do_maintenance()
+        top = p._latest.base
+        assert isinstance(top, Spill) and not top.whole and top.lower.lower.lower is snapshot_below(p)
+        assert top.changed == top.own_changed + top.lower.own_changed + top.lower.lower.own_changed
+        commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 10, value), value)
+        with spill_always(), outgrown_at_any_size():
+            p.do_maintenance()
+    whole = p._latest.base
+    assert isinstance(whole, Spill) and whole.whole and whole.dels is None, whole
+    assert whole.version == max(model) and whole.changed == 0
+    assert whole.puts.row_count == whole.num_keys == len(model[max(model)])
+    assert snapshot_files(tmp_path) == [n for n in snapshot_files(tmp_path) if n.startswith("1_")], \
+        "compaction wrote a snapshot file"
+    check(p, model, range(max(model) - 2, max(model) + 1), key_space, value)
+    with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
+        commit(p, model, *random_changes(rng, max(model) + 1, key_space, 20, 5, value), value)
+        with spill_always():
+            p.do_maintenance()
+    assert p._latest.base.lower is whole and p._latest.base.changed == p._latest.base.own_changed > 0
+    check(p, model, range(max(model) - 2, max(model) + 1), key_space, value)
+    check(open_provider(tmp_path, KEY, value), model, [max(model)], key_space, value)
+
+
+def test_a_head_as_big_as_half_the_whole_spill_takes_it_in(tmp_path, monkeypatch):
+    """A batch that changes most keys (the race at 1M keys changes about 60% of each
+    partition's): its spill takes in the whole spill below, so it is whole itself and no
+    compaction follows; no snapshot file is written until the deltas rule asks."""
+    rng = np.random.default_rng(29)
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
+    with spill_always():
+        p.do_maintenance()
+    first = p._latest.base
+    assert isinstance(first, Spill) and first.whole, "the first head spills over nothing: whole"
+    compactions, compact = [], statecore.maintenance._compact
+    monkeypatch.setattr(statecore.maintenance, "_compact", lambda *args: compactions.append(args) or compact(*args))
+    for _ in range(3):
+        commit(p, model, *random_changes(rng, max(model) + 1, 500, 300, 20, VALUE), VALUE)
+        with spill_always(), outgrown_at_any_size():
+            p.do_maintenance()
+        base = p._latest.base
+        assert isinstance(base, Spill) and base.whole and base.version == max(model)
+        assert base.puts.row_count == len(model[max(model)])
+    assert snapshot_files(tmp_path) == [] and not compactions, compactions
+    check(p, model, [max(model)], 500, VALUE)
+    check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 500, VALUE)
+
+
+def test_a_head_spilled_while_the_levels_are_compacted_stands_over_the_whole_spill(tmp_path, monkeypatch):
+    """While the compaction writes its rows, a commit makes the head outgrow its share: it is
+    spilled at once, over the spill being compacted; the whole spill then replaces that one
+    under it, and every version reads as the model."""
+    rng = np.random.default_rng(31)
+    key_space = 300
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000, max_versions_to_retain_in_memory=3)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(200)}, [], VALUE)
+    snapshot_now(p)
+    original_rows = Spill.rows
+    compacting = []
+
+    def rows_with_a_commit_between(self, chunk_rows=1 << 16):
+        for i, chunk in enumerate(original_rows(self, chunk_rows=7)):
+            yield chunk
+            if i == 2 and not compacting:  # once, in the middle of the compaction's rows
+                compacting.append(self)
+                commit(p, model, *random_changes(rng, max(model) + 1, key_space, 20, 5, VALUE), VALUE)
+
+    with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
+        commit(p, model, *random_changes(rng, max(model) + 1, key_space, 160, 30, VALUE), VALUE)
+        monkeypatch.setattr(Spill, "rows", rows_with_a_commit_between)
+        with spill_always(), outgrown_at_any_size():
+            p.do_maintenance()
+    assert compacting, "no commit happened during the compaction"
+    top = p._latest.base
+    assert isinstance(top, Spill) and top.version == max(model) and not top.whole
+    assert top.lower.whole and top.lower.version == compacting[0].version, "the newer spill is not over the whole one"
+    monkeypatch.setattr(Spill, "rows", original_rows)
+    check(p, model, range(max(model) - 2, max(model) + 1), key_space, VALUE)
+    check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], key_space, VALUE)
 
 
 def test_heap_stays_a_fraction_of_the_rows(tmp_path):

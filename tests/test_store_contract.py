@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.state_files import version_names, version_path
-from tests.store_support import commit_batch, contents, inject_faulty_files, maintaining, store_dir
+from tests.store_support import commit_batch, contents, inject_faulty_files, maintaining, snapshot_now, store_dir
 from statecore import (FileStateStoreProvider, IllegalStateError, SchemaMismatchError,
                        StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -354,18 +354,19 @@ def test_snapshots_after_more_than_min_deltas_and_cleanup_like_spark(root):
 
 
 def every_key_batches(p, versions, keys=20):
-    """Commit ``versions`` batches that update every key (with the head-size rule's minimum
-    lowered, it then snapshots after each maintenance); returns {version: contents}."""
+    """Commit ``versions`` batches that update every key, each followed by a maintenance pass
+    that writes its snapshot (as other workers of the store, or re-executions, may leave
+    them), then one pass as the provider's conf has it; returns {version: contents}."""
     expected = {}
     for v in range(versions):
         commit_batch(p, v, [(k, (v, float(k))) for k in range(keys)])
         expected[v + 1] = {k: (v, float(k)) for k in range(keys)}
-        p.do_maintenance()
+        snapshot_now(p)
+    p.do_maintenance()
     return expected
 
 
-def test_snapshots_are_thinned_to_the_spark_cadence_and_every_version_still_loads(root, monkeypatch):
-    monkeypatch.setattr("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
+def test_snapshots_are_thinned_to_the_spark_cadence_and_every_version_still_loads(root):
     p = make(root, min_deltas_for_snapshot=5, min_versions_to_retain=100)
     expected = every_key_batches(p, 13)
     assert [f for f in store_files(root) if f.endswith(".snapshot")] == ["10.snapshot", "13.snapshot",
@@ -375,8 +376,7 @@ def test_snapshots_are_thinned_to_the_spark_cadence_and_every_version_still_load
         assert contents(make(root).get_read_store(version)) == expected[version]
 
 
-def test_old_deltas_are_still_deleted_when_snapshots_are_thinned(root, monkeypatch):
-    monkeypatch.setattr("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
+def test_old_deltas_are_still_deleted_when_snapshots_are_thinned(root):
     p = make(root, min_deltas_for_snapshot=2, min_versions_to_retain=4)
     expected = every_key_batches(p, 20)
     files = store_files(root)
