@@ -42,8 +42,9 @@ costs dominate.
 Per contender: the time of each batch (``triggerExecution`` of the streaming progress; the
 job's wall time for the floor), rows/s as the median over batches 3..N, the state commit time
 per batch (summed over partitions, as Spark's ``commitTimeMs``), the bytes of state files in the
-checkpoint, and the peak resident memory of the JVM and of the Python workers (sampled from
-/proc every 0.2 s). The Python-per-key contenders are far slower, so they run ``--slow-rows``
+checkpoint, the peak resident memory of the JVM and of the Python workers (sampled from
+/proc every 0.2 s), and the CPU seconds the JVM, the Python workers and the driver's Python
+used over the batches (the steadier figure when wall times move between runs). The Python-per-key contenders are far slower, so they run ``--slow-rows``
 rows per batch for ``--slow-batches`` batches and are compared in rows/s.
 
 Restart (``--restart-keys``): a query with a state of N keys is stopped, a new process starts it
@@ -134,62 +135,65 @@ def tree_bytes(path, skip=()):
 # -- memory of the Spark processes ---------------------------------------------------------------------
 
 class MemorySampler:
-    """Peak RSS of this process's JVM descendant and of the Python workers under it."""
+    """Peak RSS of this process's JVM descendant and of the Python workers under it, and the
+    CPU seconds each kind used (the JVM, the workers, this driver process): on a 2-core
+    machine whose timings move by a third between runs, the CPU a contender spends is the
+    steadier figure of what it costs."""
 
     def __init__(self, interval=0.2):
         self.interval, self.jvm_peak, self.workers_peak = interval, 0, 0
+        self._cpu = {}  # pid -> (kind, CPU ticks when last seen): a worker's CPU outlives it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
 
     def __enter__(self):
+        self._start_ticks = _cpu_ticks(os.getpid())
+        self._sample()
+        self._baseline = {pid: ticks for pid, (_, ticks) in self._cpu.items()}  # spent before the start
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        self._sample()
+
+    def cpu_s(self, kind):
+        """CPU seconds of ``kind`` ("jvm", "workers" or "driver") since the sampler started."""
+        ticks = sum(t - self._baseline.get(pid, 0) for pid, (k, t) in self._cpu.items() if k == kind)
+        if kind == "driver":
+            ticks = _cpu_ticks(os.getpid()) - self._start_ticks
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def _run(self):
-        me = os.getpid()
         while not self._stop.wait(self.interval):
-            jvm, workers = 0, 0
-            for pid, comm, rss in _descendants(me):
-                if comm == "java":
-                    jvm += rss
-                elif comm.startswith("python"):
-                    workers += rss
-            self.jvm_peak = max(self.jvm_peak, jvm)
-            self.workers_peak = max(self.workers_peak, workers)
+            self._sample()
 
-
-def _descendants(root):
-    """(pid, comm, rss bytes) of every process under ``root``, found through the
-    ``/proc/<pid>/task/<tid>/children`` lists (a handful of reads, not all of /proc)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except (OSError, ValueError):
+    def _sample(self):
+        jvm, workers = 0, 0
+        for pid, comm, rss in _descendants(os.getpid()):
+            kind = "jvm" if comm == "java" else "workers" if comm.startswith("python") else None
+            if kind is None:
                 continue
-            for child in children:
-                try:
-                    with open(f"/proc/{child}/comm") as f:
-                        comm = f.read().strip()
-                    with open(f"/proc/{child}/statm") as f:
-                        rss = int(f.read().split()[1]) * page
-                except (OSError, IndexError, ValueError):
-                    continue
-                out.append((child, comm, rss))
-                todo.append(child)
-    return out
+            if kind == "jvm":
+                jvm += rss
+            else:
+                workers += rss
+            ticks = _cpu_ticks(pid)
+            if ticks is not None:
+                self._cpu[pid] = (kind, ticks)
+        self.jvm_peak = max(self.jvm_peak, jvm)
+        self.workers_peak = max(self.workers_peak, workers)
+
+
+def _cpu_ticks(pid):
+    """User + system CPU of process ``pid`` in clock ticks (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
 
 
 # -- Spark ---------------------------------------------------------------------------------------------
@@ -366,7 +370,7 @@ def run_streaming(args, start_query=start_query):
                          partitions=[{k: t[k] for k in ("worker", "already_loaded", "open_s", "fn_s", "commit_s")}
                                      for t in p["partitions"]])
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
-              "python_workers_peak_bytes": memory.workers_peak,
+              "python_workers_peak_bytes": memory.workers_peak, "cpu_s": _cpu_of(memory),
               # measured here, before any later run (a restart) adds to the same checkpoint
               "state_bytes": tree_bytes(state_root, skip=("_output",)) if operator is not None
               else tree_bytes(os.path.join(checkpoint, "state")),
@@ -395,7 +399,12 @@ def run_floor(args, schema=INPUT_DDL, query=None):
             seconds = time.perf_counter() - t0
             batches.append({"rows": None, "seconds": seconds, "commit_s": 0.0})
     spark.stop()
-    return {"batches": batches, "jvm_peak_bytes": memory.jvm_peak, "python_workers_peak_bytes": memory.workers_peak}
+    return {"batches": batches, "jvm_peak_bytes": memory.jvm_peak, "python_workers_peak_bytes": memory.workers_peak,
+            "cpu_s": _cpu_of(memory)}
+
+
+def _cpu_of(memory):
+    return {kind: memory.cpu_s(kind) for kind in ("jvm", "workers", "driver")}
 
 
 def _worker_main(argv):
@@ -464,7 +473,8 @@ def summarize(result, rows, first_measured):
             "commit_s": statistics.median(b.get("commit_s", 0.0) for b in measured),
             "batch_seconds": [b["seconds"] for b in batches],
             "jvm_peak_mib": result["jvm_peak_bytes"] / 2**20,
-            "python_workers_peak_mib": result["python_workers_peak_bytes"] / 2**20}
+            "python_workers_peak_mib": result["python_workers_peak_bytes"] / 2**20,
+            "cpu_s": result.get("cpu_s", {})}
 
 
 def run_contender(args, keys, contender, files, slow_files, root, suffix=""):
@@ -619,12 +629,17 @@ def add_ratios(results):
 def print_tables(results):
     for keys, table in results["race"].items():
         print(f"\nK = {int(keys):,} keys  {'contender':<18} {'rows/batch':>10} {'s/batch':>8} {'p95 s':>6} {'rows/s':>11} "
-              f"{'commit ms':>9} {'state MiB':>9} {'JVM MiB':>8} {'workers MiB':>11}")
+              f"{'commit ms':>9} {'state MiB':>9} {'JVM MiB':>8} {'workers MiB':>11} {'CPU s: JVM':>10} {'workers':>7} "
+              f"{'driver':>6}")
         for name, s in table.items():
             state = f"{s['state_bytes'] / 2**20:.1f}" if "state_bytes" in s else "-"
             p95 = f"{s['batch_p95_s']:.2f}" if "batch_p95_s" in s else "-"
+            cpu = s.get("cpu_s") or {}
+            cpu_cols = " ".join(f"{cpu[k]:>{w}.1f}" if k in cpu else f"{'-':>{w}}"
+                                for k, w in (("jvm", 10), ("workers", 7), ("driver", 6)))
             print(f"{'':<15}{name:<18} {s['rows_per_batch']:>10,} {s['batch_s']:>8.2f} {p95:>6} {s['rows_per_s']:>11,.0f} "
-                  f"{s['commit_s'] * 1e3:>9.0f} {state:>9} {s['jvm_peak_mib']:>8.0f} {s['python_workers_peak_mib']:>11.0f}")
+                  f"{s['commit_s'] * 1e3:>9.0f} {state:>9} {s['jvm_peak_mib']:>8.0f} {s['python_workers_peak_mib']:>11.0f} "
+                  f"{cpu_cols}")
     for n, table in results["restart"].items():
         print(f"\nrestart with {int(n):,} keys: " + ", ".join(
             f"{c} {e['restart_cost_s']:.1f} s ({e['restart_s']:.1f} - {e['empty_start_s']:.1f})" for c, e in table.items()))
