@@ -42,6 +42,7 @@ MICRO = {
     "rowcalls": (["--rows", "200000", "--repeat", "7"], ["--rows", "20000", "--repeat", "2"]),
     "levels": (["--rows", "1000000", "--batch-rows", "100000", "--repeat", "7"],
                ["--rows", "50000", "--batch-rows", "5000", "--repeat", "2"]),
+    "grouping": (["--rows", "500000", "--repeat", "7"], ["--rows", "50000", "--batch-rows", "5000", "--repeat", "2"]),
     "packed": (["--sizes", "100000,1000000,10000000", "--repeat", "5"],
                ["--sizes", "100000", "--repeat", "2", "--checkpoint-keys", "20000", "--updates", "12600",
                 "--batches", "3"]),

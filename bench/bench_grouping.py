@@ -1,7 +1,8 @@
 """Grouping a batch's rows by key: ``statecore.grouping.group_rows`` (one compiled pass by
 hash) against numpy's stable argsort with its group boundaries (what it replaced) and a
 Python dict of row lists; then ``RunningAggregate`` over raw rows as the race's statecore
-partition runs it (its Arrow batches, its finish, and the commit).
+partition runs it, in one process: its Arrow batches, its finish (the output), the commit,
+and the maintenance pass after it (spill, compaction or snapshot, cleanup).
 
     python -m bench.bench_grouping [--rows 500000] [--batch-rows 10000] [--repeat 7] [--json PATH]
 
@@ -56,7 +57,7 @@ def grouping_table(n, repeat, rng):
 
 def aggregate_table(n, batch_rows, repeat, rng):
     """RunningAggregate over raw rows into a store of n keys: a task's Arrow batches, its
-    finish (the output), and the commit, each timed per task."""
+    finish (the output), the commit and a maintenance pass, each timed per task."""
     from pyspark_glue import RunningAggregate
 
     aggregate = RunningAggregate(KEY, "amount", pre_aggregate=False)
@@ -68,7 +69,7 @@ def aggregate_table(n, batch_rows, repeat, rng):
         store = provider.get_store(0)
         store.put_batch(everything, np.zeros(n, aggregate.value_schema))
         store.commit()
-        phases = {"batches": [], "finish": [], "commit": []}
+        phases = {"batches": [], "finish": [], "commit": [], "maintenance": []}
         for version in range(1, repeat + 1):
             keys, amounts = rng.integers(0, n, n), rng.integers(0, 100, n)
             batches = [pa.RecordBatch.from_pydict({"key": keys[i:i + batch_rows], "amount": amounts[i:i + batch_rows]})
@@ -83,6 +84,7 @@ def aggregate_table(n, batch_rows, repeat, rng):
             store.commit()
             t3 = time.perf_counter()
             provider.do_maintenance()
+            phases["maintenance"].append(time.perf_counter() - t3)
             phases["batches"].append(t1 - t0)
             phases["finish"].append(t2 - t1)
             phases["commit"].append(t3 - t2)

@@ -196,6 +196,36 @@ def _cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
 
 
+def _descendants(root):
+    """(pid, comm, rss bytes) of every process under ``root``, found through the
+    ``/proc/<pid>/task/<tid>/children`` lists (a handful of reads, not all of /proc)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for child in children:
+                try:
+                    with open(f"/proc/{child}/comm") as f:
+                        comm = f.read().strip()
+                    with open(f"/proc/{child}/statm") as f:
+                        rss = int(f.read().split()[1]) * page
+                except (OSError, IndexError, ValueError):
+                    continue
+                out.append((child, comm, rss))
+                todo.append(child)
+    return out
+
+
 # -- Spark ---------------------------------------------------------------------------------------------
 
 def start_spark(name, contender, driver_memory):

@@ -209,6 +209,19 @@ def test_levels_benchmark_runs_small(tmp_path):
     assert rows[-1].startswith("dict.get")
 
 
+def test_grouping_benchmark_runs_small(tmp_path):
+    """bench_grouping on small batches: the three groupings agreed (it asserts so), and the
+    aggregate's task is timed in its four phases."""
+    path = tmp_path / "grouping.json"
+    done = subprocess.run([sys.executable, "-m", "bench.bench_grouping", "--rows", "20000", "--batch-rows", "2000",
+                           "--repeat", "2", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    tables = list(json.loads(path.read_text())["tables"].values())
+    assert [r["name"] for r in tables[0]] == ["group_rows (hash)", "numpy argsort + boundaries", "dict of row lists"]
+    assert [r["name"] for r in tables[2]] == ["batches", "finish", "commit", "maintenance"]
+
+
 def test_scale_benchmark_runs_small(tmp_path):
     """bench_scale end to end on a tiny state: the built checkpoint opens cold, the store and
     the dict anchor end with the same keys, one row per batch, the page cache was dropped."""
