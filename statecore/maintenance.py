@@ -17,7 +17,7 @@ from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
 from statecore.lineage import check_names_agree, file_name
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
-from statecore.spill import Spill, bottom_snapshot, spill_head, spill_rows
+from statecore.spill import KEY_FILTER_MAX_ROWS, Spill, bottom_snapshot, spill_head, spill_rows
 
 __all__ = ["run_maintenance", "spill_if_outgrown", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -28,10 +28,6 @@ TEMPORARY_FILE_MAX_AGE_S = 3600.0
 # How long a pass waits for a commit in flight to be published before it spills or freezes
 # the state (commits back to back leave little time between them).
 PUBLISH_WAIT_S = 1.0
-# The snapshot under the newest state gets a key filter (so that lookups of keys it does not
-# hold probe nothing mapped) if it has at most this many rows: the filter is built by one
-# scan of its rows, which for a larger one would bring the whole state into memory once.
-KEY_FILTER_MAX_ROWS = 1 << 23
 # After a spill failed (a full or failing local disk), spills the head's size asks for wait
 # this long before they are tried again: each try after a failure writes the whole state
 # (the State stands on a frozen one), and a commit or a hint would otherwise try at once.

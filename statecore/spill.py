@@ -30,8 +30,10 @@ from statecore._snapshot import SnapshotReader, SnapshotWriter
 __all__ = ["Spill", "bottom_snapshot", "filter_bytes", "spill_head", "spill_rows"]
 
 CHUNK_ROWS = 1 << 16
-# An image of more rows gets no KeyFilter: its filter would put a tenth of the rows' bytes
-# and more on the heap (a whole spill of a large state; levels are smaller).
+# An image of more rows gets no KeyFilter (a whole spill of a large state; levels are
+# smaller; maintenance builds none for a larger snapshot either): its filter would put
+# more than a tenth of the rows' bytes on the heap, and building one for a snapshot read
+# from files would bring the whole state into memory once.
 KEY_FILTER_MAX_ROWS = 1 << 23
 # A new spill takes in a level no bigger than this many times what it holds so far. At 1 (a
 # binary counter) heads of nearly equal sizes stack without end (each a few keys smaller
@@ -136,7 +138,7 @@ class Spill:
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
     """A whole Spill: every row of a version (``chunks``, ``num_keys`` rows) over nothing. For
     a State whose base is not mapped (a frozen State), where no changes can be told apart,
-    and to compact the levels of a spill whose changes outgrew the state (``compact``)."""
+    and for maintenance to compact the levels of a spill whose changes outgrew the state."""
     puts = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
     return Spill(puts, None, None, version, commit_id, num_keys)
 

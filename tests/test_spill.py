@@ -218,6 +218,25 @@ def test_a_head_as_big_as_half_the_whole_spill_takes_it_in(tmp_path, monkeypatch
     check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 500, VALUE)
 
 
+def test_an_image_over_the_filter_cap_gets_no_filter_and_reads_the_same(tmp_path, monkeypatch):
+    """A whole spill of more than KEY_FILTER_MAX_ROWS rows keeps no KeyFilter on the heap;
+    lookups probe its slots instead, with the same answers; a smaller level keeps its own."""
+    monkeypatch.setattr(statecore.spill, "KEY_FILTER_MAX_ROWS", 100)
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(300)}, [], VALUE)
+    with spill_always():
+        p.do_maintenance()
+    whole = p._latest.base
+    assert isinstance(whole, Spill) and whole.whole and whole.puts.key_filter is None
+    commit(p, model, {k: (k, 1.0) for k in range(290, 330)}, [1, 2, 3], VALUE)
+    with spill_always():
+        p.do_maintenance()
+    level = p._latest.base
+    assert level.lower is whole and level.puts.key_filter is not None
+    check(p, model, [max(model) - 1, max(model)], 400, VALUE)
+
+
 def test_a_head_spilled_while_the_levels_are_compacted_stands_over_the_whole_spill(tmp_path, monkeypatch):
     """While the compaction writes its rows, a commit makes the head outgrow its share: it is
     spilled at once, over the spill being compacted; the whole spill then replaces that one
