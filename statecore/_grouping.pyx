@@ -14,6 +14,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp
 
 from statecore._hash cimport key_hash
+from statecore._probe cimport SC_PREFETCH
 
 import numpy as np
 
@@ -40,6 +41,7 @@ def group_key_rows(const uint8_t[:, ::1] rows not None):
     cdef uint64_t mask = n_slots - 1
     # A slot holds the low 32 bits of its key's hash above its group's number + 1 (0: empty).
     cdef uint64_t[::1] slots = np.zeros(n_slots, dtype=np.uint64)
+    cdef uint64_t[::1] hashes = np.empty(n, dtype=np.uint64)
     cdef int64_t[::1] group_of = np.empty(n, dtype=np.int64)
     cdef int64_t[::1] first_row = np.empty(n, dtype=np.int64)
     cdef Py_ssize_t[::1] order = order_array
@@ -50,9 +52,13 @@ def group_key_rows(const uint8_t[:, ::1] rows not None):
     cdef int64_t g, n_groups = 0
     cdef Py_ssize_t i
     with nogil:
+        for i in range(n):  # hashed first, so that each row's slot is fetched a few rows ahead
+            hashes[i] = key_hash(base + i * w, <size_t>w)
         for i in range(n):
+            if i + PREFETCH_ROWS_AHEAD < n:
+                SC_PREFETCH(&slots[(hashes[i + PREFETCH_ROWS_AHEAD] >> 32) & mask])
             row = base + i * w
-            h = key_hash(row, <size_t>w)
+            h = hashes[i]
             tag = <uint32_t>h
             s = (h >> 32) & mask
             while True:
