@@ -356,8 +356,9 @@ def _thin_snapshots(p, first_needed, steps):
     cadence: keep one at least ``min_deltas_for_snapshot`` versions after the previous one
     kept (the bases of later windows, so old deltas keep being deleted) and the newest (the
     one a restart loads); delete the others once every delta after the base is there, so
-    each retained version still loads. The head-size rule may write a snapshot every batch;
-    keeping each would cost a copy of the state per batch on disk."""
+    each retained version still loads. Snapshots closer together than that (other workers
+    of the store, re-executions, a conf changed between runs) would otherwise each keep a
+    copy of the state on disk."""
     above = [s for s in steps if s[0] > first_needed]
     if any(delta is None for _, _, delta, _ in above):
         return
