@@ -2,7 +2,7 @@
 
 Subclass it, declare state variables in :meth:`~StatefulProcessor.init`, and handle a
 micro-batch's rows of all keys at once in :meth:`~StatefulProcessor.handle_input` (a
-:class:`Groups`: the rows sorted by key once, the distinct keys, where each key's rows
+:class:`Groups`: the rows grouped by key once, the distinct keys, where each key's rows
 start); due timers come to :meth:`~StatefulProcessor.handle_expired_timers` as arrays of keys
 and times. An instance is an ``fn`` for :class:`~pyspark_glue.StatefulOperator`: this module
 adapts the handlers to the operator's ``open`` / call / ``finish`` protocol. The order within
@@ -36,8 +36,9 @@ class Groups:
     keys : structured numpy array
         The distinct keys, one per group.
     rows : pyarrow.RecordBatch
-        Every row, sorted so that each group's rows are together (in arrival order within a
-        group): group ``g`` is ``rows[starts[g]:starts[g] + sizes[g]]``.
+        Every row, ordered so that each group's rows are together (groups in the order of
+        their first row, rows in arrival order within a group): group ``g`` is
+        ``rows[starts[g]:starts[g] + sizes[g]]``.
     starts, sizes : int64 arrays
     group : int64 array
         The group of each row of ``rows``.
