@@ -44,8 +44,9 @@ job's wall time for the floor), rows/s as the median over batches 3..N, the stat
 per batch (summed over partitions, as Spark's ``commitTimeMs``), the bytes of state files in the
 checkpoint, the peak resident memory of the JVM and of the Python workers (sampled from
 /proc every 0.2 s), and the CPU seconds the JVM, the Python workers and the driver's Python
-used over the batches (the steadier figure when wall times move between runs). The Python-per-key contenders are far slower, so they run ``--slow-rows``
-rows per batch for ``--slow-batches`` batches and are compared in rows/s.
+used over the batches (the steadier figure when wall times move between runs). The
+Python-per-key contenders are far slower, so they run ``--slow-rows`` rows per batch for
+``--slow-batches`` batches and are compared in rows/s.
 
 Restart (``--restart-keys``): a query with a state of N keys is stopped, a new process starts it
 again from its checkpoint with one more batch, and the time from ``start()`` to that batch's
