@@ -161,9 +161,10 @@ class MemorySampler:
 
     def cpu_s(self, kind):
         """CPU seconds of ``kind`` ("jvm", "workers" or "driver") since the sampler started."""
-        ticks = sum(t - self._baseline.get(pid, 0) for pid, (k, t) in self._cpu.items() if k == kind)
         if kind == "driver":
             ticks = _cpu_ticks(os.getpid()) - self._start_ticks
+        else:
+            ticks = sum(t - self._baseline.get(pid, 0) for pid, (k, t) in self._cpu.items() if k == kind)
         return ticks / os.sysconf("SC_CLK_TCK")
 
     def _run(self):

@@ -206,7 +206,8 @@ class FileStore(FileReadStore, StateStore):
     def commit(self):
         self._check_updating("commit")
         new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(self._view, self._update)
-        # The update layer may be the provider's head now: no per-row call may write to it again.
+        # The update layer may be the provider's head now: no per-row call may write to it
+        # again (the calls made below for the committed version only read).
         self._calls.close_updates()
         self._commit_id = commit_id
         self._state = _COMMITTED
@@ -220,7 +221,6 @@ class FileStore(FileReadStore, StateStore):
             self._update = Layer(self._key_schema, self._value_schema)
             self._calls = RowCalls(committed, self._provider._lock, self._key_schema, self._value_schema)
             self.get, self.put, self.remove = self._calls.get, self._calls.put, self._calls.remove
-        self._calls.close_updates()
         return new_version
 
     @property

@@ -7,6 +7,7 @@ lets older files go is verified whole first. Damage found here is logged and not
 deleted on its account; files that vanish meanwhile (another instance's cleanup) end the pass quietly.
 Rules and locks: ``docs/provider-rules.md``.
 """
+import contextlib
 import logging
 import time
 
@@ -101,27 +102,37 @@ def _compact(p, spill):
     """Write ``spill``'s version whole as a new spill, over nothing, and stand it where
     ``spill`` stood: its levels are let go (lookups probe one image where they walked
     several, and later spills take it in or stack over it as over a snapshot)."""
-    with p._lock:
-        p._snapshot_source = spill
-    try:
-        whole = spill_rows(lambda: p._files.new_image_file(f"spill-{spill.version}"), p._key_schema,
-                           p._value_schema, spill.version, spill.commit_id, _rows_spilling_meanwhile(p, spill),
-                           spill.num_keys)
+    with _rewriting(p, spill) as rows:
+        whole = spill_rows(_spill_file_maker(p, spill.version), p._key_schema, p._value_schema, spill.version,
+                           spill.commit_id, rows, spill.num_keys)
         if not _replace_base(p, lambda b: b is spill, whole):
             whole.puts.close()
-    finally:
-        with p._lock:
-            p._snapshot_source = None
     log.debug("compacted version %d of %s: %r", spill.version, p, whole)
 
 
-def _rows_spilling_meanwhile(p, spill):
-    """``spill``'s rows, chunk by chunk; between chunks, a head that outgrew its share while a
-    whole version is written is spilled at once, over ``spill`` (which the version written
-    replaces when done)."""
-    for chunk in spill.rows():
-        yield chunk
-        spill_if_outgrown(p)
+@contextlib.contextmanager
+def _rewriting(p, spill):
+    """While ``spill``'s version is written whole (a snapshot, or a compaction) it is the
+    provider's ``_snapshot_source``: spills made meanwhile stand over it, never taking it in.
+    Yields its rows, chunk by chunk; between chunks, a head that outgrew its share is spilled
+    at once, over ``spill`` (which the version written replaces when done)."""
+    def rows_spilling_meanwhile():
+        for chunk in spill.rows():
+            yield chunk
+            spill_if_outgrown(p)
+
+    with p._lock:
+        p._snapshot_source = spill
+    try:
+        yield rows_spilling_meanwhile()
+    finally:
+        with p._lock:
+            p._snapshot_source = None
+
+
+def _spill_file_maker(p, version):
+    """``new_file()`` for a spill of ``version``: a new local image file, open for writing."""
+    return lambda: p._files.new_image_file(f"spill-{version}")
 
 
 def _filter_bottom(p):
@@ -187,10 +198,7 @@ def _spill(p, state, written):
     its base's spills, but not ``written``, the spill a snapshot is being written from) and
     make it the base of the State built over the frozen one."""
     version = state.version
-
-    def new_file():
-        return p._files.new_image_file(f"spill-{version}")
-
+    new_file = _spill_file_maker(p, version)
     commit_id, num_keys = state.commit_ids[version], state.count(version)
     if isinstance(state.base, FrozenView):  # no mapped base to tell changes from: every row
         spill = spill_rows(new_file, p._key_schema, p._value_schema, version, commit_id,
@@ -216,15 +224,13 @@ def _write_snapshot(p, spill, name):
         mapped.append(reader)
         reader.verify(index=False)
 
-    with p._lock:
-        p._snapshot_source = spill
-    try:
+    with _rewriting(p, spill) as rows:
         try:
             # An image on the local filesystem is mapped before its rename, while it is made
             # durable; a packed one (or one elsewhere) is opened once it is in place.
             write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
-                                spill.commit_id + bytes(8), _rows_spilling_meanwhile(p, spill), p._conf.compression,
-                                keep_image=True, key_filter=key_filter, on_flushed=lambda path: map_and_verify(
+                                spill.commit_id + bytes(8), rows, p._conf.compression, keep_image=True,
+                                key_filter=key_filter, on_flushed=lambda path: map_and_verify(
                                     SnapshotReader(path, p._key_schema, p._value_schema)))
             if not mapped:
                 map_and_verify(open_snapshot(p._files, name, p._key_schema, p._value_schema))
@@ -236,9 +242,6 @@ def _write_snapshot(p, spill, name):
             raise
         if not _replace_base(p, lambda b: b is spill, mapped[-1]):
             mapped[-1].close()
-    finally:
-        with p._lock:
-            p._snapshot_source = None
     log.info("wrote snapshot %s for %s", p._files.path(name), p)
 
 

@@ -13,7 +13,7 @@ import statecore.provider
 import statecore.spill
 from tests.store_support import applied, contents, open_provider, snapshot_now, write_batch
 from statecore.layers import FrozenView
-from statecore.spill import Spill
+from statecore.spill import Spill, bottom_snapshot
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
@@ -140,14 +140,6 @@ def snapshot_files(root):
     return sorted(n for n in os.listdir(d) if n.endswith(".snapshot"))
 
 
-def snapshot_below(provider):
-    node = provider._latest.base
-    while isinstance(node, Spill):
-        node = node.lower
-    assert type(node).__name__ == "SnapshotReader", node
-    return node
-
-
 def outgrown_at_any_size():
     """Changes past half the state are due for compaction whatever the state's size."""
     return mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
@@ -171,7 +163,8 @@ def test_changes_past_half_the_state_compact_the_levels_into_a_whole_spill(tmp_p
             with spill_always():
                 p.do_maintenance()
         top = p._latest.base
-        assert isinstance(top, Spill) and not top.whole and top.lower.lower.lower is snapshot_below(p)
+        assert isinstance(top, Spill) and not top.whole
+        assert top.lower.lower.lower is bottom_snapshot(top) is not None
         assert top.changed == top.own_changed + top.lower.own_changed + top.lower.lower.own_changed
         commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 10, value), value)
         with spill_always(), outgrown_at_any_size():
