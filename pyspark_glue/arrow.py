@@ -258,6 +258,33 @@ def output_schemas(schema):
     return schema, to_arrow_schema(schema, timezone="UTC")
 
 
+def joined_batches(batches, max_rows, max_bytes):
+    """``batches`` (record batches of one schema) with consecutive ones joined into one of at
+    most ``max_rows`` rows and ``max_bytes`` buffer bytes (a batch already past either limit
+    passes alone): fewer, larger batches, in the same order with the same rows. ``max_rows``
+    None: the batches as they come."""
+    if max_rows is None:
+        yield from batches
+        return
+    held, rows, nbytes = [], 0, 0
+    for batch in batches:
+        if held and (rows + batch.num_rows > max_rows or nbytes + batch.nbytes > max_bytes):
+            yield _joined(held)
+            held, rows, nbytes = [], 0, 0
+        held.append(batch)
+        rows += batch.num_rows
+        nbytes += batch.nbytes
+    if held:
+        yield _joined(held)
+
+
+def _joined(batches):
+    if len(batches) == 1:
+        return batches[0]
+    table = pa.Table.from_batches(batches).combine_chunks()
+    return table.to_batches()[0] if table.num_rows else batches[0]
+
+
 def conform_output(out, schema, where):
     """``out`` (a RecordBatch or Table that ``fn`` returned, or a list of them) as batches of
     exactly ``schema``, cast safely; ``where`` names the function in errors. Every runner of

@@ -27,8 +27,8 @@ from statecore.checkpoint import CheckpointFiles
 from pyspark_glue import query_runs
 from pyspark_glue.arrow import output_schemas
 from pyspark_glue.event_time import Watermarks, check_event_time_column, next_watermark_ms, parse_duration_us
-from pyspark_glue.operator_task import (INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL, PartitionTask,
-                                        StoreSpec, partition_function)
+from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL,
+                                        PartitionTask, StoreSpec, partition_function)
 from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
 
 __all__ = ["StatefulOperator", "PARTITION_COLUMN"]
@@ -114,6 +114,11 @@ class StatefulOperator:
         The run id outside streaming queries (default: a uuid4 per instance).
     output_batches_to_retain : int, default 2
         How many batches' outputs (the latest ones) are kept on disk.
+    fn_batch_rows : int or None, default ``FN_BATCH_ROWS`` (1,048,576)
+        ``fn`` gets a partition's Arrow batches joined, consecutive ones, into batches of up
+        to this many rows (and 128 MiB of buffers): a fn that reads and writes its keys per
+        batch then does so about once per task. None: the batches as Spark sends them
+        (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows each).
 
     Attributes
     ----------
@@ -130,7 +135,7 @@ class StatefulOperator:
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
                  value_schema=_FROM_FN, fn=None, output_schema=_FROM_FN, conf=None, *, store_name="default",
                  coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=_FROM_FN,
-                 delay=_FROM_FN, initial_state=None):
+                 delay=_FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS):
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
@@ -147,6 +152,10 @@ class StatefulOperator:
             raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
         if not isinstance(output_batches_to_retain, int) or output_batches_to_retain < 1:
             raise ValueError(f"output_batches_to_retain must be an int >= 1, got {output_batches_to_retain!r}")
+        if fn_batch_rows is not None and (not isinstance(fn_batch_rows, int) or isinstance(fn_batch_rows, bool)
+                                          or fn_batch_rows < 1):
+            raise ValueError(f"fn_batch_rows must be an int >= 1 or None, got {fn_batch_rows!r}")
+        self.fn_batch_rows = fn_batch_rows
         if query_run_id is not None and not isinstance(query_run_id, uuid.UUID):
             raise TypeError(f"query_run_id must be a uuid.UUID, got {type(query_run_id).__name__}")
         self.checkpoint_location = checkpoint_location
@@ -392,7 +401,8 @@ class StatefulOperator:
             fn=self.fn, arrow_schema=self._arrow_schema, output_dir=output_dir,
             coordinator_address=None if coordinator is None else tuple(coordinator.address),
             authkey=None if coordinator is None else coordinator.authkey, generation=generation,
-            event_time=self.event_time, watermarks=watermarks, batch_timestamp_ms=batch_timestamp_ms)
+            event_time=self.event_time, watermarks=watermarks, batch_timestamp_ms=batch_timestamp_ms,
+            fn_batch_rows=self.fn_batch_rows)
         started = time.perf_counter()
         sc = spark.sparkContext
         description = sc.getLocalProperty("spark.job.description")  # streaming sets one per batch

@@ -22,7 +22,7 @@ from statecore.spark_hash import spark_partition
 from statecore.checkpoint import CheckpointFiles
 
 from pyspark_glue import executor
-from pyspark_glue.arrow import conform_output
+from pyspark_glue.arrow import conform_output, joined_batches
 from pyspark_glue.event_time import Watermarks, event_times_us
 from pyspark_glue.rdd import StatefulOperatorStateInfo
 
@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 PARTITION_COLUMN = "__statecore_partition"
 # Marks the rows of the operator's initial state, which its first batch carries with the input.
 INITIAL_STATE_COLUMN = "__statecore_initial_state"
+# What fn gets at most in one joined batch: FN_BATCH_ROWS rows (the operator's default
+# fn_batch_rows) and FN_BATCH_BYTES of Arrow buffers. Fewer, larger batches let a fn read and
+# write its keys once per task instead of once per Spark batch.
+FN_BATCH_ROWS = 1 << 20
+FN_BATCH_BYTES = 128 << 20
 
 STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
               "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
@@ -84,6 +89,9 @@ class PartitionTask:
     # (key columns, their Spark types) when the task checks the routing from the keys
     # themselves; None: the rows carry PARTITION_COLUMN
     routing_keys: tuple = None
+    # fn gets the partition's Arrow batches joined up to this many rows (and FN_BATCH_BYTES);
+    # None: as Spark sends them (spark.sql.execution.arrow.maxRecordsPerBatch rows)
+    fn_batch_rows: int = None
 
 
 class PartitionContext:
@@ -253,7 +261,7 @@ def _run_partition(task, batches):
         open_ = getattr(fn, "open", None)
         if callable(open_):
             open_(context)
-        for batch in batches:
+        for batch in joined_batches(batches, task.fn_batch_rows, FN_BATCH_BYTES):
             batch = checked_partition(batch, partition_id, routing)
             rows_in += batch.num_rows
             batches_in += 1

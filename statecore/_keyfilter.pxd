@@ -20,6 +20,15 @@ cdef extern from *:
     const uint32_t* FILTER_SALT "SC_FILTER_SALT"
 
 
+cdef enum:
+    HASHES_AHEAD = 16     # a batch check hashes (and prefetches the block of) this many keys ahead
+
+
+cdef struct HashesAhead:
+    # The ring of the hashes a batch check computed ahead of the key it asks about.
+    uint64_t hashes[HASHES_AHEAD]
+
+
 cdef struct FilterBits:
     # What a nogil probe reads. n_blocks == 0: the filter holds no key.
     uint32_t* words       # n_blocks * FILTER_WORDS words

@@ -9,6 +9,8 @@ decided lower down. The filter is a split-block Bloom filter over the keys' XXH6
 32-byte block by the hash's high 32 bits and sets one bit in each of its 8 words, chosen
 from the low 32 bits by a per-word multiplier (``FILTER_SALT``). At FILTER_BITS_PER_KEY
 bits a key, about one absent key in a hundred is answered "maybe" and probed for nothing.
+A batch check hashes each key HASHES_AHEAD keys before it asks about it, and prefetches
+that key's block meanwhile (a filter bigger than the caches costs a memory read a key).
 A filter is filled with the keys it covers as their image is written (or, for a snapshot
 read from files, from its rows: ``SnapshotReader.build_key_filter``), and never changes.
 """
@@ -19,6 +21,27 @@ from libc.string cimport memcpy, memset
 from statecore._hash cimport key_hash
 
 import numpy as np
+
+cdef inline void hashes_ahead_start(HashesAhead* ahead, const FilterBits* f, const uint8_t* rows,
+                                    Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
+    """Hash the first HASHES_AHEAD keys of ``rows`` and prefetch their blocks."""
+    cdef Py_ssize_t i
+    for i in range(min(n, <Py_ssize_t>HASHES_AHEAD)):
+        ahead.hashes[i] = key_hash(rows + <size_t>i * stride, kw)
+        filter_prefetch(f, ahead.hashes[i])
+
+
+cdef inline uint64_t hashes_ahead_next(HashesAhead* ahead, const FilterBits* f, const uint8_t* rows,
+                                       Py_ssize_t i, Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
+    """Key ``i``'s hash; its place in the ring goes to key i + HASHES_AHEAD, whose block is
+    prefetched. REQUIRES: called for i = 0, 1, ... in turn, after hashes_ahead_start."""
+    cdef uint64_t h = ahead.hashes[i % HASHES_AHEAD]
+    cdef Py_ssize_t j = i + HASHES_AHEAD
+    if j < n:
+        ahead.hashes[i % HASHES_AHEAD] = key_hash(rows + <size_t>j * stride, kw)
+        filter_prefetch(f, ahead.hashes[i % HASHES_AHEAD])
+    return h
+
 
 cdef class KeyFilter:
     """A filter over keys of ``key_width`` bytes, sized for ``capacity`` keys (more may be
@@ -71,10 +94,12 @@ cdef class KeyFilter:
             return out
         cdef uint8_t[:, ::1] o = out
         cdef const uint8_t* p = &rows[0, 0]
+        cdef HashesAhead ahead
         stride = <size_t>rows.shape[1]
         with nogil:
+            hashes_ahead_start(&ahead, &self.bits, p, n, stride, kw)
             for i in range(n):
-                if filter_may_hold(&self.bits, key_hash(p + <size_t>i * stride, kw)):
+                if filter_may_hold(&self.bits, hashes_ahead_next(&ahead, &self.bits, p, i, n, stride, kw)):
                     memcpy(&o[m, 0], p + <size_t>i * stride, kw)
                     m += 1
         return out[:m]
@@ -95,7 +120,9 @@ cdef class KeyFilter:
         if n == 0:
             return out.view(np.bool_)
         cdef const uint8_t* p = &keys[0, 0]
+        cdef HashesAhead ahead
         with nogil:
+            hashes_ahead_start(&ahead, &self.bits, p, n, kw, kw)
             for i in range(n):
-                o[i] = filter_may_hold(&self.bits, key_hash(p + <size_t>i * kw, kw))
+                o[i] = filter_may_hold(&self.bits, hashes_ahead_next(&ahead, &self.bits, p, i, n, kw, kw))
         return out.view(np.bool_)

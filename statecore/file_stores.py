@@ -16,7 +16,7 @@ import numpy as np
 from statecore._rowcalls import RowCalls
 from statecore.contracts import ReadStateStore, StateStore
 from statecore.errors import IllegalStateError
-from statecore.layers import Layer, no_values
+from statecore.layers import Layer, OpenedValues, no_values
 from statecore.rowsource import iter_batches, iter_items
 
 __all__ = ["View", "FileReadStore", "FileStore"]
@@ -163,6 +163,7 @@ class FileStore(FileReadStore, StateStore):
         self._state = _UPDATING
         self._commit_id = None
         self._opened = None  # (version, commit id) opened, once the view moved to the commit's
+        self._read_before_writes = None  # OpenedValues of the one get_batch made before any write
         self.put = self._calls.put
         self.remove = self._calls.remove
 
@@ -189,6 +190,17 @@ class FileStore(FileReadStore, StateStore):
         """Remove ``key`` (bound on the instance: the compiled call)."""
         self._calls.remove(key)
 
+    def get_batch(self, keys):
+        """As a read store's; the values a batch read finds before this store wrote anything
+        are the opened version's, which the commit needs of the keys it puts: kept (the last
+        such read only) for a commit that puts exactly those keys, in that order."""
+        key_rows = self._key_schema.rows(keys)
+        before_writes = not len(self._update)
+        values, found = self._view.lookup(key_rows, self._layers())
+        if before_writes:
+            self._read_before_writes = OpenedValues(key_rows.copy(), values, found.copy())
+        return self._value_schema.from_rows(values).copy(), found
+
     def put_batch(self, keys, values):
         if values is None and self._value_schema.width:
             raise ValueError("Cannot put a null value")
@@ -205,7 +217,9 @@ class FileStore(FileReadStore, StateStore):
 
     def commit(self):
         self._check_updating("commit")
-        new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(self._view, self._update)
+        opened_values, self._read_before_writes = self._read_before_writes, None
+        new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(
+            self._view, self._update, opened_values)
         # The update layer may be the provider's head now: no per-row call may write to it
         # again (the calls made below for the committed version only read).
         self._calls.close_updates()
@@ -237,6 +251,7 @@ class FileStore(FileReadStore, StateStore):
 
     def abort(self):
         self._state = _ABORTED
+        self._read_before_writes = None
         self._update = Layer(self._key_schema, self._value_schema)
         self._calls.set_update(self._update)
         self._calls.close_updates()

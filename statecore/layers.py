@@ -371,10 +371,10 @@ class State:
             prior_del, prior_del_found = self.lookup(self.version, del_keys)
         else:
             prior_del, prior_del_found = del_prior, np.ones(del_keys.shape[0], dtype=np.bool_)
-        adopted = (update is not None and put_prior is None and not len(self.head) and not len(update.dels)
+        adopted = (update is not None and not len(self.head) and not len(update.dels)
                    and len(update.puts) == put_keys.shape[0])
         if adopted:
-            prior_put, prior_put_found = self._base_prior(put_keys)
+            prior_put, prior_put_found = self._base_prior(put_keys) if put_prior is None else put_prior
             self.head = update
         elif put_prior is None:
             prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
@@ -468,6 +468,23 @@ class State:
             del self.num_keys[v]
         for u in [u for u in self.undo if u <= keep_from]:
             del self.undo[u]
+
+
+class OpenedValues:
+    """What a store read of ``keys`` (rows) at the version it opened, before it wrote
+    anything: ``values`` and ``found`` there, the priors a commit of puts of exactly those
+    keys needs (the merge then looks none of them up)."""
+
+    __slots__ = ("keys", "values", "found")
+
+    def __init__(self, keys, values, found):
+        self.keys, self.values, self.found = keys, values, found
+
+    def priors_of(self, put_keys):
+        """``(values, found)`` for ``put_keys`` if they are these keys in this order, else None."""
+        if put_keys.shape != self.keys.shape or not np.array_equal(put_keys, self.keys):
+            return None
+        return self.values, self.found
 
 
 def _decided_by(layers, key_rows):

@@ -354,13 +354,15 @@ class FileStateStoreProvider(StateStoreProvider):
         state.retain(keep_from)
 
     # -- commit ----------------------------------------------------------------------------
-    def _commit(self, view, update):
+    def _commit(self, view, update, opened_values=None):
         """``(new_version, num_keys, commit_id, committed)``: ``committed`` is a View of the
-        new version (None when no version is kept in memory), for the store's reads after."""
+        new version (None when no version is kept in memory), for the store's reads after.
+        ``opened_values``: an OpenedValues the store read, the priors of its puts if they are
+        its keys."""
         with self._committing:
-            return self._commit_serialized(view, update)
+            return self._commit_serialized(view, update, opened_values)
 
-    def _commit_serialized(self, view, update):
+    def _commit_serialized(self, view, update, opened_values=None):
         version = view.version
         new_version = version + 1
         commit_id = os.urandom(8)
@@ -369,6 +371,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._refuse_if_stale(view, new_version)
         put_keys, put_values = update.puts.export_rows()
         del_keys, del_prior = self._removed_keys(view, update)
+        put_prior = opened_values.priors_of(put_keys) if opened_values is not None else None
         name = file_name(new_version, commit_id, "delta")
         merged_count = Future()  # the new version's key count, once the merge knows it
 
@@ -389,7 +392,7 @@ class FileStateStoreProvider(StateStoreProvider):
             with self._lock:
                 state = self._state_to_merge_into(view.state, view.version, view.commit_id)
                 state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior,
-                            update=update)
+                            put_prior=put_prior, update=update)
                 count = state.num_keys[new_version]
         except BaseException:
             merged_count.set_result(None)  # lets the write end; its file is discarded

@@ -166,6 +166,34 @@ def test_the_task_checks_fixed_width_keys_by_hashing_them():
         checked_partition(batch, 2, routing)
 
 
+def test_joined_batches_keep_the_rows_in_order_within_both_limits():
+    """fn's batches: consecutive Arrow batches joined up to the row and byte limits (a batch
+    past a limit alone passes alone), the same rows in the same order; None joins nothing."""
+    from pyspark_glue.arrow import joined_batches
+
+    rng = np.random.default_rng(7)
+    sizes = [0, 3, 40, 1, 0, 25, 100, 7, 7, 7]
+    start = np.cumsum([0] + sizes)
+    batches = [pa.RecordBatch.from_pydict({"k": pa.array(np.arange(a, b), pa.int64()),
+                                           "s": pa.array([f"r{i}" for i in range(a, b)], pa.string())})
+               for a, b in zip(start[:-1], start[1:])]
+    rows = lambda bs: [r for b in bs for r in b.column("k").to_pylist()]  # noqa: E731
+    assert list(joined_batches(iter(batches), None, 1 << 30)) == batches
+    for max_rows in (1, 10, 30, 64, 1000):
+        out = list(joined_batches(iter(batches), max_rows, 1 << 30))
+        assert rows(out) == list(range(start[-1]))
+        assert all(b.num_rows <= max_rows or b in batches for b in out)  # only a batch past it alone
+        assert all(b.schema == batches[0].schema for b in out)
+    assert [b.num_rows for b in joined_batches(iter(batches), 64, 1 << 30)] == [44, 25, 100, 21]
+    one_row_bytes = batches[3].nbytes
+    by_bytes = list(joined_batches(iter(batches), 1000, 10 * one_row_bytes))
+    assert rows(by_bytes) == list(range(start[-1])) and len(by_bytes) > 4
+    assert all(b.nbytes <= 10 * one_row_bytes or b in batches for b in by_bytes)
+    assert list(joined_batches(iter([]), 10, 100)) == []
+    shuffled = [batches[i] for i in rng.permutation(len(batches))]
+    assert rows(joined_batches(iter(shuffled), 50, 1 << 30)) == rows(shuffled)
+
+
 # -- on Spark --------------------------------------------------------------------------------------
 
 def test_hashing_keys_in_the_task_agrees_with_spark(spark):
@@ -332,6 +360,33 @@ def test_output_is_computed_once(spark, tmp_path):
     assert rows == len(collected) == len(expected_state([table])) == op.last_progress["rows_out"]
     assert count_lines(counters / "finishes") == 4 and count_lines(counters / "calls") == calls
     op.close()
+
+
+@pytest.mark.spark
+def test_fn_gets_a_partition_s_arrow_batches_joined(spark, tmp_path):
+    """With Spark sending 100-row Arrow batches, fn is called once per partition (its rows
+    joined, under fn_batch_rows) by default, and once per Spark batch with None; the state
+    and output are the same either way."""
+    table = events(21, 2000)
+    df = spark.createDataFrame(table.to_pandas(), INPUT_DDL)
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "100")
+    try:
+        calls = {}
+        for name, rows in (("joined", 1 << 20), ("as_sent", None)):
+            counters = tmp_path / name
+            counters.mkdir()
+            op = make_operator(str(tmp_path / f"state-{name}"), fn=CountingAggregate(str(counters)),
+                               coordinator=False, fn_batch_rows=rows)
+            out = op.process(df, 0)
+            assert state_dict(out) == expected_state([table])
+            calls[name] = count_lines(counters / "calls")
+            op.close()
+    finally:
+        spark.conf.set(key, before)
+    assert calls["joined"] == 4, f"fn was called {calls['joined']} times for 4 partitions"
+    assert calls["as_sent"] >= 2000 // 100, calls
 
 
 def test_output_left_unread_is_read_later_from_its_files(spark, tmp_path):

@@ -498,6 +498,142 @@ def test_a_failed_delta_write_after_the_update_became_the_head_leaves_both_as_th
         assert_reads(provider, 4, model[4])
 
 
+# -- 4c. a commit of the keys its store read first ---------------------------------------------
+def read_then_put(store, keys, v):
+    """What a read-modify-write fn does: one get_batch of ``keys``, then a put of each."""
+    old, found = store.get_batch(keys)
+    new = np.zeros(len(keys), dtype=VALUE)
+    new["n"] = np.where(found, old["n"], 0) + v
+    new["x"] = keys["k"] / 4
+    store.put_batch(keys, new)
+    return {int(k): (int(n), float(x)) for k, n, x in zip(keys["k"], new["n"], new["x"])}
+
+
+def count_base_lookups(monkeypatch):
+    """A list that grows by the number of keys of each lookup of keys in a State's base."""
+    import statecore.layers as layers
+
+    seen, original = [], layers.base_lookup
+
+    def counted(base, key_rows):
+        if key_rows.shape[0]:
+            seen.append(key_rows.shape[0])
+        return original(base, key_rows)
+
+    monkeypatch.setattr(layers, "base_lookup", counted)
+    return seen
+
+
+def keys_of(ks):
+    return np.array([(k,) for k in ks], dtype=KEY)
+
+
+@pytest.mark.parametrize("head", ["empty", "not_empty"])
+def test_a_commit_of_the_keys_its_store_read_looks_none_of_them_up(tmp_path, monkeypatch, head):
+    """The values a store's get_batch found before it wrote anything are the priors of the
+    same keys' puts: the commit's merge looks none of them up, over an empty head (the update
+    layer becomes it) or over a head with rows; the versions, their key counts and the undo
+    that serves the older one are what lookups would have made."""
+    q, model, _ = loaded_over_a_snapshot(tmp_path)
+    if head == "not_empty":
+        commit_next(q, model)
+        assert len(q._latest.head), "the head should hold version 4's changes"
+    v = max(model)
+    store = q.get_store(v)
+    keys = keys_of(range(1, KEY_SPACE + 8, 2))  # keys of the state and new ones, distinct
+    seen = count_base_lookups(monkeypatch)
+    puts = read_then_put(store, keys, v + 1)
+    del seen[:]
+    store.commit()
+    assert seen == [], f"the commit looked up keys its store had read: {seen}"
+    model[v + 1] = applied(model[v], puts, [])
+    assert store.metrics.num_keys == len(model[v + 1])
+    monkeypatch.undo()
+    for provider in (q, make(tmp_path)):
+        for u in (v, v + 1):
+            assert_reads(provider, u, model[u])  # v in memory through the undo layer
+    commit_next(q, model)
+    assert_reads(q, v + 2, model[v + 2])
+
+
+@pytest.mark.parametrize("case", ["subset", "more_puts", "reordered", "keys_changed", "read_after_a_write",
+                                  "removed_and_put_again", "found_changed"])
+def test_what_a_store_read_serves_only_a_commit_of_exactly_those_keys(tmp_path, monkeypatch, case):
+    """A commit uses the values its store read only when its puts are exactly the keys read,
+    in that order, read before any write; otherwise its merge looks the keys up. Either way
+    the version and its key count are the model's (the caller's arrays changed after the
+    read change nothing)."""
+    q, model, _ = loaded_over_a_snapshot(tmp_path)
+    store = q.get_store(3)
+    keys = keys_of(range(1, KEY_SPACE + 8, 2))
+    seen = count_base_lookups(monkeypatch)
+    if case == "read_after_a_write":
+        write(store, {0: (7, 0.5)}, [])
+        puts = {0: (7, 0.5)}
+    else:
+        puts = {}
+    old, found = store.get_batch(keys)
+    vals = np.zeros(len(keys), dtype=VALUE)
+    vals["n"], vals["x"] = 11, 0.25
+    if case == "subset":
+        put = keys[: len(keys) // 2]
+    elif case == "reordered":
+        put = keys[::-1].copy()
+    elif case == "keys_changed":
+        keys["k"] += 100  # the caller reuses its array: these keys were never read
+        put = keys
+    else:
+        put = keys
+    if case == "found_changed":
+        found[:] = ~found  # the caller's copy; the store kept its own
+    store.put_batch(put, vals[: len(put)])
+    puts.update({int(k): (11, 0.25) for k in put["k"]})
+    if case == "more_puts":
+        write(store, {KEY_SPACE + 50: (1, 1.0)}, [])
+        puts[KEY_SPACE + 50] = (1, 1.0)
+    removes = []
+    if case == "removed_and_put_again":
+        first = keys[:1]
+        store.remove_batch(first)
+        store.put_batch(first, vals[:1])
+    del seen[:]
+    store.commit()
+    if case != "removed_and_put_again":  # there, the keys may come out of the layer in the order read
+        assert (seen == []) == (case == "found_changed"), f"{case}: base lookups at commit {seen}"
+    model[4] = applied(model[3], puts, removes)
+    assert store.metrics.num_keys == len(model[4])
+    monkeypatch.undo()
+    for provider in (q, make(tmp_path)):
+        for u in (3, 4):
+            assert_reads(provider, u, model[u])
+
+
+def test_a_failed_delta_write_after_a_merge_of_read_keys_leaves_the_state_as_it_was(tmp_path, monkeypatch):
+    """The delta's fsync fails after a merge that took its priors from the store's read:
+    version 4 is not visible, version 3 reads as before (from memory and files), and the
+    batch commits again."""
+    q, model, files = loaded_over_a_snapshot(tmp_path, monkeypatch)
+    commit_next(q, model)  # a head with rows: the merge writes into it, and must undo that
+    store = q.get_store(4)
+    keys = keys_of(range(0, KEY_SPACE + 6, 3))
+    read_then_put(store, keys, 5)
+    files.arm("fsync", "*.delta*")
+    with pytest.raises(OSError, match="injected"):
+        store.commit()
+    assert files.raised["fsync"] == 1
+    for provider in (q, make(tmp_path)):
+        with pytest.raises(VersionNotFoundError):
+            provider.get_store(5)
+        assert_reads(provider, 4, model[4])
+    again = q.get_store(4)
+    puts = read_then_put(again, keys, 5)
+    again.commit()
+    model[5] = applied(model[4], puts, [])
+    for provider in (q, make(tmp_path)):
+        for u in (4, 5):
+            assert_reads(provider, u, model[u])
+
+
 # -- 5. the snapshot's fsync (or rename) fails ------------------------------------------------
 @pytest.mark.parametrize("step", ["fsync", "rename"])
 def test_failed_snapshot_write_is_not_swapped_in(tmp_path, monkeypatch, step):
