@@ -267,6 +267,23 @@ class StoreFiles:
         size = os.path.getsize(path)
         self._image_cache(create=True).image_of(full, self.path(name), size, lambda tmp: os.replace(path, tmp))
 
+    def publish_image(self, name, path):
+        """Make the local file ``path`` (from :meth:`new_image_file`) the image that other
+        processes of this machine find for ``name`` (:meth:`published_image`), by a rename;
+        its older images go. FileNotFoundError if ``name`` does not exist."""
+        return self._image_cache(create=True).adopt(self._full(name), path)
+
+    def published_image(self, name):
+        """The local path of the image published for ``name`` as it now is, or None."""
+        cache = self._image_cache(create=False)
+        return None if cache is None else cache.find_image(self._full(name))
+
+    def drop_images(self, names):
+        """Remove the local images (and copies) of ``names`` (best effort)."""
+        cache = self._image_cache(create=False)
+        if cache is not None:
+            cache.drop([self._full(name) for name in names])
+
     def _image_cache(self, create):
         """The LocalCache of images; None if ``create`` is false and no cache directory is
         given or exists (then there are no images to drop)."""

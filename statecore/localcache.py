@@ -148,10 +148,9 @@ class LocalCache:
         removed (a process that has mapped one keeps its pages)."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self.sweep_once()
-        base = full.rsplit("/", 1)[1]
         for _ in range(3):
             _, identity = self._identity(full)
-            cached = os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}.image")
+            cached = self._image_path(full, identity)
             with _COPYING[hash(cached) % len(_COPYING)]:
                 if _reusable(cached, size):
                     return cached
@@ -169,6 +168,35 @@ class LocalCache:
                 self.drop([full], keep=cached)
                 return cached
         raise OSError(errno.EAGAIN, "file kept changing while it was unpacked", shown)
+
+    def adopt(self, full, path):
+        """Make the local file ``path`` (in this cache's directory) the image of the file at
+        ``full`` as it now is, by a rename (no copy; no fsync either: whoever maps it checks
+        every block first), dropping its older images; the cached path. FileNotFoundError if
+        the source does not exist."""
+        _, identity = self._identity(full)
+        cached = self._image_path(full, identity)
+        os.replace(path, cached)
+        self.drop([full], keep=cached)
+        return cached
+
+    def find_image(self, full):
+        """The cached image of the file at ``full`` as it now is (touched: in use), or None
+        when there is none or the source does not exist."""
+        try:
+            _, identity = self._identity(full)
+        except FileNotFoundError:
+            return None
+        cached = self._image_path(full, identity)
+        try:
+            os.utime(cached)
+        except OSError:
+            return None
+        return cached
+
+    def _image_path(self, full, identity):
+        base = full.rsplit("/", 1)[1]
+        return os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}.image")
 
     def drop(self, fulls, keep=None):
         """Remove the copies and images of the files ``fulls`` other than ``keep`` (best effort)."""

@@ -104,7 +104,7 @@ def _compact(p, spill):
     several, and later spills take it in or stack over it as over a snapshot)."""
     with _rewriting(p, spill) as rows:
         whole = spill_rows(_spill_file_maker(p, spill.version), p._key_schema, p._value_schema, spill.version,
-                           spill.commit_id, rows, spill.num_keys)
+                           spill.commit_id, rows, spill.num_keys, _publisher(p, spill.version, spill.commit_id))
         if not _replace_base(p, lambda b: b is spill, whole):
             whole.puts.close()
     log.debug("compacted version %d of %s: %r", spill.version, p, whole)
@@ -133,6 +133,12 @@ def _rewriting(p, spill):
 def _spill_file_maker(p, version):
     """``new_file()`` for a spill of ``version``: a new local image file, open for writing."""
     return lambda: p._files.new_image_file(f"spill-{version}")
+
+
+def _publisher(p, version, commit_id):
+    """``publish(path)`` for a whole spill of ``version``: the provider shares its image with
+    the machine's other processes (``FileStateStoreProvider._publish_image``)."""
+    return lambda path: p._publish_image(version, commit_id, path)
 
 
 def _filter_bottom(p):
@@ -200,11 +206,12 @@ def _spill(p, state, written):
     version = state.version
     new_file = _spill_file_maker(p, version)
     commit_id, num_keys = state.commit_ids[version], state.count(version)
+    publish = _publisher(p, version, commit_id)
     if isinstance(state.base, FrozenView):  # no mapped base to tell changes from: every row
         spill = spill_rows(new_file, p._key_schema, p._value_schema, version, commit_id,
-                           state.iter_rows(version), num_keys)
+                           state.iter_rows(version), num_keys, publish)
     else:
-        spill = spill_head(new_file, state.head, state.base, version, commit_id, num_keys, written)
+        spill = spill_head(new_file, state.head, state.base, version, commit_id, num_keys, written, publish)
     _replace_base(p, lambda b: isinstance(b, FrozenView) and b.state is state and b.version == version, spill)
     log.debug("spilled version %d of %s: %r", version, p, spill)
     return spill

@@ -31,6 +31,7 @@ from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_nam
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
 from statecore.spill import Spill, filter_bytes as spill_filter_bytes
+from statecore._snapshot import SnapshotReader
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
@@ -86,6 +87,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)
         self._spill_failed_at = None  # time.monotonic() of the last failed spill (maintenance.SPILL_RETRY_S)
         self._snapshot_on_files = 0  # the newest snapshot maintenance saw on the default lineage
+        self._image_published = None  # the delta whose version's whole image this provider published
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
         self._committing = threading.Lock()  # commits of one provider run one at a time
         self._headers_lock = threading.Lock()  # guards _headers
@@ -134,6 +136,9 @@ class FileStateStoreProvider(StateStoreProvider):
         with self._lock:
             self._closed = True
             self._latest = None
+            published, self._image_published = self._image_published, None
+        if published is not None:  # no longer this process's to keep: its mappings stay valid
+            self._files.drop_images([published])
 
     def do_maintenance(self):
         """Spills, snapshots and cleanup (:mod:`statecore.maintenance`), one pass at a time: a
@@ -267,8 +272,8 @@ class FileStateStoreProvider(StateStoreProvider):
                 if cid != start_id:
                     return None
                 break
-            if snapshot is not None or delta is None:
-                return None
+            if snapshot is not None or delta is None or self._has_published_image(delta):
+                return None  # a load from that snapshot or image replays fewer deltas
             steps.append((u, delta))
         try:
             deltas = list(self._checked_deltas(steps, start_id))
@@ -561,6 +566,9 @@ class FileStateStoreProvider(StateStoreProvider):
         for u, cid, delta, snapshot in self._chain(listing).walk(version, commit_id):
             if u == 0:
                 return self._replay(self._empty_state(), steps)
+            published = self._published_state(u, cid, delta) if delta is not None else None
+            if published is not None:
+                return self._replay(published, steps)
             if snapshot is not None:
                 try:
                     return self._replay(self._open_snapshot(snapshot, cid), steps)
@@ -575,6 +583,57 @@ class FileStateStoreProvider(StateStoreProvider):
                     f"Error reading delta file {path} of {self}: {path} does not exist")
             steps.append((u, delta))
         raise AssertionError("unreachable: a walk ends at version 0 or a missing delta")
+
+    # -- whole images shared by the processes of a machine ----------------------------------
+    def _publish_image(self, version, commit_id, path):
+        """Give the other processes of this machine the whole image of ``version`` (attempt
+        ``commit_id``) that maintenance just wrote at ``path``, as the image of that version's
+        delta (a worker of the same executor that opens the version then maps it instead of
+        replaying deltas); the one this provider published before goes. Local files only;
+        best effort (a failure leaves the image to be unlinked, and is logged)."""
+        if not self._files.is_local:
+            return
+        name = file_name(version, commit_id, "delta")
+        try:
+            self._files.publish_image(name, path)
+        except OSError as e:  # the delta is gone (cleaned up), or the cache is not writable
+            log.info("whole image of version %d of %s not published: %s", version, self, e)
+            return
+        with self._lock:
+            older, self._image_published = self._image_published, name
+        if older is not None and older != name:
+            self._files.drop_images([older])
+
+    def _has_published_image(self, delta):
+        return self._files.is_local and self._files.published_image(delta.name) is not None
+
+    def _published_state(self, version, commit_id, delta):
+        """A State of ``version`` (attempt ``commit_id``) over the whole image another process
+        published for ``delta``, every checksum checked, or None (none published,
+        or one that does not hold exactly that version: it is dropped)."""
+        path = self._files.published_image(delta.name) if self._files.is_local else None
+        if path is None:
+            return None
+        try:
+            reader = SnapshotReader(path, self._key_schema, self._value_schema)
+        except FileNotFoundError:
+            return None  # dropped meanwhile
+        except (OSError, StateCorruptionError, SchemaMismatchError) as e:
+            log.warning("published image %s of %s not used: %s", path, self, e)
+            self._files.drop_images([delta.name])
+            return None
+        try:
+            if reader.store_version != version or reader.commit_id != commit_id:
+                raise StateCorruptionError(path, None, f"it holds version {reader.store_version} "
+                                                       f"({reader.commit_id.hex()}), not {version} ({commit_id.hex()})")
+            reader.verify(index=False)  # every checksum: rows and slots
+        except StateCorruptionError as e:
+            reader.close()
+            log.warning("published image %s of %s not used: %s", path, self, e)
+            self._files.drop_images([delta.name])
+            return None
+        log.info("version %d of %s mapped from the image another process published", version, self)
+        return State(self._key_schema, self._value_schema, reader, version, commit_id, reader.row_count)
 
     def _open_snapshot(self, f, commit_id):
         path = self._files.path(f.name)

@@ -19,6 +19,7 @@ a spill made meanwhile stands over the one written, never taking it in, until th
 replaces it (the one change a Spill ever sees: ``lower`` becomes the same version, mapped
 from the snapshot). Rules: ``docs/provider-rules.md``.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -135,21 +136,23 @@ class Spill:
             yield from _unshadowed(bottom, changed, chunk_rows)[1]
 
 
-def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys):
+def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys, publish=None):
     """A whole Spill: every row of a version (``chunks``, ``num_keys`` rows) over nothing. For
     a State whose base is not mapped (a frozen State), where no changes can be told apart,
-    and for maintenance to compact the levels of a spill whose changes outgrew the state."""
-    puts = _write_image(new_file, key_schema, value_schema, version, num_keys, chunks)
+    and for maintenance to compact the levels of a spill whose changes outgrew the state.
+    ``publish(path)``, if given, may take the image's file before it is unlinked (a whole
+    image is the version itself: other processes may map it)."""
+    puts = _write_image(new_file, key_schema, value_schema, version, commit_id, num_keys, chunks, publish)
     return Spill(puts, None, None, version, commit_id, num_keys)
 
 
-def spill_head(new_file, head, base, version, commit_id, num_keys, written=None):
+def spill_head(new_file, head, base, version, commit_id, num_keys, written=None, publish=None):
     """A Spill of version ``version`` (attempt ``commit_id``, ``num_keys`` keys) of a frozen
     State: its ``head`` (a Layer) over its ``base`` (None, a SnapshotReader or a Spill),
     taking in the newest levels of spills while each is no bigger than TAKE_IN_RATIO times
     what the new spill holds so far; never ``written`` (the spill a snapshot is being written
     from) or what lies below it. ``new_file()`` gives a new local file open for binary
-    writing."""
+    writing. ``publish`` as spill_rows', for a spill that turns out whole."""
     taken, lower = [], base
     size = len(head)
     while isinstance(lower, Spill) and lower is not written and lower.own_changed <= TAKE_IN_RATIO * size:
@@ -170,7 +173,8 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None)
                 count += kept
                 parts.append(chunks)
             newer += [i for i in (level.puts, level.dels) if i is not None]
-        return _write_image(new_file, ks, schema_v, version, count, (c for part in parts for c in part))
+        return _write_image(new_file, ks, schema_v, version, commit_id, count, (c for part in parts for c in part),
+                            publish if lower is None and kind == "puts" else None)
 
     put_image = image_of("puts", vs)
     del_image = None
@@ -179,16 +183,18 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None)
     return Spill(put_image, del_image, lower, version, commit_id, num_keys)
 
 
-def _write_image(new_file, key_schema, value_schema, version, row_count, chunks):
-    """The reader of ``row_count`` rows written as an image in a new local file, mapped
-    (every block checked now, on the caller's thread, not on first touch by a lookup) with
-    the key filter its writer filled, the file unlinked."""
+def _write_image(new_file, key_schema, value_schema, version, commit_id, row_count, chunks, publish=None):
+    """The reader of ``row_count`` rows of version ``version`` (attempt ``commit_id``, in its
+    header) written as an image in a new local file, mapped (every block checked now, on the
+    caller's thread, not on first touch by a lookup) with the key filter its writer filled,
+    the file unlinked unless ``publish(path)`` took it."""
     f = new_file()
     path = f.name
     key_filter = KeyFilter(key_schema.width, row_count) if 0 < row_count <= KEY_FILTER_MAX_ROWS else None
     try:
         with f:
-            writer = SnapshotWriter(f, key_schema, value_schema, row_count, version, key_filter=key_filter)
+            writer = SnapshotWriter(f, key_schema, value_schema, row_count, version, lineage=commit_id + bytes(8),
+                                    key_filter=key_filter)
             for chunk in chunks:
                 if chunk.shape[0]:
                     writer.write_rows(chunk)
@@ -197,9 +203,12 @@ def _write_image(new_file, key_schema, value_schema, version, row_count, chunks)
         reader.verify(index=False)
         if key_filter is not None:
             reader.set_key_filter(key_filter)
+        if publish is not None:
+            publish(path)
         return reader
     finally:
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):  # published: renamed away
+            os.unlink(path)
 
 
 def _levels(spill):

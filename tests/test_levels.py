@@ -129,6 +129,7 @@ def test_the_walk_reports_damage_in_the_snapshot_below_the_levels(tmp_path):
     model = {0: {}}
     commit(p, model, {k: (k, 0.0) for k in range(20_000)}, [], VALUE)
     snapshot_now(p)
+    p.close()  # its whole image goes: the reopened provider maps the snapshot
     reopened = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)  # blocks not yet checked
     commit(reopened, model, {k: (k, 1.0) for k in range(10)}, [], VALUE)
     with spill_always():

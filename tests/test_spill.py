@@ -458,3 +458,97 @@ def test_after_a_failed_spill_the_commits_wait_before_trying_again(tmp_path, mon
     commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
     assert isinstance(p._latest.base, Spill) and p._spill_failed_at is None
     check(p, model, [max(model)], 2000, VALUE)
+
+
+# -- whole images shared by the processes of a machine ---------------------------------------------
+def delta_name(provider, version):
+    from statecore.lineage import file_name
+
+    return file_name(version, provider._latest.commit_ids[version], "delta")
+
+
+def count_delta_reads(monkeypatch):
+    reads, original = [], statecore.provider.FileStateStoreProvider._checked_delta
+
+    def counted(self, f, *args, **kwargs):
+        reads.append(f.name)
+        return original(self, f, *args, **kwargs)
+
+    monkeypatch.setattr(statecore.provider.FileStateStoreProvider, "_checked_delta", counted)
+    return reads
+
+
+def test_a_worker_maps_the_whole_image_another_published_instead_of_replaying_deltas(tmp_path, monkeypatch):
+    """Two providers of one store (two Python workers of an executor) take the batches in
+    turn. Each whole spill is published as the image of its version's delta; the other one,
+    opening that version, maps it (no delta read, the image its base) rather than rolling
+    forward; every version reads as the model has it, there and from files. A provider's
+    older published image goes when it publishes a newer one, the newest when it closes."""
+    rng = np.random.default_rng(41)
+    workers = [open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000) for _ in range(2)]
+    model = {0: {}}
+    commit(workers[0], model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
+    reads = count_delta_reads(monkeypatch)
+    published = {}
+    for turn in range(5):
+        writer, opener = workers[turn % 2], workers[(turn + 1) % 2]
+        with spill_always(), outgrown_at_any_size():
+            writer.do_maintenance()
+        v = max(model)
+        base = writer._latest.base
+        assert isinstance(base, Spill) and base.whole and base.version == v
+        name = delta_name(writer, v)
+        published[v] = name
+        assert writer._files.published_image(name) is not None, f"the whole spill of {v} was not published"
+        del reads[:]
+        check(opener, model, [v], 500, VALUE)
+        assert reads == [], f"version {v} was read from deltas {reads}, not mapped from the published image"
+        assert isinstance(opener._latest.base, statecore.SnapshotReader) and opener._latest.version == v
+        if v - 2 in published:  # the writer published v - 2 too: it went when v was published
+            assert writer._files.published_image(published[v - 2]) is None
+        commit(opener, model, *random_changes(rng, v + 1, 500, 300, 20, VALUE), VALUE)
+        check(opener, model, [v + 1], 500, VALUE)
+    check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 500, VALUE)
+    last = workers[(5 - 1) % 2]
+    name = published[max(published)]
+    assert last._files.published_image(name) is not None
+    last.close()
+    assert last._files.published_image(name) is None, "a closed provider's image is still published"
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "another_version"])
+def test_a_published_image_that_is_not_the_version_is_dropped_and_the_version_loads_from_files(
+        tmp_path, monkeypatch, damage):
+    """An image published for a version's delta that fails its checksums, or holds another
+    version, is not used: the version loads from the checkpoint's files (its deltas), reads
+    as the model has it, and the image is dropped."""
+    rng = np.random.default_rng(43)
+    writer = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(writer, model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
+    with spill_always():
+        writer.do_maintenance()
+    with open(writer._files.published_image(delta_name(writer, 1)), "rb") as f:
+        first = f.read()  # version 1's image (it goes when version 2's is published)
+    commit(writer, model, *random_changes(rng, 2, 500, 300, 20, VALUE), VALUE)
+    with spill_always(), outgrown_at_any_size():
+        writer.do_maintenance()
+    name = delta_name(writer, 2)
+    path = writer._files.published_image(name)
+    assert path is not None
+    if damage == "flipped_byte":
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+    else:  # version 1's image, published as version 2's
+        copy = writer._files.new_image_file("copy")
+        with copy:
+            copy.write(first)
+        writer._files.publish_image(name, copy.name)
+    reads = count_delta_reads(monkeypatch)
+    reader = open_provider(tmp_path, KEY, VALUE)
+    check(reader, model, [2], 500, VALUE)
+    assert reads, "the version was not loaded from its deltas"
+    assert writer._files.published_image(name) is None, "the image that is not the version is still published"

@@ -462,6 +462,7 @@ def test_damaged_snapshot_falls_back_to_deltas_and_damaged_delta_is_an_error(roo
     p = make(root, min_deltas_for_snapshot=2)
     commit_one_key_each(p, 5)
     p.do_maintenance()
+    p.close()  # and the whole image it may have published for the others goes with it
     d = store_dir(root)
     snap = version_path(d, 5, "snapshot")
     data = bytearray(Path(snap).read_bytes())
