@@ -633,7 +633,10 @@ class FileStateStoreProvider(StateStoreProvider):
             self._files.drop_images([delta.name])
             return None
         log.info("version %d of %s mapped from the image another process published", version, self)
-        return State(self._key_schema, self._value_schema, reader, version, commit_id, reader.row_count)
+        # A whole spill, as it was where it was written: the next spill takes it in (and is
+        # whole, and published in turn) as it would take in this provider's own.
+        whole = Spill(reader, None, None, version, commit_id, reader.row_count)
+        return State(self._key_schema, self._value_schema, whole, version, commit_id, reader.row_count)
 
     def _open_snapshot(self, f, commit_id):
         path = self._files.path(f.name)

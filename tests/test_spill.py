@@ -481,14 +481,17 @@ def count_delta_reads(monkeypatch):
 def test_a_worker_maps_the_whole_image_another_published_instead_of_replaying_deltas(tmp_path, monkeypatch):
     """Two providers of one store (two Python workers of an executor) take the batches in
     turn. Each whole spill is published as the image of its version's delta; the other one,
-    opening that version, maps it (no delta read, the image its base) rather than rolling
-    forward; every version reads as the model has it, there and from files. A provider's
+    opening that version, maps it (no delta read, the image its base, a whole spill that its
+    next spill takes in: whole again, with no compaction) rather than rolling forward; every
+    version reads as the model has it, there and from files. A provider's
     older published image goes when it publishes a newer one, the newest when it closes."""
     rng = np.random.default_rng(41)
     workers = [open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000) for _ in range(2)]
     model = {0: {}}
     commit(workers[0], model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
     reads = count_delta_reads(monkeypatch)
+    compactions, compact = [], statecore.maintenance._compact
+    monkeypatch.setattr(statecore.maintenance, "_compact", lambda *args: compactions.append(args) or compact(*args))
     published = {}
     for turn in range(5):
         writer, opener = workers[turn % 2], workers[(turn + 1) % 2]
@@ -503,11 +506,13 @@ def test_a_worker_maps_the_whole_image_another_published_instead_of_replaying_de
         del reads[:]
         check(opener, model, [v], 500, VALUE)
         assert reads == [], f"version {v} was read from deltas {reads}, not mapped from the published image"
-        assert isinstance(opener._latest.base, statecore.SnapshotReader) and opener._latest.version == v
+        mapped = opener._latest.base
+        assert isinstance(mapped, Spill) and mapped.whole and mapped.version == opener._latest.version == v
         if v - 2 in published:  # the writer published v - 2 too: it went when v was published
             assert writer._files.published_image(published[v - 2]) is None
         commit(opener, model, *random_changes(rng, v + 1, 500, 300, 20, VALUE), VALUE)
         check(opener, model, [v + 1], 500, VALUE)
+    assert not compactions, "the spill over a mapped whole image did not take it in (a compaction made it whole)"
     check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 500, VALUE)
     last = workers[(5 - 1) % 2]
     name = published[max(published)]

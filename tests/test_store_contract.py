@@ -704,6 +704,7 @@ def test_maintenance_gives_the_snapshot_under_the_state_its_key_filter(root, mon
     commit_batch(p, 0, [(k, (k, 0.5)) for k in range(0, 4000, 2)])
     commit_batch(p, 1, [(1, (1, 0.0))], removes=[0])
     p.do_maintenance()  # a snapshot of version 2
+    p.close()  # and the whole image of it p published goes: the others load the snapshot
     assert any(n.startswith("2_") and n.endswith(".snapshot") for n in os.listdir(store_dir(root)))
     expected = {k: (k, 0.5) for k in range(2, 4000, 2)}
     expected[1] = (1, 0.0)
