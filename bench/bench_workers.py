@@ -5,24 +5,29 @@ the newest one and against a load from files.
     python -m bench.bench_workers [--keys 500000] [--batch-rows 100000] [--batches 20] [--json PATH]
 
 Each mode runs the same batches (``--batch-rows`` random upserts of ``--keys`` keys, after a
-first version holding every key) on a checkpoint of its own, a maintenance pass (snapshot,
-cleanup) after every fifth commit, and times ``get_store`` (the open), the batch's
-``put_batch`` and ``commit`` separately:
+first version holding every key) on a checkpoint of its own, a maintenance pass (spill,
+compaction, snapshot, cleanup) after every commit, as a worker's maintenance thread runs
+one, and times ``get_store`` (the open), the batch's ``put_batch`` and ``commit`` separately:
 
 - ``one worker``: one provider takes every batch (each open finds the version in memory);
-- ``two workers, roll forward``: two providers alternate; each opens the version the other
-  committed from the one it holds, by the deltas since;
+- ``two workers, published images``: two providers alternate; each opens the version the
+  other committed by mapping the whole image the other's maintenance published for it
+  (when its spill was whole), else from the version it holds by the deltas since;
+- ``two workers, roll forward``: the same with no image published: always by the deltas;
 - ``load from files``: a new provider per batch (snapshot + deltas since), which is what a
   worker holding an older version did before it could roll forward.
 """
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 import numpy as np
 
 from bench._common import Table, arg_parser, print_header, write_json
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from statecore.provider import FileStateStoreProvider
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
@@ -55,7 +60,7 @@ def run(mode, root, first, work):
     for i, (keys, values) in enumerate(work):
         if mode == "one worker":
             p = workers[0]
-        elif mode == "two workers, roll forward":
+        elif mode.startswith("two workers"):
             p = workers[(i + 1) % 2]
         else:
             p = provider()
@@ -67,8 +72,7 @@ def run(mode, root, first, work):
         store.commit()
         t3 = time.perf_counter()
         times.append((t1 - t0, t2 - t1, t3 - t2))
-        if (i + 1) % 5 == 0:
-            p.do_maintenance()
+        p.do_maintenance()
     final = provider().get_read_store(len(work) + 1)
     total = 0.0
     for keys, values in final.iter_batches():
@@ -92,8 +96,11 @@ def main():
     scratch = tempfile.mkdtemp(prefix="statecore-bench-workers-")
     results, sums = {}, set()
     try:
-        for i, mode in enumerate(["one worker", "two workers, roll forward", "load from files"]):
-            times, total = run(mode, f"{scratch}/{i}", first, work)
+        for i, mode in enumerate(["one worker", "two workers, published images", "two workers, roll forward",
+                                  "load from files"]):
+            unpublished = mock.patch.object(FileStateStoreProvider, "_publish_image", lambda *args: None)
+            with unpublished if mode in ("two workers, roll forward", "load from files") else nullcontext():
+                times, total = run(mode, f"{scratch}/{i}", first, work)
             results[mode] = times
             sums.add(round(total, 3))
     finally:
