@@ -8,7 +8,9 @@ and the maintenance pass after it (spill, compaction or snapshot, cleanup).
 
 Keys are int64 drawn with replacement from ``--rows`` keys (about 63% distinct, as in the
 race at K = 1M), grouped once as one Arrow batch (``--batch-rows``) and once as a task's
-whole output (``--rows``); the three groupings are checked to agree.
+whole output (``--rows``); the three groupings are checked to agree. The task runs twice:
+over Spark's Arrow batches of ``--batch-rows`` rows as they come, and over them joined
+into one batch, as the operator hands them to ``fn`` (``fn_batch_rows``).
 """
 import shutil
 import tempfile
@@ -104,7 +106,8 @@ def main(argv=None):
     header = print_header("grouping a batch's rows by key")
     rng = np.random.default_rng(args.seed)
     tables = [grouping_table(args.batch_rows, args.repeat * 10, rng), grouping_table(args.rows, args.repeat, rng),
-              aggregate_table(args.rows, args.batch_rows, args.repeat, rng)]
+              aggregate_table(args.rows, args.batch_rows, args.repeat, rng),
+              aggregate_table(args.rows, args.rows, args.repeat, rng)]
     for table in tables:
         table.print()
     if args.json:

@@ -211,7 +211,7 @@ def test_levels_benchmark_runs_small(tmp_path):
 
 def test_grouping_benchmark_runs_small(tmp_path):
     """bench_grouping on small batches: the three groupings agreed (it asserts so), and the
-    aggregate's task is timed in its four phases."""
+    aggregate's task is timed in its four phases, over Spark's batches and joined."""
     path = tmp_path / "grouping.json"
     done = subprocess.run([sys.executable, "-m", "bench.bench_grouping", "--rows", "20000", "--batch-rows", "2000",
                            "--repeat", "2", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
@@ -220,6 +220,20 @@ def test_grouping_benchmark_runs_small(tmp_path):
     tables = list(json.loads(path.read_text())["tables"].values())
     assert [r["name"] for r in tables[0]] == ["group_rows (hash)", "numpy argsort + boundaries", "dict of row lists"]
     assert [r["name"] for r in tables[2]] == ["batches", "finish", "commit", "maintenance"]
+    assert len(tables) == 4 and [r["name"] for r in tables[3]] == [r["name"] for r in tables[2]]  # joined
+
+
+def test_workers_benchmark_runs_small(tmp_path):
+    """bench_workers: the four ways of opening a store's next version end with the same
+    state (it asserts so), each timed."""
+    path = tmp_path / "workers.json"
+    done = subprocess.run([sys.executable, "-m", "bench.bench_workers", "--keys", "4000", "--batch-rows", "3000",
+                           "--batches", "4", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    tables = list(json.loads(path.read_text())["tables"].values())
+    assert [r["name"] for r in tables[0]] == ["one worker", "two workers, published images",
+                                              "two workers, roll forward", "load from files"]
 
 
 def test_scale_benchmark_runs_small(tmp_path):
