@@ -106,7 +106,11 @@ class FileReadStore(ReadStateStore):
     def get_batch(self, keys):
         key_rows = self._key_schema.rows(keys)
         values, found = self._view.lookup(key_rows, self._layers())
+        self._batch_read(key_rows, values, found)
         return self._value_schema.from_rows(values).copy(), found
+
+    def _batch_read(self, key_rows, values, found):
+        """What a store may keep of a batch read (``values`` is its own; ``found`` the caller's)."""
 
     def _iteration_layers(self):
         return ()
@@ -190,16 +194,12 @@ class FileStore(FileReadStore, StateStore):
         """Remove ``key`` (bound on the instance: the compiled call)."""
         self._calls.remove(key)
 
-    def get_batch(self, keys):
-        """As a read store's; the values a batch read finds before this store wrote anything
-        are the opened version's, which the commit needs of the keys it puts: kept (the last
-        such read only) for a commit that puts exactly those keys, in that order."""
-        key_rows = self._key_schema.rows(keys)
-        before_writes = not len(self._update)
-        values, found = self._view.lookup(key_rows, self._layers())
-        if before_writes:
+    def _batch_read(self, key_rows, values, found):
+        """The values a batch read finds before this store wrote anything are the opened
+        version's, which the commit needs of the keys it puts: kept (the last such read
+        only) for a commit that puts exactly those keys, in that order."""
+        if not len(self._update):
             self._read_before_writes = OpenedValues(key_rows.copy(), values, found.copy())
-        return self._value_schema.from_rows(values).copy(), found
 
     def put_batch(self, keys, values):
         if values is None and self._value_schema.width:

@@ -20,6 +20,7 @@ import numpy as np
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
 from statecore._lock import ProviderLock
+from statecore._snapshot import SnapshotReader
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
 from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
@@ -31,7 +32,6 @@ from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_nam
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
 from statecore.spill import Spill, filter_bytes as spill_filter_bytes
-from statecore._snapshot import SnapshotReader
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
