@@ -198,7 +198,7 @@ class FileStore(FileReadStore, StateStore):
         """The values a batch read finds before this store wrote anything are the opened
         version's, which the commit needs of the keys it puts: kept (the last such read
         only) for a commit that puts exactly those keys, in that order."""
-        if not len(self._update):
+        if self._state == _UPDATING and not len(self._update):
             self._read_before_writes = OpenedValues(key_rows.copy(), values, found.copy())
 
     def put_batch(self, keys, values):
