@@ -270,7 +270,8 @@ class StoreFiles:
     def publish_image(self, name, path):
         """Make the local file ``path`` (from :meth:`new_image_file`) the image that other
         processes of this machine find for ``name`` (:meth:`published_image`), by a rename;
-        its older images go. FileNotFoundError if ``name`` does not exist."""
+        its path there, for the caller to remove once superseded. FileNotFoundError if
+        ``name`` does not exist."""
         return self._image_cache(create=True).adopt(self._full(name), path)
 
     def published_image(self, name):

@@ -172,12 +172,12 @@ class LocalCache:
     def adopt(self, full, path):
         """Make the local file ``path`` (in this cache's directory) the image of the file at
         ``full`` as it now is, by a rename (no copy; no fsync either: whoever maps it checks
-        every block first), dropping its older images; the cached path. FileNotFoundError if
-        the source does not exist."""
+        every block first); the cached path, which the caller removes when it is done with
+        it (no listing of the directory here: a source that never changes has no older
+        image). FileNotFoundError if the source does not exist."""
         _, identity = self._identity(full)
         cached = self._image_path(full, identity)
         os.replace(path, cached)
-        self.drop([full], keep=cached)
         return cached
 
     def find_image(self, full):

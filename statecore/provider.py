@@ -87,7 +87,7 @@ class FileStateStoreProvider(StateStoreProvider):
         self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)
         self._spill_failed_at = None  # time.monotonic() of the last failed spill (maintenance.SPILL_RETRY_S)
         self._snapshot_on_files = 0  # the newest snapshot maintenance saw on the default lineage
-        self._image_published = None  # the delta whose version's whole image this provider published
+        self._image_published = None  # the path of the whole image this provider published last
         self._maintaining = threading.Lock()  # one maintenance pass at a time per provider
         self._committing = threading.Lock()  # commits of one provider run one at a time
         self._headers_lock = threading.Lock()  # guards _headers
@@ -137,8 +137,7 @@ class FileStateStoreProvider(StateStoreProvider):
             self._closed = True
             self._latest = None
             published, self._image_published = self._image_published, None
-        if published is not None:  # no longer this process's to keep: its mappings stay valid
-            self._files.drop_images([published])
+        _remove_image(published)  # no longer this process's to keep: its mappings stay valid
 
     def do_maintenance(self):
         """Spills, snapshots and cleanup (:mod:`statecore.maintenance`), one pass at a time: a
@@ -595,14 +594,14 @@ class FileStateStoreProvider(StateStoreProvider):
             return
         name = file_name(version, commit_id, "delta")
         try:
-            self._files.publish_image(name, path)
+            cached = self._files.publish_image(name, path)
         except OSError as e:  # the delta is gone (cleaned up), or the cache is not writable
             log.info("whole image of version %d of %s not published: %s", version, self, e)
             return
         with self._lock:
-            older, self._image_published = self._image_published, name
-        if older is not None and older != name:
-            self._files.drop_images([older])
+            older, self._image_published = self._image_published, cached
+        if older != cached:
+            _remove_image(older)
 
     def _has_published_image(self, delta):
         return self._files.is_local and self._files.published_image(delta.name) is not None
@@ -852,3 +851,12 @@ def read_store_schemas(files):
         return RowSchema.from_description(recorded["key"]), RowSchema.from_description(recorded["value"])
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise StateCorruptionError(path, None, f"unreadable schema file: {type(e).__name__}: {e}") from None
+
+
+def _remove_image(path):
+    """Remove a published image (None: nothing); best effort: one already gone is fine."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
