@@ -230,7 +230,10 @@ def _descendants(root):
 
 # -- Spark ---------------------------------------------------------------------------------------------
 
-def start_spark(name, contender, driver_memory):
+def start_spark(name, contender, driver_memory, image_cache=None):
+    """The contender's local[2] session; ``image_cache``: statecore's local image cache
+    (``spark.statecore.localCacheDir``), inside the contender's work directory so that the
+    images of its checkpoint's files go with it (the default cache outlives the run)."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -255,6 +258,8 @@ def start_spark(name, contender, driver_memory):
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["hdfs"])
     if contender == "rocksdb_changelog":
         builder = builder.config(_CHANGELOG, "true")
+    if image_cache is not None:
+        builder = builder.config("spark.statecore.localCacheDir", image_cache)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
@@ -368,7 +373,7 @@ def _progress(query):
 def run_streaming(args, start_query=start_query):
     """One contender's batches (worker process); returns the result dict. ``start_query``:
     :func:`start_query` or another with its signature (the event-time race's)."""
-    spark = start_spark(args.name, args.contender, args.driver_memory)
+    spark = start_spark(args.name, args.contender, args.driver_memory, os.path.join(args.work, "image-cache"))
     checkpoint = os.path.join(args.work, "checkpoint")
     state_root = os.path.join(args.work, "statecore")
     with MemorySampler() as memory:
