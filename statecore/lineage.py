@@ -22,14 +22,20 @@ from typing import NamedTuple
 
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 
-__all__ = ["ROOT_COMMIT_ID", "VersionFile", "Listing", "file_name", "parse_name", "parse_commit_id",
-           "check_names_agree", "Chain"]
+__all__ = ["ROOT_COMMIT_ID", "VersionFile", "Listing", "file_name", "image_lineage", "parse_name",
+           "parse_commit_id", "check_names_agree", "Chain"]
 
 ROOT_COMMIT_ID = bytes(8)  # version 0: the empty state
 KINDS = ("delta", "snapshot")
 # Versions are ASCII digits (Spark parses them as a Java long); ids are 16 lowercase hex digits.
 _NAME = re.compile(r"([0-9]+)(?:_([0-9a-f]{16}))?\.([A-Za-z]+)")
 MAX_VERSION = 2**63 - 1
+
+
+def image_lineage(commit_id):
+    """The 16 lineage bytes in the header of an image of a version written whole (a snapshot,
+    a whole spill): its commit id, and no parent (an image stands on nothing before it)."""
+    return commit_id + bytes(8)
 
 
 class VersionFile(NamedTuple):

@@ -16,7 +16,7 @@ from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.layers import FrozenView, State
-from statecore.lineage import check_names_agree, file_name
+from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
 from statecore.spill import KEY_FILTER_MAX_ROWS, Spill, bottom_snapshot, spill_head, spill_rows
 
@@ -236,7 +236,7 @@ def _write_snapshot(p, spill, name):
             # An image on the local filesystem is mapped before its rename, while it is made
             # durable; a packed one (or one elsewhere) is opened once it is in place.
             write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
-                                spill.commit_id + bytes(8), rows, p._conf.compression, keep_image=True,
+                                image_lineage(spill.commit_id), rows, p._conf.compression, keep_image=True,
                                 key_filter=key_filter, on_flushed=lambda path: map_and_verify(
                                     SnapshotReader(path, p._key_schema, p._value_schema)))
             if not mapped:

@@ -36,7 +36,7 @@ from statecore.contracts import create_and_init_provider
 from statecore.errors import StateCorruptionError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
-from statecore.lineage import ROOT_COMMIT_ID, file_name
+from statecore.lineage import ROOT_COMMIT_ID, file_name, image_lineage
 from statecore.provider import SCHEMA_FILE, read_store_schemas
 from statecore.schema import key_value_schemas
 from statecore.snapshot_files import open_snapshot, write_snapshot_file
@@ -415,8 +415,8 @@ def _write_snapshot(plan, store, q, chunks):
     name = file_name(plan.version, commit_id, "snapshot")
     count = sum(len(c) for c in chunks)
 
-    write_snapshot_file(files, name, store.key_schema, store.value_schema, count, plan.version, commit_id + bytes(8),
-                        chunks, plan.conf.compression)
+    write_snapshot_file(files, name, store.key_schema, store.value_schema, count, plan.version,
+                        image_lineage(commit_id), chunks, plan.conf.compression)
     # Checked whole before anything relies on it: the old files go on the strength of it.
     reader = open_snapshot(files, name, store.key_schema, store.value_schema)
     try:

@@ -27,6 +27,7 @@ import numpy as np
 from statecore._levels import get_rows as get_rows_through_levels
 from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader, SnapshotWriter
+from statecore.lineage import image_lineage
 
 __all__ = ["Spill", "bottom_snapshot", "filter_bytes", "spill_head", "spill_rows"]
 
@@ -174,7 +175,7 @@ def spill_head(new_file, head, base, version, commit_id, num_keys, written=None,
                 parts.append(chunks)
             newer += [i for i in (level.puts, level.dels) if i is not None]
         return _write_image(new_file, ks, schema_v, version, commit_id, count, (c for part in parts for c in part),
-                            publish if lower is None and kind == "puts" else None)
+                            publish if lower is None else None)
 
     put_image = image_of("puts", vs)
     del_image = None
@@ -193,7 +194,7 @@ def _write_image(new_file, key_schema, value_schema, version, commit_id, row_cou
     key_filter = KeyFilter(key_schema.width, row_count) if 0 < row_count <= KEY_FILTER_MAX_ROWS else None
     try:
         with f:
-            writer = SnapshotWriter(f, key_schema, value_schema, row_count, version, lineage=commit_id + bytes(8),
+            writer = SnapshotWriter(f, key_schema, value_schema, row_count, version, lineage=image_lineage(commit_id),
                                     key_filter=key_filter)
             for chunk in chunks:
                 if chunk.shape[0]:

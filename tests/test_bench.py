@@ -14,6 +14,14 @@ from bench import bench_event_time, plots, race
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_bench(module, args, out, timeout=600):
+    """Run ``python -m <module> <args> --json <out>`` from the project root; its JSON payload."""
+    done = subprocess.run([sys.executable, "-m", module, *args, "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 def fake_result(seconds, commit=0.0):
     return {"batches": [{"seconds": s, "commit_s": commit} for s in seconds], "jvm_peak_bytes": 2**30,
             "python_workers_peak_bytes": 2**29}
@@ -115,11 +123,7 @@ def test_verify_benchmark_runs_its_quick_setting(tmp_path):
     """bench_verify on a tiny checkpoint: both rows timed, verify sound, the ratio recorded."""
     from bench.__main__ import MICRO
 
-    out = tmp_path / "verify.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_verify", *MICRO["verify"][1], "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = run_bench("bench.bench_verify", MICRO["verify"][1], tmp_path / "verify.json", timeout=300)
     (rows,) = result["tables"].values()
     assert [r["name"] for r in rows] == ["read the files' bytes", "statecore verify", "statecore verify --deep"]
     assert result["keys"] == 20000 and result["files"] == 4 * 6 and result["verify_over_read"] > 0
@@ -187,24 +191,17 @@ def test_event_time_contender_runs_in_its_own_process(tmp_path):
 
 
 def test_repartition_benchmark_runs_small(tmp_path):
-    path = tmp_path / "repartition.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_repartition", "--keys", "20000", "--repeat", "1",
-                           "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    payload = json.loads(path.read_text())
+    payload = run_bench("bench.bench_repartition", ["--keys", "20000", "--repeat", "1"],
+                        tmp_path / "repartition.json")
     assert payload["keys"] == 20000 and payload["ratio_to_anchor"] > 0
     assert [r["name"] for r in next(iter(payload["tables"].values()))][1].startswith("statecore.repartition")
 
 
 def test_levels_benchmark_runs_small(tmp_path):
     """bench_levels on a small state: every row timed, the two walks agreed (it asserts so)."""
-    path = tmp_path / "levels.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_levels", "--rows", "20000", "--batch-rows", "2000",
-                           "--repeat", "1", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = [r["name"] for r in next(iter(json.loads(path.read_text())["tables"].values()))]
+    payload = run_bench("bench.bench_levels", ["--rows", "20000", "--batch-rows", "2000", "--repeat", "1"],
+                        tmp_path / "levels.json")
+    rows = [r["name"] for r in next(iter(payload["tables"].values()))]
     assert rows[0] == "the snapshot alone (no level)" and "6 levels: the compiled walk" in rows
     assert rows[-1].startswith("dict.get")
 
@@ -212,12 +209,9 @@ def test_levels_benchmark_runs_small(tmp_path):
 def test_grouping_benchmark_runs_small(tmp_path):
     """bench_grouping on small batches: the three groupings agreed (it asserts so), and the
     aggregate's task is timed in its four phases, over Spark's batches and joined."""
-    path = tmp_path / "grouping.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_grouping", "--rows", "20000", "--batch-rows", "2000",
-                           "--repeat", "2", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    tables = list(json.loads(path.read_text())["tables"].values())
+    payload = run_bench("bench.bench_grouping", ["--rows", "20000", "--batch-rows", "2000", "--repeat", "2"],
+                        tmp_path / "grouping.json")
+    tables = list(payload["tables"].values())
     assert [r["name"] for r in tables[0]] == ["group_rows (hash)", "numpy argsort + boundaries", "dict of row lists"]
     assert [r["name"] for r in tables[2]] == ["batches", "finish", "commit", "maintenance"]
     assert len(tables) == 4 and [r["name"] for r in tables[3]] == [r["name"] for r in tables[2]]  # joined
@@ -226,12 +220,9 @@ def test_grouping_benchmark_runs_small(tmp_path):
 def test_workers_benchmark_runs_small(tmp_path):
     """bench_workers: the four ways of opening a store's next version end with the same
     state (it asserts so), each timed."""
-    path = tmp_path / "workers.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_workers", "--keys", "4000", "--batch-rows", "3000",
-                           "--batches", "4", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    tables = list(json.loads(path.read_text())["tables"].values())
+    payload = run_bench("bench.bench_workers", ["--keys", "4000", "--batch-rows", "3000", "--batches", "4"],
+                        tmp_path / "workers.json")
+    tables = list(payload["tables"].values())
     assert [r["name"] for r in tables[0]] == ["one worker", "two workers, published images",
                                               "two workers, roll forward", "load from files"]
 
@@ -240,12 +231,8 @@ def test_scale_benchmark_runs_small(tmp_path):
     """bench_scale end to end on a tiny state: the built checkpoint opens cold, the store and
     the dict anchor end with the same keys, one row per batch, the page cache was dropped."""
     from bench import bench_scale
-    path = tmp_path / "scale.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_scale", "--keys", "20000", "--batches", "3",
-                           "--batch-rows", "2000", "--tmp", str(tmp_path), "--json", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    payload = json.loads(path.read_text())
+    payload = run_bench("bench.bench_scale", ["--keys", "20000", "--batches", "3", "--batch-rows", "2000",
+                                              "--tmp", str(tmp_path)], tmp_path / "scale.json")
     new_keys = {int(k) for keys, _ in bench_scale.batches(0, 20000, 3, 2000) for k in keys if k % 2}
     run = payload["raw"]["20000"]["run"]
     assert run["num_keys"] == payload["raw"]["dict"]["num_keys"] == 20000 + len(new_keys)

@@ -145,6 +145,17 @@ def outgrown_at_any_size():
     return mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
 
 
+def spilled_whole(root):
+    """A provider of 500 keys in version 1, which maintenance spilled whole (over nothing),
+    and its model."""
+    p = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
+    with spill_always():
+        p.do_maintenance()
+    return p, model
+
+
 @pytest.mark.parametrize("value", [VALUE, NO_VALUE], ids=["values", "set"])
 def test_changes_past_half_the_state_compact_the_levels_into_a_whole_spill(tmp_path, value):
     """Levels stacked over the snapshot of 1 until their changes pass half the state: the
@@ -190,11 +201,7 @@ def test_a_head_as_big_as_half_the_whole_spill_takes_it_in(tmp_path, monkeypatch
     partition's): its spill takes in the whole spill below, so it is whole itself and no
     compaction follows; no snapshot file is written until the deltas rule asks."""
     rng = np.random.default_rng(29)
-    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
-    model = {0: {}}
-    commit(p, model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
-    with spill_always():
-        p.do_maintenance()
+    p, model = spilled_whole(tmp_path)
     first = p._latest.base
     assert isinstance(first, Spill) and first.whole, "the first head spills over nothing: whole"
     compactions, compact = [], statecore.maintenance._compact
@@ -528,11 +535,7 @@ def test_a_published_image_that_is_not_the_version_is_dropped_and_the_version_lo
     version, is not used: the version loads from the checkpoint's files (its deltas), reads
     as the model has it, and the image is dropped."""
     rng = np.random.default_rng(43)
-    writer = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
-    model = {0: {}}
-    commit(writer, model, {k: (k, 0.0) for k in range(500)}, [], VALUE)
-    with spill_always():
-        writer.do_maintenance()
+    writer, model = spilled_whole(tmp_path)
     with open(writer._files.published_image(delta_name(writer, 1)), "rb") as f:
         first = f.read()  # version 1's image (it goes when version 2's is published)
     commit(writer, model, *random_changes(rng, 2, 500, 300, 20, VALUE), VALUE)
