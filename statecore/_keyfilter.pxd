@@ -3,6 +3,7 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
+from statecore._hash cimport key_hash
 from statecore._probe cimport SC_PREFETCH
 
 cdef enum:
@@ -66,6 +67,38 @@ cdef inline void filter_add(FilterBits* f, uint64_t h) noexcept nogil:
     cdef int j
     for j in range(FILTER_WORDS):
         block[j] |= (<uint32_t>1) << ((low * FILTER_SALT[j]) >> 27)
+
+
+cdef inline void hashes_ahead_start(HashesAhead* ahead, const FilterBits* f, const uint8_t* rows,
+                                    Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
+    """Hash the first HASHES_AHEAD keys of ``rows`` and prefetch their blocks."""
+    cdef Py_ssize_t i
+    for i in range(min(n, <Py_ssize_t>HASHES_AHEAD)):
+        ahead.hashes[i] = key_hash(rows + <size_t>i * stride, kw)
+        filter_prefetch(f, ahead.hashes[i])
+
+
+cdef inline uint64_t hashes_ahead_next(HashesAhead* ahead, const FilterBits* f, const uint8_t* rows,
+                                       Py_ssize_t i, Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
+    """Key ``i``'s hash; its place in the ring goes to key i + HASHES_AHEAD, whose block is
+    prefetched. REQUIRES: called for i = 0, 1, ... in turn, after hashes_ahead_start."""
+    cdef uint64_t h = ahead.hashes[i % HASHES_AHEAD]
+    cdef Py_ssize_t j = i + HASHES_AHEAD
+    if j < n:
+        ahead.hashes[i % HASHES_AHEAD] = key_hash(rows + <size_t>j * stride, kw)
+        filter_prefetch(f, ahead.hashes[i % HASHES_AHEAD])
+    return h
+
+
+cdef inline void filter_may_hold_each(const FilterBits* f, const uint8_t* rows, Py_ssize_t n, size_t stride,
+                                      size_t kw, uint8_t* out) noexcept nogil:
+    """``out[i]`` = whether ``f`` may hold the key of row i (``kw`` bytes at rows + i * stride),
+    hashing and prefetching HASHES_AHEAD keys ahead."""
+    cdef HashesAhead ahead
+    cdef Py_ssize_t i
+    hashes_ahead_start(&ahead, f, rows, n, stride, kw)
+    for i in range(n):
+        out[i] = filter_may_hold(f, hashes_ahead_next(&ahead, f, rows, i, n, stride, kw))
 
 
 @cython.final

@@ -18,30 +18,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy, memset
 
-from statecore._hash cimport key_hash
 
 import numpy as np
-
-cdef inline void hashes_ahead_start(HashesAhead* ahead, const FilterBits* f, const uint8_t* rows,
-                                    Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
-    """Hash the first HASHES_AHEAD keys of ``rows`` and prefetch their blocks."""
-    cdef Py_ssize_t i
-    for i in range(min(n, <Py_ssize_t>HASHES_AHEAD)):
-        ahead.hashes[i] = key_hash(rows + <size_t>i * stride, kw)
-        filter_prefetch(f, ahead.hashes[i])
-
-
-cdef inline uint64_t hashes_ahead_next(HashesAhead* ahead, const FilterBits* f, const uint8_t* rows,
-                                       Py_ssize_t i, Py_ssize_t n, size_t stride, size_t kw) noexcept nogil:
-    """Key ``i``'s hash; its place in the ring goes to key i + HASHES_AHEAD, whose block is
-    prefetched. REQUIRES: called for i = 0, 1, ... in turn, after hashes_ahead_start."""
-    cdef uint64_t h = ahead.hashes[i % HASHES_AHEAD]
-    cdef Py_ssize_t j = i + HASHES_AHEAD
-    if j < n:
-        ahead.hashes[i % HASHES_AHEAD] = key_hash(rows + <size_t>j * stride, kw)
-        filter_prefetch(f, ahead.hashes[i % HASHES_AHEAD])
-    return h
-
 
 cdef class KeyFilter:
     """A filter over keys of ``key_width`` bytes, sized for ``capacity`` keys (more may be
@@ -111,7 +89,7 @@ cdef class KeyFilter:
 
     def may_hold_rows(self, const uint8_t[:, ::1] keys not None):
         """A bool array: False where the key was certainly never added."""
-        cdef Py_ssize_t i, n = keys.shape[0]
+        cdef Py_ssize_t n = keys.shape[0]
         cdef size_t kw = <size_t>self.key_width
         if keys.shape[1] != self.key_width:
             raise ValueError(f"keys must be (n, {self.key_width}) rows, got {keys.shape[1]} bytes")
@@ -119,10 +97,6 @@ cdef class KeyFilter:
         cdef uint8_t[::1] o = out
         if n == 0:
             return out.view(np.bool_)
-        cdef const uint8_t* p = &keys[0, 0]
-        cdef HashesAhead ahead
         with nogil:
-            hashes_ahead_start(&ahead, &self.bits, p, n, kw, kw)
-            for i in range(n):
-                o[i] = filter_may_hold(&self.bits, hashes_ahead_next(&ahead, &self.bits, p, i, n, kw, kw))
+            filter_may_hold_each(&self.bits, &keys[0, 0], n, kw, kw, &o[0])
         return out.view(np.bool_)

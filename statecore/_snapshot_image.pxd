@@ -2,6 +2,7 @@
 """A mapped snapshot's bytes, without the GIL (see _snapshot_image.pyx)."""
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
+from statecore._keyfilter cimport FilterBits
 from statecore._probe cimport SlotIndex
 
 # Codes returned by nogil functions; SnapshotReader._raise_for maps them to exceptions.
@@ -39,7 +40,8 @@ cdef int snapshot_touch(const SnapLayout* s, uint64_t offset, uint64_t length, S
 cdef int snapshot_find(const SnapLayout* s, const uint8_t* key, uint32_t tag, uint64_t* row_out,
                        SnapError* err) noexcept nogil
 cdef int snapshot_get_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* values,
-                           uint8_t* found, uint32_t* tags, SnapError* err) noexcept nogil
+                           uint8_t* found, uint32_t* tags, const FilterBits* key_filter,
+                           SnapError* err) noexcept nogil
 cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* mask,
                             uint32_t* tags, SnapError* err) noexcept nogil
 cdef int snapshot_verify(const SnapLayout* s, uint8_t* seen, SnapError* err) noexcept nogil

@@ -9,6 +9,7 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from statecore._hash cimport key_hash, slot_tag, xxh64
+from statecore._keyfilter cimport FilterBits, filter_may_hold_each
 from statecore._mapping cimport willneed
 from statecore._probe cimport (
     ROW_PREFETCH_AHEAD, SC_PREFETCH, Slot, SlotIndex, displacement, probe_find, probe_prefetch,
@@ -160,28 +161,36 @@ cdef int snapshot_find(const SnapLayout* s, const uint8_t* key, uint32_t tag, ui
 
 # REQUIRES: keys holds n rows of key_width bytes, tags n entries; values n rows of
 # value_width bytes (NULL when value_width is 0) and found n entries, or both NULL; mask
-# row_count entries, or NULL. Checked by SnapshotReader.get_rows and mark_rows;
-# tests/test_snapshot.py covers 0 keys, 1 key and misses (get_rows), hits and misses
+# row_count entries, or NULL; key_filter NULL, or (with found) the filter of every key in
+# the image. Checked by SnapshotReader.get_rows and mark_rows; tests/test_snapshot.py
+# covers 0 keys, 1 key and misses (get_rows, with and without a filter), hits and misses
 # (mark_rows), and batches longer than the prefetch distance (both).
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint32_t* tags,
-                          uint8_t* values, uint8_t* found, uint8_t* mask, SnapError* err) noexcept nogil:
+                          uint8_t* values, uint8_t* found, uint8_t* mask, const FilterBits* key_filter,
+                          SnapError* err) noexcept nogil:
     """The batch lookup of snapshot_get_many and snapshot_mark_many: hash every key, then
     find them in turn (pipelined). For key i, ``found[i]`` and its value (zeros if absent)
     into ``values``, and ``mask[row - 1]`` = 1 for the row it is in; a NULL output is
-    skipped (get_many passes mask NULL, mark_many values and found)."""
+    skipped (get_many passes mask NULL, mark_many values and found). A key ``key_filter``
+    rules out is not probed (``found`` holds the filter's answers until each key's turn)."""
     cdef Py_ssize_t i
     cdef uint64_t row
     cdef size_t kw = s.index.key_width, vw = s.index.row_width - kw
     cdef int rc
     for i in range(n):
         tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
+    if key_filter != NULL:
+        filter_may_hold_each(key_filter, keys, n, kw, kw, found)
     for i in range(n):
         probe_prefetch(&s.index, tags, i, n)
-        rc = find(s, keys + <size_t>i * kw, tags[i], &row, err)
-        if rc < 0:
-            return rc
+        if key_filter != NULL and not found[i]:
+            row = 0
+        else:
+            rc = find(s, keys + <size_t>i * kw, tags[i], &row, err)
+            if rc < 0:
+                return rc
         if mask != NULL and row != 0:
             mask[row - 1] = 1
         if found != NULL:
@@ -195,17 +204,18 @@ cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n
 
 
 cdef int snapshot_get_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* values,
-                           uint8_t* found, uint32_t* tags, SnapError* err) noexcept nogil:
+                           uint8_t* found, uint32_t* tags, const FilterBits* key_filter,
+                           SnapError* err) noexcept nogil:
     if <uint64_t>n >= s.n_blocks:
         # A batch this large touches most blocks: one read of everything beats a read per
         # block (the mapping has no readahead). Cheap when the pages are cached already.
         snapshot_announce_all(s)
-    return find_many(s, keys, n, tags, values, found, NULL, err)
+    return find_many(s, keys, n, tags, values, found, NULL, key_filter, err)
 
 
 cdef int snapshot_mark_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n, uint8_t* mask,
                             uint32_t* tags, SnapError* err) noexcept nogil:
-    return find_many(s, keys, n, tags, NULL, NULL, mask, err)
+    return find_many(s, keys, n, tags, NULL, NULL, mask, NULL, err)
 
 
 cdef inline int index_error(SnapError* err, uint64_t offset, const char* what, uint64_t expected,

@@ -25,7 +25,7 @@ from libc.string cimport memcpy
 
 from statecore._delta_format cimport header_field, lineage_bytes
 from statecore._hash cimport key_hash, slot_tag
-from statecore._keyfilter cimport KeyFilter, filter_may_hold
+from statecore._keyfilter cimport FilterBits, KeyFilter, filter_may_hold
 from statecore._probe cimport Slot
 from statecore._rowtable cimport RowSource, rows_ptr
 from statecore._snapshot_format cimport SnapFooter, SnapshotHeader, check_footer
@@ -200,25 +200,16 @@ cdef class SnapshotReader(RowSource):
         cdef Py_ssize_t n = self._lookup_size(keys, values, found)
         if n == 0:
             return
-        cdef KeyFilter key_filter = self._filter
-        if key_filter is not None and filtered:
-            maybe = np.flatnonzero(key_filter.may_hold_rows(keys))
-            if maybe.shape[0] < n:  # probe only the keys the filter does not rule out
-                sub_values = np.zeros((maybe.shape[0], self.value_width), dtype=np.uint8)
-                sub_found = np.zeros(maybe.shape[0], dtype=np.uint8)
-                self.get_rows(np.ascontiguousarray(np.asarray(keys)[maybe]), sub_values, sub_found, False)
-                np.asarray(values)[...] = 0
-                np.asarray(found)[...] = 0
-                np.asarray(values)[maybe] = sub_values
-                np.asarray(found)[maybe] = sub_found
-                return
+        cdef KeyFilter key_filter = self._filter if filtered else None  # held for the call
+        cdef const FilterBits* filter_bits = NULL if key_filter is None else &key_filter.bits
         cdef uint32_t[::1] tags = np.empty(n, dtype=np.uint32)
         cdef uint8_t* value_ptr = <uint8_t*>rows_ptr(values)
         cdef SnapLayout lay = self._layout_of(mapping)
         cdef SnapError err
         cdef int rc
         with nogil:
-            rc = snapshot_get_many(&lay, &keys[0, 0], n, value_ptr, &found[0], &tags[0], &err)
+            rc = snapshot_get_many(&lay, &keys[0, 0], n, value_ptr, &found[0], &tags[0],
+                                   filter_bits, &err)
         if not mapping.sound():
             self._raise_truncated(mapping)
         if rc < 0:

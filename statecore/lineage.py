@@ -17,6 +17,7 @@ keep the default right are the committer's (``docs/provider-rules.md``).
 This module only reasons over names and ids; headers are read through the callable the
 provider passes in, which checks them.
 """
+import functools
 import re
 from typing import NamedTuple
 
@@ -50,8 +51,10 @@ def file_name(version, commit_id, kind):
     return f"{version}_{commit_id.hex()}.{kind}"
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def parse_name(name):
-    """The VersionFile a name stands for, or None if it is not a version file."""
+    """The VersionFile a name stands for, or None if it is not a version file (cached: a
+    store lists the same names at every open and commit)."""
     m = _NAME.fullmatch(name)
     if m is None or m.group(3).lower() not in KINDS:
         return None
