@@ -87,6 +87,7 @@ def start_session(root, executors=2, timeout_s=120):
              .config("spark.driver.host", "127.0.0.1")
              .config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.local.dir", os.path.join(root, "local"))
+             .config("spark.statecore.localCacheDir", os.path.join(root, "image-cache"))  # goes with root
              .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
