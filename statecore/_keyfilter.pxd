@@ -90,16 +90,6 @@ cdef inline uint64_t hashes_ahead_next(HashesAhead* ahead, const FilterBits* f, 
     return h
 
 
-cdef inline void filter_may_hold_each(const FilterBits* f, const uint8_t* rows, Py_ssize_t n, size_t stride,
-                                      size_t kw, uint8_t* out) noexcept nogil:
-    """``out[i]`` = whether ``f`` may hold the key of row i (``kw`` bytes at rows + i * stride),
-    hashing and prefetching HASHES_AHEAD keys ahead."""
-    cdef HashesAhead ahead
-    cdef Py_ssize_t i
-    hashes_ahead_start(&ahead, f, rows, n, stride, kw)
-    for i in range(n):
-        out[i] = filter_may_hold(f, hashes_ahead_next(&ahead, f, rows, i, n, stride, kw))
-
 
 @cython.final
 cdef class KeyFilter:

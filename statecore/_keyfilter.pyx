@@ -89,7 +89,7 @@ cdef class KeyFilter:
 
     def may_hold_rows(self, const uint8_t[:, ::1] keys not None):
         """A bool array: False where the key was certainly never added."""
-        cdef Py_ssize_t n = keys.shape[0]
+        cdef Py_ssize_t i, n = keys.shape[0]
         cdef size_t kw = <size_t>self.key_width
         if keys.shape[1] != self.key_width:
             raise ValueError(f"keys must be (n, {self.key_width}) rows, got {keys.shape[1]} bytes")
@@ -97,6 +97,10 @@ cdef class KeyFilter:
         cdef uint8_t[::1] o = out
         if n == 0:
             return out.view(np.bool_)
+        cdef const uint8_t* p = &keys[0, 0]
+        cdef HashesAhead ahead
         with nogil:
-            filter_may_hold_each(&self.bits, &keys[0, 0], n, kw, kw, &o[0])
+            hashes_ahead_start(&ahead, &self.bits, p, n, kw, kw)
+            for i in range(n):
+                o[i] = filter_may_hold(&self.bits, hashes_ahead_next(&ahead, &self.bits, p, i, n, kw, kw))
         return out.view(np.bool_)

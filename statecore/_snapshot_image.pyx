@@ -9,7 +9,9 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from statecore._hash cimport key_hash, slot_tag, xxh64
-from statecore._keyfilter cimport FilterBits, filter_may_hold_each
+from statecore._keyfilter cimport (
+    FilterBits, HashesAhead, filter_may_hold, hashes_ahead_next, hashes_ahead_start,
+)
 from statecore._mapping cimport willneed
 from statecore._probe cimport (
     ROW_PREFETCH_AHEAD, SC_PREFETCH, Slot, SlotIndex, displacement, probe_find, probe_prefetch,
@@ -176,13 +178,19 @@ cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n
     skipped (get_many passes mask NULL, mark_many values and found). A key ``key_filter``
     rules out is not probed (``found`` holds the filter's answers until each key's turn)."""
     cdef Py_ssize_t i
-    cdef uint64_t row
+    cdef uint64_t row, h
     cdef size_t kw = s.index.key_width, vw = s.index.row_width - kw
     cdef int rc
-    for i in range(n):
-        tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
-    if key_filter != NULL:
-        filter_may_hold_each(key_filter, keys, n, kw, kw, found)
+    cdef HashesAhead ahead
+    if key_filter == NULL:
+        for i in range(n):
+            tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
+    else:  # each key hashed once, for its slot and its filter block (prefetched ahead)
+        hashes_ahead_start(&ahead, key_filter, keys, n, kw, kw)
+        for i in range(n):
+            h = hashes_ahead_next(&ahead, key_filter, keys, i, n, kw, kw)
+            tags[i] = slot_tag(h)
+            found[i] = filter_may_hold(key_filter, h)
     for i in range(n):
         probe_prefetch(&s.index, tags, i, n)
         if key_filter != NULL and not found[i]:
