@@ -441,6 +441,30 @@ def test_failing_fn_aborts_the_store(spark, tmp_path):
 
 
 @pytest.mark.spark
+def test_an_output_write_that_fails_aborts_the_store_and_the_rerun_counts_once(spark, tmp_path):
+    """The output is written before the store commits: a write that fails (here the output's
+    name is taken by a directory) fails the task and aborts its store, the batch gets no
+    record, and the batch run again gives the state and the output of one run."""
+    from pyspark_glue import read_state
+
+    state_root = str(tmp_path / "state")
+    table = events(30, 200)
+    df = spark.createDataFrame(table.to_pandas(), INPUT_DDL)
+    op = make_operator(state_root)
+    blocker = os.path.join(op.output_dir(0), "part-00000.parquet")
+    os.makedirs(os.path.join(blocker, "taken"))
+    with pytest.raises(Exception, match="part-00000.parquet"):
+        op.process(df, 0)
+    assert not delta_exists(state_root, 0, 1) and op.commit_record(0) is None
+    os.rmdir(os.path.join(blocker, "taken"))
+    os.rmdir(blocker)
+    assert state_dict(op.process(df, 0)) == expected_state([table])  # the batch again
+    assert state_dict(read_state(spark, state_root, 0)) == expected_state([table])
+    assert all(delta_exists(state_root, p, 1) for p in range(4))
+    op.close()
+
+
+@pytest.mark.spark
 def test_empty_partitions_and_empty_batches_commit(spark, tmp_path):
     from pyspark_glue import read_state
 
