@@ -9,6 +9,10 @@ The state is RunningAggregate's: an int64 key and two int64 values (count, sum),
 - ``statecore.repartition.repartition``: the whole protocol (read at the recorded attempts,
   route with Spark's hash, write and verify the new snapshots, switch, delete the old files).
 
+And the routing alone (what repartition and every operator task's check of its rows run):
+``spark_partition`` (Spark's Murmur3 hash and pmod, compiled) against numpy's ``keys % n``,
+a partitioning with no hash at all.
+
     python -m bench.bench_repartition --keys 10000000 --repeat 3 [--json PATH]
 
 Each timed run starts from a fresh copy of the checkpoint (copied untimed).
@@ -110,9 +114,16 @@ def main():
         table.print()
         anchor, ours = (np.median(t) for _, t in table.rows)
         print(f"\nrepartition / anchor: {ours / anchor:.2f}x (target: within 2x)")
+
+        route = np.random.default_rng(args.seed).integers(-(1 << 62), 1 << 62, keys)
+        routing = Table(f"route {keys:,} int64 keys to {TO} partitions", keys, unit="keys")
+        routing.add("numpy keys % n (no hash)", measure(lambda: np.mod(route, TO), args.repeat * 3))
+        routing.add("spark_partition (Spark's hash, pmod)",
+                    measure(lambda: spark_partition([route], ["bigint"], TO), args.repeat * 3))
+        routing.print()
         if args.json:
-            write_json(args.json, header, [table], {"keys": keys, "file_bytes": file_bytes,
-                                                    "ratio_to_anchor": ours / anchor})
+            write_json(args.json, header, [table, routing], {"keys": keys, "file_bytes": file_bytes,
+                                                             "ratio_to_anchor": ours / anchor})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

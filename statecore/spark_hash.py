@@ -18,102 +18,45 @@ per-type rules (``org.apache.spark.unsafe.hash.Murmur3_x86_32`` and the SQL hash
 Store keys have no nulls (a null would leave the running hash unchanged in Spark). String
 and binary key fields are fixed-width ``S<n>``, NUL-padded: the bytes hashed are the value
 without its trailing NULs, which is the value Spark saw unless it ended in NUL bytes itself.
-Everything is vectorized over whole columns (uint32 arithmetic wraps as Java's int does).
+This module picks each type's bits; the mixing runs compiled over whole columns, without
+the GIL (``statecore/_spark_hash.pyx``).
 """
 import numpy as np
+
+from statecore._spark_hash import hash_bytes, hash_words32, hash_words64, pmod
 
 __all__ = ["SEED", "HASHABLE_TYPES", "FIXED_WIDTH_TYPES", "spark_hash", "spark_partition"]
 
 SEED = 42
-_C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
 _INT_TYPES = ("boolean", "tinyint", "smallint", "int", "date")
 _LONG_TYPES = ("bigint", "timestamp", "timestamp_ntz")
 FIXED_WIDTH_TYPES = (*_INT_TYPES, *_LONG_TYPES, "float", "double")  # hashed from their values alone
 HASHABLE_TYPES = (*FIXED_WIDTH_TYPES, "string", "binary")
 
 
-def _rotl(x, r):
-    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
-
-
-def _mix_k1(k1):
-    return _rotl(k1 * _C1, 15) * _C2
-
-
-def _mix_h1(h1, k1):
-    h1 = _rotl(h1 ^ k1, 13)
-    return h1 * np.uint32(5) + np.uint32(0xE6546B64)
-
-
-def _fmix(h1, length):
-    h1 = h1 ^ length
-    h1 = h1 ^ (h1 >> np.uint32(16))
-    h1 = h1 * np.uint32(0x85EBCA6B)
-    h1 = h1 ^ (h1 >> np.uint32(13))
-    h1 = h1 * np.uint32(0xC2B2AE35)
-    return h1 ^ (h1 >> np.uint32(16))
-
-
-def _hash_int(values, seed):
-    """``hashInt`` of int32 values (as uint32 bits) over per-row seeds."""
-    return _fmix(_mix_h1(seed, _mix_k1(values)), np.uint32(4))
-
-
-def _hash_long(values, seed):
-    bits = values.view(np.uint64) if values.dtype.itemsize == 8 else values.astype(np.int64).view(np.uint64)
-    low = (bits & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    high = (bits >> np.uint64(32)).astype(np.uint32)
-    return _fmix(_mix_h1(_mix_h1(seed, _mix_k1(low)), _mix_k1(high)), np.uint32(8))
-
-
-def _hash_bytes(column, seed):
-    """``hashUnsafeBytes`` of each ``S<n>`` value without its trailing NULs."""
-    n = len(column)
-    width = column.dtype.itemsize
-    raw = np.ascontiguousarray(column).view(np.uint8).reshape(n, width)
-    nonzero = raw != 0
-    # length = position after the last non-NUL byte (0 for an empty value)
-    last = width - np.argmax(nonzero[:, ::-1], axis=1)
-    lengths = np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
-    h1 = seed.copy()
-    padded = raw if width % 4 == 0 else np.pad(raw, ((0, 0), (0, 4 - width % 4)))
-    words = np.ascontiguousarray(padded).view("<u4")  # (n, ceil(width / 4)) little-endian words
-    aligned = lengths - lengths % 4
-    for j in range(width // 4):
-        take = aligned >= 4 * (j + 1)
-        if not take.any():
-            break
-        h1 = np.where(take, _mix_h1(h1, _mix_k1(words[:, j])), h1)
-    signed = raw.view(np.int8)
-    for i in range(width):
-        take = (i >= aligned) & (i < lengths)
-        if not take.any():
-            continue
-        k1 = signed[:, i].astype(np.int32).view(np.uint32)
-        h1 = np.where(take, _mix_h1(h1, _mix_k1(k1)), h1)
-    return _fmix(h1, lengths.astype(np.uint32))
-
-
 def _column_hash(values, spark_type, seed):
+    """The running hashes ``seed`` (uint32 per row) continued by one column, as a new array."""
+    h = np.array(seed, dtype=np.uint32)
     if spark_type in _INT_TYPES:
-        return _hash_int(values.astype(np.int32).view(np.uint32), seed)
-    if spark_type in _LONG_TYPES:
-        return _hash_long(values.astype(np.int64), seed)
-    if spark_type == "float":
-        v = values.astype(np.float32)
+        hash_words32(np.ascontiguousarray(values.astype(np.int32, copy=False)).view(np.uint32), h)
+    elif spark_type in _LONG_TYPES:
+        hash_words64(np.ascontiguousarray(values.astype(np.int64, copy=False)).view(np.uint64), h)
+    elif spark_type == "float":
+        v = values.astype(np.float32, copy=False)
         bits = np.where(v == 0, np.float32(0), v).view(np.uint32)  # -0.0 as 0.0
-        bits = np.where(np.isnan(v), np.uint32(0x7FC00000), bits)  # floatToIntBits' NaN
-        return _hash_int(bits, seed)
-    if spark_type == "double":
-        v = values.astype(np.float64)
+        hash_words32(np.where(np.isnan(v), np.uint32(0x7FC00000), bits), h)  # floatToIntBits' NaN
+    elif spark_type == "double":
+        v = values.astype(np.float64, copy=False)
         bits = np.where(v == 0, np.float64(0), v).view(np.uint64)
-        bits = np.where(np.isnan(v), np.uint64(0x7FF8000000000000), bits)  # doubleToLongBits' NaN
-        return _hash_long(bits, seed)
-    if spark_type in ("string", "binary"):
+        hash_words64(np.where(np.isnan(v), np.uint64(0x7FF8000000000000), bits), h)  # doubleToLongBits' NaN
+    elif spark_type in ("string", "binary"):
         if values.dtype.kind != "S":
             raise TypeError(f"a {spark_type} key column is held in an S<n> field, not {values.dtype}")
-        return _hash_bytes(values, seed)
-    raise ValueError(f"Spark type {spark_type!r} is not one statecore can hash (it hashes {', '.join(HASHABLE_TYPES)})")
+        hash_bytes(np.ascontiguousarray(values).view(np.uint8).reshape(len(values), values.dtype.itemsize), h)
+    else:
+        raise ValueError(f"Spark type {spark_type!r} is not one statecore can hash (it hashes "
+                         f"{', '.join(HASHABLE_TYPES)})")
+    return h
 
 
 def spark_hash(columns, spark_types, valid=None):
@@ -127,12 +70,11 @@ def spark_hash(columns, spark_types, valid=None):
     valid = [None] * len(columns) if valid is None else list(valid)
     n = len(columns[0])
     h = np.full(n, SEED, dtype=np.uint32)
-    with np.errstate(over="ignore"):
-        for values, spark_type, mask in zip(columns, spark_types, valid):
-            if len(values) != n:
-                raise ValueError("key columns of different lengths")
-            hashed = _column_hash(np.asarray(values), spark_type, h)
-            h = hashed if mask is None else np.where(mask, hashed, h)
+    for values, spark_type, mask in zip(columns, spark_types, valid):
+        if len(values) != n:
+            raise ValueError("key columns of different lengths")
+        hashed = _column_hash(np.asarray(values), spark_type, h)
+        h = hashed if mask is None else np.where(mask, hashed, h)
     return h.view(np.int32)
 
 
@@ -140,4 +82,4 @@ def spark_partition(columns, spark_types, num_partitions, valid=None):
     """``pmod(hash(columns), num_partitions)`` per row (int64 in ``[0, num_partitions)``)."""
     if not isinstance(num_partitions, int) or num_partitions < 1:
         raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
-    return np.mod(spark_hash(columns, spark_types, valid).astype(np.int64), num_partitions)
+    return pmod(spark_hash(columns, spark_types, valid).view(np.uint32), num_partitions)
