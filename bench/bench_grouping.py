@@ -12,15 +12,18 @@ whole output (``--rows``); the three groupings are checked to agree. The task ru
 over Spark's Arrow batches of ``--batch-rows`` rows as they come, and over them joined
 into one batch, as the operator hands them to ``fn`` (``fn_batch_rows``).
 """
+import io
 import shutil
 import tempfile
 import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from bench._common import Table, arg_parser, measure, print_header, write_json
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from statecore.arrow_rows import parquet_writer
 from statecore.grouping import group_rows
 
 KEY = np.dtype([("key", "<i8")])
@@ -59,7 +62,9 @@ def grouping_table(n, repeat, rng):
 
 def aggregate_table(n, batch_rows, repeat, rng):
     """RunningAggregate over raw rows into a store of n keys: a task's Arrow batches, its
-    finish (the output), the commit and a maintenance pass, each timed per task."""
+    finish (the output), the output's parquet (the task's writer, and pyarrow's default
+    writer beside it; in memory, no fsync), the commit and a maintenance pass, each timed
+    per task."""
     from pyspark_glue import RunningAggregate
 
     aggregate = RunningAggregate(KEY, "amount", pre_aggregate=False)
@@ -71,7 +76,8 @@ def aggregate_table(n, batch_rows, repeat, rng):
         store = provider.get_store(0)
         store.put_batch(everything, np.zeros(n, aggregate.value_schema))
         store.commit()
-        phases = {"batches": [], "finish": [], "commit": [], "maintenance": []}
+        phases = {"batches": [], "finish": [], "output (parquet_writer)": [],
+                  "output (pyarrow's default ParquetWriter)": [], "commit": [], "maintenance": []}
         for version in range(1, repeat + 1):
             keys, amounts = rng.integers(0, n, n), rng.integers(0, 100, n)
             batches = [pa.RecordBatch.from_pydict({"key": keys[i:i + batch_rows], "amount": amounts[i:i + batch_rows]})
@@ -81,14 +87,20 @@ def aggregate_table(n, batch_rows, repeat, rng):
             for batch in batches:
                 aggregate(store, batch)
             t1 = time.perf_counter()
-            aggregate.finish(store)
+            out = aggregate.finish(store)
+            phases["batches"].append(t1 - t0)
+            phases["finish"].append(time.perf_counter() - t1)
+            for name, writer_of in (("output (parquet_writer)", parquet_writer),
+                                    ("output (pyarrow's default ParquetWriter)", pq.ParquetWriter)):
+                w0 = time.perf_counter()
+                with writer_of(io.BytesIO(), out.schema) as writer:
+                    writer.write_batch(out)
+                phases[name].append(time.perf_counter() - w0)
             t2 = time.perf_counter()
             store.commit()
             t3 = time.perf_counter()
             provider.do_maintenance()
             phases["maintenance"].append(time.perf_counter() - t3)
-            phases["batches"].append(t1 - t0)
-            phases["finish"].append(t2 - t1)
             phases["commit"].append(t3 - t2)
     finally:
         provider.close()

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 (pa.compute)
-import pyarrow.parquet as pq
 
 from statecore import registry
+from statecore.arrow_rows import parquet_writer
 from statecore.conf import StateStoreConf
 from statecore.spark_hash import spark_partition
 from statecore.checkpoint import CheckpointFiles
@@ -152,7 +152,7 @@ def _write_output(task, partition_id, batches):
     files = CheckpointFiles(task.output_dir, task.conf.storage_options, task.conf.local_cache_dir)
 
     def write(f):
-        writer = pq.ParquetWriter(f, task.arrow_schema)
+        writer = parquet_writer(f, task.arrow_schema)
         for batch in batches:
             writer.write_batch(batch)
         writer.close()

@@ -10,7 +10,7 @@ are ``pyspark_glue/arrow.py``'s; both share :func:`fixed_to_binary`.
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["fixed_to_binary", "native_array", "record_batch_of"]
+__all__ = ["fixed_to_binary", "native_array", "parquet_writer", "record_batch_of"]
 
 
 def fixed_to_binary(col):
@@ -50,3 +50,16 @@ def record_batch_of(*arrays, **constant_int32_columns):
         columns.append(pa.array(np.full(n, value, dtype=np.int32)))
         names.append(name)
     return pa.RecordBatch.from_arrays(columns, names=names)
+
+
+def parquet_writer(where, schema):
+    """A ``pyarrow.parquet.ParquetWriter`` of ``schema`` to ``where`` that dictionary-encodes
+    only the string and binary columns: the others (keys, counts, sums) are mostly distinct,
+    and trying a dictionary first costs them about half the write."""
+    import pyarrow.parquet as pq
+
+    text = [field.name for field in schema
+            if pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+            or pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)]
+    return pq.ParquetWriter(where, schema, use_dictionary=text)
+

@@ -49,9 +49,9 @@ class _ArrowWriter:
         self._partition_column = partition_column
         schema = self._batch(_empty(key_dtype), _empty(value_dtype), 0).schema
         if fmt == "parquet":
-            import pyarrow.parquet as pq
+            from statecore.arrow_rows import parquet_writer
 
-            self._writer = pq.ParquetWriter(f, schema)
+            self._writer = parquet_writer(f, schema)
         else:
             import pyarrow.csv as pcsv
 

@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from statecore.arrow_rows import parquet_writer
 from statecore.checkpoint import CheckpointFiles, EpochLog
 
 __all__ = ["EpochSink"]
@@ -43,7 +44,7 @@ class EpochSink:
             return {"file": None, "rows": 0}
 
         def write(f):
-            with pq.ParquetWriter(f, schema) as writer:
+            with parquet_writer(f, schema) as writer:
                 for batch in batches:
                     if batch.num_rows:
                         writer.write_batch(batch)
