@@ -194,7 +194,9 @@ def test_repartition_benchmark_runs_small(tmp_path):
     payload = run_bench("bench.bench_repartition", ["--keys", "20000", "--repeat", "1"],
                         tmp_path / "repartition.json")
     assert payload["keys"] == 20000 and payload["ratio_to_anchor"] > 0
-    assert [r["name"] for r in next(iter(payload["tables"].values()))][1].startswith("statecore.repartition")
+    tables = list(payload["tables"].values())
+    assert [r["name"] for r in tables[0]][1].startswith("statecore.repartition")
+    assert [r["name"] for r in tables[1]] == ["numpy keys % n (no hash)", "spark_partition (Spark's hash, pmod)"]
 
 
 def test_levels_benchmark_runs_small(tmp_path):
@@ -208,12 +210,14 @@ def test_levels_benchmark_runs_small(tmp_path):
 
 def test_grouping_benchmark_runs_small(tmp_path):
     """bench_grouping on small batches: the three groupings agreed (it asserts so), and the
-    aggregate's task is timed in its four phases, over Spark's batches and joined."""
+    aggregate's task is timed phase by phase (its output by the task's parquet writer and
+    pyarrow's default beside it), over Spark's batches and joined."""
     payload = run_bench("bench.bench_grouping", ["--rows", "20000", "--batch-rows", "2000", "--repeat", "2"],
                         tmp_path / "grouping.json")
     tables = list(payload["tables"].values())
     assert [r["name"] for r in tables[0]] == ["group_rows (hash)", "numpy argsort + boundaries", "dict of row lists"]
-    assert [r["name"] for r in tables[2]] == ["batches", "finish", "commit", "maintenance"]
+    assert [r["name"] for r in tables[2]] == ["batches", "finish", "output (parquet_writer)",
+                                              "output (pyarrow's default ParquetWriter)", "commit", "maintenance"]
     assert len(tables) == 4 and [r["name"] for r in tables[3]] == [r["name"] for r in tables[2]]  # joined
 
 
@@ -241,3 +245,13 @@ def test_scale_benchmark_runs_small(tmp_path):
     row = payload["rows"][0]
     assert row["open_s"] > 0 and row["state_mib"] > row["raw_mib"] and row["probe_present_ns"] > 0
     assert not [p for p in os.listdir(tmp_path) if p.startswith("statecore-scale-")]
+
+
+def test_snapshot_benchmark_runs_small(tmp_path):
+    """bench_snapshot on a small state: its batch lookups with a tenth of the keys absent
+    found exactly the others, with and without the key filter (it asserts so)."""
+    payload = run_bench("bench.bench_snapshot", ["--rows", "20000", "--repeat", "1", "--big-rows", "20000"],
+                        tmp_path / "snapshot.json")
+    rows = [r["name"] for r in list(payload["tables"].values())[-1]]
+    assert rows == ["dict.get per key (Python loop)", "snapshot get_batch, no key filter",
+                    "snapshot get_batch, its key filter asked first"]
