@@ -90,7 +90,6 @@ cdef inline uint64_t hashes_ahead_next(HashesAhead* ahead, const FilterBits* f, 
     return h
 
 
-
 @cython.final
 cdef class KeyFilter:
     cdef FilterBits bits

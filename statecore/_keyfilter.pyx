@@ -18,7 +18,6 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy, memset
 
-
 import numpy as np
 
 cdef class KeyFilter:

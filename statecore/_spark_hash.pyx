@@ -62,7 +62,7 @@ def hash_bytes(const uint8_t[:, ::1] rows not None, uint32_t[::1] h not None):
             aligned = length - length % 4
             acc = h[i]
             for j in range(0, aligned, 4):
-                memcpy(&word, row + j, 4)  # little-endian host (statecore._hash checks)
+                memcpy(&word, row + j, 4)  # little-endian: importing statecore refuses other hosts
                 acc = mix_h1(acc, mix_k1(word))
             for j in range(aligned, length):
                 acc = mix_h1(acc, mix_k1(<uint32_t><int32_t>(<int8_t>row[j])))
