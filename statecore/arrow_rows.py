@@ -62,4 +62,3 @@ def parquet_writer(where, schema):
             if pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
             or pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)]
     return pq.ParquetWriter(where, schema, use_dictionary=text)
-
