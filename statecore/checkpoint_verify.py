@@ -12,6 +12,9 @@ the version and attempt its name does. JSON files carry no checksum: they are ch
 UTF-8 JSON of the expected shape, and a damaged byte (never valid UTF-8 in ASCII JSON once
 flipped) is found with its offset.
 
+A sound snapshot and a sound delta of the same attempt must agree on the version's key
+count (the delta's trailer records it; the snapshot holds that many rows).
+
 Then the lineage (``docs/lineage.md``): each attempt ``(version, commit id)`` with a file must
 load, following the parent ids in its deltas' headers down to a sound snapshot or to
 version 0; and each attempt a batch record names must have a file. Nothing is written.
@@ -115,6 +118,9 @@ class _StoreCheck:
             if parent_id is not None:
                 self.parents[f.name] = parent_id
         self.loadable = {}  # (version, commit id) -> None or why it does not load
+        # name -> the keys a sound file says its version holds: a snapshot's rows, a
+        # delta's trailer (when its writer recorded the count)
+        self.key_counts = {}
 
     def _damaged(self, f, e):
         self.sound[f.name] = False
@@ -161,9 +167,11 @@ class _StoreCheck:
                     reader = DeltaReader(source, key, value, path=path)
                     check_names_agree(f, path, reader.store_version, reader.commit_id)
                     reader.check(decode=self.deep)
+                    count = reader.num_keys
             else:
                 header = check_snapshot(self.files, f.name, key, value, deep=self.deep)
                 check_names_agree(f, path, header.store_version, header.commit_id)
+                count = header.row_count
         except (StateCorruptionError, SchemaMismatchError) as e:
             self._damaged(f, e)
         except FileNotFoundError:
@@ -171,8 +179,25 @@ class _StoreCheck:
             self.report.add(path, None, "vanished while it was being verified")
         else:
             self.sound[f.name] = True
+            if count is not None:
+                self.key_counts[f.name] = count
         self.report.count(self.sizes.get(f.name, 0))
         return self.sound[f.name]
+
+    def report_count_mismatches(self):
+        """A sound snapshot and a sound delta of the same attempt describe one version: the
+        key count the delta's writer recorded must be the snapshot's row count (a writer
+        that got either wrong is found here, where a load would trust the count)."""
+        for (kind, version, commit_id), snapshot in sorted(self.attempts.items(), key=lambda a: a[0][:2]):
+            delta = self.attempts.get(("delta", version, commit_id))
+            if kind != "snapshot" or delta is None:
+                continue
+            rows, recorded = self.key_counts.get(snapshot.name), self.key_counts.get(delta.name)
+            if rows is not None and recorded is not None and rows != recorded:
+                self.report.add(self.files.path(delta.name), None,
+                                f"its trailer records {recorded} keys for version {version} (attempt "
+                                f"{commit_id.hex()}), but the snapshot {self.files.path(snapshot.name)} of that "
+                                f"attempt holds {rows} rows")
 
     def check_lineage(self, version, commit_id):
         """Why attempt ``(version, commit_id)`` does not load, or None if it does; checks the
@@ -407,6 +432,9 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
                 concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
             for done in pool.map(lambda job: (job[0].check_file(job[1]), job[0].sizes[job[1].name]), jobs):
                 advance(done[1])
+        for _op, checks, _r in plan:
+            for check in checks:
+                check.report_count_mismatches()
         report.problems[first:] = sorted(report.problems[first:], key=lambda p: (p.path, p.offset or 0))
         with progress("following lineages", sum(len(c.all_attempts()) for _o, cs, _r in plan for c in cs)) as advance:
             for _op, checks, _r in plan:

@@ -248,6 +248,35 @@ def test_verify_reports_a_missing_version_in_a_chain(root):
     assert run("verify", root / "0" / "1", "--version", 6).exit_code == 0
 
 
+@pytest.mark.parametrize("partition", [0, 1], ids=["packed snapshot", "snapshot image"])
+def test_verify_reports_a_delta_whose_key_count_its_snapshot_contradicts(root, partition):
+    """Version 6 has a snapshot and a delta of the same attempt: a delta rewritten whole (every
+    checksum sound) with a key count one off is reported, naming both files and both counts."""
+    from statecore._delta import DeltaReader, encode_delta
+
+    root, _ = root
+    directory = str(root / "0" / str(partition))
+    path = version_path(directory, 6, "delta")
+    with open(path, "rb") as f:
+        reader = DeltaReader(f.read())
+        blocks = list(reader)
+    assert reader.num_keys is not None
+    puts = [(k, v) for kind, k, v in blocks if v is not None]
+    removes = [k for kind, k, v in blocks if v is None]
+    with open(path, "wb") as f:
+        f.write(encode_delta(KEY, VALUE, 6,
+                             puts=(np.concatenate([k for k, _ in puts]), np.concatenate([v for _, v in puts])),
+                             removes=np.concatenate(removes) if removes else None, lineage=reader.lineage,
+                             compression=COMPRESSION[partition], num_keys=reader.num_keys + 1))
+    result = run("verify", root, "--json")
+    assert result.exit_code == 1, result.output
+    problems = problems_of(result)
+    assert [p["path"] for p in problems] == [path], problems
+    snapshot = version_path(directory, 6, "snapshot")
+    assert (f"its trailer records {reader.num_keys + 1} keys for version 6" in problems[0]["what"]
+            and f"the snapshot {snapshot} of that attempt holds {reader.num_keys} rows" in problems[0]["what"])
+
+
 # -- dump ------------------------------------------------------------------------------------
 
 def read_back(path, fmt):
