@@ -49,12 +49,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from bench import race
+from bench import RACE_DATA_DIR, race
 
 MODULE = "bench.bench_event_time"
 INPUT_DDL = "key long, ts timestamp, amount long"
@@ -263,7 +262,7 @@ def parser():
     p.add_argument("--gap-s", type=float, default=10.0, help="the session gap (default %(default)s)")
     p.add_argument("--late", type=float, default=0.03, help="share of rows 3-4 slices behind (default %(default)s)")
     p.add_argument("--driver-memory", default="12g")
-    p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "statecore-race-data"),
+    p.add_argument("--data", default=RACE_DATA_DIR,
                    help="where input files are generated once and reused")
     p.add_argument("--work", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per contender process")

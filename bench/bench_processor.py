@@ -23,11 +23,10 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 
-from bench import race
+from bench import RACE_DATA_DIR, race
 from bench.bench_event_time import INPUT_DDL, write_event_batches
 
 MODULE = "bench.bench_processor"
@@ -215,7 +214,7 @@ def parser():
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--delay-s", type=float, default=10.0)
     p.add_argument("--driver-memory", default="8g")
-    p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "statecore-race-data"))
+    p.add_argument("--data", default=RACE_DATA_DIR)
     p.add_argument("--work", default=None)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per contender process")
     p.add_argument("--seed", type=int, default=0)

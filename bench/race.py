@@ -67,6 +67,8 @@ import time
 
 import numpy as np
 
+from bench import RACE_DATA_DIR
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
@@ -705,7 +707,7 @@ def parser():
                    default=["hdfs", "rocksdb", "statecore"],
                    help="restarted with the bigger --restart-keys states, built first (default %(default)s)")
     p.add_argument("--driver-memory", default="12g")
-    p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "statecore-race-data"),
+    p.add_argument("--data", default=RACE_DATA_DIR,
                    help="where input files are generated once and reused")
     p.add_argument("--work", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per contender process")
