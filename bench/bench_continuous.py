@@ -33,9 +33,7 @@ from bench._common import print_header
 KEY = np.dtype([("key", "<i8")])
 
 
-def session(cores, image_cache):
-    """A local session whose statecore image cache is ``image_cache`` (removed with the
-    bench's temporary directory: the default cache outlives the run)."""
+def session(cores):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -45,7 +43,6 @@ def session(cores, image_cache):
     spark = (SparkSession.builder.master(f"local[{cores}]").appName("bench-continuous")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.statecore.localCacheDir", image_cache)
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     return spark
@@ -100,15 +97,13 @@ def main(argv=None):
     print(f"# local[{args.partitions}], {args.partitions} tasks, batches of {args.batch_rows} rows, {args.keys} keys "
           f"per partition, RunningAggregate emitting to the parquet sink; {args.seconds:g} s measured after "
           f"{args.warmup:g} s warm-up")
-    image_cache = tempfile.mkdtemp(prefix="bench-continuous-images-")
-    spark = session(args.partitions, image_cache)
+    spark = session(args.partitions)
     results = []
     try:
         for interval in (int(x) for x in args.intervals.split(",")):
             results.append(measure(spark, interval, args))
     finally:
         spark.stop()
-        shutil.rmtree(image_cache, ignore_errors=True)
     print(f"\n{'interval ms':>11} {'epochs':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  rows/s per task")
     for r in results:
         tasks = ", ".join(f"{x / 1e3:,.0f}k" for x in r["rows_per_s_per_task"])

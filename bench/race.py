@@ -234,8 +234,9 @@ def _descendants(root):
 
 def start_spark(name, contender, driver_memory, image_cache=None):
     """The contender's local[2] session; ``image_cache``: statecore's local image cache
-    (``spark.statecore.localCacheDir``), inside the contender's work directory so that the
-    images of its checkpoint's files go with it (the default cache outlives the run)."""
+    (``spark.statecore.localCacheDir``), inside the contender's work directory: a restart in
+    that directory (another process) finds the images its first run left, as a restart on
+    the same machine would, and they go with the directory."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"

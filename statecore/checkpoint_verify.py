@@ -188,9 +188,10 @@ class _StoreCheck:
         """A sound snapshot and a sound delta of the same attempt describe one version: the
         key count the delta's writer recorded must be the snapshot's row count (a writer
         that got either wrong is found here, where a load would trust the count)."""
-        for (kind, version, commit_id), snapshot in sorted(self.attempts.items(), key=lambda a: a[0][:2]):
+        snapshots = sorted((v, c, f) for (kind, v, c), f in self.attempts.items() if kind == "snapshot")
+        for version, commit_id, snapshot in snapshots:
             delta = self.attempts.get(("delta", version, commit_id))
-            if kind != "snapshot" or delta is None:
+            if delta is None:
                 continue
             rows, recorded = self.key_counts.get(snapshot.name), self.key_counts.get(delta.name)
             if rows is not None and recorded is not None and rows != recorded:
