@@ -46,9 +46,43 @@ def streaming_query_run(df):
     return (uuid.UUID(match.group(1)), None) if match else (None, None)
 
 
+class _TerminationCallback:
+    """The Python side of Spark's ``PythonStreamingQueryListener`` interface that reads a
+    terminated query's run id and nothing else. PySpark's own side converts every event it
+    is given, a progress event (one per micro-batch) into a Python copy of the whole
+    progress at dozens of py4j round trips, on the driver's cores while the next batch runs;
+    a listener that only waits for the end need not pay that."""
+
+    def __init__(self, on_terminated):
+        self._on_terminated = on_terminated
+
+    def onQueryStarted(self, jevent):
+        pass
+
+    def onQueryProgress(self, jevent):
+        pass
+
+    def onQueryIdle(self, jevent):
+        pass
+
+    def onQueryTerminated(self, jevent):
+        run_id = None
+        try:
+            run_id = jevent.runId().toString()
+            self._on_terminated(uuid.UUID(run_id))
+        except Exception as e:  # never raised into Spark's listener bus
+            log.warning("handling the termination of query run %s failed: %s", run_id, e)
+
+    class Java:
+        implements = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
+
+
 def termination_listener(on_terminated):
     """A ``StreamingQueryListener`` calling ``on_terminated(run_id)`` (a ``uuid.UUID``) when a
-    query terminates; an error there is logged, never raised into Spark's listener bus."""
+    query terminates; an error there is logged, never raised into Spark's listener bus.
+    Registered with ``session.streams.addListener``, it hands Spark a
+    :class:`_TerminationCallback`: the other events cost one empty call each."""
+    from pyspark import SparkContext
     from pyspark.sql.streaming import StreamingQueryListener
 
     class _OnTermination(StreamingQueryListener):
@@ -66,5 +100,12 @@ def termination_listener(on_terminated):
                 on_terminated(uuid.UUID(str(event.runId)))
             except Exception as e:
                 log.warning("handling the termination of query run %s failed: %s", event.runId, e)
+
+        @property
+        def _jlistener(self):  # what ``addListener`` and ``removeListener`` give the JVM
+            if getattr(self, "_jlistenerobj", None) is None:
+                self._jlistenerobj = SparkContext._jvm.org.apache.spark.sql.streaming \
+                    .PythonStreamingQueryListenerWrapper(_TerminationCallback(on_terminated))
+            return self._jlistenerobj
 
     return _OnTermination()

@@ -254,10 +254,18 @@ def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivatio
 
 
 @pytest.mark.spark
-def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path):
+def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path, monkeypatch):
     from pyspark.sql import functions as F
+    from pyspark.sql.streaming.listener import QueryProgressEvent
 
     from pyspark_glue import read_state
+
+    # The operator's termination listener reads a query's end only: no progress event of its
+    # batches is copied into Python (PySpark's own listener side does so for every batch).
+    converted = []
+    from_jobject = QueryProgressEvent.fromJObject.__func__
+    monkeypatch.setattr(QueryProgressEvent, "fromJObject",
+                        classmethod(lambda cls, jevent: converted.append(1) or from_jobject(cls, jevent)))
 
     source, state_root, sink = str(tmp_path / "in"), str(tmp_path / "state"), str(tmp_path / "sink")
     checkpoint = str(tmp_path / "checkpoint")
@@ -266,6 +274,7 @@ def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path):
         write_parquet(source, f"events-{i}.parquet", tables[i])
     run1, seen1, _ = run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=True)
     assert [b for b, _ in seen1] == [0, 1]
+    assert converted == []
     assert {r for _, r in seen1} == {str(run1)}  # the run id is the query's
     write_parquet(source, "events-2.parquet", tables[2])
     run2, seen2, _ = run_stream(spark, source, checkpoint, state_root, sink)  # a restart: new query and run
