@@ -24,7 +24,10 @@ update mode. Contenders, each in a fresh Python process with its own Spark sessi
 - ``hop_floor`` (a diagnostic): inside ``foreachBatch``, the batch routed by key into the
   state partitions and handed to Python by ``mapInArrow``, which only counts the rows: the
   least any Python operator that keeps its state by partition pays per batch (statecore's
-  operator is this plus its state, its output and its commit).
+  operator is this plus its state, its output and its commit);
+- ``agg_hop_floor`` (a diagnostic): the batch aggregated per key in Spark (as
+  ``stream_floor``) and its rows handed to Python by ``mapInArrow``, which only counts them:
+  the floor of an operator that lets Spark aggregate first (statecore's pre-aggregation).
 
 Spark's queries write their updated rows to the ``noop`` sink; statecore's operator writes its
 updated rows as parquet files (its materialized output), which is more work, not less (the
@@ -72,9 +75,9 @@ from bench import RACE_DATA_DIR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
-CONTENDERS = ("floor", "stream_floor", "hop_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state",
+CONTENDERS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state",
               "tws_pandas", "statecore", "statecore_raw", "statecore_pre")
-FLOORS = ("floor", "stream_floor", "hop_floor")  # keep no state: what the others are held against
+FLOORS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor")  # keep no state: what the others are held against
 # statecore's contenders: RunningAggregate's pre_aggregate for each
 STATECORE_PRE_AGGREGATE = {"statecore": "auto", "statecore_raw": False, "statecore_pre": True}
 SLOW = ("pandas_state", "tws_pandas")
@@ -253,7 +256,7 @@ def start_spark(name, contender, driver_memory, image_cache=None):
                .config("spark.driver.memory", driver_memory)
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
-    if contender in ("floor", "stream_floor"):  # the same two partitions as the streaming plans
+    if contender in ("floor", "stream_floor", "agg_hop_floor"):  # the same two partitions as the streaming plans
         builder = builder.config("spark.sql.adaptive.enabled", "false")
     if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
         builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["rocksdb"])
@@ -360,6 +363,12 @@ def start_query(spark, contender, source, checkpoint, state_root):
             df.repartition(2, "key").mapInArrow(_count_rows, "rows long").collect()
 
         writer = events.writeStream.foreachBatch(hop)
+    elif contender == "agg_hop_floor":
+        def aggregate_and_hop(df, batch_id):
+            (df.groupBy("key").agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
+             .mapInArrow(_count_rows, "rows long").collect())
+
+        writer = events.writeStream.foreachBatch(aggregate_and_hop)
     elif contender in STATECORE_PRE_AGGREGATE:
         operator = _statecore_operator(state_root, pre_aggregate=STATECORE_PRE_AGGREGATE[contender])
         writer = operator_writer(events, operator)
