@@ -255,7 +255,10 @@ def start_spark(name, contender, driver_memory, image_cache=None):
                .config("spark.driver.bindAddress", "127.0.0.1")
                .config("spark.driver.memory", driver_memory)
                .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
+               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+               # Python workers on a Unix domain socket (docs/cluster.md, "Settings that matter"):
+               # every contender gets it; only those with Python workers are affected
+               .config("spark.python.unix.domain.socket.enabled", "true"))
     if contender in ("floor", "stream_floor", "agg_hop_floor"):  # the same two partitions as the streaming plans
         builder = builder.config("spark.sql.adaptive.enabled", "false")
     if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
