@@ -46,12 +46,20 @@ def streaming_query_run(df):
     return (uuid.UUID(match.group(1)), None) if match else (None, None)
 
 
+def _report_termination(on_terminated, run_id):
+    """``on_terminated(uuid.UUID(run_id))``, an error logged: never raised into Spark's listener bus."""
+    try:
+        on_terminated(uuid.UUID(str(run_id)))
+    except Exception as e:
+        log.warning("handling the termination of query run %s failed: %s", run_id, e)
+
+
 class _TerminationCallback:
     """The Python side of Spark's ``PythonStreamingQueryListener`` interface that reads a
-    terminated query's run id and nothing else. PySpark's own side converts every event it
-    is given, a progress event (one per micro-batch) into a Python copy of the whole
-    progress at dozens of py4j round trips, on the driver's cores while the next batch runs;
-    a listener that only waits for the end need not pay that."""
+    terminated query's run id and nothing else. PySpark's own side first copies every event
+    into Python objects: a progress event, one per micro-batch, costs dozens of py4j round
+    trips on the driver's cores while the next batch runs, which a listener waiting for the
+    end need not pay."""
 
     def __init__(self, on_terminated):
         self._on_terminated = on_terminated
@@ -66,12 +74,12 @@ class _TerminationCallback:
         pass
 
     def onQueryTerminated(self, jevent):
-        run_id = None
         try:
             run_id = jevent.runId().toString()
-            self._on_terminated(uuid.UUID(run_id))
-        except Exception as e:  # never raised into Spark's listener bus
-            log.warning("handling the termination of query run %s failed: %s", run_id, e)
+        except Exception as e:
+            log.warning("could not read the run id of a terminated query: %s", e)
+            return
+        _report_termination(self._on_terminated, run_id)
 
     class Java:
         implements = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
@@ -96,10 +104,7 @@ def termination_listener(on_terminated):
             pass
 
         def onQueryTerminated(self, event):
-            try:
-                on_terminated(uuid.UUID(str(event.runId)))
-            except Exception as e:
-                log.warning("handling the termination of query run %s failed: %s", event.runId, e)
+            _report_termination(on_terminated, event.runId)
 
         @property
         def _jlistener(self):  # what ``addListener`` and ``removeListener`` give the JVM

@@ -194,6 +194,37 @@ def test_joined_batches_keep_the_rows_in_order_within_both_limits():
     assert rows(joined_batches(iter(shuffled), 50, 1 << 30)) == rows(shuffled)
 
 
+def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
+    from pyspark_glue.query_runs import _TerminationCallback
+
+    class Event:  # the JVM's QueryTerminatedEvent, as py4j shows it
+        def __init__(self, run_id):
+            self._run_id = run_id
+
+        def runId(self):  # a java.util.UUID
+            if self._run_id is None:
+                raise RuntimeError("the gateway is gone")
+            return type("JavaUUID", (), {"toString": lambda _: str(self._run_id)})()
+
+    run = uuid.uuid4()
+    ended = []
+    callback = _TerminationCallback(ended.append)
+    callback.onQueryProgress(object())  # other events are not read at all
+    callback.onQueryTerminated(Event(run))
+    assert ended == [run]
+
+    def failing(run_id):
+        raise ValueError("coordinator unreachable")
+
+    with caplog.at_level("WARNING", logger="pyspark_glue.query_runs"):
+        _TerminationCallback(failing).onQueryTerminated(Event(run))
+        _TerminationCallback(ended.append).onQueryTerminated(Event(None))
+    assert ended == [run]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"handling the termination of query run {run} failed: coordinator unreachable",
+        "could not read the run id of a terminated query: the gateway is gone"]
+
+
 # -- on Spark --------------------------------------------------------------------------------------
 
 def test_hashing_keys_in_the_task_agrees_with_spark(spark):
