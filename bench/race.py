@@ -33,6 +33,9 @@ Spark's queries write their updated rows to the ``noop`` sink; statecore's opera
 updated rows as parquet files (its materialized output), which is more work, not less (the
 files are not read back: ``process(..., read_output=False)``, as a caller not using them would).
 
+``--unix-socket`` starts every contender's Python workers on a Unix domain socket (Spark's
+default is TCP on the loopback; docs/cluster.md, "Settings that matter").
+
 ``--runs N`` runs every contender N times, in turn, each round in another order, and
 shows each contender's median run (with every run's s/batch): runs of the same code move
 by a third at K = 100k on a 2-core machine, more than most changes.
@@ -235,11 +238,13 @@ def _descendants(root):
 
 # -- Spark ---------------------------------------------------------------------------------------------
 
-def start_spark(name, contender, driver_memory, image_cache=None):
+def start_spark(name, contender, driver_memory, image_cache=None, unix_socket=False):
     """The contender's local[2] session; ``image_cache``: statecore's local image cache
     (``spark.statecore.localCacheDir``), inside the contender's work directory: a restart in
     that directory (another process) finds the images its first run left, as a restart on
-    the same machine would, and they go with the directory."""
+    the same machine would, and they go with the directory. ``unix_socket``: Python workers
+    on a Unix domain socket (docs/cluster.md, "Settings that matter"), else Spark's default,
+    TCP on the loopback; only contenders with Python workers are affected."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -256,9 +261,7 @@ def start_spark(name, contender, driver_memory, image_cache=None):
                .config("spark.driver.memory", driver_memory)
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-               # Python workers on a Unix domain socket (docs/cluster.md, "Settings that matter"):
-               # every contender gets it; only those with Python workers are affected
-               .config("spark.python.unix.domain.socket.enabled", "true"))
+               .config("spark.python.unix.domain.socket.enabled", str(unix_socket).lower()))
     if contender in ("floor", "stream_floor", "agg_hop_floor"):  # the same two partitions as the streaming plans
         builder = builder.config("spark.sql.adaptive.enabled", "false")
     if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
@@ -388,7 +391,8 @@ def _progress(query):
 def run_streaming(args, start_query=start_query):
     """One contender's batches (worker process); returns the result dict. ``start_query``:
     :func:`start_query` or another with its signature (the event-time race's)."""
-    spark = start_spark(args.name, args.contender, args.driver_memory, os.path.join(args.work, "image-cache"))
+    spark = start_spark(args.name, args.contender, args.driver_memory, os.path.join(args.work, "image-cache"),
+                        unix_socket=getattr(args, "unix_socket", False))
     checkpoint = os.path.join(args.work, "checkpoint")
     state_root = os.path.join(args.work, "statecore")
     with MemorySampler() as memory:
@@ -463,6 +467,7 @@ def _worker_main(argv):
     p = argparse.ArgumentParser()
     for a in ("name", "contender", "source", "work", "driver_memory", "out"):
         p.add_argument(f"--{a.replace('_', '-')}", required=True)
+    p.add_argument("--unix-socket", action="store_true")
     args = p.parse_args(argv)
     result = run_floor(args) if args.contender == "floor" else run_streaming(args)
     with open(args.out, "w") as f:
@@ -543,7 +548,8 @@ def run_contender(args, keys, contender, files, slow_files, root, suffix=""):
         shutil.rmtree(work, ignore_errors=True)
         source = os.path.join(work, "input")
         link_inputs(slow_files if slow else files, source)
-        raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory, args.timeout)
+        raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory, args.timeout,
+                             extra_args=["--unix-socket"] if args.unix_socket else [])
     s = summarize(raw, n_rows, 1 if slow else min(args.warmup, len(raw["batches"]) - 1))
     s["rows_per_batch"] = n_rows
     if contender not in FLOORS:  # statecore's state lives beside the query's checkpoint
@@ -727,6 +733,9 @@ def parser():
     p.add_argument("--resume", action="store_true",
                    help="with --work: reuse the race results an interrupted run left there")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--unix-socket", action="store_true",
+                   help="Python workers on a Unix domain socket (spark.python.unix.domain.socket.enabled) instead "
+                        "of Spark's default, TCP on the loopback (docs/cluster.md)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--quick", action="store_true", help="every contender and path, small (a smoke test)")
     p.add_argument("--small", action="store_true",

@@ -66,7 +66,6 @@ def start_spark(partitions):
              .config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", str(partitions))
              .config("spark.sql.execution.arrow.maxRecordsPerBatch", "50000")
-             .config("spark.python.unix.domain.socket.enabled", "true")  # docs/cluster.md
              .config("spark.driver.host", "127.0.0.1")
              .config("spark.driver.bindAddress", "127.0.0.1")
              .getOrCreate())

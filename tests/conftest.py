@@ -104,7 +104,6 @@ def spark():
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.host", "127.0.0.1")
                .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.python.unix.domain.socket.enabled", "true")
                # Spark starts its state stores' maintenance thread once per JVM, at the interval
                # of the first store loaded: a test that waits for Spark's snapshots and cleanup
                # (test_spark_import) gets them in a tenth of a second, not after a minute
