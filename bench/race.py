@@ -78,8 +78,8 @@ from bench import RACE_DATA_DIR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
-CONTENDERS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "hdfs", "rocksdb", "rocksdb_changelog", "pandas_state",
-              "tws_pandas", "statecore", "statecore_raw", "statecore_pre")
+CONTENDERS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "hdfs", "rocksdb", "rocksdb_changelog",
+              "pandas_state", "tws_pandas", "statecore", "statecore_raw", "statecore_pre")
 FLOORS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor")  # keep no state: what the others are held against
 # statecore's contenders: RunningAggregate's pre_aggregate for each
 STATECORE_PRE_AGGREGATE = {"statecore": "auto", "statecore_raw": False, "statecore_pre": True}
