@@ -491,6 +491,11 @@ def end_jvm(grace_s=20):
         os.kill(pid, signal.SIGKILL)
 
 
+def worker_options(args):
+    """The race's own options a contender's process gets (flags of ``_worker``)."""
+    return ["--unix-socket"] if getattr(args, "unix_socket", False) else []
+
+
 def run_in_process(name, contender, source, work, driver_memory, timeout, reuse=False, module="bench.race",
                    extra_args=()):
     """Run one contender in a fresh interpreter (its own JVM); returns its result dict
@@ -549,7 +554,7 @@ def run_contender(args, keys, contender, files, slow_files, root, suffix=""):
         source = os.path.join(work, "input")
         link_inputs(slow_files if slow else files, source)
         raw = run_in_process(f"{contender}-k{keys}", contender, source, work, args.driver_memory, args.timeout,
-                             extra_args=["--unix-socket"] if args.unix_socket else [])
+                             extra_args=worker_options(args))
     s = summarize(raw, n_rows, 1 if slow else min(args.warmup, len(raw["batches"]) - 1))
     s["rows_per_batch"] = n_rows
     if contender not in FLOORS:  # statecore's state lives beside the query's checkpoint
@@ -615,7 +620,7 @@ def restart(args, root, results):
             shutil.rmtree(base_work, ignore_errors=True)
         link_inputs(extra, os.path.join(base_work, "input"), prefix="extra-")
         empty = run_in_process(f"{contender}-empty", contender, os.path.join(base_work, "input"), base_work,
-                               args.driver_memory, args.timeout, reuse=args.resume)
+                               args.driver_memory, args.timeout, reuse=args.resume, extra_args=worker_options(args))
         empty_s = empty["wall_s"]
         for n, build in sizes:
             if contender not in (args.restart_contenders if build is None else args.big_restart_contenders):
@@ -631,10 +636,10 @@ def restart(args, root, results):
                     link_inputs(build, os.path.join(work, "input"))
                     print(f"  building a {n:,}-key state for {contender} ...", flush=True)
                     run_in_process(f"{contender}-build{n}", contender, os.path.join(work, "input"), work,
-                                   args.driver_memory, args.timeout)
+                                   args.driver_memory, args.timeout, extra_args=worker_options(args))
             link_inputs(extra, os.path.join(work, "input"), prefix="extra-")
             again = run_in_process(f"{contender}-restart{n}", contender, os.path.join(work, "input"), work,
-                                   args.driver_memory, args.timeout, reuse=args.resume)
+                                   args.driver_memory, args.timeout, reuse=args.resume, extra_args=worker_options(args))
             for what, run in (("empty query", empty), ("restart", again)):
                 if [b["rows"] for b in run["batches"]] != [args.rows]:
                     raise RuntimeError(f"{contender} {what} with {n} keys ran batches {run['batches']}, "

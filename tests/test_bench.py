@@ -74,6 +74,23 @@ def test_runs_rotate_the_order_and_keep_each_contender_s_median_run(tmp_path, mo
     assert table["b"]["batch_s"] == 5.0
 
 
+def test_unix_socket_reaches_every_contender_process(tmp_path, monkeypatch):
+    from bench import race
+
+    started = []
+
+    def fake_run_in_process(name, contender, source, work, driver_memory, timeout, reuse=False, extra_args=()):
+        started.append(list(extra_args))
+        return {"batches": [{"seconds": 1.0, "rows": 10}] * 3, "jvm_peak_bytes": 0,
+                "python_workers_peak_bytes": 0, "process_s": 1.0}
+
+    monkeypatch.setattr(race, "run_in_process", fake_run_in_process)
+    for flags, expected in (([], []), (["--unix-socket"], ["--unix-socket"])):
+        args = race.parser().parse_args(["--keys", "10", "--rows", "10", *flags])
+        race.run_contender(args, 10, "hop_floor", [], [], str(tmp_path))
+        assert started.pop() == expected
+
+
 def test_input_batches_are_written_once(tmp_path):
     files = race.write_batches(str(tmp_path / "data"), 2, 1000, 50, seed=3)
     table = pq.read_table(files[1])
