@@ -62,19 +62,23 @@ def _from_fn(fn, name, given):
 
 @contextlib.contextmanager
 def _job_settings(spark, settings):
-    """SQL settings of ``spark`` changed for one job and restored afterwards."""
+    """SQL settings of ``spark`` changed for one job and restored afterwards. Those already
+    at their value are left alone: a streaming query's session runs with adaptive execution
+    off and its shuffle partitions fixed by its checkpoint, often the operator's, and each
+    change and restore is a py4j round trip before and after every batch's job."""
     conf = spark.conf
     before = {key: conf.get(key, None) for key in settings}
-    for key, value in settings.items():
-        conf.set(key, value)
+    changed = [key for key, value in settings.items() if before[key] != value]
+    for key in changed:
+        conf.set(key, settings[key])
     try:
         yield
     finally:
-        for key, value in before.items():
-            if value is None:
+        for key in changed:
+            if before[key] is None:
                 conf.unset(key)
             else:
-                conf.set(key, value)
+                conf.set(key, before[key])
 
 
 class StatefulOperator:

@@ -194,6 +194,40 @@ def test_joined_batches_keep_the_rows_in_order_within_both_limits():
     assert rows(joined_batches(iter(shuffled), 50, 1 << 30)) == rows(shuffled)
 
 
+def test_job_settings_change_only_what_differs_and_restore_it():
+    from pyspark_glue.operator import _job_settings
+
+    class Conf:  # a session's RuntimeConfig: every call below would be a py4j round trip
+        def __init__(self, values):
+            self.values, self.calls = dict(values), []
+
+        def get(self, key, default):
+            return self.values.get(key, default)
+
+        def set(self, key, value):
+            self.calls.append(("set", key, value))
+            self.values[key] = value
+
+        def unset(self, key):
+            self.calls.append(("unset", key))
+            del self.values[key]
+
+    class Session:
+        def __init__(self, conf):
+            self.conf = conf
+
+    conf = Conf({"a": "2", "b": "true"})
+    with _job_settings(Session(conf), {"a": "2", "b": "false", "c": "x"}):
+        assert conf.values == {"a": "2", "b": "false", "c": "x"}
+    assert conf.values == {"a": "2", "b": "true"}
+    assert conf.calls == [("set", "b", "false"), ("set", "c", "x"), ("set", "b", "true"), ("unset", "c")]
+    conf.calls.clear()
+    with pytest.raises(RuntimeError):
+        with _job_settings(Session(conf), {"a": "2"}):
+            raise RuntimeError("the job failed")
+    assert conf.calls == [] and conf.values == {"a": "2", "b": "true"}
+
+
 def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
     from pyspark_glue.query_runs import _TerminationCallback
 
