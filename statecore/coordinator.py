@@ -30,7 +30,7 @@ from statecore.errors import EndpointAlreadyRegisteredError
 from statecore.ids import StateStoreId, StateStoreProviderId
 
 __all__ = ["ENDPOINT_NAME", "StateStoreCoordinator", "StateStoreCoordinatorRef", "executor_location",
-           "parse_executor_location", "executor_of",
+           "parse_executor_location", "executor_of", "same_executor",
            "provider_id_from_message", "provider_id_to_message", "ProviderId", "CoordinatorMessage",
            "ReportActiveInstance", "VerifyIfInstanceActive", "GetLocation", "DeactivateInstances", "StopCoordinator"]
 
@@ -140,6 +140,13 @@ def executor_of(executor_id):
     return spark_id if dot and spark_id and pid.isdigit() else executor_id
 
 
+def same_executor(location, host, executor_id):
+    """Whether ``location`` (``(host, executor_id)`` of an active instance) is in the executor
+    of reporter ``executor_id`` on ``host``: that reporter itself, or another Python worker of
+    the same executor (a sibling, whose copy a worker keeps: ``statecore/registry.py``)."""
+    return location[0] == host and executor_of(location[1]) == executor_of(executor_id)
+
+
 class StateStoreCoordinator(rpc.RpcEndpoint):
     """The endpoint: ``instances`` maps provider id -> ``(host, executor_id)`` of the active instance.
 
@@ -184,8 +191,10 @@ class StateStoreCoordinator(rpc.RpcEndpoint):
         log.debug("Reported state store %s is active at %s", provider_id, where)
         self.instances[provider_id] = location
         to_check = (provider_id_from_message(p) for p in message.provider_ids_to_check)
-        # Ids not registered at all are left alone: only an instance owned elsewhere is to be unloaded.
-        return [provider_id_to_message(p) for p in to_check if self.instances.get(p, location) != location]
+        # Ids not registered at all are left alone: only an instance owned by another executor is
+        # to be unloaded (one in a sibling worker of the reporter's executor is kept there).
+        return [provider_id_to_message(p) for p in to_check
+                if (active := self.instances.get(p)) is not None and not same_executor(active, host, executor_id)]
 
     def _deactivate_instances(self, run_id):
         stale = [p for p in self.instances if p.query_run_id == run_id]
@@ -246,7 +255,8 @@ class StateStoreCoordinatorRef:
 
     def report_active_instance(self, provider_id, host, executor_id, provider_ids_to_check=()):
         """Record this executor as the owner of ``provider_id``; returns those of
-        ``provider_ids_to_check`` that are active on another executor (to unload here).
+        ``provider_ids_to_check`` that are active on another executor (to unload here; not
+        those in another Python worker of the same executor: :func:`same_executor`).
 
         Raises ``ValueError`` for a host with ``_`` in it (see :func:`executor_location`).
         """

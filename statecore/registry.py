@@ -9,7 +9,8 @@ here. A provider whose maintenance raises is logged and unloaded; the others go 
 4.0). Without a coordinator nothing is ever unloaded by maintenance.
 
 A provider whose active instance is in a sibling worker (another Python worker process of
-the same executor, :func:`statecore.coordinator.executor_of`) is kept, not unloaded: the
+the same executor, :func:`statecore.coordinator.same_executor`: the coordinator does not name
+it when this process reports, and maintenance asks where it is) is kept, not unloaded: the
 workers of an executor take its tasks in turn, and the next task here reaches the new
 version from the one held by the deltas since. The sibling maintains it; this process
 skips its maintenance until it is active here again.
@@ -23,7 +24,7 @@ import threading
 import time
 
 from statecore.conf import StateStoreConf
-from statecore.coordinator import executor_of, parse_executor_location
+from statecore.coordinator import parse_executor_location, same_executor
 from statecore.errors import IllegalStateError
 from statecore.store import create_and_init_provider
 
@@ -96,9 +97,8 @@ def _provider_for(provider_id, key_schema, value_schema, version, conf, key_inde
         except Exception as e:  # an unreachable coordinator must not stop the task
             log.warning("could not report %s to the state store coordinator: %s", provider_id, e)
             to_unload = ()
-        for pid in to_unload:
-            if _active_instance(coordinator, pid) != _SIBLING:
-                unload(pid)
+        for pid in to_unload:  # active on another executor (never a sibling worker's)
+            unload(pid)
     return provider
 
 
@@ -118,7 +118,7 @@ def _active_instance(coordinator, provider_id):
     except Exception as e:  # unreachable, or a location of another form: as if elsewhere
         log.warning("could not locate %s with the state store coordinator: %s", provider_id, e)
         return _ELSEWHERE
-    if active_host != host or executor_of(active_id) != executor_of(executor_id):
+    if not same_executor((active_host, active_id), host, executor_id):
         return _ELSEWHERE
     return _HERE if active_id == executor_id else _SIBLING
 

@@ -17,7 +17,8 @@ import statecore
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, registry, rpc
 from statecore.coordinator import (DeactivateInstances, GetLocation, ProviderId, ReportActiveInstance,
                                    StateStoreCoordinator, StateStoreCoordinatorRef, StopCoordinator,
-                                   VerifyIfInstanceActive, provider_id_from_message, provider_id_to_message)
+                                   VerifyIfInstanceActive, executor_location, provider_id_from_message,
+                                   provider_id_to_message)
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("v", "<i8")])
@@ -178,6 +179,22 @@ def env():
     rpc_env = rpc.RpcEnv("127.0.0.1")
     yield rpc_env
     rpc_env.shutdown()
+
+
+@pytest.mark.parametrize("active_at, named", [
+    (("127.0.0.1", "7.2002"), False),  # another worker of executor 7 on this host: a sibling, kept
+    (("127.0.0.1", "8.2002"), True),   # a worker of another executor
+    (("10.0.0.9", "7.2002"), True),    # executor 7 of another host
+    (("127.0.0.1", "7"), False),       # a reporter of executor 7 itself: the same executor
+    (("127.0.0.1", "7.1001"), False),  # the reporting worker itself
+    (None, False),                     # not registered: left alone
+])
+def test_report_names_only_stores_active_on_another_executor(coordinator, active_at, named):
+    a, b = pid(partition=0), pid(partition=1)
+    if active_at is not None:
+        report(coordinator, a, *active_at)
+    assert report(coordinator, b, "127.0.0.1", "7.1001", [a]) == ([a] if named else [])
+    assert location(coordinator, a) == (None if active_at is None else executor_location(*active_at))
 
 
 def test_every_message_over_rpc(env):
