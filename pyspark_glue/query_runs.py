@@ -93,14 +93,11 @@ def termination_listener(on_terminated):
     from pyspark import SparkContext
     from pyspark.sql.streaming import StreamingQueryListener
 
-    class _OnTermination(StreamingQueryListener):
+    class _OnTermination(StreamingQueryListener):  # the methods PySpark's class requires
         def onQueryStarted(self, event):
             pass
 
         def onQueryProgress(self, event):
-            pass
-
-        def onQueryIdle(self, event):
             pass
 
         def onQueryTerminated(self, event):
