@@ -56,9 +56,11 @@ def get_all(get, keys):
         get(k)
 
 
-def open_provider(root, key, value):
+def open_provider(root, key, value, cache_dir=None):
+    """A provider of ``root``; ``cache_dir``: its own local image cache, so that it reads the
+    snapshot files as another executor would, not the whole image the writer published."""
     return create_and_init_provider(StateStoreId(root, 0, 0), key, value,
-                                    StateStoreConf(min_deltas_for_snapshot=0))
+                                    StateStoreConf(min_deltas_for_snapshot=0, local_cache_dir=cache_dir))
 
 
 def schema_tables(kind, n, repeat, seed, scratch):
@@ -90,12 +92,12 @@ def schema_tables(kind, n, repeat, seed, scratch):
     version = committer.commit()
     readers["empty base (committed, in memory)"] = provider.get_store(version)
     provider.do_maintenance()
-    reopened = open_provider(root, key, value)
+    reopened = open_provider(root, key, value, tempfile.mkdtemp(dir=scratch))
     readers["snapshot base (reopened)"] = reopened.get_store(version)
     base = readers["snapshot base (reopened)"]._view.state.base
     assert type(base).__name__ == "SnapshotReader", f"the reopened store reads {base!r}, not a snapshot"
     assert base.key_filter is None
-    filtered = open_provider(root, key, value)
+    filtered = open_provider(root, key, value, tempfile.mkdtemp(dir=scratch))
     filtered.get_read_store(version).abort()
     filtered.do_maintenance()  # the snapshot under the state gets its key filter
     readers["snapshot base with its key filter"] = filtered.get_store(version)

@@ -225,6 +225,18 @@ def test_levels_benchmark_runs_small(tmp_path):
     assert rows[-1].startswith("dict.get")
 
 
+def test_rowcalls_benchmark_runs_small(tmp_path):
+    """bench_rowcalls on a small state: every reader agreed with the dict (it asserts so), the
+    reopened ones over the snapshot file, not the image the writing provider published."""
+    payload = run_bench("bench.bench_rowcalls", ["--rows", "5000", "--repeat", "1"], tmp_path / "rowcalls.json")
+    tables = payload["tables"]
+    assert len(tables) == 6  # put, hits and misses, for numeric and bytes rows
+    misses = [r["name"] for r in tables["numeric: get 5,000 misses, random order"]]
+    assert misses == ["dict: d.get(k)", "store.get(k), update layer (this store's puts)",
+                      "store.get(k), empty base (committed, in memory)", "store.get(k), snapshot base (reopened)",
+                      "store.get(k), snapshot base with its key filter"]
+
+
 def test_grouping_benchmark_runs_small(tmp_path):
     """bench_grouping on small batches: the three groupings agreed (it asserts so), and the
     aggregate's task is timed phase by phase (its output by the task's parquet writer and
