@@ -63,6 +63,7 @@ built by 10 batches of 1M new keys each.
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -496,6 +497,20 @@ def worker_options(args):
     return ["--unix-socket"] if getattr(args, "unix_socket", False) else []
 
 
+_ERROR_LINE = re.compile(r"^\s*(Caused by: )?[\w.$]*(Error|Exception)\b")
+
+
+def failure_summary(log_text, errors=5, last=15):
+    """What a failed contender's log says: the first ``errors`` distinct lines naming an
+    error or exception (a failed query's log ends with its plan, after the cause), then its
+    ``last`` lines."""
+    lines = log_text.strip().splitlines()
+    named = list(dict.fromkeys(line.strip() for line in lines if _ERROR_LINE.search(line)))[:errors]
+    if not named:
+        return "\n".join(lines[-last:])
+    return "\n".join(["errors in the log:", *named, "its last lines:", *lines[-last:]])
+
+
 def run_in_process(name, contender, source, work, driver_memory, timeout, reuse=False, module="bench.race",
                    extra_args=()):
     """Run one contender in a fresh interpreter (its own JVM); returns its result dict
@@ -515,8 +530,8 @@ def run_in_process(name, contender, source, work, driver_memory, timeout, reuse=
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     if done.returncode != 0:
         with open(log_path) as log:
-            tail = "\n".join(log.read().strip().splitlines()[-15:])
-        raise RuntimeError(f"{name} exited with {done.returncode} (log: {log_path}):\n{tail}")
+            summary = failure_summary(log.read())
+        raise RuntimeError(f"{name} exited with {done.returncode} (log: {log_path}):\n{summary}")
     with open(out) as f:
         result = json.load(f)
     result["process_s"] = time.perf_counter() - t0

@@ -74,6 +74,24 @@ def test_runs_rotate_the_order_and_keep_each_contender_s_median_run(tmp_path, mo
     assert table["b"]["batch_s"] == 5.0
 
 
+def test_a_failed_contender_s_error_names_the_cause_before_its_plan():
+    """A failed streaming query's log ends with its plan: the error raised names the
+    exceptions logged before it, then the last lines."""
+    log = "\n".join([
+        "26/11/27 INFO starting", "org.apache.spark.SparkException: the Python worker crashed",
+        "\tat org.apache.spark.util.SparkErrorUtils.tryWithSafeFinally(SparkErrorUtils.scala:86)",
+        "Caused by: org.apache.spark.SomeInitializationException: initialization failed. Cause:",
+        "ImportError: cannot import name 'descriptor' from 'google.protobuf'",
+        "ImportError: cannot import name 'descriptor' from 'google.protobuf'",
+        *[f"plan line {i}" for i in range(20)]])
+    summary = race.failure_summary(log).splitlines()
+    assert summary[:5] == ["errors in the log:", "org.apache.spark.SparkException: the Python worker crashed",
+                           "Caused by: org.apache.spark.SomeInitializationException: initialization failed. Cause:",
+                           "ImportError: cannot import name 'descriptor' from 'google.protobuf'", "its last lines:"]
+    assert summary[5:] == [f"plan line {i}" for i in range(5, 20)]
+    assert race.failure_summary("a\nb") == "a\nb"
+
+
 def test_unix_socket_reaches_every_contender_process(tmp_path, monkeypatch):
     from bench import race
 
