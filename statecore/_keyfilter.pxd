@@ -23,6 +23,20 @@ cdef extern from *:
 
 cdef enum:
     HASHES_AHEAD = 16     # a batch check hashes (and prefetches the block of) this many keys ahead
+    # A batch lookup decides window by window whether a filter is worth asking: it asks about
+    # the first FILTER_SAMPLE keys of each window of FILTER_WINDOW, and about the rest of the
+    # window only if filter_pays for that sample.
+    FILTER_WINDOW = 4096
+    FILTER_SAMPLE = 256
+
+
+cdef inline bint filter_pays(Py_ssize_t asked, Py_ssize_t ruled_out) noexcept nogil:
+    """Whether a filter that ruled out ``ruled_out`` of ``asked`` keys is worth asking about
+    the keys that follow: when it rules out at least one in eight. Below that, nearly every
+    key is present and probed anyway, and the filter's block is one more cache miss per key
+    that saves almost nothing (on pages in memory; where pages are cold, a probe it saves
+    is a page fault, hence a low bar)."""
+    return ruled_out * 8 >= asked
 
 
 cdef struct HashesAhead:

@@ -1,8 +1,10 @@
 # cython: language_level=3
 """Lookups through a Spill's levels (statecore/spill.py): the rows put since the level
-below, then the keys removed since, level by level down to the snapshot, each level's
-KeyFilters (and the snapshot's, once it has one) asked first so that only the images that
-may decide a key are probed.
+below, then the keys removed since, level by level down to the bottom image (the snapshot,
+or a whole spill's image: every row of its version), each level's KeyFilters asked first
+so that only the images that may decide a key are probed. The bottom image's filter, once
+it has one, is asked too, window by window while it pays (``filter_pays``): it rules out
+only absent keys, and a batch of keys that are nearly all present gains nothing from it.
 
 A key is hashed once for every level (the filters and the slot indexes use the same hash).
 The batch walk (``get_rows``) runs without the GIL in two passes: the first hashes each key
@@ -16,7 +18,9 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from statecore._hash cimport key_hash, slot_tag
-from statecore._keyfilter cimport FilterBits, KeyFilter, filter_may_hold, filter_prefetch
+from statecore._keyfilter cimport (
+    FILTER_SAMPLE, FILTER_WINDOW, FilterBits, KeyFilter, filter_may_hold, filter_pays, filter_prefetch,
+)
 from statecore._mapping cimport Mapping
 from statecore._probe cimport SC_PREFETCH, SlotIndex, home_slot, prefetch_row
 from statecore._rowtable cimport rows_ptr
@@ -110,7 +114,8 @@ cdef inline int _find_value(const SnapLayout* image, const uint8_t* key, uint32_
 # first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
 # lies under the levels; ``bottom_filter`` its filter (NULL: every key may be there). On a
 # code < 0, ``failed`` is the reader that raised: 2 * level (its puts), 2 * level + 1 (its
-# dels), or 2 * n_levels (the bottom).
+# dels), or 2 * n_levels (the bottom). The bottom's filter is asked window by window as long
+# as it pays (``filter_pays``, on the keys no level's filter may hold); the levels' always are.
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
@@ -124,12 +129,25 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
     cdef const uint8_t* key
     cdef uint8_t* value
     cdef int rc, hit
+    cdef const FilterBits* asked_bottom = bottom_filter
+    cdef Py_ssize_t window_end = 0, reached = 0, ruled_out = 0
     for i in range(n):
         hashes[i] = key_hash(keys + <size_t>i * kw, kw)
     for i in range(n):
+        if i == window_end:  # a new window: the bottom's filter is asked again, as long as it pays
+            asked_bottom, reached, ruled_out = bottom_filter, 0, 0
+            window_end = min(i + <Py_ssize_t>FILTER_WINDOW, n)
         if i + FILTER_PREFETCH_AHEAD < n:
             _prefetch_filters(levels, n_levels, hashes[i + FILTER_PREFETCH_AHEAD])
-        start[i] = _next_candidate(levels, 0, n_levels, bottom_filter, hashes[i])
+            if asked_bottom != NULL:
+                filter_prefetch(asked_bottom, hashes[i + FILTER_PREFETCH_AHEAD])
+        where = _next_candidate(levels, 0, n_levels, asked_bottom, hashes[i])
+        if asked_bottom != NULL and (where >> 2) == <uint32_t>n_levels:
+            reached += 1
+            ruled_out += not (where & 2)
+            if reached == FILTER_SAMPLE and not filter_pays(reached, ruled_out):
+                asked_bottom = NULL  # the rest of the window is probed in the bottom unasked
+        start[i] = where
     for i in range(n):
         if i + SLOT_PREFETCH_AHEAD < n:
             ix = _start_index(levels, n_levels, bottom, start[i + SLOT_PREFETCH_AHEAD])
@@ -182,6 +200,9 @@ def get_rows(spill, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values 
     cdef list chain = []
     node = spill
     while node is not None and not isinstance(node, SnapshotReader):
+        if node.lower is None:  # a whole spill: its puts are every row of its version, as a snapshot's
+            node = node.puts
+            break
         chain.append(node)
         node = node.lower
     cdef SnapshotReader bottom_reader = node

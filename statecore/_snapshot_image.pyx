@@ -10,7 +10,8 @@ from libc.string cimport memcpy, memset
 
 from statecore._hash cimport key_hash, slot_tag, xxh64
 from statecore._keyfilter cimport (
-    FilterBits, HashesAhead, filter_may_hold, hashes_ahead_next, hashes_ahead_start,
+    FILTER_SAMPLE, FILTER_WINDOW, FilterBits, HashesAhead, filter_may_hold, filter_pays, hashes_ahead_next,
+    hashes_ahead_start,
 )
 from statecore._mapping cimport willneed
 from statecore._probe cimport (
@@ -176,21 +177,40 @@ cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n
     find them in turn (pipelined). For key i, ``found[i]`` and its value (zeros if absent)
     into ``values``, and ``mask[row - 1]`` = 1 for the row it is in; a NULL output is
     skipped (get_many passes mask NULL, mark_many values and found). A key ``key_filter``
-    rules out is not probed (``found`` holds the filter's answers until each key's turn)."""
-    cdef Py_ssize_t i
+    rules out is not probed (``found`` holds the filter's answers until each key's turn);
+    the filter is asked window by window, as long as it pays (``filter_pays``)."""
+    cdef Py_ssize_t i, w, end, sample_end, ruled_out
     cdef uint64_t row, h
     cdef size_t kw = s.index.key_width, vw = s.index.row_width - kw
     cdef int rc
     cdef HashesAhead ahead
+    cdef const uint8_t* window
     if key_filter == NULL:
         for i in range(n):
             tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
     else:  # each key hashed once, for its slot and its filter block (prefetched ahead)
-        hashes_ahead_start(&ahead, key_filter, keys, n, kw, kw)
-        for i in range(n):
-            h = hashes_ahead_next(&ahead, key_filter, keys, i, n, kw, kw)
-            tags[i] = slot_tag(h)
-            found[i] = filter_may_hold(key_filter, h)
+        w = 0
+        while w < n:  # window by window: the filter is asked about the rest only if it pays
+            end = min(w + <Py_ssize_t>FILTER_WINDOW, n)
+            sample_end = min(w + <Py_ssize_t>FILTER_SAMPLE, end)
+            window = keys + <size_t>w * kw
+            hashes_ahead_start(&ahead, key_filter, window, end - w, kw, kw)
+            ruled_out = 0
+            for i in range(w, sample_end):
+                h = hashes_ahead_next(&ahead, key_filter, window, i - w, end - w, kw, kw)
+                tags[i] = slot_tag(h)
+                found[i] = filter_may_hold(key_filter, h)
+                ruled_out += not found[i]
+            if filter_pays(sample_end - w, ruled_out):
+                for i in range(sample_end, end):
+                    h = hashes_ahead_next(&ahead, key_filter, window, i - w, end - w, kw, kw)
+                    tags[i] = slot_tag(h)
+                    found[i] = filter_may_hold(key_filter, h)
+            else:
+                for i in range(sample_end, end):
+                    tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
+                    found[i] = 1  # not asked: probed
+            w = end
     for i in range(n):
         probe_prefetch(&s.index, tags, i, n)
         if key_filter != NULL and not found[i]:

@@ -170,3 +170,46 @@ def test_levels_that_only_remove_or_only_put(tmp_path):
     levels, _ = levels_of(p._latest.base)
     assert [(level.puts.row_count, level.dels.row_count) for level in levels] == [(20, 0), (0, 50)]
     check(p, model, [max(model)], 250, VALUE)
+
+
+def test_the_walk_asks_the_snapshot_s_filter_only_while_it_pays(tmp_path, monkeypatch):
+    """Under the levels, the snapshot's filter is asked about the first keys of each window of
+    a batch that reach it, and about the rest only if it ruled out at least one in eight of
+    those. Made visible with a filter that lacks some present keys (a broken filter, for the
+    test): where it was asked about them they read as absent, where it was not they are found."""
+    monkeypatch.setattr(statecore.maintenance, "KEY_FILTER_MAX_ROWS", -1)  # the test gives it its filter
+    rng = np.random.default_rng(23)
+    n = 20_000
+    p = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    model = {0: {}}
+    commit(p, model, {k: (k, 0.0) for k in range(n)}, [], VALUE)
+    snapshot_now(p)
+    p.close()  # its whole image goes: the reopened provider maps the snapshot
+    reopened = open_provider(tmp_path, KEY, VALUE, min_deltas_for_snapshot=1000)
+    commit(reopened, model, {k: (k, 1.0) for k in range(0, n, 1000)}, [], VALUE)
+    with spill_always():
+        reopened.do_maintenance()
+    top = reopened._latest.base
+    levels, bottom = levels_of(top)
+    assert len(levels) == 1 and type(bottom).__name__ == "SnapshotReader" and bottom.key_filter is None
+    keys = key_rows(np.arange(n))
+    lacking = rng.random(n) < 0.05
+    broken = KeyFilter(8, n)
+    broken.add_rows(np.ascontiguousarray(keys[~lacking]))
+    bottom.set_key_filter(broken)
+    in_level = np.arange(n) % 1000 == 0
+    held = broken.may_hold_rows(keys) | in_level  # found whether the filter is asked or not
+    # Ruled out by the snapshot's filter where the walk asks it about them in the first pass
+    # (the keys no level's filter may hold; the others are asked about after their probe).
+    ruled_out = ~held & ~levels[0].puts.key_filter.may_hold_rows(keys)
+    assert ruled_out.sum() > 900
+    offset = np.arange(n) % 4096
+    # Every key present: past each window's sample the filter is not asked.
+    _, found = top.lookup(keys)
+    assert found[held].all()
+    assert not found[ruled_out & (offset < 256)].any()  # asked
+    assert found[ruled_out & (offset >= 512)].all()  # not asked: probed, found
+    # Half the keys absent: it pays, and is asked about every key that reaches the snapshot.
+    mixed = key_rows(np.stack([np.arange(n), np.arange(n) + 10 * n], axis=1).ravel())
+    _, found = top.lookup(mixed)
+    assert found[0::2].tolist() == held.tolist() and not found[1::2].any()

@@ -261,6 +261,47 @@ def test_the_key_filter_rules_out_most_absent_keys(tmp_path):
         reader.get_row(absent)
 
 
+def test_a_batch_lookup_asks_the_key_filter_only_while_it_pays(tmp_path):
+    """The filter is asked about the first keys of each window of a batch, and about the rest
+    only if it ruled out at least one in eight of those. Made visible with a filter that lacks
+    some present keys (a broken filter, for the test): where it was asked about them they
+    read as absent, where it was not they are found."""
+    from statecore._keyfilter import KeyFilter
+
+    rng = np.random.default_rng(21)
+    key_schema, value_schema = schemas("int64->int64,float64")
+    rows, misses = make_rows(rng, key_schema, value_schema, 20_000, n_misses=20_000)
+    path = tmp_path / "f.snapshot"
+    write_file(path, key_schema, value_schema, rows)
+    keys = np.ascontiguousarray(rows[:, :8])
+    lacking = rng.random(len(rows)) < 0.05  # present keys the filter is not given
+    broken = KeyFilter(8, len(rows))
+    broken.add_rows(np.ascontiguousarray(keys[~lacking]))
+    ruled_out = ~broken.may_hold_rows(keys)
+    assert ruled_out[lacking].sum() > 900 and not ruled_out[~lacking].any()
+    window, sample = 4096, 256
+    with SnapshotReader(path, key_schema, value_schema) as reader:
+        reader.set_key_filter(broken)
+        values = np.empty((len(rows), 16), np.uint8)
+        found = np.empty(len(rows), np.uint8)
+        # Every key present, a few in twenty ruled out: the filter does not pay past each sample.
+        reader.get_rows(keys, values, found)
+        asked = (np.arange(len(rows)) % window) < sample
+        assert found.view(bool).tolist() == (~(ruled_out & asked)).tolist()
+        assert (values[found.view(bool)] == rows[found.view(bool), 8:]).all()
+        # Half the keys absent: it pays, and is asked about every key.
+        mixed = np.empty((2 * len(rows), 8), np.uint8)
+        mixed[0::2], mixed[1::2] = keys, misses
+        values = np.empty((len(mixed), 16), np.uint8)
+        found = np.empty(len(mixed), np.uint8)
+        reader.get_rows(mixed, values, found)
+        assert found[0::2].view(bool).tolist() == (~ruled_out).tolist()
+        assert not found[1::2].any()
+        # Asked about no key beyond the ones the filter rules out: the same as no filter.
+        reader.get_rows(keys, values[: len(rows)], found[: len(rows)], filtered=False)
+        assert found[: len(rows)].all()
+
+
 def test_a_key_filter_is_set_once_and_for_its_key_width(small_snapshot):
     """A writer's filter (a spill's images get theirs so) is taken as it is; another width,
     or a second filter, is refused."""
