@@ -180,6 +180,7 @@ cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n
     rules out is not probed (``found`` holds the filter's answers until each key's turn);
     the filter is asked window by window, as long as it pays (``filter_pays``)."""
     cdef Py_ssize_t i, w, end, sample_end, ruled_out
+    cdef bint asking
     cdef uint64_t row, h
     cdef size_t kw = s.index.key_width, vw = s.index.row_width - kw
     cdef int rc
@@ -195,21 +196,18 @@ cdef inline int find_many(const SnapLayout* s, const uint8_t* keys, Py_ssize_t n
             sample_end = min(w + <Py_ssize_t>FILTER_SAMPLE, end)
             window = keys + <size_t>w * kw
             hashes_ahead_start(&ahead, key_filter, window, end - w, kw, kw)
-            ruled_out = 0
-            for i in range(w, sample_end):
-                h = hashes_ahead_next(&ahead, key_filter, window, i - w, end - w, kw, kw)
-                tags[i] = slot_tag(h)
-                found[i] = filter_may_hold(key_filter, h)
-                ruled_out += not found[i]
-            if filter_pays(sample_end - w, ruled_out):
-                for i in range(sample_end, end):
+            ruled_out, asking = 0, True
+            for i in range(w, end):
+                if i == sample_end:
+                    asking = filter_pays(sample_end - w, ruled_out)
+                if asking:
                     h = hashes_ahead_next(&ahead, key_filter, window, i - w, end - w, kw, kw)
-                    tags[i] = slot_tag(h)
                     found[i] = filter_may_hold(key_filter, h)
-            else:
-                for i in range(sample_end, end):
-                    tags[i] = slot_tag(key_hash(keys + <size_t>i * kw, kw))
+                    ruled_out += not found[i]
+                else:
+                    h = key_hash(keys + <size_t>i * kw, kw)
                     found[i] = 1  # not asked: probed
+                tags[i] = slot_tag(h)
             w = end
     for i in range(n):
         probe_prefetch(&s.index, tags, i, n)
