@@ -12,6 +12,7 @@ __all__ = [
     "StateCorruptionError",
     "SchemaMismatchError",
     "CommitConflictError",
+    "UnsafeFileError",
     "AuthenticationError",
     "RpcError",
     "RpcTimeoutError",
@@ -59,6 +60,20 @@ class SchemaMismatchError(StateStoreError, TypeError):
 class CommitConflictError(StateStoreError):
     """A commit was refused because newer versions were committed since its store opened:
     the committing attempt is stale (a zombie task). Nothing of it is visible."""
+
+
+class UnsafeFileError(StateStoreError, ValueError):
+    """A file of a checkpoint was refused before any byte of it was read: it is not a
+    regular file (a FIFO, a device, a directory), or it is larger than its format allows.
+    ``path`` and ``reason`` are kept as attributes."""
+
+    def __init__(self, path, reason):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"refused to read '{self.path}': {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
 
 
 class AuthenticationError(StateStoreError, ConnectionError):

@@ -22,16 +22,18 @@ import errno
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from statecore.errors import UnsafeFileError
 from statecore.lineage import Listing, parse_name
 from statecore.localcache import LocalCache, default_cache_dir, default_cache_dir_if_exists
 
-__all__ = ["StoreFiles", "PendingFile", "open_store_files"]
+__all__ = ["StoreFiles", "PendingFile", "open_store_files", "open_regular_file", "file_kind"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,37 +189,58 @@ class StoreFiles:
         self._step("read", name)
         return full
 
-    def read_bytes(self, name):
-        """The whole content of ``name``; FileNotFoundError if it does not exist."""
+    def read_bytes(self, name, max_bytes=None):
+        """The whole content of ``name``; FileNotFoundError if it does not exist.
+        UnsafeFileError, before any byte is read, if it is not a regular file or (with
+        ``max_bytes``) is larger than that: every caller that reads a file whole passes the
+        size its format allows."""
         full = self._reading(name)
         if self.is_local:
-            with open(full, "rb") as f:
-                return f.read()
-        return self.fs.cat_file(full)
+            with open_regular_file(full, max_bytes) as f:
+                data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        else:
+            self._checked_remote(full, max_bytes)
+            data = self.fs.cat_file(full) if max_bytes is None else self.fs.cat_file(full, 0, max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:  # it grew since its size was checked
+            raise UnsafeFileError(self.path(name), f"it holds more than the {max_bytes} bytes its format allows")
+        return data
 
     def read_range(self, name, start, length):
         """``length`` bytes of ``name`` from byte ``start`` (both >= 0; fewer bytes if the file
-        ends first); FileNotFoundError if it does not exist. Reads only that range, so a
-        header can be checked without fetching a whole remote file."""
+        ends first); FileNotFoundError if it does not exist, UnsafeFileError if it is not a
+        regular file. Reads only that range, so a header can be checked without fetching a
+        whole remote file."""
         if start < 0 or length < 0:
             raise ValueError(f"start and length must be >= 0, got {start} and {length}")
         full = self._reading(name)
         if self.is_local:
-            with open(full, "rb") as f:
+            with open_regular_file(full) as f:
                 f.seek(start)
                 return f.read(length)
+        self._checked_remote(full, None)  # still FileNotFoundError for a missing file
         if length == 0:
-            self.fs.info(full)  # still FileNotFoundError for a missing file
             return b""
         return self.fs.cat_file(full, start, start + length)
 
-    def open_read(self, name):
+    def open_read(self, name, max_bytes=None):
         """A binary file object reading ``name`` (a context manager); FileNotFoundError if
-        it does not exist."""
+        it does not exist, UnsafeFileError if it is not a regular file (or is larger than
+        ``max_bytes``)."""
         full = self._reading(name)
         if self.is_local:
-            return open(full, "rb")
+            return open_regular_file(full, max_bytes)
+        self._checked_remote(full, max_bytes)
         return self.fs.open(full, "rb")
+
+    def _checked_remote(self, full, max_bytes):
+        """UnsafeFileError unless the remote ``full`` is a file of at most ``max_bytes``."""
+        info = self.fs.info(full)
+        if info.get("type") != "file":
+            raise UnsafeFileError(self.fs.unstrip_protocol(full), f"it is a {info.get('type')}, not a file")
+        size = info.get("size")
+        if max_bytes is not None and size is not None and size > max_bytes:
+            raise UnsafeFileError(self.fs.unstrip_protocol(full),
+                                  f"it holds {size} bytes, more than the {max_bytes} its format allows")
 
     def local_path_for_mapping(self, name):
         """A local path holding the content of ``name``, that can be memory-mapped.
@@ -229,7 +252,7 @@ class StoreFiles:
         """
         full = self._reading(name)
         if self.is_local:
-            os.stat(full)  # FileNotFoundError here, as on other filesystems
+            open_regular_file(full).close()  # FileNotFoundError here, as on other filesystems
             return full
         if self._cache is None:
             raise ValueError(
@@ -510,6 +533,36 @@ class PendingFile:
         if not self.done:
             self.done = True
             _quietly(self.files._unlink_tmp, self.tmp)
+
+
+def file_kind(mode):
+    """What an ``st_mode`` that is not a regular file's stands for, in words."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a link")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular_file(path, max_bytes=None):
+    """``path`` open for binary reading (a context manager) if it is a regular file of at
+    most ``max_bytes`` (any size if None); UnsafeFileError otherwise, before any byte is
+    read. The type is checked on the open descriptor, and the open does not wait: a FIFO put
+    where a state file should be is refused at once, never read (a plain ``open`` would
+    block until something writes to it), and a file swapped after a ``stat`` cannot slip
+    through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, f"it is {file_kind(st.st_mode)}, not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnsafeFileError(path, f"it holds {st.st_size} bytes, more than the {max_bytes} its format allows")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _quietly(fn, *args):

@@ -631,3 +631,58 @@ def test_threads_mapping_one_file_agree(memory_root, tmp_path):
     assert not errors and len(set(paths)) == 1
     assert content(paths[0]) == b"z" * 4096
     assert [n for n in os.listdir(tmp_path / "cache") if n.startswith(".")] == []
+
+
+# -- reads refuse what is not a regular file, and sizes past the format's bound ------------
+
+def _fifo_in(tmp_path, name):
+    path = tmp_path / name
+    os.mkfifo(path)
+    return path
+
+
+def test_a_fifo_where_a_file_should_be_is_refused_at_once_by_every_read(tmp_path):
+    """A user (or an attacker) leaves a FIFO named like a delta: a plain open() would block
+    until something writes to it; every read refuses it instead, without waiting."""
+    from statecore.errors import UnsafeFileError
+    files = StoreFiles(str(tmp_path))
+    _fifo_in(tmp_path, "1.delta")
+    for read in (lambda: files.read_bytes("1.delta"), lambda: files.read_range("1.delta", 0, 8),
+                 lambda: files.open_read("1.delta"), lambda: files.local_path_for_mapping("1.delta")):
+        with pytest.raises(UnsafeFileError, match="FIFO"):
+            read()
+
+
+def test_a_link_to_a_device_and_a_directory_are_refused(tmp_path):
+    from statecore.errors import UnsafeFileError
+    files = StoreFiles(str(tmp_path))
+    os.symlink("/dev/zero", tmp_path / "2.delta")
+    (tmp_path / "3.delta").mkdir()
+    with pytest.raises(UnsafeFileError, match="character device"):
+        files.read_bytes("2.delta", max_bytes=1 << 20)
+    with pytest.raises(UnsafeFileError, match="directory"):
+        files.read_bytes("3.delta")
+
+
+def test_a_sparse_file_larger_than_the_bound_is_refused_before_reading(tmp_path):
+    """A sparse 8 GiB file costs nothing on disk; reading it whole would exhaust memory."""
+    from statecore.errors import UnsafeFileError
+    path = tmp_path / "meta.json"
+    with open(path, "wb") as f:
+        f.truncate(8 << 30)
+    files = StoreFiles(str(tmp_path))
+    with pytest.raises(UnsafeFileError, match="more than the 1024"):
+        files.read_bytes("meta.json", max_bytes=1024)
+    with pytest.raises(UnsafeFileError, match="more than the 1024"):
+        files.open_read("meta.json", max_bytes=1024)
+    path.write_bytes(b"x" * 1024)
+    assert files.read_bytes("meta.json", max_bytes=1024) == b"x" * 1024
+
+
+def test_memory_filesystem_reads_are_bounded_too(memory_root):
+    from statecore.errors import UnsafeFileError
+    files = StoreFiles(memory_root)
+    files.write_atomic("big.json", lambda f: f.write(b"y" * 100))
+    with pytest.raises(UnsafeFileError, match="more than the 10"):
+        files.read_bytes("big.json", max_bytes=10)
+    assert files.read_bytes("big.json", max_bytes=100) == b"y" * 100
