@@ -18,6 +18,7 @@ The index does not delete entries when their key's state changes: the caller che
 import numpy as np
 
 from statecore.keyed_lists import COUNT_FIELD, KeyedLists, positions as _positions
+from statecore.schema import as_schema
 
 __all__ = ["ExpiryIndex", "TIME_FIELD", "DEFAULT_BUCKET_SHIFT"]
 
@@ -45,6 +46,7 @@ class ExpiryIndex:
         if not isinstance(bucket_shift, int) or not 0 <= bucket_shift <= 62:
             raise ValueError(f"bucket_shift must be an int in [0, 62], got {bucket_shift!r}")
         self.key_dtype = np.dtype(key_dtype)
+        self._key_schema = as_schema(self.key_dtype)
         self.item_dtype = self._item_dtype(self.key_dtype)
         self.per_chunk = self._per_chunk(self.item_dtype)
         self.chunk_dtype = self._chunk_dtype(self.item_dtype)
@@ -139,8 +141,15 @@ class ExpiryIndex:
     # -- adding and popping ----------------------------------------------------------------------
 
     def add(self, times, keys):
-        """File ``keys[i]`` under ``times[i]`` (int64, >= 0). A key may be filed several times."""
-        times = np.asarray(times, dtype=np.int64)
+        """File ``keys[i]`` under ``times[i]`` (int64, >= 0). A key may be filed several times.
+        ``times`` must be integers and ``keys`` a structured array of the key's fields and
+        dtypes: anything else is a TypeError naming it, never a silent cast (a float time or
+        key field would be truncated and the entry filed under another time or key)."""
+        times = _checked_times(times)
+        if not isinstance(keys, np.ndarray) or keys.dtype.names is None:
+            raise TypeError(f"expiry keys must be a numpy structured array of {self.key_dtype}, "
+                            f"got {type(keys).__name__}")
+        self._key_schema.check_dtype(keys.dtype)
         if len(times) != len(keys):
             raise ValueError(f"{len(times)} times but {len(keys)} keys")
         if not len(times):
@@ -238,6 +247,21 @@ class ExpiryIndex:
         self._count -= len(out)
         self._save_meta()
         return _split(out, self.key_dtype)
+
+
+def _checked_times(times):
+    """``times`` as a 1-D int64 array; TypeError unless they are integers, ValueError past int64."""
+    arr = np.asarray(times)
+    if arr.ndim != 1:
+        raise ValueError(f"expiry times must be a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"expiry times must be integers (int64, in the index's unit), got {arr.dtype} "
+                        f"values such as {arr[0]!r}")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"expiry times must fit in int64, got {int(arr.max())}")
+    return arr.astype(np.int64, copy=False)
 
 
 def _unpack(item_dtype, chunks):

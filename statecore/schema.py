@@ -7,7 +7,8 @@ those bytes. It never casts silently: a wrong dtype is a ``TypeError`` naming th
 A *key* schema (``key=True``, as :func:`key_value_schemas` makes it) also normalizes its
 float fields the way Spark normalizes grouping keys (NormalizeFloatingNumbers): -0.0
 becomes 0.0 and every NaN the one canonical NaN, so that keys Spark groups together are
-one key here. Schemas are immutable and safe to share between threads.
+one key here; and its bool fields, whose byte numpy lets hold any value (a view of other
+bytes), to 0 or 1, so that every true key is one key. Schemas are immutable and safe to share between threads.
 """
 import functools
 import json
@@ -97,7 +98,7 @@ class RowSchema:
     """
 
     __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "key", "_struct", "_bytes_fields",
-                 "_bool_fields", "_key_floats", "_single_bytes", "_numeric", "_value_types",
+                 "_bool_fields", "_key_floats", "_key_bools", "_normalizes", "_single_bytes", "_numeric", "_value_types",
                  "_max_bytes", "_pack_values", "_unpack_row", "_codec")
 
     def __init__(self, dtype, *, key=False):
@@ -119,6 +120,9 @@ class RowSchema:
         self.key = bool(key)
         self._key_floats = tuple(_key_float(name, f, self.dtype.fields[name][1])
                                  for name, f in fields if f.kind == "f") if self.key else ()
+        self._key_bools = tuple((name, self.dtype.fields[name][1])
+                                for name, f in fields if f.kind == "b") if self.key else ()
+        self._normalizes = bool(self._key_floats or self._key_bools)
         # Whether struct alone checks values of the _NUMBER_TYPES (no bool or bytes field).
         self._numeric = not (self._bytes_fields or self._bool_fields)
         self._pack_values = self._struct.pack
@@ -180,10 +184,10 @@ class RowSchema:
                 raise self._explain(obj) from None
         else:
             row = self._encode(obj, kind)
-        return self._normalize_row(row) if self._key_floats else row
+        return self._normalize_row(row) if self._normalizes else row
 
     def _encode(self, obj, kind):
-        """Row bytes of ``obj``, float key fields not yet normalized."""
+        """Row bytes of ``obj``, key fields not yet normalized."""
         if kind is tuple or kind is list:
             return self._pack(tuple(obj))
         if kind is float or kind is int:
@@ -245,8 +249,12 @@ class RowSchema:
         return AssertionError("unreachable: struct refused the row but every field packed")
 
     def _normalize_row(self, row):
-        """``row`` with its float key fields normalized (-0.0 as 0.0, any NaN as the canonical
-        NaN). The bits decide, so that no float mode (denormals read as zero) changes others."""
+        """``row`` with its key fields normalized: floats -0.0 as 0.0 and any NaN as the
+        canonical NaN (the bits decide, so that no float mode, denormals read as zero,
+        changes others), bools any non-zero byte as 1."""
+        for _, offset in self._key_bools:
+            if row[offset] > 1:
+                row = row[:offset] + b"\x01" + row[offset + 1:]
         for _, start, end, unpack_from, _, sign, inf, nan in self._key_floats:
             x = unpack_from(row, start)[0]
             if x == 0 or x != x:  # a cheap filter: only zeros and NaNs may need a rewrite
@@ -298,7 +306,8 @@ class RowSchema:
         ``batch`` is a 1-D structured array of this schema, a mapping of field name to 1-D
         array, or (one-field schema) a plain 1-D array of the field's dtype. Zero-copy when
         the batch already has the canonical layout (and, for a key, no float field holds
-        -0.0 or a NaN other than the canonical one); read-only input stays read-only. The
+        -0.0 or a NaN other than the canonical one, no bool byte is above 1); read-only input
+        stays read-only. The
         caller's arrays are never written.
         """
         arr = self._as_structured(batch)
@@ -311,13 +320,19 @@ class RowSchema:
             for name in self.names:
                 packed[name] = arr[name]
             arr, owned = packed, True
-        if self._key_floats:
+        if self._normalizes:
             arr = self._normalize_batch(arr, owned)
         return arr.view(np.uint8).reshape(n, self.width)
 
     def _normalize_batch(self, arr, owned):
-        """``arr`` (canonical) with its float key fields normalized: written in place when
+        """``arr`` (canonical) with its key fields normalized: written in place when
         ``owned``, else in a copy, made only when some value needs it."""
+        for name, _ in self._key_bools:
+            raised = np.flatnonzero(np.ascontiguousarray(arr[name]).view(np.uint8) > 1)
+            if raised.size:
+                if not owned:
+                    arr, owned = arr.copy(), True
+                arr[name].view(np.uint8)[raised] = 1
         for name, _, _, _, bits_dtype, sign, _, nan in self._key_floats:
             x = np.ascontiguousarray(arr[name])  # a field among others: one copy, then fast passes
             bits = x.view(bits_dtype)

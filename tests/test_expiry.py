@@ -299,6 +299,29 @@ def test_bad_input_is_refused_before_anything_changes(tmp_path):
     stores.close()
 
 
+def test_float_times_and_float_key_fields_are_refused_not_truncated(tmp_path):
+    """A caller passing event times as floats (seconds, 1.9) or a key column cast to float
+    would have its entries filed under other times and keys: a TypeError names what was
+    wrong, and nothing is filed."""
+    stores = Stores(tmp_path, ExpiryIndex.schemas(KEY))
+    index = ExpiryIndex(stores.stores["heads"], stores.stores["entries"], KEY, bucket_shift=4)
+    with pytest.raises(TypeError, match="times must be integers.*float64"):
+        index.add(np.array([1.9, 2.0]), np.zeros(2, dtype=KEY))
+    with pytest.raises(TypeError, match="times must be integers"):
+        index.add([True], np.zeros(1, dtype=KEY))
+    with pytest.raises(TypeError, match="field 'k' has dtype <f8"):
+        index.add(np.array([3]), np.array([(1.5,)], dtype=[("k", "<f8")]))
+    with pytest.raises(TypeError, match="structured array"):
+        index.add(np.array([3]), np.array([1]))
+    with pytest.raises(ValueError, match="fit in int64"):
+        index.add(np.array([2**64 - 1], dtype=np.uint64), np.zeros(1, dtype=KEY))
+    assert len(index) == 0
+    index.add(np.array([3], dtype=np.uint32), np.zeros(1, dtype=KEY))
+    index.add([], np.zeros(0, dtype=KEY))
+    assert len(index) == 1
+    stores.close()
+
+
 def test_adds_fill_each_buckets_last_chunk_before_opening_another(tmp_path):
     """8 entries a chunk: two buckets get 3 entries each, then 2 and 10 more in one add (both
     last chunks reopened, one bucket growing to 2 chunks); each pop returns exactly its entries,

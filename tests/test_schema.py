@@ -317,3 +317,31 @@ def test_key_bytes_are_equal_exactly_when_spark_groups_the_floats_together(pairs
                        for a, b in zip(batch[i].item(), batch[j].item()))
             assert (rows[i].tobytes() == rows[j].tobytes()) == same
     assert np.array_equal(key.rows(key.from_rows(rows)), rows)  # normalizing twice changes nothing
+
+
+def _bools_with_byte(raw):
+    """A bool array whose bytes are ``raw``: numpy keeps any byte in a bool viewed from others."""
+    return np.frombuffer(bytes(raw), dtype=np.bool_)
+
+
+def test_a_bool_key_byte_above_one_is_the_true_key_per_row_and_per_batch():
+    """A key array built by viewing other bytes as bool (a byte 0x02) is the key True, not a
+    second key beside it."""
+    dtype = np.dtype([("flag", "?"), ("id", "<i8")])
+    key = RowSchema(dtype, key=True)
+    odd = np.zeros(3, dtype)
+    odd["flag"] = _bools_with_byte([2, 1, 0xFF])
+    odd["id"] = 7
+    assert odd.view(np.uint8).reshape(3, -1)[:, 0].tolist() == [2, 1, 0xFF]
+    true_row = key.encode((True, 7))
+    for i in range(3):
+        assert key.encode(odd[i]) == key.encode(odd[i].tobytes()) == true_row, i
+    rows = key.rows(odd)
+    assert rows[:, 0].tolist() == [1, 1, 1]
+    assert odd.view(np.uint8).reshape(3, -1)[:, 0].tolist() == [2, 1, 0xFF]  # the caller's array as it was
+    assert RowSchema(dtype).encode(odd[0].tobytes()) == odd[0].tobytes()  # values keep their bytes
+    one = RowSchema(np.dtype([("b", "?")]), key=True)
+    assert one.rows(_bools_with_byte([0, 3])).ravel().tolist() == [0, 1]
+    clean = np.zeros(2, dtype)
+    clean["flag"] = [True, False]
+    assert np.shares_memory(key.rows(clean), clean)  # no copy when every byte is 0 or 1

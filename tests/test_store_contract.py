@@ -749,3 +749,23 @@ def test_a_snapshot_maintenance_writes_keeps_its_writers_key_filter(root, monkey
     store = p.get_read_store(2)
     assert contents(store) == {**{k: (k, 0.5) for k in range(1, 300)}, 300: (300, 0.0)}
     store.abort()
+
+
+def test_a_bool_key_byte_of_two_is_the_same_key_as_true(root):
+    """Keys whose bool field was viewed from other bytes (byte 0x02): one row per key, in
+    the store and after a reload from its files."""
+    key = np.dtype([("flag", "?"), ("id", "<i8")])
+    p = make(root, key=key)
+    odd = np.zeros(2, key)
+    odd["flag"] = np.frombuffer(b"\x02\x01", dtype=np.bool_)
+    odd["id"] = 5
+    s = p.get_store(0)
+    s.put_batch(odd[:1], np.array([(1, 1.0)], dtype=VALUE))
+    s.put((True, 5), (2, 2.0))
+    s.put_batch(odd[1:], np.array([(3, 3.0)], dtype=VALUE))
+    s.commit()
+    assert list(p.get_read_store(1).iterator()) == [((True, 5), (3, 3.0))]  # a list: a dict hides twins
+    p.close()
+    again = make(root, key=key)
+    assert list(again.get_read_store(1).iterator()) == [((True, 5), (3, 3.0))]
+    again.close()
