@@ -19,9 +19,11 @@ from statecore.conf import StateStoreConf
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId
-from statecore.provider import SCHEMA_FILE, read_store_schemas
+from statecore.lineage import Chain, parse_commit_id
+from statecore.provider import SCHEMA_FILE, read_store_schemas, read_version_header
 
-__all__ = ["PARTITION_ID_COLUMN", "ReadPlan", "partition_ids", "state_partitions", "recorded_attempts", "plan_read"]
+__all__ = ["PARTITION_ID_COLUMN", "ReadPlan", "partition_ids", "state_partitions", "recorded_attempts", "plan_read",
+           "plan_changes"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +79,12 @@ def state_partitions(checkpoint_root, operator_id, store_name="default", conf=No
 
 
 def recorded_attempts(checkpoint_root, operator_id, store_name, version, storage_options=None):
-    """``(version, commit_ids)`` the operator's batch records name for ``version`` (None:
-    the newest record's), or ``(version, None)`` where there is no such record (a version
-    0, a checkpoint without records, a record already deleted, a record of another store)."""
+    """``(version, commit_ids)`` the operator's batch records name for store ``store_name`` at
+    ``version`` (None: the newest record's): the record's ``commit_ids`` for the operator's
+    own store, its ``store_commit_ids[store_name]`` for any other (a StatefulProcessor's
+    variables and timers, the event-time operators' expiry stores). ``(version, None)``, the
+    default lineage, where there is no such record (a version 0, a checkpoint without
+    records, a record already deleted) or the record names no attempts of that store (logged)."""
     location = operator_files.operator_dir(checkpoint_root, operator_id)
     records = operator_files.commit_log(location, storage_options)
     try:
@@ -100,9 +105,17 @@ def recorded_attempts(checkpoint_root, operator_id, store_name, version, storage
     else:
         batch = version - 1
     record = operator_files.read_commit_record(records, batch, metadata)
-    if record is None or record.get("store_name") != store_name:
+    if record is None:
         return version, None
-    return batch + 1, record["commit_ids"]
+    if record["store_name"] == store_name:
+        return batch + 1, record["commit_ids"]
+    ids = record["store_commit_ids"].get(store_name)
+    if ids is None:
+        log.warning("the record of batch %d (%s) names no attempts of store %r (it names %s): reading that store's "
+                    "default lineage", batch, records.path(batch), store_name,
+                    sorted([record["store_name"], *record["store_commit_ids"]]))
+        return version, None
+    return batch + 1, ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +178,68 @@ def plan_read(checkpoint_root, operator_id, store_name="default", version=None, 
                              f"{missing}")
         commit_ids = {p: commit_ids[p] for p in partitions}
     return ReadPlan(key, value, partitions, version, commit_ids)
+
+
+def plan_changes(checkpoint_root, operator_id, store_name="default", start_version=None, end_version=None,
+                 commit_ids=None, conf=None):
+    """``(plan, start_version)`` of the change feed of versions ``start_version`` to
+    ``end_version``, checked on the driver: ``plan`` is :func:`plan_read`'s at ``end_version``
+    (None: the default version). A start left out is the oldest version whose change every
+    partition still holds on the chain of the attempt read (deltas older than the retained
+    snapshots are deleted by maintenance), and never the version a repartition wrote.
+
+    Raises
+    ------
+    ValueError
+        The range starts at or before the version a repartition wrote (its changes were of
+        the old partitioning; the message names the first batch the feed can start at), or
+        after its end; and what :func:`plan_read` raises.
+    VersionNotFoundError
+        No change of ``end_version`` is held (version 0, or only a snapshot of it).
+    """
+    conf = conf or StateStoreConf()
+    location = operator_files.operator_dir(checkpoint_root, operator_id)
+    try:
+        metadata = operator_files.read_metadata(location, conf.storage_options)
+    except ValueError:
+        metadata = None  # partition_ids logs it
+    moved = operator_files.repartitioned(metadata)
+    first = 1 if moved is None else moved["version"] + 1
+    if start_version is not None and start_version < first:
+        raise ValueError(
+            f"operator {operator_id} under {checkpoint_root} was repartitioned from {moved.get('from_partitions')} to "
+            f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: its change feed can start "
+            f"at batch {moved['batch_id'] + 1} (start_version {first}) at the earliest, not at batch "
+            f"{start_version - 1} (the changes before were of the old partitioning)")
+    plan = plan_read(checkpoint_root, operator_id, store_name, end_version, commit_ids, conf)
+    if start_version is None:
+        start_version = max([first, *(_oldest_change(checkpoint_root, operator_id, store_name, p, plan, conf)
+                                      for p in plan.partitions)])
+    if start_version > plan.version:
+        raise VersionNotFoundError(
+            f"the change feed of operator {operator_id} under {checkpoint_root} from version {start_version}: the "
+            f"newest version read is {plan.version}" if plan.version >= first else
+            f"operator {operator_id} under {checkpoint_root} holds no change of version {plan.version}")
+    return plan, start_version
+
+
+def _oldest_change(checkpoint_root, operator_id, store_name, partition, plan, conf):
+    """The oldest version from which partition ``partition`` holds the delta of every version
+    up to ``plan.version`` on the chain of the attempt ``plan`` reads (``plan.version + 1``:
+    none, not even that version's)."""
+    location = StateStoreId(checkpoint_root, operator_id, partition, store_name).store_checkpoint_location()
+    files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
+    chain = Chain(files.list_versions(), lambda f: read_version_header(files, f), files.mtime, files.path,
+                  f"operator {operator_id} partition {partition} store {store_name!r}")
+    if plan.version == 0:
+        return 1
+    if plan.commit_ids is None:
+        commit_id = chain.default_id(plan.version)
+    else:
+        commit_id = parse_commit_id(plan.commit_ids[partition])
+    oldest = plan.version + 1
+    for u, _, delta, _ in chain.walk(plan.version, commit_id):
+        if delta is None:
+            break
+        oldest = u
+    return oldest
