@@ -165,7 +165,7 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         raise ValueError("start_version, end_version, start_batch_id and end_batch_id are for the change feed "
                          "(change_feed=True)")
     if commit_ids is not None and version is None:
-        raise ValueError("commit_ids name attempts of one version: give the version (or the change feed's end) too")
+        raise ValueError("commit_ids name attempts of one version: give the version too (of the change feed: its end)")
     if change_feed:
         plan, start_version = plan_changes(checkpoint_root, operator_id, store_name, start_version, version,
                                            commit_ids, conf)

@@ -5,10 +5,12 @@ partitions, the schemas, the version and the attempt of each partition to read.
 returns, so the two always read the same thing. The rules (``docs/operator.md``, "Reading
 state back"; ``docs/lineage.md``, "Reading state"): the partitions are those
 ``_operator.json`` counts (without it, the numbered directories under ``<root>/<operator>/``);
-version ``v`` is read at the ``commit_ids`` of the batch record of ``v - 1`` (after a
+version ``v`` is read at the attempts the batch record of ``v - 1`` names for the store read
+(``commit_ids`` for the operator's own, ``store_commit_ids[name]`` for any other; after a
 repartition, no version before it), the default version is the one the newest record
 committed, and without a record the default lineage is read at the newest version every
-partition has.
+partition has. :func:`plan_changes` checks the change feed's range the same way, on the
+driver, before any task reads a delta.
 """
 import dataclasses
 import logging
@@ -217,9 +219,9 @@ def plan_changes(checkpoint_root, operator_id, store_name="default", start_versi
                                       for p in plan.partitions)])
     if start_version > plan.version:
         raise VersionNotFoundError(
-            f"the change feed of operator {operator_id} under {checkpoint_root} from version {start_version}: the "
-            f"newest version read is {plan.version}" if plan.version >= first else
-            f"operator {operator_id} under {checkpoint_root} holds no change of version {plan.version}")
+            f"the change feed of operator {operator_id} under {checkpoint_root} from version {start_version} (batch "
+            f"{start_version - 1}) ends before it starts: its end is version {plan.version}" if plan.version >= first
+            else f"operator {operator_id} under {checkpoint_root} holds no change of version {plan.version}")
     return plan, start_version
 
 
