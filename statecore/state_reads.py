@@ -21,8 +21,7 @@ from statecore.conf import StateStoreConf
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId
-from statecore.lineage import Chain, parse_commit_id
-from statecore.provider import SCHEMA_FILE, read_store_schemas, read_version_header
+from statecore.provider import SCHEMA_FILE, read_store_schemas
 
 __all__ = ["PARTITION_ID_COLUMN", "ReadPlan", "partition_ids", "state_partitions", "recorded_attempts", "plan_read",
            "plan_changes"]
@@ -186,18 +185,21 @@ def plan_changes(checkpoint_root, operator_id, store_name="default", start_versi
                  commit_ids=None, conf=None):
     """``(plan, start_version)`` of the change feed of versions ``start_version`` to
     ``end_version``, checked on the driver: ``plan`` is :func:`plan_read`'s at ``end_version``
-    (None: the default version). A start left out is the oldest version whose change every
-    partition still holds on the chain of the attempt read (deltas older than the retained
-    snapshots are deleted by maintenance), and never the version a repartition wrote.
+    (None: the default version). A start left out is the oldest version from which every
+    partition still holds a delta of each version up to the end (deltas older than the
+    retained snapshots are deleted by maintenance; one listing per partition), and never
+    the version a repartition wrote (a snapshot, no delta).
 
     Raises
     ------
     ValueError
         The range starts at or before the version a repartition wrote (its changes were of
-        the old partitioning; the message names the first batch the feed can start at), or
-        after its end; and what :func:`plan_read` raises.
+        the old partitioning; the message names the first batch the feed can start at); and
+        what :func:`plan_read` raises.
     VersionNotFoundError
-        No change of ``end_version`` is held (version 0, or only a snapshot of it).
+        The start is after the end; without a start, some partition holds no change of
+        ``end_version`` (version 0, or only a snapshot of it); and what :func:`plan_read`
+        raises.
     """
     conf = conf or StateStoreConf()
     location = operator_files.operator_dir(checkpoint_root, operator_id)
@@ -214,34 +216,32 @@ def plan_changes(checkpoint_root, operator_id, store_name="default", start_versi
             f"at batch {moved['batch_id'] + 1} (start_version {first}) at the earliest, not at batch "
             f"{start_version - 1} (the changes before were of the old partitioning)")
     plan = plan_read(checkpoint_root, operator_id, store_name, end_version, commit_ids, conf)
-    if start_version is None:
-        start_version = max([first, *(_oldest_change(checkpoint_root, operator_id, store_name, p, plan, conf)
-                                      for p in plan.partitions)])
+    if start_version is not None:
+        if start_version > plan.version:
+            raise VersionNotFoundError(
+                f"the change feed of operator {operator_id} under {checkpoint_root} from version {start_version} "
+                f"(batch {start_version - 1}) ends before it starts: its end is version {plan.version}")
+        return plan, start_version
+    oldest = {p: _oldest_change(checkpoint_root, operator_id, store_name, p, plan.version, conf)
+              for p in plan.partitions}
+    start_version = max([first, *oldest.values()])
     if start_version > plan.version:
         raise VersionNotFoundError(
-            f"the change feed of operator {operator_id} under {checkpoint_root} from version {start_version} (batch "
-            f"{start_version - 1}) ends before it starts: its end is version {plan.version}" if plan.version >= first
-            else f"operator {operator_id} under {checkpoint_root} holds no change of version {plan.version}")
+            f"operator {operator_id} under {checkpoint_root} (store {store_name!r}) holds no change of version "
+            f"{plan.version}: partition(s) {sorted(p for p, v in oldest.items() if v > plan.version)} have no delta "
+            f"of it (version 0, a version a repartition wrote as a snapshot, or a delta deleted)")
     return plan, start_version
 
 
-def _oldest_change(checkpoint_root, operator_id, store_name, partition, plan, conf):
-    """The oldest version from which partition ``partition`` holds the delta of every version
-    up to ``plan.version`` on the chain of the attempt ``plan`` reads (``plan.version + 1``:
-    none, not even that version's)."""
+def _oldest_change(checkpoint_root, operator_id, store_name, partition, end, conf):
+    """The oldest version from which partition ``partition``'s directory holds a delta of
+    every version up to ``end`` (``end + 1``: none, not even that version's), from one
+    listing: no file is read (the tasks check, delta by delta, that the chain they follow
+    passes through these)."""
     location = StateStoreId(checkpoint_root, operator_id, partition, store_name).store_checkpoint_location()
     files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
-    chain = Chain(files.list_versions(), lambda f: read_version_header(files, f), files.mtime, files.path,
-                  f"operator {operator_id} partition {partition} store {store_name!r}")
-    if plan.version == 0:
-        return 1
-    if plan.commit_ids is None:
-        commit_id = chain.default_id(plan.version)
-    else:
-        commit_id = parse_commit_id(plan.commit_ids[partition])
-    oldest = plan.version + 1
-    for u, _, delta, _ in chain.walk(plan.version, commit_id):
-        if delta is None:
-            break
-        oldest = u
+    deltas = set(files.list_versions().versions("delta"))
+    oldest = end + 1
+    while oldest > 1 and oldest - 1 in deltas:
+        oldest -= 1
     return oldest

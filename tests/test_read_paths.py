@@ -222,12 +222,17 @@ def test_a_change_feed_from_before_a_repartition_is_refused_on_the_driver(tmp_pa
 
 
 def test_a_change_feed_without_a_start_begins_after_the_repartition(tmp_path):
+    """No start given: the feed begins at the first batch after the repartition; ending at the
+    version the repartition wrote (a snapshot, no change) is a clear error on the driver."""
+    from statecore.errors import VersionNotFoundError
     from statecore.state_reads import plan_changes
 
     root = str(tmp_path / "state")
     repartitioned(root)
     plan, start = plan_changes(root, 0)
     assert (start, plan.version, plan.partitions) == (4, 4, [0, 1])
+    with pytest.raises(VersionNotFoundError, match=r"holds no change of version 3: partition\(s\) \[0, 1\]"):
+        plan_changes(root, 0, end_version=3)
 
 
 def test_a_change_feed_without_a_start_begins_at_the_oldest_change_every_partition_holds(tmp_path):
