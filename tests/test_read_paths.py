@@ -257,3 +257,14 @@ def test_a_change_feed_without_a_start_begins_at_the_oldest_change_every_partiti
         read_state(None, root, 0, change_feed=True, start_batch_id=3, start_version=4)
     with pytest.raises(ValueError, match=r"start_batch_id must be an int >= 0, got -1"):
         read_state(None, root, 0, change_feed=True, start_batch_id=-1)
+
+
+def test_inspect_skips_a_stray_directory_no_store_could_be_named_after(tmp_path):
+    """A directory ``7.delta`` (a name StateStoreId now refuses) left in a partition's directory
+    is not a store: inspect lists the real stores and exits 0, no traceback."""
+    root = str(tmp_path / "state")
+    write_operator(root, batches=1)
+    os.mkdir(os.path.join(root, "0", "0", "7.delta"))
+    result = CliRunner().invoke(main, ["inspect", root, "--json"])
+    assert result.exit_code == 0, result.output
+    assert "7.delta" not in result.output and "seen" in result.output
