@@ -267,4 +267,7 @@ def test_inspect_skips_a_stray_directory_no_store_could_be_named_after(tmp_path)
     os.mkdir(os.path.join(root, "0", "0", "7.delta"))
     result = CliRunner().invoke(main, ["inspect", root, "--json"])
     assert result.exit_code == 0, result.output
-    assert "7.delta" not in result.output and "seen" in result.output
+    found = json.loads(result.output)
+    assert found["operators"][0]["store_names"] == ["default", "seen"]
+    assert sorted((s["partition_id"], s["store_name"]) for s in found["stores"]) == [
+        (p, name) for p in range(PARTITIONS) for name in ("default", "seen")]
