@@ -13,10 +13,9 @@ import numpy as np
 import pyarrow as pa
 
 from statecore.conf import StateStoreConf
-from statecore.errors import VersionNotFoundError
 from statecore.ids import StateStoreId
 from statecore.store import create_and_init_provider
-from statecore.state_reads import PARTITION_ID_COLUMN, plan_read, state_partitions
+from statecore.state_reads import PARTITION_ID_COLUMN, plan_changes, plan_read, state_partitions
 
 from pyspark_glue.arrow import arrow_type_of, spark_schema_of, to_record_batch
 
@@ -75,19 +74,33 @@ def _changes_of_versions(key_dtype, value_dtype, start, end, commit_ids):
     return read
 
 
+def _feed_bound(which, version, batch_id):
+    """The change feed's ``which`` ("start" or "end") version, from ``<which>_version`` or
+    ``<which>_batch_id`` (version = batch id + 1); None if neither is given."""
+    if version is not None and batch_id is not None:
+        raise ValueError(f"give {which}_version or {which}_batch_id, not both")
+    for name, value, least in ((f"{which}_version", version, 1), (f"{which}_batch_id", batch_id, 0)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return batch_id + 1 if batch_id is not None else version
+
+
 def read_state(spark, checkpoint_root, operator_id, store_name="default", version=None, *, batch_id=None,
                commit_ids=None, conf=None, rows_per_batch=65536, change_feed=False, start_version=None,
-               end_version=None):
+               end_version=None, start_batch_id=None, end_batch_id=None):
     """The state of operator ``operator_id`` at ``version`` as a DataFrame: the key fields, the
     value fields, then ``partition_id`` (columns, types and which attempt of the version is
     read: ``docs/operator.md``, "Reading state back").
 
-    With ``change_feed=True`` (Spark's ``readChangeFeed``), instead every change of the
-    versions ``start_version`` to ``end_version`` (default: the version ``read_state`` would
-    read): ``batch_id`` (the version less one), ``change_type`` (``"update"``: the key's new
-    value; ``"delete"``: the key was removed, its value fields null), the key and value
-    fields, ``partition_id``; one row per key changed in each version, read from the
-    versions' deltas alone (``docs/operator.md``, "The change feed").
+    With ``change_feed=True`` (Spark's ``readChangeFeed``), instead every change the batches
+    ``start_batch_id`` to ``end_batch_id`` made (or, in versions, ``start_version`` to
+    ``end_version``: batch ``b`` commits version ``b + 1``): ``batch_id`` (the batch that made
+    the change, its version less one), ``change_type`` (``"update"``: the key's new value;
+    ``"delete"``: the key was removed, its value fields null), the key and value fields,
+    ``partition_id``; one row per key changed in each batch, read from the versions' deltas
+    alone (``docs/operator.md``, "The change feed"). The end defaults to the version
+    ``read_state`` would read; the start to the oldest batch whose change every partition
+    still holds (not before a repartition).
 
     Parameters
     ----------
@@ -109,8 +122,10 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         For the storage options of a remote checkpoint.
     rows_per_batch : int, default 65536
     change_feed : bool, default False
+    start_batch_id, end_batch_id : int, optional
+        The change feed's first and last batch (>= 0); or
     start_version, end_version : int, optional
-        The change feed's first and last version (>= 1; ``start_version`` required).
+        the same range in versions (>= 1): version = batch id + 1.
 
     Raises
     ------
@@ -121,7 +136,8 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         found when the read runs).
     ValueError
         A field name repeats across key and value, or is ``partition_id``; a bad
-        ``version``, ``batch_id`` or ``commit_ids``; an unreadable batch record.
+        ``version``, ``batch_id`` or ``commit_ids``; an unreadable batch record; a change
+        feed that starts before the operator's last repartition.
     """
     if conf is None:
         conf = StateStoreConf()
@@ -138,27 +154,29 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         version = batch_id + 1
     if change_feed:
         if version is not None:
-            raise ValueError("the change feed reads start_version..end_version: give those, not version or batch_id")
-        if not isinstance(start_version, int) or isinstance(start_version, bool) or start_version < 1:
-            raise ValueError(f"the change feed needs start_version, an int >= 1, got {start_version!r}")
-        if end_version is not None:
-            if not isinstance(end_version, int) or isinstance(end_version, bool) or end_version < start_version:
-                raise ValueError(f"end_version must be an int >= start_version ({start_version}), got {end_version!r}")
-            version = end_version
-    elif start_version is not None or end_version is not None:
-        raise ValueError("start_version and end_version are for the change feed (change_feed=True)")
+            raise ValueError("the change feed reads start_batch_id..end_batch_id (or start_version..end_version): "
+                             "give those, not version or batch_id")
+        start_version = _feed_bound("start", start_version, start_batch_id)
+        version = _feed_bound("end", end_version, end_batch_id)
+        if start_version is not None and version is not None and version < start_version:
+            raise ValueError(f"the change feed's end (version {version}, batch {version - 1}) is before its start "
+                             f"(version {start_version}, batch {start_version - 1})")
+    elif any(v is not None for v in (start_version, end_version, start_batch_id, end_batch_id)):
+        raise ValueError("start_version, end_version, start_batch_id and end_batch_id are for the change feed "
+                         "(change_feed=True)")
     if commit_ids is not None and version is None:
-        raise ValueError("commit_ids name attempts of one version: give the version too")
-    plan = plan_read(checkpoint_root, operator_id, store_name, version, commit_ids, conf)
+        raise ValueError("commit_ids name attempts of one version: give the version too (of the change feed: its end)")
+    if change_feed:
+        plan, start_version = plan_changes(checkpoint_root, operator_id, store_name, start_version, version,
+                                           commit_ids, conf)
+    else:
+        plan = plan_read(checkpoint_root, operator_id, store_name, version, commit_ids, conf)
     key, value, partitions, version, commit_ids = (plan.key_schema, plan.value_schema, plan.partitions,
                                                    plan.version, plan.commit_ids)
     from pyspark.sql import types as T
 
     n = len(partitions)
     if change_feed:
-        if version < start_version:
-            raise VersionNotFoundError(f"the change feed of operator {operator_id} from version {start_version}: the "
-                                       f"newest version is {version}")
         fields = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())]).fields
         schema = T.StructType([T.StructField(BATCH_ID_COLUMN, T.LongType(), True),
                                T.StructField(CHANGE_TYPE_COLUMN, T.StringType(), True), *fields])

@@ -17,6 +17,7 @@ import numpy as np
 
 from statecore.expiry import ExpiryIndex
 from statecore.grouping import group_rows
+from statecore.ids import check_store_name
 from statecore.keyed_lists import KeyedLists
 from statecore.schema import as_schema
 
@@ -365,8 +366,11 @@ class StateHandle:
         return self._stores[name]
 
     def _add(self, variable):
+        """Declare ``variable``, on the driver: ValueError if its name cannot name a store
+        directory (rather than in every task that opens its store)."""
         if variable.name in self.variables:
             raise ValueError(f"state variable {variable.name!r} is declared twice")
+        check_store_name(variable.name, "state variable name")
         self.variables[variable.name] = variable
         return variable
 

@@ -133,7 +133,10 @@ def _scan_operator(root, operator_id, storage_options):
         for name, is_dir in part_entries:
             if not is_dir or name.startswith((".", "_")) or name == default.store_name:
                 continue
-            sid = StateStoreId(root, operator_id, p, name)
+            try:
+                sid = StateStoreId(root, operator_id, p, name)
+            except ValueError:
+                continue  # a name no store can have (statecore.ids.check_store_name): not a store's directory
             sub = sid.store_checkpoint_location()
             if is_store_dir(CheckpointFiles(sub, storage_options).entries()):
                 stores[name] = StoreRef(sub, operator_id, p, name)

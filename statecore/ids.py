@@ -7,7 +7,31 @@ import dataclasses
 import uuid
 from typing import ClassVar
 
-__all__ = ["StateStoreId", "StateStoreProviderId"]
+from statecore.lineage import parse_name
+
+__all__ = ["StateStoreId", "StateStoreProviderId", "check_store_name"]
+
+# A store directory's own files (provider.SCHEMA_FILE and whatever statecore adds beside it)
+# start with this; a store of that name would be a directory among them.
+_RESERVED_PREFIX = "_statecore"
+
+
+def check_store_name(name, what="store_name"):
+    """``name`` if it can be the name of a store: one directory of its own inside its partition's
+    directory, among no file of the default store there. ValueError naming ``what`` and the name
+    otherwise: not a str, empty, ``.`` or ``..``, holding ``/``, ``\\`` or NUL, starting with ``.``
+    (hidden names, which listings skip), or a name the default store's files take (a version file's
+    ``<version>[_<id>].<kind>``, or statecore's ``_statecore*``)."""
+    if not isinstance(name, str):
+        raise ValueError(f"{what} must be a str, got {name!r}")
+    if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{what} {name!r} is not a directory name of its own: a store name must be non-empty, "
+                         f"not start with '.', and hold no '/', '\\' or NUL (stores with such names would share "
+                         f"a directory)")
+    if name.startswith(_RESERVED_PREFIX) or parse_name(name) is not None:
+        raise ValueError(f"{what} {name!r} is the name of a store's own file: a store of that name would sit among "
+                         f"the files of the partition's default store")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +49,14 @@ class StateStoreId:
     DEFAULT_STORE_NAME: ClassVar[str] = "default"
 
     def __post_init__(self):
-        if not isinstance(self.operator_id, int) or self.operator_id < 0:
-            raise ValueError(f"operator_id must be an int >= 0, got {self.operator_id!r}")
-        if not isinstance(self.partition_id, int) or self.partition_id < 0:
-            raise ValueError(f"partition_id must be an int >= 0, got {self.partition_id!r}")
-        if not self.store_name or "/" in self.store_name:
-            raise ValueError(f"store_name must be a non-empty name without '/', got {self.store_name!r}")
+        if not isinstance(self.checkpoint_root_location, str) or not self.checkpoint_root_location:
+            raise ValueError(f"checkpoint_root_location must be a non-empty path or URL, got "
+                             f"{self.checkpoint_root_location!r}")
+        for name in ("operator_id", "partition_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        check_store_name(self.store_name)
 
     def store_checkpoint_location(self):
         """``<root>/<operator>/<partition>``, plus ``/<store_name>`` unless it is the default

@@ -5,10 +5,12 @@ partitions, the schemas, the version and the attempt of each partition to read.
 returns, so the two always read the same thing. The rules (``docs/operator.md``, "Reading
 state back"; ``docs/lineage.md``, "Reading state"): the partitions are those
 ``_operator.json`` counts (without it, the numbered directories under ``<root>/<operator>/``);
-version ``v`` is read at the ``commit_ids`` of the batch record of ``v - 1`` (after a
+version ``v`` is read at the attempts the batch record of ``v - 1`` names for the store read
+(``commit_ids`` for the operator's own, ``store_commit_ids[name]`` for any other; after a
 repartition, no version before it), the default version is the one the newest record
 committed, and without a record the default lineage is read at the newest version every
-partition has.
+partition has. :func:`plan_changes` checks the change feed's range the same way, on the
+driver, before any task reads a delta.
 """
 import dataclasses
 import logging
@@ -21,7 +23,8 @@ from statecore.files import open_store_files
 from statecore.ids import StateStoreId
 from statecore.provider import SCHEMA_FILE, read_store_schemas
 
-__all__ = ["PARTITION_ID_COLUMN", "ReadPlan", "partition_ids", "state_partitions", "recorded_attempts", "plan_read"]
+__all__ = ["PARTITION_ID_COLUMN", "ReadPlan", "partition_ids", "state_partitions", "recorded_attempts", "plan_read",
+           "plan_changes"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +80,12 @@ def state_partitions(checkpoint_root, operator_id, store_name="default", conf=No
 
 
 def recorded_attempts(checkpoint_root, operator_id, store_name, version, storage_options=None):
-    """``(version, commit_ids)`` the operator's batch records name for ``version`` (None:
-    the newest record's), or ``(version, None)`` where there is no such record (a version
-    0, a checkpoint without records, a record already deleted, a record of another store)."""
+    """``(version, commit_ids)`` the operator's batch records name for store ``store_name`` at
+    ``version`` (None: the newest record's): the record's ``commit_ids`` for the operator's
+    own store, its ``store_commit_ids[store_name]`` for any other (a StatefulProcessor's
+    variables and timers, the event-time operators' expiry stores). ``(version, None)``, the
+    default lineage, where there is no such record (a version 0, a checkpoint without
+    records, a record already deleted) or the record names no attempts of that store (logged)."""
     location = operator_files.operator_dir(checkpoint_root, operator_id)
     records = operator_files.commit_log(location, storage_options)
     try:
@@ -100,9 +106,17 @@ def recorded_attempts(checkpoint_root, operator_id, store_name, version, storage
     else:
         batch = version - 1
     record = operator_files.read_commit_record(records, batch, metadata)
-    if record is None or record.get("store_name") != store_name:
+    if record is None:
         return version, None
-    return batch + 1, record["commit_ids"]
+    if record.get("store_name") == store_name:
+        return batch + 1, record["commit_ids"]
+    ids = record["store_commit_ids"].get(store_name)
+    if ids is None:
+        log.warning("the record of batch %d (%s) names no attempts of store %r (it names %s): reading that store's "
+                    "default lineage", batch, records.path(batch), store_name,
+                    sorted([str(record.get("store_name")), *record["store_commit_ids"]]))
+        return version, None
+    return batch + 1, ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +179,69 @@ def plan_read(checkpoint_root, operator_id, store_name="default", version=None, 
                              f"{missing}")
         commit_ids = {p: commit_ids[p] for p in partitions}
     return ReadPlan(key, value, partitions, version, commit_ids)
+
+
+def plan_changes(checkpoint_root, operator_id, store_name="default", start_version=None, end_version=None,
+                 commit_ids=None, conf=None):
+    """``(plan, start_version)`` of the change feed of versions ``start_version`` to
+    ``end_version``, checked on the driver: ``plan`` is :func:`plan_read`'s at ``end_version``
+    (None: the default version). A start left out is the oldest version from which every
+    partition still holds a delta of each version up to the end (deltas older than the
+    retained snapshots are deleted by maintenance; one listing per partition), and never
+    the version a repartition wrote (a snapshot, no delta).
+
+    Raises
+    ------
+    ValueError
+        The range starts at or before the version a repartition wrote (its changes were of
+        the old partitioning; the message names the first batch the feed can start at); and
+        what :func:`plan_read` raises.
+    VersionNotFoundError
+        The start is after the end; without a start, some partition holds no change of
+        ``end_version`` (version 0, or only a snapshot of it); and what :func:`plan_read`
+        raises.
+    """
+    conf = conf or StateStoreConf()
+    location = operator_files.operator_dir(checkpoint_root, operator_id)
+    try:
+        metadata = operator_files.read_metadata(location, conf.storage_options)
+    except ValueError:
+        metadata = None  # partition_ids logs it
+    moved = operator_files.repartitioned(metadata)
+    first = 1 if moved is None else moved["version"] + 1
+    if start_version is not None and start_version < first:
+        raise ValueError(
+            f"operator {operator_id} under {checkpoint_root} was repartitioned from {moved.get('from_partitions')} to "
+            f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: its change feed can start "
+            f"at batch {moved['batch_id'] + 1} (start_version {first}) at the earliest, not at batch "
+            f"{start_version - 1} (the changes before were of the old partitioning)")
+    plan = plan_read(checkpoint_root, operator_id, store_name, end_version, commit_ids, conf)
+    if start_version is not None:
+        if start_version > plan.version:
+            raise VersionNotFoundError(
+                f"the change feed of operator {operator_id} under {checkpoint_root} from version {start_version} "
+                f"(batch {start_version - 1}) ends before it starts: its end is version {plan.version}")
+        return plan, start_version
+    oldest = {p: _oldest_change(checkpoint_root, operator_id, store_name, p, plan.version, conf)
+              for p in plan.partitions}
+    start_version = max([first, *oldest.values()])
+    if start_version > plan.version:
+        raise VersionNotFoundError(
+            f"operator {operator_id} under {checkpoint_root} (store {store_name!r}) holds no change of version "
+            f"{plan.version}: partition(s) {sorted(p for p, v in oldest.items() if v > plan.version)} have no delta "
+            f"of it (version 0, a version a repartition wrote as a snapshot, or a delta deleted)")
+    return plan, start_version
+
+
+def _oldest_change(checkpoint_root, operator_id, store_name, partition, end, conf):
+    """The oldest version from which partition ``partition``'s directory holds a delta of
+    every version up to ``end`` (``end + 1``: none, not even that version's), from one
+    listing: no file is read (the tasks check, delta by delta, that the chain they follow
+    passes through these)."""
+    location = StateStoreId(checkpoint_root, operator_id, partition, store_name).store_checkpoint_location()
+    files = open_store_files(location, conf.storage_options, conf.local_cache_dir)
+    deltas = set(files.list_versions().versions("delta"))
+    oldest = end + 1
+    while oldest > 1 and oldest - 1 in deltas:
+        oldest -= 1
+    return oldest

@@ -165,9 +165,9 @@ class CountThenForget:
 
 def test_change_feed_is_the_difference_of_consecutive_versions(spark, tmp_path):
     """Five batches of puts and removes (and removes of absent keys), batch 2 run twice (the
-    feed follows the recorded attempt): the change feed of versions 1..5, and of 2..4, equals
-    the difference of read_state at each version and the one before; a
-    start after the newest version is a clear error."""
+    feed follows the recorded attempt): the change feed of versions 1..5, and of 2..4 (batches
+    1..3), equals the difference of read_state at each version and the one before; without a
+    start it is the whole feed; a start after the newest version is a clear error."""
     from pyspark_glue import read_state
 
     from tests.glue_support import events_df, make_operator
@@ -190,8 +190,8 @@ def test_change_feed_is_the_difference_of_consecutive_versions(spark, tmp_path):
         out |= {(v - 1, "delete", k, (None, None, before[k][2])) for k in before if k not in after}
         return out
 
-    def feed(start, end=None):
-        df = read_state(spark, root, 0, change_feed=True, start_version=start, end_version=end)
+    def feed(start=None, end=None, **batch_ids):
+        df = read_state(spark, root, 0, change_feed=True, start_version=start, end_version=end, **batch_ids)
         assert df.columns == ["batch_id", "change_type", "user", "region", "count", "sum", "partition_id"]
         rows = [(r["batch_id"], r["change_type"], (r["user"], bytes(r["region"])),
                  (r["count"], r["sum"], r["partition_id"])) for r in df.collect()]
@@ -202,9 +202,29 @@ def test_change_feed_is_the_difference_of_consecutive_versions(spark, tmp_path):
     assert any(t == "delete" for _, t, _, _ in expected) and any(t == "update" for _, t, _, _ in expected)
     assert feed(1) == expected
     assert feed(2, 4) == {row for row in expected if 1 <= row[0] <= 3}
-    with pytest.raises(ValueError, match="start_version"):
-        read_state(spark, root, 0, change_feed=True)
+    # The same range in batch ids (the batch_id column's): batches 1..3 are versions 2..4.
+    assert feed(start_batch_id=1, end_batch_id=3) == feed(2, 4)
+    assert feed() == expected  # no start: the oldest change every partition holds, here version 1
     with pytest.raises(ValueError, match="change_feed=True"):
         read_state(spark, root, 0, start_version=1)
-    with pytest.raises(VersionNotFoundError, match="newest version is 5"):
+    with pytest.raises(VersionNotFoundError, match=r"from version 6 \(batch 5\) ends before it starts: its end is "
+                                                   r"version 5"):
         read_state(spark, root, 0, change_feed=True, start_version=6)
+
+
+@pytest.mark.spark
+def test_read_state_and_the_change_feed_of_a_processor_store_skip_a_zombie_attempt(spark, tmp_path):
+    """A StatefulProcessor-like extra store whose last batch ran twice in partition 0, the
+    losing attempt writing last (the default lineage): read_state and its change feed read the
+    attempt the batch record's store_commit_ids name, so the zombie's key -1 never shows."""
+    from pyspark_glue import read_state
+
+    from tests.test_read_paths import PARTITIONS, write_operator
+
+    root = str(tmp_path / "state")
+    write_operator(root, zombie=True)
+    state = sorted((r["partition_id"], r["k"], r["first"]) for r in read_state(spark, root, 0, "seen").collect())
+    assert state == [(p, k, k) for p in range(PARTITIONS) for k in (0, 1)]
+    changes = sorted((r["batch_id"], r["change_type"], r["k"], r["first"], r["partition_id"])
+                     for r in read_state(spark, root, 0, "seen", change_feed=True).collect())
+    assert changes == [(b, "update", b, b, p) for b in (0, 1) for p in range(PARTITIONS)]
