@@ -100,7 +100,7 @@ class OperatorLock:
         self.command, self.kind, self.lease_s = command, kind, float(lease_s)
         self.files = open_store_files(operator_dir(checkpoint, operator_id), storage_options)
         self.token = None  # ours while we hold it
-        self.expires = None
+        self.expires = self._started = None
 
     @property
     def path(self):
@@ -202,11 +202,12 @@ class OperatorLock:
         expires = float(held["expires"])
         if expires <= now:
             return f"its lease expired at {_when(expires)}"
-        if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
+        pid = held.get("pid")
+        if held.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid < 1:
             return None
-        if not _pid_alive(held["pid"], held.get("pid_start")):
-            return f"its process {held['pid']} on this host is gone"
-        if held.get("kind") == QUERY and self.kind == QUERY and held["pid"] == os.getpid():
+        if not _pid_alive(pid, held.get("pid_start")):
+            return f"its process {pid} on this host is gone"
+        if held.get("kind") == QUERY and self.kind == QUERY and pid == os.getpid():
             return "an earlier StatefulOperator of this process held it (a query restarted in the same driver)"
         return None
 

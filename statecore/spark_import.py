@@ -6,8 +6,9 @@ number of partitions continues from (``statecore import-spark``; ``docs/operatin
 This module owns the checkpoint-level rules: which Spark checkpoints and operators it takes
 (and the clear refusal of the others), which versions Spark retained, the schemas, and the
 writing, through the store's public API, of every retained version into a staging
-directory whose entries are moved into place at the end, so that bad input or a failure leaves
-the target as it was; the writing holds the operator's lock (:mod:`statecore.operator_lock`). The bytes of Spark's files are :mod:`statecore.spark_rows`'s.
+directory whose entries are moved into place at the end, so that bad input or a failure
+leaves the target as it was; the writing holds the operator's lock
+(:mod:`statecore.operator_lock`). The bytes of Spark's files are :mod:`statecore.spark_rows`'s.
 """
 import contextlib
 import json

@@ -108,10 +108,12 @@ def test_two_repartition_runs_at_once_one_is_refused_and_the_state_is_intact(tmp
     sync.mkdir()
     expected = make_checkpoint(root, partitions=4, batches=3, seed=5)
     first = child("pause", sync, "first", "repartition", root, "--operator", "0", "--to", "7")
+    started = [first]
     try:
         wait_for(lambda: (sync / "inside-first").exists() or first.poll() is not None, "the first run to be inside")
         assert (sync / "inside-first").exists(), first.communicate()
         second = child("pause", sync, "second", "repartition", root, "--operator", "0", "--to", "5")
+        started.append(second)
         wait_for(lambda: (sync / "inside-second").exists() or second.poll() is not None, "the second run")
         second_inside, first_still_inside = (sync / "inside-second").exists(), first.poll() is None
         (sync / "go").touch()
@@ -123,7 +125,7 @@ def test_two_repartition_runs_at_once_one_is_refused_and_the_state_is_intact(tmp
         assert first.wait(timeout=DEADLINE_S) == 0, first.communicate()
     finally:
         (sync / "go").touch()
-        for proc in (first, *([second] if "second" in locals() else [])):
+        for proc in started:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
