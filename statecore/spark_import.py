@@ -357,35 +357,35 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
     operator_path = f"{target}/{operator_id}"
     created = [path for path in (operator_path, target) if not fs.exists(path)]
     done = False
+    locked = contextlib.ExitStack()
     try:
-        with operator_lock.held(statecore_checkpoint, operator_id, "import-spark", storage_options):
-            _refuse_existing(fs, target, statecore_checkpoint, operator_id)  # again, now that no one else writes
-            try:
-                ids, rows = [], []
-                for p, steps in enumerate(plan):  # pass 2: the versions, written under the staging root
-                    partition_ids, count = _write_partition(op, columns, stage, p, firsts[p], steps, progress)
-                    ids.append(partition_ids)
-                    rows.append(count)
-                metadata = _metadata(op, columns)
-                staged = operator_files.operator_dir(stage, operator_id)
-                operator_files.check_metadata(staged, metadata, storage_options)
-                records = operator_files.commit_log(staged, storage_options)
-                run_id = str(uuid.uuid4())
-                for version in range(max(first, 1), op.last_version + 1):
-                    records.write(version - 1, operator_files.commit_record(
-                        version - 1, op.num_partitions, store_name, run_id, [i[version] for i in ids],
-                        [i.get(version - 1, ROOT_COMMIT_ID.hex()) for i in ids]))
-                # Beside the lock, entry by entry; _operator.json last, so that until it lands the
-                # directory is no StatefulOperator's checkpoint.
-                for name in sorted(_ls(fs, staged), key=lambda n: (n == operator_files.OPERATOR_METADATA_FILE, n)):
-                    fs.mv(f"{staged}/{name}", f"{operator_path}/{name}", recursive=True)
-                done = True
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    fs.rm(stage, recursive=True)
+        locked.enter_context(operator_lock.held(statecore_checkpoint, operator_id, "import-spark", storage_options))
+        _refuse_existing(fs, target, statecore_checkpoint, operator_id)  # again, now that no one else writes
+        ids, rows = [], []
+        for p, steps in enumerate(plan):  # pass 2: the versions, written under the staging root
+            partition_ids, count = _write_partition(op, columns, stage, p, firsts[p], steps, progress)
+            ids.append(partition_ids)
+            rows.append(count)
+        metadata = _metadata(op, columns)
+        staged = operator_files.operator_dir(stage, operator_id)
+        operator_files.check_metadata(staged, metadata, storage_options)
+        records = operator_files.commit_log(staged, storage_options)
+        run_id = str(uuid.uuid4())
+        for version in range(max(first, 1), op.last_version + 1):
+            records.write(version - 1, operator_files.commit_record(
+                version - 1, op.num_partitions, store_name, run_id, [i[version] for i in ids],
+                [i.get(version - 1, ROOT_COMMIT_ID.hex()) for i in ids]))
+        # Beside the lock, entry by entry; _operator.json last, so that until it lands the
+        # directory is no StatefulOperator's checkpoint.
+        for name in sorted(_ls(fs, staged), key=lambda n: (n == operator_files.OPERATOR_METADATA_FILE, n)):
+            fs.mv(f"{staged}/{name}", f"{operator_path}/{name}", recursive=True)
+        done = True
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(stage, recursive=True)
+        locked.close()  # the lock released
         for path in created if not done else ():  # only what this call created, once empty
-            with contextlib.suppress(FileNotFoundError, OSError):
+            with contextlib.suppress(OSError):
                 if not _ls(fs, path):
                     fs.rmdir(path)
     return {"spark_checkpoint": spark_checkpoint, "statecore_checkpoint": statecore_checkpoint,
