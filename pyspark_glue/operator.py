@@ -21,7 +21,7 @@ from statecore.lineage import ROOT_COMMIT_ID
 from statecore.metrics import StateStoreMetrics
 from statecore.schema import key_value_schemas
 from statecore.spark_hash import FIXED_WIDTH_TYPES
-from statecore import operator_files
+from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
 
 from pyspark_glue import query_runs
@@ -197,6 +197,7 @@ class StatefulOperator:
         self._current_run = None
         self._listener = None  # (session, listener)
         self._closed = False
+        self._operator_lock = None  # statecore.operator_lock.OperatorLock, from the first batch
 
     def _take_schemas(self):
         """The key and value schemas: the arguments, else ``fn``'s attributes (None while a
@@ -337,6 +338,8 @@ class StatefulOperator:
             self._closed = True
         for run_id in runs:
             self._run_ended(run_id)
+        if self._operator_lock is not None:
+            self._operator_lock.release()
         if listener is not None:
             session, listener = listener
             try:
@@ -371,6 +374,9 @@ class StatefulOperator:
             with another number of partitions, other key columns or key column types.
         SchemaMismatchError
             A checkpoint written with other key or value schemas.
+        statecore.operator_lock.OperatorLockedError
+            An offline command (``statecore repartition``, ``import-spark``) holds the
+            operator's lock; nothing was run.
         pyspark.errors.PythonException
             ``fn`` (or a store) failed in a task; the failed partitions' stores are aborted.
         """
@@ -378,6 +384,29 @@ class StatefulOperator:
             raise RuntimeError("this StatefulOperator was closed")
         if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
             raise ValueError(f"batch_id must be an int >= 0, got {batch_id!r}")
+        self._resolve(df.sparkSession)
+        with self._holding_lock():
+            return self._process(df, batch_id, advance_watermark_to, read_output)
+
+    @contextlib.contextmanager
+    def _holding_lock(self):
+        """The operator's lock, held from this batch on until :meth:`close` or a failed batch
+        (``docs/operating.md``, "The operator lock"): OperatorLockedError while an offline
+        command holds it; when it had to be taken again, the metadata is read afresh (a command
+        may have changed the operator since)."""
+        if self._operator_lock is None:
+            self._operator_lock = operator_lock.OperatorLock(
+                self.checkpoint_location, self.operator_id, "query", operator_lock.QUERY, self.conf.storage_options)
+        if not self._operator_lock.ensure():
+            self._recorded = None
+        try:
+            with self._operator_lock.heartbeat():
+                yield
+        except BaseException:
+            self._operator_lock.release()
+            raise
+
+    def _process(self, df, batch_id, advance_watermark_to, read_output):
         begun = time.perf_counter()
         batch_timestamp_ms = int(time.time() * 1000)
         spark = df.sparkSession

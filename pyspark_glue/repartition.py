@@ -38,21 +38,23 @@ def repartition_state(spark, checkpoint_location, operator_id, num_partitions, *
     statecore.repartition.RepartitionError (a ValueError)
         Not a StatefulOperator's checkpoint, no batch record, ``num_partitions < 1``, or a
         store whose keys are not routed by the key columns; nothing was written.
+    statecore.operator_lock.OperatorLockedError
+        Another command or a running query holds the operator's lock; nothing was written.
     """
     if conf is None:
         conf = StateStoreConf()
     elif not isinstance(conf, StateStoreConf):
         conf = StateStoreConf.from_spark_conf(conf)
-    plan = engine.plan_repartition(checkpoint_location, operator_id, num_partitions, conf)
-    engine.prepare(plan)
-    n = plan.to_partitions
-    rows = (spark.range(0, n, 1, numPartitions=n).selectExpr("cast(id as int) as id")
-            .mapInArrow(_build(plan), _STATUS_DDL).collect())
-    written = {(r["store"], r["partition"]): r["rows"] for r in rows}
-    built = sorted({q for _, q in written})
-    if built != list(range(n)):
-        raise RuntimeError(f"repartition of operator {operator_id}: expected one task per new partition 0..{n - 1}, "
-                           f"got {built}; nothing was switched")
-    engine.switch(plan)
-    engine.finish(plan)
+    with engine.planned(checkpoint_location, operator_id, num_partitions, conf, "repartition_state") as plan:
+        engine.prepare(plan)
+        n = plan.to_partitions
+        rows = (spark.range(0, n, 1, numPartitions=n).selectExpr("cast(id as int) as id")
+                .mapInArrow(_build(plan), _STATUS_DDL).collect())
+        written = {(r["store"], r["partition"]): r["rows"] for r in rows}
+        built = sorted({q for _, q in written})
+        if built != list(range(n)):
+            raise RuntimeError(f"repartition of operator {operator_id}: expected one task per new partition "
+                               f"0..{n - 1}, got {built}; nothing was switched")
+        engine.switch(plan)
+        engine.finish(plan)
     return engine.summary(plan, written)

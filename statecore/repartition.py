@@ -18,8 +18,10 @@ point leaves the checkpoint at the old partitioning, and what is deleted when) i
 5. :func:`finish` rewrites the batch record file, drops the older records and deletes the
    old partitioning's files (the new snapshots that replace them were verified in step 3).
 
-:func:`repartition` runs all five locally.
+:func:`repartition` runs all five locally. Each run holds the operator's lock
+(:mod:`statecore.operator_lock`) from its plan to its end: :func:`planned` takes it.
 """
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,7 +30,7 @@ import os
 import numpy as np
 
 from statecore import files as files_module
-from statecore import operator_files
+from statecore import operator_files, operator_lock
 from statecore._rowtable import RowTable
 from statecore.checkpoint import CheckpointFiles
 from statecore.conf import StateStoreConf
@@ -43,7 +45,8 @@ from statecore.snapshot_files import open_snapshot, write_snapshot_file
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
-           "write_targets", "build_partition", "switch", "finish", "repartition", "summary", "JOURNAL_DIR"]
+           "write_targets", "build_partition", "switch", "finish", "repartition", "planned", "summary",
+           "JOURNAL_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -480,14 +483,26 @@ def finish(plan, previous=None):
     CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options).delete([f"{moved['journal']}.json"])
 
 
+@contextlib.contextmanager
+def planned(checkpoint, operator_id, num_partitions, conf=None, command="repartition"):
+    """The plan, made and used under the operator's lock (``docs/operating.md``, "The operator
+    lock"): checked once before the lock is taken, so that bad input writes nothing, not even
+    the lock, and made again once it is held, so that what an earlier run changed is seen.
+    OperatorLockedError if another command or a running query holds the lock."""
+    conf = conf or StateStoreConf()
+    plan_repartition(checkpoint, operator_id, num_partitions, conf)
+    with operator_lock.held(checkpoint, operator_id, command, conf.storage_options):
+        yield plan_repartition(checkpoint, operator_id, num_partitions, conf)
+
+
 def repartition(checkpoint, operator_id, num_partitions, conf=None, on_source=None, on_target=None):
     """Repartition operator ``operator_id`` of ``checkpoint`` to ``num_partitions``, locally
-    (every step of the module docstring). Returns a summary dict."""
-    plan = plan_repartition(checkpoint, operator_id, num_partitions, conf)
-    prepare(plan)
-    written = write_targets(plan, read_sources(plan, on_source=on_source), on_target)
-    switch(plan)
-    finish(plan)
+    (every step of the module docstring, under the operator's lock). Returns a summary dict."""
+    with planned(checkpoint, operator_id, num_partitions, conf) as plan:
+        prepare(plan)
+        written = write_targets(plan, read_sources(plan, on_source=on_source), on_target)
+        switch(plan)
+        finish(plan)
     return summary(plan, written)
 
 

@@ -6,9 +6,11 @@ number of partitions continues from (``statecore import-spark``; ``docs/operatin
 This module owns the checkpoint-level rules: which Spark checkpoints and operators it takes
 (and the clear refusal of the others), which versions Spark retained, the schemas, and the
 writing, through the store's public API, of every retained version into a staging
-directory that is renamed into place at the end, so that bad input or a failure leaves the
-target as it was. The bytes of Spark's files are :mod:`statecore.spark_rows`'s.
+directory whose entries are moved into place at the end, so that bad input or a failure
+leaves the target as it was; the writing holds the operator's lock
+(:mod:`statecore.operator_lock`). The bytes of Spark's files are :mod:`statecore.spark_rows`'s.
 """
+import contextlib
 import json
 import time
 import uuid
@@ -16,7 +18,7 @@ import uuid
 import fsspec
 import numpy as np
 
-from statecore import operator_files
+from statecore import operator_files, operator_lock
 from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID
@@ -339,9 +341,7 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
     op = find_spark_operator(spark_checkpoint, operator_id, store_name, storage_options)
     fs, target = fsspec.core.url_to_fs(statecore_checkpoint, **dict(storage_options or {}))
     target = target.rstrip("/") or "/"
-    if _ls(fs, f"{target}/{operator_id}"):
-        raise SparkImportError(f"{statecore_checkpoint} already holds a statecore checkpoint for operator "
-                               f"{operator_id} ({target}/{operator_id} is not empty); import into a new checkpoint")
+    _refuse_existing(fs, target, statecore_checkpoint, operator_id)
     firsts = op.first_versions()
     columns = _Columns(op, dict(string_widths or {}), value_names, nulls_as_zero)
     plan = [_partition_plan(op, p, base) for p, base in enumerate(firsts)]
@@ -354,9 +354,13 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
     columns.settle_widths()
     first = max(firsts)
     stage = f"{target}/.import-spark-{operator_id}-{uuid.uuid4().hex}"
-    target_existed = fs.exists(target)
+    operator_path = f"{target}/{operator_id}"
+    created = [path for path in (operator_path, target) if not fs.exists(path)]
     done = False
+    locked = contextlib.ExitStack()
     try:
+        locked.enter_context(operator_lock.held(statecore_checkpoint, operator_id, "import-spark", storage_options))
+        _refuse_existing(fs, target, statecore_checkpoint, operator_id)  # again, now that no one else writes
         ids, rows = [], []
         for p, steps in enumerate(plan):  # pass 2: the versions, written under the staging root
             partition_ids, count = _write_partition(op, columns, stage, p, firsts[p], steps, progress)
@@ -371,17 +375,19 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
             records.write(version - 1, operator_files.commit_record(
                 version - 1, op.num_partitions, store_name, run_id, [i[version] for i in ids],
                 [i.get(version - 1, ROOT_COMMIT_ID.hex()) for i in ids]))
-        if fs.exists(f"{target}/{operator_id}"):
-            fs.rmdir(f"{target}/{operator_id}")  # empty (checked above): the move must not land inside it
-        fs.mv(staged, f"{target}/{operator_id}", recursive=True)
+        # Beside the lock, entry by entry; _operator.json last, so that until it lands the
+        # directory is no StatefulOperator's checkpoint.
+        for name in sorted(_ls(fs, staged), key=lambda n: (n == operator_files.OPERATOR_METADATA_FILE, n)):
+            fs.mv(f"{staged}/{name}", f"{operator_path}/{name}", recursive=True)
         done = True
     finally:
-        try:  # only what this call created: the staging root, and the target if it made it
+        with contextlib.suppress(FileNotFoundError):
             fs.rm(stage, recursive=True)
-            if not done and not target_existed and not _ls(fs, target):
-                fs.rmdir(target)
-        except FileNotFoundError:
-            pass
+        locked.close()  # the lock released
+        for path in created if not done else ():  # only what this call created, once empty
+            with contextlib.suppress(OSError):
+                if not _ls(fs, path):
+                    fs.rmdir(path)
     return {"spark_checkpoint": spark_checkpoint, "statecore_checkpoint": statecore_checkpoint,
             "operator_id": operator_id, "store_name": store_name, "num_partitions": op.num_partitions,
             "versions": [first, op.last_version], "batches_recorded": [max(first, 1) - 1, op.last_version - 1],
@@ -395,6 +401,15 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
             "rows": sum(rows), "rows_per_partition": rows,
             "files_read": sum(len(steps) for steps in plan), "notes": op.notes,
             "seconds": round(time.perf_counter() - begun, 3)}
+
+
+def _refuse_existing(fs, target, statecore_checkpoint, operator_id):
+    """SparkImportError unless ``<target>/<operator_id>`` is missing or holds nothing but the
+    operator's lock."""
+    found = [n for n in _ls(fs, f"{target}/{operator_id}") if not operator_lock.is_lock_file(n)]
+    if found:
+        raise SparkImportError(f"{statecore_checkpoint} already holds a statecore checkpoint for operator "
+                               f"{operator_id} ({target}/{operator_id} is not empty); import into a new checkpoint")
 
 
 def _partition_plan(op, p, base):

@@ -5,6 +5,7 @@ does the work; this module owns the arguments and the output). ``docs/operating.
 import click
 
 from statecore.cli.output import BadInput, emit, main, progress
+from statecore.operator_lock import OperatorLockedError
 from statecore.spark_import import SparkImportError, import_spark_state
 
 __all__ = ["import_spark"]
@@ -44,7 +45,7 @@ def import_spark(spark_checkpoint, statecore_checkpoint, operator_id, store_name
             summary = import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id,
                                          store_name=store_name, string_widths=_widths(string_widths),
                                          value_names=names, nulls_as_zero=nulls_as_zero, progress=advance)
-    except SparkImportError as e:
+    except (SparkImportError, OperatorLockedError) as e:
         raise BadInput(str(e)) from None
     emit(as_json, summary, _print_summary)
 
