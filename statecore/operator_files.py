@@ -11,9 +11,9 @@ from statecore.schema import RowSchema
 
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
-           "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems", "check_metadata",
-           "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record", "REPARTITION_KEY",
-           "repartitioned"]
+           "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
+           "check_metadata", "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record",
+           "REPARTITION_KEY", "repartitioned"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet

@@ -113,7 +113,8 @@ def _rows(ref, schemas, version, commit_id, errors):
         return 0
     store_id = ref.store_id()
     if schemas is None or store_id is None:
-        errors.append(f"rows not counted: {'no readable schema file' if schemas is None else 'the store path does not end in <operator>/<partition>'}")
+        why = "no readable schema file" if schemas is None else "the store path does not end in <operator>/<partition>"
+        errors.append(f"rows not counted: {why}")
         return None
     provider = create_and_init_provider(store_id, schemas[0].dtype, schemas[1].dtype, StateStoreConf())
     try:
