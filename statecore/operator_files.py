@@ -88,9 +88,10 @@ def read_metadata(operator_location, storage_options=None):
 
 def check_metadata(operator_location, ours, storage_options=None):
     """Record ``ours`` on first use, or check it against what was recorded (see
-    :func:`compare_metadata`); returns the recorded metadata."""
+    :func:`compare_metadata`); returns the recorded metadata. Both are checked by
+    :func:`metadata_problems` first (ValueError naming the file)."""
     files = CheckpointFiles(operator_location, storage_options)
-    recorded = files.record_once(OPERATOR_METADATA_FILE, ours, "operator metadata")
+    recorded = files.record_once(OPERATOR_METADATA_FILE, _checked_metadata(ours, files), "operator metadata")
     if recorded is not ours:
         compare_metadata(ours, _checked_metadata(recorded, files), operator_location, storage_options)
     return recorded

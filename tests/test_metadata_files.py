@@ -256,20 +256,26 @@ def test_hostile_operator_json_is_one_problem_for_verify_and_shown_by_inspect(ro
 
 
 @pytest.mark.parametrize("count", [10**7, 10**12])
-def test_huge_num_partitions_is_answered_promptly_by_inspect_and_verify(root, count):
-    """The old scan sized a loop by the count (10**7 directory listings; 10**12 never ends)."""
+def test_huge_num_partitions_is_answered_promptly_by_every_command(root, tmp_path, count):
+    """The old scan and reads sized loops by the count (10**7 directory listings or stores
+    opened; 10**12 never ends): each command answers well within the deadline, without a
+    traceback. inspect shows the reason, verify reports it, repartition refuses naming it,
+    dump reads the partitions on disk."""
     hostile(root, count)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    for command in ("inspect", "verify"):
+    reason = f"num_partitions {count} is not a number of partitions"
+    for args, code, where in ((["inspect"], 0, "stdout"), (["verify"], 1, "stdout"),
+                              (["repartition", "--operator", "0", "--to", "3"], 3, "stderr"),
+                              (["dump", "--format", "csv", "--out", str(tmp_path / "o.csv")], 0, "stderr")):
         started = time.monotonic()
         try:
-            done = subprocess.run([sys.executable, "-m", "statecore", command, str(root)], capture_output=True,
-                                  text=True, env=env, timeout=HANG_DEADLINE_S)
+            done = subprocess.run([sys.executable, "-m", "statecore", args[0], str(root), *args[1:]],
+                                  capture_output=True, text=True, env=env, timeout=HANG_DEADLINE_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"statecore {command} still ran after {HANG_DEADLINE_S} s with num_partitions {count}")
+            pytest.fail(f"statecore {args[0]} still ran after {HANG_DEADLINE_S} s with num_partitions {count}")
         assert "Traceback" not in done.stderr
-        assert done.returncode == (0 if command == "inspect" else 1), done.stderr
-        assert f"num_partitions {count} is not a number of partitions" in done.stdout
+        assert done.returncode == code, done.stderr
+        assert reason in getattr(done, where)
         assert time.monotonic() - started < HANG_DEADLINE_S
 
 
@@ -293,3 +299,18 @@ def test_a_fifo_in_place_of_a_store_file_is_a_problem_not_a_hang(root, where):
     assert result.exit_code == 0
     errors = [e for s in json.loads(result.output)["stores"] if s["location"] == str(store) for e in s["errors"]]
     assert any("FIFO" in e for e in errors)
+
+
+@pytest.mark.parametrize("shape", ["directory", "link to /dev/zero", "fifo", "deep nesting"])
+def test_dump_and_repartition_name_a_hostile_operator_json_without_a_traceback(root, tmp_path, shape):
+    """The other commands read the same metadata through the same reader: repartition refuses
+    with one line naming the file; dump logs what it ignored and reads the partitions on disk."""
+    path = hostile(root, shape)
+    out = tmp_path / "o.csv"
+    for args in (["repartition", root, "--operator", 0, "--to", 3], ["dump", root, "--format", "csv", "--out", out]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        if args[0] == "repartition":
+            assert result.exit_code == 3 and len(result.output.splitlines()) == 1 and str(path) in result.output
+        else:
+            assert result.exit_code == 0 and out.exists()
