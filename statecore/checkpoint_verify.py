@@ -21,7 +21,8 @@ count (the delta's trailer records it; the snapshot holds that many rows).
 
 Then the lineage (``docs/lineage.md``): each attempt ``(version, commit id)`` with a file must
 load, following the parent ids in its deltas' headers down to a sound snapshot or to
-version 0; and each attempt a batch record names must have a file. Nothing is written.
+version 0; and each attempt a batch record names must have a file. The repartition journals
+an interrupted run left are checked as metadata files. Nothing is written.
 """
 import concurrent.futures
 import contextlib
@@ -36,6 +37,7 @@ from statecore.checkpoint import CheckpointFiles, parse_json
 from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name
 from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas, read_version_header
+from statecore.repartition import JOURNAL_DIR
 from statecore.schema import RowSchema
 from statecore.snapshot_files import check_snapshot
 
@@ -364,6 +366,18 @@ def _check_records(op, checks, report, storage_options, batches=None):
     return sound
 
 
+def _check_journals(op, report, storage_options):
+    """The bytes of each repartition journal an interrupted ``statecore repartition`` left (the
+    next run reads it to undo that run): sound metadata JSON, an object."""
+    journals = CheckpointFiles(f"{op.location}/{JOURNAL_DIR}", storage_options)
+    for name, is_dir in journals.entries():
+        if is_dir or name.startswith(".") or not name.endswith(".json"):
+            continue
+        value, ok = _read_json(journals, name, "repartition journal", report)
+        if ok and not isinstance(value, dict):
+            report.add(journals.path(name), None, "not a repartition journal (a JSON object)")
+
+
 def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, storage_options=None,
                       progress=_no_progress, threads=None):
     """Verify the :class:`statecore.checkpoint_scan.Checkpoint` ``checkpoint``.
@@ -419,6 +433,8 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
                                                            f"counts {metadata['num_partitions']} partitions")
         batches = None if version is None else ([version - 1] if version > 0 else [])
         records = _check_records(op, checks, report, storage_options, batches) if op is not None else {}
+        if op is not None and version is None:
+            _check_journals(op, report, storage_options)
         plan.append((op, checks, records))
     if version is None:
         total = sum(c.total_bytes for _op, checks, _r in plan for c in checks)

@@ -164,6 +164,18 @@ def test_a_letter_changed_in_a_batch_record_run_id_is_caught_by_verify_and_by_th
     assert e.value.path == str(path)
 
 
+def test_a_letter_changed_in_a_leftover_repartition_journal_is_caught_by_verify(root):
+    """A journal an interrupted repartition left (the next run reads it to undo that run)."""
+    from statecore.repartition import JOURNAL_DIR
+
+    CheckpointFiles(str(root / "0" / JOURNAL_DIR)).write_json("00ff00ff00ff00ff.json", {
+        "format": "statecore-repartition-journal-1", "batch_id": 1, "to_partitions": 3, "stores": ["default"]})
+    assert verify_problems(root) == []
+    path = root / "0" / JOURNAL_DIR / "00ff00ff00ff00ff.json"
+    change_inside_a_string(path, "default")
+    assert [p[0] for p in verify_problems(root)] == [str(path)]
+
+
 @pytest.mark.parametrize("indent", [None, 1])
 def test_every_single_byte_change_of_a_metadata_file_is_caught(tmp_path, indent):
     """Each byte of a written file replaced by each value that differs from it in one bit, and by
