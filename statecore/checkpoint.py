@@ -89,15 +89,17 @@ def parse_json(raw, path, what="file"):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DamagedMetadataError(path, e.start, f"the {what} is not UTF-8 text ({e.reason})") from None
+    too_deep = f"the {what} nests lists and objects deeper than {MAX_JSON_DEPTH} levels"
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise DamagedMetadataError(path, len(text[:e.pos].encode()), f"the {what} is not JSON: {e.msg}") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DamagedMetadataError(path, None, f"the {what} is not JSON statecore reads: {e}") from None
     except RecursionError:
-        value = None
-    if value is None or _depth(value) > MAX_JSON_DEPTH:
-        raise DamagedMetadataError(path, None, f"the {what} nests lists and objects deeper than {MAX_JSON_DEPTH} "
-                                               f"levels")
+        raise DamagedMetadataError(path, None, too_deep) from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise DamagedMetadataError(path, None, too_deep)
     if not raw.endswith(b"\n") and not (isinstance(value, dict) and CHECKSUM_FIELD in value):
         return value  # written before files carried a checksum
     tail = _CHECKSUM_TAIL.search(raw)

@@ -227,6 +227,16 @@ def test_json_nested_deeper_than_the_formats_allow_is_refused_naming_the_file(tm
         assert e.value.path == str(tmp_path / "m.json") and f"deeper than {limit}" in e.value.reason
 
 
+def test_json_values_python_does_not_convert_are_damage_naming_the_file(tmp_path):
+    """A count of 5,000 digits (Python refuses to convert it) and a bare null."""
+    (tmp_path / "m.json").write_text('{"num_partitions": ' + "9" * 5000 + "}")
+    with pytest.raises(DamagedMetadataError) as e:
+        CheckpointFiles(str(tmp_path)).read_json("m.json")
+    assert e.value.path == str(tmp_path / "m.json")
+    (tmp_path / "m.json").write_text("null")
+    assert CheckpointFiles(str(tmp_path)).read_json("m.json") is None
+
+
 def test_partition_counts_are_bounded():
     assert checkpoint.checked_partition_count(checkpoint.MAX_PARTITIONS, "x") == checkpoint.MAX_PARTITIONS
     for count in (0, checkpoint.MAX_PARTITIONS + 1, 10**12, True, 2.0, "2"):
