@@ -127,6 +127,27 @@ def test_an_untouched_processor_checkpoint_with_timer_stores_verifies_sound_and_
     assert data["operators"][0]["store_names"] == sorted(["default", *TIMER_STORES])
 
 
+def test_a_stateful_processor_checkpoint_written_on_spark_verifies_sound(spark, tmp_path):
+    """The issue's case: the sessions example's processor (state variables with TTL, event-time
+    timers) run for two batches by a StatefulOperator; the old verify found 54 problems."""
+    import datetime
+
+    from examples.custom_sessions import T0, make_events, processor_class
+    from pyspark_glue import StatefulOperator
+
+    state = tmp_path / "state"
+    op = StatefulOperator(str(state), 0, 2, fn=processor_class()())
+    try:
+        for b, batch in enumerate(make_events(20, 2)):
+            rows = [(u, T0 + datetime.timedelta(seconds=s), page) for u, s, page in batch]
+            op.process(spark.createDataFrame(rows, "user long, ts timestamp, page string"), b, read_output=False)
+    finally:
+        op.close()
+    assert verify_problems(state) == []
+    names = {s["store_name"] for s in json.loads(run("inspect", state, "--json").output)["stores"]}
+    assert set(TIMER_STORES) <= names
+
+
 def test_verify_finds_a_flipped_byte_in_a_timer_store(root):
     path = root / "0" / "1" / "__timers.heads"
     name = sorted(n for n in os.listdir(path) if n.endswith(".delta"))[0]
