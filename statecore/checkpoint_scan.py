@@ -17,6 +17,7 @@ from statecore.checkpoint import CheckpointFiles
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId
 from statecore.lineage import parse_name
+from statecore import operator_files
 from statecore.operator_files import COMMITS_DIR, OPERATOR_METADATA_FILE, operator_dir
 from statecore.provider import SCHEMA_FILE
 
@@ -104,14 +105,36 @@ def _numbered_dirs(entries):
 
 
 def _partition_count(operator_location, storage_options):
-    """The partition count ``_operator.json`` records, or 0 if it records none readable
-    (verify reports an unreadable one; finding goes on from the directories)."""
+    """The partition count ``_operator.json`` records, or 0 if it records none readable (verify
+    reports an unreadable or damaged one; finding goes on from the directories). The count is
+    bounded by :data:`statecore.checkpoint.MAX_PARTITIONS` when the metadata is read."""
     try:
-        recorded = CheckpointFiles(operator_location, storage_options).read_json(OPERATOR_METADATA_FILE)
-        count = recorded["num_partitions"]
-        return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0
-    except (OSError, ValueError, KeyError, TypeError):
+        return operator_files.read_metadata(operator_location, storage_options)["num_partitions"]
+    except (OSError, ValueError, TypeError):
         return 0
+
+
+def _partition_stores(root, operator_id, partition_id, storage_options):
+    """``{store name: StoreRef}`` of one partition directory: the default store in it, and each
+    sub-directory that is a store (the StatefulProcessor's timer stores are named
+    ``__timers``...); temporaries (``.`` names) and names no store can have are left out."""
+    default = StateStoreId(root, operator_id, partition_id)
+    location = default.store_checkpoint_location()
+    entries = CheckpointFiles(location, storage_options).entries()
+    stores = {}
+    if is_store_dir(entries):
+        stores[default.store_name] = StoreRef(location, operator_id, partition_id)
+    for name, is_dir in entries:
+        if not is_dir or name.startswith(".") or name == default.store_name:
+            continue
+        try:
+            sid = StateStoreId(root, operator_id, partition_id, name)
+        except ValueError:
+            continue  # a name no store can have (statecore.ids.check_store_name): not a store's directory
+        sub = sid.store_checkpoint_location()
+        if is_store_dir(CheckpointFiles(sub, storage_options).entries()):
+            stores[name] = StoreRef(sub, operator_id, partition_id, name)
+    return stores
 
 
 def _scan_operator(root, operator_id, storage_options):
@@ -119,29 +142,11 @@ def _scan_operator(root, operator_id, storage_options):
     entries = CheckpointFiles(location, storage_options).entries()
     names = {name for name, _ in entries}
     has_metadata = OPERATOR_METADATA_FILE in names
-    partition_ids = set(_numbered_dirs(entries))
-    if has_metadata:
-        partition_ids.update(range(_partition_count(location, storage_options)))
-    partitions = {}
-    for p in sorted(partition_ids):
-        default = StateStoreId(root, operator_id, p)
-        part_location = default.store_checkpoint_location()
-        part_entries = CheckpointFiles(part_location, storage_options).entries()
-        stores = {}
-        if is_store_dir(part_entries):
-            stores[default.store_name] = StoreRef(part_location, operator_id, p)
-        for name, is_dir in part_entries:
-            if not is_dir or name.startswith((".", "_")) or name == default.store_name:
-                continue
-            try:
-                sid = StateStoreId(root, operator_id, p, name)
-            except ValueError:
-                continue  # a name no store can have (statecore.ids.check_store_name): not a store's directory
-            sub = sid.store_checkpoint_location()
-            if is_store_dir(CheckpointFiles(sub, storage_options).entries()):
-                stores[name] = StoreRef(sub, operator_id, p, name)
-        partitions[p] = stores
-    return OperatorRef(operator_id, location, has_metadata, COMMITS_DIR in names, partitions)
+    on_disk = _numbered_dirs(entries)
+    partitions = {p: {} for p in range(_partition_count(location, storage_options) if has_metadata else 0)}
+    for p in on_disk:  # only directories are listed: a partition the metadata counts and no directory has is empty
+        partitions[p] = _partition_stores(root, operator_id, p, storage_options)
+    return OperatorRef(operator_id, location, has_metadata, COMMITS_DIR in names, dict(sorted(partitions.items())))
 
 
 def scan_checkpoint(location, storage_options=None):

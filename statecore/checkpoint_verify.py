@@ -6,18 +6,23 @@ Files are checked by the readers the store loads them with: a delta by
 trailer's counts and blocks checksum, the end of the file; ``deep`` also decompresses every
 block, as a load does), a snapshot by :meth:`statecore.SnapshotReader.verify` (header,
 footer, every data block: rows and slots; ``deep`` also looks every row's key up in the slot
-index), the schema file by :func:`statecore.store.read_store_schemas`, a batch record
-by :func:`statecore.operator_files.read_commit_record`; every version file's header must name
-the version and attempt its name does. JSON files carry no checksum: they are checked as
-UTF-8 JSON of the expected shape, and a damaged byte (never valid UTF-8 in ASCII JSON once
-flipped) is found with its offset.
+index), the schema file by :func:`statecore.store.read_store_schemas`; every version file's
+header must name the version and attempt its name does. ``_operator.json`` and the batch
+records are read by the one metadata reader (:func:`statecore.checkpoint.parse_json`: bounded
+size and nesting, the checksum their last member carries) and then checked for their shape
+(:func:`statecore.operator_files.metadata_problems`, :func:`statecore.operator_files.checked_record`);
+a file written before metadata carried checksums is reported as a problem only if its JSON
+is damaged or of the wrong shape. The schema file carries no checksum: it is checked as UTF-8
+JSON of the expected shape, and a damaged byte (never valid UTF-8 in ASCII JSON once flipped)
+is found with its offset.
 
 A sound snapshot and a sound delta of the same attempt must agree on the version's key
 count (the delta's trailer records it; the snapshot holds that many rows).
 
 Then the lineage (``docs/lineage.md``): each attempt ``(version, commit id)`` with a file must
 load, following the parent ids in its deltas' headers down to a sound snapshot or to
-version 0; and each attempt a batch record names must have a file. Nothing is written.
+version 0; and each attempt a batch record names must have a file. The repartition journals
+an interrupted run left are checked as metadata files. Nothing is written.
 """
 import concurrent.futures
 import contextlib
@@ -28,10 +33,11 @@ import threading
 
 from statecore import operator_files
 from statecore._delta import DeltaReader
-from statecore.checkpoint import CheckpointFiles
-from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionNotFoundError
+from statecore.checkpoint import CheckpointFiles, parse_json
+from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name
 from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas, read_version_header
+from statecore.repartition import JOURNAL_DIR
 from statecore.schema import RowSchema
 from statecore.snapshot_files import check_snapshot
 
@@ -109,7 +115,7 @@ class _StoreCheck:
         for f in sorted(self.listing, key=lambda f: f.name):
             try:
                 commit_id, parent_id = read_version_header(self.files, f)
-            except (StateCorruptionError, SchemaMismatchError) as e:
+            except (StateCorruptionError, SchemaMismatchError, UnsafeFileError) as e:
                 self._damaged(f, e)
                 commit_id, parent_id = f.commit_id, None
                 if commit_id is None:
@@ -125,7 +131,7 @@ class _StoreCheck:
     def _damaged(self, f, e):
         self.sound[f.name] = False
         offset = getattr(e, "offset", None)
-        what = e.reason if isinstance(e, StateCorruptionError) else str(e)
+        what = e.reason if isinstance(e, (StateCorruptionError, UnsafeFileError)) else str(e)
         self.report.add(self.files.path(f.name), offset, what)
 
     def _schema_file(self):
@@ -136,7 +142,7 @@ class _StoreCheck:
             if len(self.listing.names):
                 self.report.add(path, None, f"missing: the store has version files but no {SCHEMA_FILE}")
             return None
-        except OSError as e:
+        except (OSError, UnsafeFileError) as e:
             self.report.add(path, None, f"unreadable: {e}")
             return None
         self.report.files += 1
@@ -172,7 +178,7 @@ class _StoreCheck:
                 header = check_snapshot(self.files, f.name, key, value, deep=self.deep)
                 check_names_agree(f, path, header.store_version, header.commit_id)
                 count = header.row_count
-        except (StateCorruptionError, SchemaMismatchError) as e:
+        except (StateCorruptionError, SchemaMismatchError, UnsafeFileError) as e:
             self._damaged(f, e)
         except FileNotFoundError:
             self.sound[f.name] = False
@@ -249,8 +255,8 @@ class _StoreCheck:
             return
         try:
             top, c = self.default_chain().default_top()
-        except (StateCorruptionError, SchemaMismatchError, FileNotFoundError):
-            return  # a damaged header: reported with its file
+        except (StateCorruptionError, SchemaMismatchError, UnsafeFileError, FileNotFoundError):
+            return  # a damaged header or a file refused: reported with its file
         u = top
         while u > 0 and ("delta", u, c) in self.attempts and self.attempts[("delta", u, c)].name in self.parents:
             u, c = u - 1, self.parents[self.attempts[("delta", u, c)].name]
@@ -286,40 +292,33 @@ class _StoreCheck:
         return self.default_chain().default_id(version)
 
 
-def _read_json(files, name, report):
-    """``(value, ok)`` of the JSON file ``name``, counted in ``report``; damage reported there."""
-    with files.open_read(name) as f:
-        raw = f.read()
-    report.files += 1
-    report.bytes += len(raw)
-    value, damage = json_damage(raw)
-    if damage is not None:
-        report.add(files.path(name), *damage)
-    return value, damage is None
+def _read_json(files, name, what, report):
+    """``(value, ok)`` of the metadata file ``name`` (:meth:`CheckpointFiles.read_json`'s checks),
+    counted in ``report``; what is wrong with it reported there."""
+    path = files.path(name)
+    try:
+        raw = files.read_bytes(name)
+        report.count(len(raw))
+        return parse_json(raw, path, what), True
+    except StateCorruptionError as e:
+        report.add(path, e.offset, e.reason)
+    except UnsafeFileError as e:
+        report.add(path, None, e.reason)
+    except FileNotFoundError:
+        report.add(path, None, "vanished while it was being verified")
+    except OSError as e:
+        report.add(path, None, f"unreadable: {e}")
+    return None, False
 
 
 def _check_metadata(op, report, storage_options):
-    """The operator's ``_operator.json``: JSON of the expected shape; returns it or None."""
+    """The operator's ``_operator.json``: sound bytes, of the expected shape; returns it or None."""
     files = CheckpointFiles(op.location, storage_options)
     path = files.path(operator_files.OPERATOR_METADATA_FILE)
-    value, ok = _read_json(files, operator_files.OPERATOR_METADATA_FILE, report)
+    value, ok = _read_json(files, operator_files.OPERATOR_METADATA_FILE, "operator metadata", report)
     if not ok:
         return None
-    problems = []
-    if not isinstance(value, dict) or value.get("format") != operator_files.METADATA_FORMAT:
-        problems.append(f"not the metadata of a statecore operator (format {operator_files.METADATA_FORMAT!r})")
-    else:
-        n = value.get("num_partitions")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            problems.append(f"num_partitions {n!r} is not a number of partitions")
-        if value.get("operator_id") != op.operator_id:
-            problems.append(f"it is the metadata of operator {value.get('operator_id')!r}, in the directory of "
-                            f"operator {op.operator_id}")
-        for part in ("key_schema", "value_schema"):
-            try:
-                RowSchema.from_description(value.get(part))
-            except (TypeError, ValueError, KeyError) as e:
-                problems.append(f"{part} {value.get(part)!r:.100} is not a schema: {e}")
+    problems = operator_files.metadata_problems(value, op.operator_id)
     for what in problems:
         report.add(path, None, what)
     return None if problems else value
@@ -346,7 +345,7 @@ def _check_records(op, checks, report, storage_options, batches=None):
     present = records.epochs()
     for b in present if batches is None else [b for b in batches if b in present]:
         path = records.path(b)
-        value, ok = _read_json(records.files, str(b), report)
+        value, ok = _read_json(records.files, str(b), "batch record", report)
         if not ok:
             continue
         try:
@@ -365,6 +364,18 @@ def _check_records(op, checks, report, storage_options, batches=None):
                                            f"{p} store {store_name!r}, which has no file of it in {where}")
         sound[b] = record
     return sound
+
+
+def _check_journals(op, report, storage_options):
+    """The bytes of each repartition journal an interrupted ``statecore repartition`` left (the
+    next run reads it to undo that run): sound metadata JSON, an object."""
+    journals = CheckpointFiles(f"{op.location}/{JOURNAL_DIR}", storage_options)
+    for name, is_dir in journals.entries():
+        if is_dir or name.startswith(".") or not name.endswith(".json"):
+            continue
+        value, ok = _read_json(journals, name, "repartition journal", report)
+        if ok and not isinstance(value, dict):
+            report.add(journals.path(name), None, "not a repartition journal (a JSON object)")
 
 
 def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, storage_options=None,
@@ -422,6 +433,8 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
                                                            f"counts {metadata['num_partitions']} partitions")
         batches = None if version is None else ([version - 1] if version > 0 else [])
         records = _check_records(op, checks, report, storage_options, batches) if op is not None else {}
+        if op is not None and version is None:
+            _check_journals(op, report, storage_options)
         plan.append((op, checks, records))
     if version is None:
         total = sum(c.total_bytes for _op, checks, _r in plan for c in checks)

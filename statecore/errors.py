@@ -10,6 +10,7 @@ __all__ = [
     "IllegalStateError",
     "VersionNotFoundError",
     "StateCorruptionError",
+    "DamagedMetadataError",
     "SchemaMismatchError",
     "CommitConflictError",
     "UnsafeFileError",
@@ -51,6 +52,13 @@ class StateCorruptionError(StateStoreError):
 
     def __reduce__(self):
         return (type(self), (self.path, self.offset, self.reason))
+
+
+class DamagedMetadataError(StateCorruptionError, ValueError):
+    """A metadata JSON file of a checkpoint (``_operator.json``, a batch record, a journal, a
+    log entry) is damaged: not UTF-8 JSON, nested deeper than its format allows, or its bytes
+    do not match the checksum it carries. A ValueError too, as an unreadable metadata file
+    always was."""
 
 
 class SchemaMismatchError(StateStoreError, TypeError):

@@ -6,13 +6,14 @@ and the outputs ``_output/<batch_id>/``. The operator writes them and
 are in ``docs/operator.md`` and ``docs/lineage.md``.
 """
 from statecore.errors import SchemaMismatchError
-from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids
+from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids, checked_partition_count
+from statecore.schema import RowSchema
 
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
-           "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "check_metadata",
-           "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record", "REPARTITION_KEY",
-           "repartitioned"]
+           "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
+           "check_metadata", "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record",
+           "REPARTITION_KEY", "repartitioned"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
@@ -39,22 +40,60 @@ def delete_outputs_before(operator_location, batch_id, storage_options=None):
     files.delete_trees(name for b, name in files.numbered().items() if b < batch_id)
 
 
-def read_metadata(operator_location, storage_options=None):
-    """The operator's recorded metadata, or None if there is none; ValueError if unreadable."""
+def metadata_problems(value, operator_id=None):
+    """What is wrong with ``value`` (parsed ``_operator.json``) as an operator's metadata, as
+    short reasons (none if it is sound): its format, a number of partitions within
+    :data:`statecore.checkpoint.MAX_PARTITIONS`, its schemas, the shape of its last repartition,
+    and (if given) the operator id of its directory."""
+    if not isinstance(value, dict) or value.get("format") != METADATA_FORMAT:
+        return [f"not the metadata of a statecore operator (format {METADATA_FORMAT!r})"]
+    problems = []
     try:
-        return CheckpointFiles(operator_location, storage_options).read_json(OPERATOR_METADATA_FILE,
-                                                                             "operator metadata")
+        checked_partition_count(value.get("num_partitions"), "its num_partitions")
+    except ValueError as e:
+        problems.append(str(e).removeprefix("its num_partitions: "))
+    if operator_id is not None and value.get("operator_id") != operator_id:
+        problems.append(f"it is the metadata of operator {value.get('operator_id')!r:.40}, in the directory of "
+                        f"operator {operator_id}")
+    for part in ("key_schema", "value_schema"):
+        try:
+            RowSchema.from_description(value.get(part))
+        except (TypeError, ValueError, KeyError) as e:
+            problems.append(f"{part} {value.get(part)!r:.100} is not a schema: {e}")
+    moved = value.get(REPARTITION_KEY)
+    if moved is not None and not (isinstance(moved, dict) and isinstance(moved.get("batch_id"), int)
+                                  and not isinstance(moved["batch_id"], bool) and moved["batch_id"] >= 0
+                                  and isinstance(moved.get("record"), dict)):
+        problems.append(f"{REPARTITION_KEY} {moved!r:.100} is not a repartition (batch_id, record)")
+    return problems
+
+
+def _checked_metadata(value, files):
+    problems = metadata_problems(value)
+    if problems:
+        raise ValueError(f"{files.path(OPERATOR_METADATA_FILE)}: {'; '.join(problems)}")
+    return value
+
+
+def read_metadata(operator_location, storage_options=None):
+    """The operator's recorded metadata, or None if there is none; ValueError naming the file if
+    it is unreadable, damaged (DamagedMetadataError) or not an operator's metadata
+    (:func:`metadata_problems`)."""
+    files = CheckpointFiles(operator_location, storage_options)
+    try:
+        return _checked_metadata(files.read_json(OPERATOR_METADATA_FILE, "operator metadata"), files)
     except FileNotFoundError:
         return None
 
 
 def check_metadata(operator_location, ours, storage_options=None):
     """Record ``ours`` on first use, or check it against what was recorded (see
-    :func:`compare_metadata`); returns the recorded metadata."""
+    :func:`compare_metadata`); returns the recorded metadata. Both are checked by
+    :func:`metadata_problems` first (ValueError naming the file)."""
     files = CheckpointFiles(operator_location, storage_options)
-    recorded = files.record_once(OPERATOR_METADATA_FILE, ours, "operator metadata")
+    recorded = files.record_once(OPERATOR_METADATA_FILE, _checked_metadata(ours, files), "operator metadata")
     if recorded is not ours:
-        compare_metadata(ours, recorded, operator_location, storage_options)
+        compare_metadata(ours, _checked_metadata(recorded, files), operator_location, storage_options)
     return recorded
 
 

@@ -109,7 +109,7 @@ def test_epoch_log(tmp_path):
     log.delete_before(2)
     assert log.epochs() == [2]
     (tmp_path / "commits" / "7").write_bytes(b"not json")
-    with pytest.raises(ValueError, match=r"unreadable log entry .*commits/7"):
+    with pytest.raises(ValueError, match=r"commits/7.* at byte 0: the log entry is not JSON"):
         log.read(7)
     with pytest.raises(FileNotFoundError):
         log.read(8)

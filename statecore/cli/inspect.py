@@ -12,7 +12,7 @@ from statecore import operator_files
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 from statecore.cli.output import bad_input, emit, main, print_table
 from statecore.conf import StateStoreConf
-from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionNotFoundError
+from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import Chain
 from statecore.provider import SCHEMA_FILE, read_store_schemas, read_version_header
 from statecore.store import create_and_init_provider
@@ -60,7 +60,7 @@ def _store(ref, records):
            "errors": []}
     try:
         schemas = read_store_schemas(files)
-    except StateCorruptionError as e:
+    except (StateCorruptionError, UnsafeFileError) as e:
         schemas = None
         out["errors"].append(str(e))
     if schemas is not None:
@@ -113,7 +113,8 @@ def _rows(ref, schemas, version, commit_id, errors):
         return 0
     store_id = ref.store_id()
     if schemas is None or store_id is None:
-        errors.append(f"rows not counted: {'no readable schema file' if schemas is None else 'the store path does not end in <operator>/<partition>'}")
+        why = "no readable schema file" if schemas is None else "the store path does not end in <operator>/<partition>"
+        errors.append(f"rows not counted: {why}")
         return None
     provider = create_and_init_provider(store_id, schemas[0].dtype, schemas[1].dtype, StateStoreConf())
     try:
