@@ -29,7 +29,7 @@ from statecore.errors import DamagedMetadataError
 from statecore.files import open_store_files
 from statecore.lineage import parse_commit_id
 
-__all__ = ["CheckpointFiles", "EpochLog", "checked_commit_ids", "checked_partition_count", "parse_json",
+__all__ = ["CheckpointFiles", "EpochLog", "checked_commit_ids", "checked_partition_count", "parse_json", "json_bytes",
            "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_PARTITIONS", "CHECKSUM_FIELD"]
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ CHECKSUM_FIELD = "checksum"
 _CHECKSUM_TAIL = re.compile(rb'(?:, "checksum": "([0-9a-f]{16})"\}|,\n *"checksum": "([0-9a-f]{16})"\n\})\n\Z')
 
 
-def _with_checksum(value, indent):
+def json_bytes(value, indent):
     """The bytes of ``value`` (a non-empty dict) as JSON, its checksum the last member."""
     if not isinstance(value, dict) or not value or CHECKSUM_FIELD in value:
         raise TypeError(f"a metadata file holds a non-empty JSON object without a {CHECKSUM_FIELD!r} member, "
@@ -152,7 +152,7 @@ class CheckpointFiles:
 
     def write_json(self, name, value, overwrite=True, indent=None):
         """Write ``value`` (a non-empty dict) atomically as JSON with its checksum member."""
-        payload = _with_checksum(value, indent)
+        payload = json_bytes(value, indent)
         return self.write_atomic(name, lambda f: f.write(payload), overwrite=overwrite)
 
     def read_bytes(self, name, max_bytes=MAX_JSON_BYTES):

@@ -18,13 +18,13 @@ clear a lock by hand, are in ``docs/operating.md``, "The operator lock".
 import contextlib
 import datetime
 import hashlib
-import json
 import logging
 import os
 import socket
 import threading
 import time
 
+from statecore.checkpoint import json_bytes, parse_json
 from statecore.errors import StateStoreError
 from statecore.files import open_store_files
 from statecore.operator_files import operator_dir
@@ -118,7 +118,7 @@ class OperatorLock:
         except ValueError as e:  # oversize or not a regular file: nobody's record
             return {"identity": "unreadable", "problem": str(e)}
         try:
-            record = json.loads(raw)
+            record = parse_json(raw, self.path, "operator lock")  # bounded nesting, checksum checked
             if not isinstance(record, dict) or not isinstance(record.get("token"), str):
                 raise ValueError("not a lock record")
             float(record["expires"])
@@ -140,7 +140,7 @@ class OperatorLock:
     def _write(self, overwrite):
         now = time.time()
         record = self._record(now)
-        payload = json.dumps(record, sort_keys=True, indent=1).encode()
+        payload = json_bytes(record, indent=1)
         self.files.write_atomic(LOCK_FILE, lambda f: f.write(payload), overwrite=overwrite)
         self.expires = record["expires"]
 

@@ -301,10 +301,11 @@ def test_a_damaged_lock_file_is_refused_until_it_is_older_than_the_lease(tmp_pat
     refused while fresh, taken over once it was not written for a lease."""
     root = str(tmp_path / "state")
     write_lock(root)
-    with open(lock_path(root), "w") as f:
-        f.write("{not json")
-    with pytest.raises(OperatorLockedError, match="not a lock record"):
-        OperatorLock(root, 0, "repartition").acquire()
+    for damaged in ("{not json", "[" * 5000 + "]" * 5000):  # torn, or nested past any parser's stack
+        with open(lock_path(root), "w") as f:
+            f.write(damaged)
+        with pytest.raises(OperatorLockedError, match="not a lock record"):
+            OperatorLock(root, 0, "repartition").acquire()
     old = time.time() - 2 * operator_lock.LEASE_S
     os.utime(lock_path(root), (old, old))
     lock = OperatorLock(root, 0, "repartition").acquire()
