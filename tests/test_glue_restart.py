@@ -71,7 +71,8 @@ def test_a_new_query_over_imported_state_is_refused_then_continues_with_an_offse
 
     def operator(offset):
         return StatefulOperator(target, 0, PARTITIONS, ["i", "l", "s"], key, aggregate.value_schema, aggregate,
-                                aggregate.output_schema, coordinator=False, batch_id_offset=offset)
+                                aggregate.output_schema, coordinator=False,
+                                **({"batch_id_offset": offset} if offset else {}))
 
     op = operator(0)
     error = stream(spark, inputs, str(tmp_path / "new-ckpt"), lambda df, b: op.process(df, b))
