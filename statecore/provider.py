@@ -560,7 +560,7 @@ class FileStateStoreProvider(StateStoreProvider):
             else:
                 ids = record["store_commit_ids"].get(sid.store_name)
             if ids is not None:
-                found.append((batch_id, record["version"], bytes.fromhex(ids[sid.partition_id])))
+                found.append((batch_id, batch_id + 1, bytes.fromhex(ids[sid.partition_id])))
         return found
 
     def _supersede(self, view, new_version, doomed):

@@ -12,6 +12,7 @@ import pytest
 
 from statecore import CommitConflictError, StateStoreConf, StateStoreId, create_and_init_provider
 from statecore import operator_files
+from statecore.checkpoint import CheckpointFiles
 from tests.store_support import commit_batch, contents, open_provider, store_dir
 
 KEY = np.dtype([("k", "<i8")])
@@ -138,3 +139,22 @@ def test_a_re_execution_without_records_supersedes_the_abandoned_run(tmp_path):
     assert commit_batch(provider(tmp_path), 3, [(3, (30,))]) == 4
     assert not any(n.startswith(("5_", "6_")) for n in files_of(tmp_path))
     assert contents(provider(tmp_path).get_read_store(4))[3] == (30,)
+
+
+def test_the_record_a_repartition_left_in_operator_json_protects_its_files(tmp_path):
+    """After ``statecore repartition`` at batch 3, the record of batch 3 is the one
+    ``_operator.json`` holds (``_commits/3`` may not be written yet): a late attempt that
+    opened version 2 and would delete version 4 is refused."""
+    committed = run_batches(tmp_path, 0, 3, recorded=False)
+    moved = operator_files.commit_record(3, 1, "default", "repartition-x", [committed[4][0]], ["00" * 8])
+    files = CheckpointFiles(operator_files.operator_dir(str(tmp_path), 0))
+    files.write_json(operator_files.OPERATOR_METADATA_FILE, {
+        "format": operator_files.METADATA_FORMAT, "operator_id": 0, "num_partitions": 1,
+        operator_files.REPARTITION_KEY: {"batch_id": 3, "from_partitions": 2, "record": moved}})
+    before = files_of(tmp_path)
+    late = provider(tmp_path).get_store(2)
+    late.put(2, (-2,))
+    with pytest.raises(CommitConflictError, match="after batch 3 was committed and recorded"):
+        late.commit()
+    assert files_of(tmp_path) == before
+    assert_read_back(tmp_path, {4: committed[4]})
