@@ -411,8 +411,11 @@ class StatefulOperator:
         Raises
         ------
         ValueError
-            A bad ``batch_id``, a key column missing from ``df``, or a checkpoint written
-            with another number of partitions, other key columns or key column types.
+            A bad ``batch_id``, a key column missing from ``df`` or of another kind than
+            its key field, a checkpoint written with another number of partitions, other
+            key columns or key column types, or a ``batch_id`` at or below the recorded
+            batches of another query (``docs/operator.md``, "Batch ids and new Spark
+            checkpoints"): nothing is deleted or run.
         SchemaMismatchError
             A checkpoint written with other key or value schemas.
         pyspark.errors.PythonException
