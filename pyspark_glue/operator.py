@@ -577,12 +577,20 @@ class StatefulOperator:
         record is deleted or anything runs. Batch ids at or below the newest record are a
         re-execution only within the query that wrote it (the same persistent query id, or
         both outside a streaming query); a record without one (import-spark, repartition)
-        was written by no streaming query."""
+        was written by no streaming query. A record written before records named their
+        query may have its own batch re-executed (a restart), no older one."""
         if not recorded or batch_id > recorded[-1]:
             return
         newest = self.commit_record(recorded[-1])
         writer = None if newest is None else newest.get("query_id")
         if newest is None or writer == query_id:
+            return
+        if "query_id" not in newest and batch_id == recorded[-1]:
+            # A record from before records named their query: the newest batch run again is
+            # how Spark restarts a query whose last batch it had not committed (refusing it
+            # would leave only an offset that counts the batch twice).
+            log.warning("operator %s: batch %d re-executed over a record that names no query (%s)",
+                        self.operator_id, batch_id, self.commit_log().path(batch_id))
             return
         by = f"query {writer}" if writer else "statecore import-spark, repartition, or a run outside a streaming query"
         raise ValueError(
