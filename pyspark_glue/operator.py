@@ -25,7 +25,7 @@ from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
 
 from pyspark_glue import query_runs
-from pyspark_glue.arrow import output_schemas
+from pyspark_glue.arrow import dtype_of_columns, output_schemas
 from pyspark_glue.event_time import Watermarks, check_event_time_column, next_watermark_ms, parse_duration_us
 from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL,
                                         PartitionTask, StoreSpec, partition_function)
@@ -123,6 +123,12 @@ class StatefulOperator:
         to this many rows (and 128 MiB of buffers): a fn that reads and writes its keys per
         batch then does so about once per task. None: the batches as Spark sends them
         (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows each).
+    batch_id_offset : int, default 0
+        Added to every batch id ``process`` is given: the operator's batches (its records,
+        outputs and ``last_progress``) are the shifted ids. For a new Spark checkpoint (whose
+        batch ids start at 0 again) over state that already holds batches up to ``n``
+        (written by ``statecore import-spark``, or by a query whose checkpoint is gone):
+        ``batch_id_offset=n + 1`` continues from that state (``docs/operator.md``).
 
     Attributes
     ----------
@@ -139,7 +145,7 @@ class StatefulOperator:
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
                  value_schema=_FROM_FN, fn=None, output_schema=_FROM_FN, conf=None, *, store_name="default",
                  coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=_FROM_FN,
-                 delay=_FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS):
+                 delay=_FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0):
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
@@ -160,6 +166,9 @@ class StatefulOperator:
                                           or fn_batch_rows < 1):
             raise ValueError(f"fn_batch_rows must be an int >= 1 or None, got {fn_batch_rows!r}")
         self.fn_batch_rows = fn_batch_rows
+        if not isinstance(batch_id_offset, int) or isinstance(batch_id_offset, bool) or batch_id_offset < 0:
+            raise ValueError(f"batch_id_offset must be an int >= 0, got {batch_id_offset!r}")
+        self.batch_id_offset = batch_id_offset
         if query_run_id is not None and not isinstance(query_run_id, uuid.UUID):
             raise TypeError(f"query_run_id must be a uuid.UUID, got {type(query_run_id).__name__}")
         self.checkpoint_location = checkpoint_location
@@ -277,11 +286,46 @@ class StatefulOperator:
         return metadata
 
     def _check_metadata(self, df):
+        """Check this batch against the recorded metadata; with none recorded yet, return
+        ours, which :meth:`_record_metadata` records once the batch's job has succeeded (a
+        failed first batch leaves no settings behind to refuse its corrected re-run)."""
         ours = self._metadata(df)  # also checks the key columns of every batch
         if self._recorded is None:
-            self._recorded = operator_files.check_metadata(self.operator_dir, ours, self.conf.storage_options)
+            recorded = operator_files.read_metadata(self.operator_dir, self.conf.storage_options)
+            if recorded is None:
+                return ours
+            operator_files.compare_metadata(ours, recorded, self.operator_dir, self.conf.storage_options)
+            self._recorded = recorded
         elif ours["key_column_types"] != self._recorded["key_column_types"]:
             operator_files.compare_metadata(ours, self._recorded, self.operator_dir, self.conf.storage_options)
+        return None
+
+    def _record_metadata(self, ours):
+        """Record ``ours`` (from :meth:`_check_metadata`) after the first successful batch, or
+        check it against what another writer recorded meanwhile."""
+        if ours is not None:
+            self._recorded = operator_files.check_metadata(self.operator_dir, ours, self.conf.storage_options)
+
+    def _check_key_dtypes(self, schema):
+        """ValueError naming the column, its Spark type and the field's dtype if a key column
+        that is also a key field holds values of another kind than the field (a number in a
+        bytes field, a string in a number field...), before anything runs. Widths are left to
+        the task's safe casts (a value out of the field's range fails there)."""
+        types = {f.name: f.dataType.simpleString() for f in schema.fields}
+        fields = self.key_schema.dtype.fields
+        for name in self.key_columns:
+            if name not in fields or name not in types:
+                continue
+            given = fields[name][0]
+            try:
+                holds = dtype_of_columns(schema, [name], {name: max(given.itemsize, 1)})[name]
+            except ValueError:
+                continue  # a type a key column cannot be at all: fn.prepare or the task says so
+            if _kind_class(holds) != _kind_class(given):
+                raise ValueError(
+                    f"operator {self.operator_id}: key column '{name}' is {types[name]} in the DataFrame, but the "
+                    f"key schema's field '{name}' has dtype {given} (a {types[name]} column goes into a "
+                    f"{_kind_class(holds)} field, e.g. {holds}); nothing was run or recorded")
 
     # -- runs ----------------------------------------------------------------------------------------
 
@@ -370,8 +414,11 @@ class StatefulOperator:
         Raises
         ------
         ValueError
-            A bad ``batch_id``, a key column missing from ``df``, or a checkpoint written
-            with another number of partitions, other key columns or key column types.
+            A bad ``batch_id``, a key column missing from ``df`` or of another kind than
+            its key field, a checkpoint written with another number of partitions, other
+            key columns or key column types, or a ``batch_id`` at or below the recorded
+            batches of another query (``docs/operator.md``, "Batch ids and new Spark
+            checkpoints"): nothing is deleted or run.
         SchemaMismatchError
             A checkpoint written with other key or value schemas.
         statecore.operator_lock.OperatorLockedError
@@ -412,15 +459,19 @@ class StatefulOperator:
         spark = df.sparkSession
         self._resolve(spark)
         self._resolve_input(df)
-        self._check_metadata(df)
+        first_metadata = self._check_metadata(df)
+        self._check_key_dtypes(df.schema)
+        batch_id += self.batch_id_offset
         moved = operator_files.repartitioned(self._recorded)
         if moved is not None and batch_id <= moved["batch_id"]:
             raise ValueError(f"operator {self.operator_id} was repartitioned to {self.num_partitions} partitions "
                              f"after batch {moved['batch_id']}: batch {batch_id} cannot run again (its state was "
                              f"not kept at the new partitioning)")
-        run_id, generation, re_execution = self._run_for(df, batch_id)
+        query_id = _streaming_query_id(df)
         records = self.commit_log()
         recorded = records.epochs()
+        self._refuse_starting_over(batch_id, recorded, query_id)
+        run_id, generation, re_execution = self._run_for(df, batch_id)
         records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them
         previous = None if batch_id == 0 else self.commit_record(batch_id - 1)
         state_info = StatefulOperatorStateInfo(self.checkpoint_location, run_id, self.operator_id, batch_id,
@@ -453,7 +504,8 @@ class StatefulOperator:
         if seen != list(range(self.num_partitions)):
             raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: expected one task per partition "
                                f"0..{self.num_partitions - 1}, got partitions {seen}")
-        self._record_batch(records, state_info, statuses, watermarks)
+        self._record_metadata(first_metadata)
+        self._record_batch(records, state_info, statuses, watermarks, query_id)
         records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
         self._record_progress(batch_id, run_id, statuses, re_execution, seconds, watermarks)
         observe = getattr(self.fn, "observe", None)
@@ -547,7 +599,39 @@ class StatefulOperator:
             eviction = max(eviction, _as_millis(advance_to))
         return Watermarks(late, eviction)
 
-    def _record_batch(self, records, state_info, statuses, watermarks):
+    def _refuse_starting_over(self, batch_id, recorded, query_id):
+        """A query whose batch ids start below the recorded ones (a new Spark checkpoint over
+        state imported by ``statecore import-spark``, or that outlived its query's checkpoint)
+        would re-execute them and delete the state's later versions: ValueError, before any
+        record is deleted or anything runs. Batch ids at or below the newest record are a
+        re-execution only within the query that wrote it (the same persistent query id, or
+        both outside a streaming query); a record without one (import-spark, repartition)
+        was written by no streaming query. A record written before records named their
+        query may have its own batch re-executed (a restart), no older one."""
+        if not recorded or batch_id > recorded[-1]:
+            return
+        newest = self.commit_record(recorded[-1])
+        writer = None if newest is None else newest.get("query_id")
+        if newest is None or writer == query_id:
+            return
+        if "query_id" not in newest and batch_id == recorded[-1]:
+            # A record from before records named their query: the newest batch run again is
+            # how Spark restarts a query whose last batch it had not committed (refusing it
+            # would leave only an offset that counts the batch twice).
+            log.warning("operator %s: batch %d re-executed over a record that names no query (%s)",
+                        self.operator_id, batch_id, self.commit_log().path(batch_id))
+            return
+        by = f"query {writer}" if writer else "statecore import-spark, repartition, or a run outside a streaming query"
+        raise ValueError(
+            f"operator {self.operator_id}: batch {batch_id} would re-execute the state under {self.operator_dir}, "
+            f"which holds batches up to {recorded[-1]} written by {by}, not by this query "
+            f"({query_id or 'outside a streaming query'}); running it would delete the later versions. A new "
+            f"Spark checkpoint starts its batch ids at 0 again: to continue from this state, create the operator "
+            f"with batch_id_offset={recorded[-1] + 1 - (batch_id - self.batch_id_offset)}; to start over on "
+            f"purpose, delete {self.operator_dir} first (docs/operator.md, \"Starting over\"). Nothing was "
+            f"deleted or run")
+
+    def _record_batch(self, records, state_info, statuses, watermarks, query_id):
         """Write the record of the batch whose job just succeeded: each partition's winner
         of each store, and the batch's watermarks and largest event time."""
         batch_id = state_info.store_version
@@ -566,7 +650,7 @@ class StatefulOperator:
         records.write(batch_id, operator_files.commit_record(
             batch_id, self.num_partitions, self.store_name, state_info.query_run_id,
             [s["commit_id"] for s in statuses], [s["base_commit_id"] for s in statuses],
-            store_commit_ids=store_commit_ids, watermarks=marks))
+            store_commit_ids=store_commit_ids, watermarks=marks, query_id=query_id))
 
     def _with_initial_state(self, df, batch_id):
         """Batch 0 carries the ``initial_state`` rows too, marked (other columns null)."""
@@ -627,6 +711,19 @@ class StatefulOperator:
                 "watermark_for_eviction_ms": watermarks.for_eviction,
                 "max_event_time_ms": max(maxima) // 1000 if maxima else None,
                 "late_rows": sum(s["late_rows"] for s in statuses)})
+
+
+def _streaming_query_id(df):
+    """The persistent id of the streaming query whose ``foreachBatch`` runs (the local
+    property :mod:`pyspark_glue.query_runs` reads too; it survives restarts from the
+    query's checkpoint), or None outside one."""
+    return df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId") or None
+
+
+def _kind_class(dtype):
+    """What values a numpy field holds, as a key column's check compares them."""
+    return {"S": "bytes", "b": "boolean", "f": "floating-point", "i": "integer", "u": "integer"}.get(
+        dtype.kind, str(dtype))
 
 
 def _summed_counts(encoded):

@@ -134,17 +134,18 @@ def commit_log(operator_location, storage_options=None):
 
 
 def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
-                  store_commit_ids=None, watermarks=None):
+                  store_commit_ids=None, watermarks=None, query_id=None):
     """The record of a batch whose job succeeded: each partition's winning attempt of
     version ``batch_id + 1`` and the attempt of ``batch_id`` it opened; the winners of the
     operator's other stores (``{name: [id per partition]}``); with event time, the batch's
     watermarks and largest event time (``{"for_late_events_ms", "for_eviction_ms",
-    "max_event_time_us"}``)."""
+    "max_event_time_us"}``); the persistent id of the streaming query that ran it (None
+    outside one, and for records written by ``statecore import-spark`` or ``repartition``)."""
     return {"format": RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
             "num_partitions": num_partitions, "store_name": store_name, "run_id": str(run_id),
             "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids),
             "store_commit_ids": {name: list(ids) for name, ids in (store_commit_ids or {}).items()},
-            "watermarks": watermarks}
+            "watermarks": watermarks, "query_id": query_id}
 
 
 def repartitioned(metadata):

@@ -373,6 +373,9 @@ class FileStateStoreProvider(StateStoreProvider):
         parent_id = view.commit_id
         self._write_schema_file()
         self._refuse_if_stale(view, new_version)
+        doomed = self._superseded(view, new_version)
+        if doomed:  # a re-execution, or a late attempt: refused here before anything is written
+            self._refuse_if_recorded(view, new_version, doomed)
         put_keys, put_values = update.puts.export_rows()
         del_keys, del_prior = self._removed_keys(view, update)
         put_prior = opened_values.priors_of(put_keys) if opened_values is not None else None
@@ -412,7 +415,7 @@ class FileStateStoreProvider(StateStoreProvider):
             try:
                 pending.publish()
                 self._remember_header(name, commit_id, parent_id)  # maintenance reads no header back
-                self._supersede(view, new_version, name)
+                self._supersede(view, new_version, doomed)
             except BaseException:
                 self._files.delete([name])
                 pending.discard()
@@ -501,17 +504,74 @@ class FileStateStoreProvider(StateStoreProvider):
                 f"version {new_version} of {self} was not committed: versions {unseen} were committed "
                 f"by other attempts since this store opened version {view.version} (a stale attempt)")
 
-    def _supersede(self, view, new_version, own_name):
-        """After renaming ``own_name`` into place: delete what this commit supersedes, the
-        files of later versions and other attempts of ``new_version`` that were there when
-        the store opened (a re-execution from ``view.version`` abandons them). Files that
-        appeared since are another attempt's: if any is newer, this attempt is stale and
-        raises (the caller deletes its file)."""
+    def _superseded(self, view, new_version):
+        """The files a commit of ``new_version`` from ``view`` deletes, newest version first
+        (a version's delta before its snapshot): those of the versions above ``new_version``
+        that were there when the store opened (a re-execution from ``view.version`` abandons
+        them). Never another attempt of ``new_version`` itself: a result of the same batch."""
+        return sorted(view.listing.newer_than(new_version), key=lambda f: (f.version, f.kind == "delta"),
+                      reverse=True)
+
+    def _refuse_if_recorded(self, view, new_version, doomed):
+        """A commit that would delete a file a batch record names, or one on the chain down
+        from a recorded attempt, is a late opener (a speculative copy or a retry that opened
+        ``view.version`` after later batches were committed and recorded), not a
+        re-execution: CommitConflictError naming the batch, before anything is deleted. Off
+        the common path: only a commit with files to supersede reads the records."""
+        doomed_names = {f.name for f in doomed}
+        listing = self._files.list_versions()
+        chain = self._chain(listing)
+        for batch_id, version, commit_id in self._recorded_attempts(new_version):
+            for u, cid, delta, snapshot in chain.walk(version, commit_id):
+                if u <= new_version:
+                    break
+                needed = [f.name for f in (delta, snapshot) if f is not None and f.name in doomed_names]
+                if needed:
+                    raise CommitConflictError(
+                        f"version {new_version} of {self} was not committed: this store opened version "
+                        f"{view.version} after batch {batch_id} was committed and recorded (a late attempt), "
+                        f"and its commit would delete {needed[0]}, which version {version} of that batch "
+                        f"needs; nothing was written or deleted")
+                if delta is None:
+                    break
+
+    def _recorded_attempts(self, new_version):
+        """``(batch_id, version, commit id)`` of this store's attempts that the operator's batch
+        records name above ``new_version`` (``<root>/<operator>/_commits/<batch>``, and the
+        record ``_operator.json`` holds after a repartition); none without records."""
+        from statecore import operator_files  # only on the re-execution path
+
+        sid = self._store_id
+        location = operator_files.operator_dir(sid.checkpoint_root_location, sid.operator_id)
+        options = self._conf.storage_options
+        records = operator_files.commit_log(location, options)
+        batches = [b for b in records.epochs() if b + 1 > new_version]
+        metadata = operator_files.read_metadata(location, options)
+        moved = operator_files.repartitioned(metadata)
+        if moved is not None and isinstance(moved.get("batch_id"), int) and moved["batch_id"] + 1 > new_version:
+            batches = sorted({b for b in batches if b >= moved["batch_id"]} | {moved["batch_id"]})
+        found = []
+        for batch_id in batches:
+            record = operator_files.read_commit_record(records, batch_id, metadata)
+            if record is None or sid.partition_id >= record["num_partitions"]:
+                continue
+            if record.get("store_name", "default") == sid.store_name:
+                ids = record["commit_ids"]
+            else:
+                ids = record["store_commit_ids"].get(sid.store_name)
+            if ids is not None:
+                found.append((batch_id, batch_id + 1, bytes.fromhex(ids[sid.partition_id])))
+        return found
+
+    def _supersede(self, view, new_version, doomed):
+        """After this commit's delta is in place: delete ``doomed`` (:meth:`_superseded`),
+        once more checked against what appeared since the store opened (a newer delta: this
+        attempt is stale) and against the batch records. Raises if anything is refused or
+        cannot be deleted (the caller deletes its own file)."""
         self._refuse_if_stale(view, new_version)
-        doomed = sorted((f for f in view.listing.newer_than(view.version) if f.name != own_name),
-                        key=lambda f: (f.version, f.kind == "delta"), reverse=True)
         if not doomed:
             return
+        self._refuse_if_recorded(view, new_version, doomed)
         log.warning("version %d of %s committed again: deleting the files of the abandoned run: %s",
                     new_version, self, [f.name for f in doomed])
         # Newest first, a version's delta before its snapshot, stopping at the first failure:

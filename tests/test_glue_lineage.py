@@ -120,8 +120,8 @@ def test_a_re_executed_batch_equals_spark_group_by(spark, tmp_path):
     assert op.last_progress["re_execution"] and again_out == first_out
     assert again["base_commit_ids"] == first["base_commit_ids"] == op.commit_record(0)["commit_ids"]
     assert set(again["commit_ids"]).isdisjoint(first["commit_ids"])  # new attempts, now the recorded ones
-    for p in range(4):  # the re-execution deleted the attempts it replaced
-        assert version_names(partition_dir(state_root, p)).count("2.delta") == 1
+    for p in range(4):  # the attempts it replaced stay (of the same version: never deleted), unrecorded
+        assert version_names(partition_dir(state_root, p)).count("2.delta") == 2
     assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:2])
     op.process(dfs[2], 2)
     assert state_dict(read_state(spark, state_root, 0)) == spark_group_by(dfs[:3])

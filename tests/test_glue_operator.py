@@ -228,6 +228,50 @@ def test_job_settings_change_only_what_differs_and_restore_it():
     assert conf.calls == [] and conf.values == {"a": "2", "b": "true"}
 
 
+def test_which_query_may_re_execute_the_recorded_batches(tmp_path):
+    """Batch ids at or below the newest record (batch 4) re-execute only for the query that
+    wrote it: a new query (another id), or any query over records without one (import-spark,
+    repartition), is refused with the way on; a record from before records named their query
+    lets its own batch run again (a restart after the upgrade), no older one."""
+    from pyspark_glue import RunningAggregate, StatefulOperator
+    from statecore import operator_files
+
+    root = str(tmp_path)
+    agg = RunningAggregate(KEY, "amount")
+    op = StatefulOperator(root, 0, 1, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
+                          coordinator=False)
+    log = op.commit_log()
+
+    def record(batch_id, **fields):
+        entry = operator_files.commit_record(batch_id, 1, "default", "run", ["ab" * 8], ["cd" * 8])
+        entry.update(fields)
+        for key in [k for k, v in fields.items() if v is _DROP]:
+            del entry[key]
+        log.write(batch_id, entry)
+
+    for b in range(5):
+        record(b, query_id="q1")
+    op._refuse_starting_over(5, log.epochs(), "q2")  # after the records: any query continues
+    op._refuse_starting_over(2, log.epochs(), "q1")  # the same query restarted from its checkpoint
+    with pytest.raises(ValueError, match=r"holds batches up to 4 written by query q1.*batch_id_offset=5"):
+        op._refuse_starting_over(0, log.epochs(), "q2")
+    record(4, query_id=None)  # as import-spark and repartition write them
+    with pytest.raises(ValueError, match="import-spark.*batch_id_offset=5"):
+        op._refuse_starting_over(0, log.epochs(), "q2")
+    with pytest.raises(ValueError, match="batch_id_offset=1"):
+        op._refuse_starting_over(4, log.epochs(), "q2")
+    record(4, query_id=_DROP)  # written before records named their query
+    op._refuse_starting_over(4, log.epochs(), "q2")
+    with pytest.raises(ValueError, match="batch_id_offset=2"):
+        op._refuse_starting_over(3, log.epochs(), "q2")
+    with pytest.raises(ValueError, match="batch_id_offset must be an int >= 0"):
+        StatefulOperator(root, 0, 1, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
+                         coordinator=False, batch_id_offset=-1)
+
+
+_DROP = object()  # a record field left out
+
+
 def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
     from pyspark_glue.query_runs import _TerminationCallback
 

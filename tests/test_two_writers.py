@@ -130,3 +130,114 @@ def test_two_writers_commit_the_same_version_at_once(tmp_path):
         print(f"  round {v}, writer {w}: {error}")
     assert not any(not e.startswith("CommitConflictError") for _, _, e in raised), raised[:5]
     assert overlapping >= len(rounds) // 2, f"only {overlapping} of {len(rounds)} rounds' commits overlapped"
+
+
+LATE_ROUNDS = int(os.environ.get("STATECORE_LATE_ATTEMPT_ROUNDS", "500"))
+RECORDS_KEPT = 5  # batches whose records the driver model keeps (as StatefulOperator keeps min_versions_to_retain)
+RETAINED = 12  # the workers' min_versions_to_retain: their cleanup deletes older versions
+
+
+def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path):
+    """Two processes commit one store for a driver that records each batch's winner (as
+    StatefulOperator does, with statecore.operator_files), round after round (seeded): one
+    writer runs the driver's next batch, or re-executes a recent one (the driver first
+    deletes the records of that batch and later ones); meanwhile the other, now and then, is
+    a late attempt (a speculative copy or a delayed retry) that opened an older version,
+    named or on the default lineage, and commits at the same moment. After every round,
+    every recorded version reads back exactly as the commit the record names made it.
+    STATECORE_LATE_ATTEMPT_ROUNDS raises the rounds."""
+    import random
+
+    from statecore import operator_files
+
+    root = str(tmp_path)
+    rng = random.Random(7)
+    log = operator_files.commit_log(operator_files.operator_dir(root, 0))
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, root, str(w), str(200 + w), str(RETAINED)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+             for w in (0, 1)]
+    watchdog = threading.Timer(TIME_LIMIT_S, lambda: [p.kill() for p in procs])
+    watchdog.start()
+
+    def ask(proc, line):
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+
+    def answer(proc):
+        line = proc.stdout.readline()
+        assert line, f"a writer died (exit {proc.poll()}), or the test ran out of its {TIME_LIMIT_S} s"
+        return json.loads(line)
+
+    expected = {(0, ROOT_ID): {}}  # (version, commit id) -> contents of every commit that succeeded
+    records = {}  # batch -> commit id of version batch + 1, as written to the log
+    reader = create_and_init_provider(StateStoreId(root, 0, 0), ww.KEY, ww.VALUE,
+                                      StateStoreConf(**dict(ww.CONF, min_versions_to_retain=RETAINED)))
+    late_commits = late_refused = re_executions = 0
+    try:
+        for rnd in range(LATE_ROUNDS):
+            newest = max(records, default=-1)
+            runner = rng.randrange(2)
+            late = 1 - runner
+            if newest >= 0 and rng.random() < 0.25:  # the driver re-executes a recent batch
+                batch_id = rng.choice([b for b in records if b == 0 or b - 1 in records])
+                log.delete([b for b in records if b >= batch_id])
+                records = {b: i for b, i in records.items() if b < batch_id}
+                re_executions += 1
+            else:
+                batch_id = newest + 1
+            base = records.get(batch_id - 1, ROOT_ID)
+            ask(procs[runner], f"open {batch_id} {base}")
+            late_open = None
+            if rng.random() < 0.6 and batch_id > 0:  # a late attempt of an older batch
+                v = rng.randint(max(0, batch_id - 4), batch_id)
+                named = v - 1 in records or v == 0
+                late_open = v
+                ask(procs[late], f"open {v} {records.get(v - 1, ROOT_ID)}" if named else f"open {v}")
+            opened = answer(procs[runner])
+            assert "error" not in opened, f"round {rnd}: the driver's batch {batch_id} cannot open: {opened}"
+            late_base = answer(procs[late]) if late_open is not None else None
+            if late_base is not None and "error" in late_base:
+                late_open = None
+            maintain = int(rng.random() < 0.3)
+            ask(procs[runner], f"commit 300 {maintain}")
+            if late_open is not None:
+                ask(procs[late], f"commit 300 {int(rng.random() < 0.3)}")
+            result = answer(procs[runner])
+            assert "error" not in result, f"round {rnd}: the driver's batch {batch_id} did not commit: {result}"
+            expected[(batch_id + 1, result["commit_id"])] = applied(expected[(batch_id, base)], runner, batch_id + 1)
+            if late_open is not None:
+                late_result = answer(procs[late])
+                if "error" in late_result:
+                    assert late_result["error"].startswith("CommitConflictError"), late_result
+                    late_refused += 1
+                else:
+                    late_commits += 1
+                    expected[(late_open + 1, late_result["commit_id"])] = applied(
+                        expected[(late_open, late_base["base"])], late, late_open + 1)
+            records[batch_id] = result["commit_id"]
+            log.write(batch_id, operator_files.commit_record(batch_id, 1, "default", "stress", [result["commit_id"]],
+                                                             [base]))
+            for old in [b for b in records if b < batch_id - RECORDS_KEPT]:
+                del records[old]
+                log.delete([old])
+            for b, commit_id in sorted(records.items()):
+                store = reader.get_read_store(b + 1, commit_id)
+                assert contents(store) == expected[(b + 1, commit_id)], \
+                    f"round {rnd}: recorded batch {b} (version {b + 1}, {commit_id}) does not read back"
+                store.abort()
+        for proc in procs:
+            ask(proc, "quit")
+        for proc in procs:
+            assert proc.wait(30) == 0
+    finally:
+        watchdog.cancel()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+    print(f"\n{LATE_ROUNDS} rounds: {re_executions} re-executions, {late_commits} late attempts committed, "
+          f"{late_refused} refused")
+    assert re_executions and late_commits and late_refused  # every kind of round happened

@@ -1,12 +1,13 @@
 """One of the two writers of tests/test_two_writers.py: commits versions of one store on
 command, so that the parent can make two processes commit the same version at once.
 
-    python tests/two_writers_worker.py ROOT WRITER SEED
+    python tests/two_writers_worker.py ROOT WRITER SEED [MIN_VERSIONS_TO_RETAIN]
 
 Reads commands on stdin, one per line, and answers each with one JSON line on stdout:
 
-- ``open V``: ``get_store(V)`` (the default lineage) and stage this writer's batch of
-  version V+1 (:func:`batch`); answers ``{"base": <base commit id>}``.
+- ``open V [ID]``: ``get_store(V)`` (the default lineage, or attempt ID) and stage this
+  writer's batch of version V+1 (:func:`batch`); answers ``{"base": <base commit id>}``, or
+  ``{"error": ...}`` if the version cannot be opened.
 - ``commit JITTER_US MAINTAIN``: sleep a random 0..JITTER_US microseconds, ``commit()``,
   then, if MAINTAIN is 1, run maintenance; answers ``{"version", "commit_id", "t0", "t1",
   "renamed"}`` (CLOCK_MONOTONIC, comparable across processes: around the commit, and just
@@ -53,11 +54,12 @@ def record_renames(renamed):
     statecore.files.StoreFiles._publish = publish
 
 
-def main(root, writer, seed):
+def main(root, writer, seed, retain=None):
     rand = random.Random(seed)
     renamed = {}
     record_renames(renamed)
-    p = create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, StateStoreConf(**CONF))
+    conf = dict(CONF, min_versions_to_retain=retain) if retain is not None else CONF
+    p = create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, StateStoreConf(**conf))
     store = None
     for line in sys.stdin:
         cmd = line.split()
@@ -65,7 +67,12 @@ def main(root, writer, seed):
             break
         if cmd[0] == "open":
             v = int(cmd[1])
-            store = p.get_store(v)
+            try:
+                store = p.get_store(v, cmd[2] if len(cmd) > 2 else None)
+            except Exception as e:  # noqa: BLE001 - reported to the parent (a late opener's version is gone)
+                store = None
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+                continue
             puts, removes = batch(writer, v + 1)
             keys = np.zeros(len(puts), KEY)
             keys["k"] = list(puts)
@@ -97,4 +104,4 @@ def main(root, writer, seed):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *(int(a) for a in sys.argv[4:5]))
