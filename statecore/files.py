@@ -156,7 +156,8 @@ class StoreFiles:
 
         Names are ``<v>_<16 hex digits>.delta`` / ``.snapshot`` (the version and the commit
         id of the attempt that wrote it), or ``<v>.delta`` / ``<v>.snapshot`` of the previous
-        layout; the kind is compared case-insensitively. Temporary files (leading dot),
+        layout (:func:`statecore.lineage.parse_name`'s rule: no leading zero, a lower-case kind).
+        Temporary files (leading dot),
         directories and other names are ignored (names that look like a version file but
         are not one are logged). A missing directory has no files.
         """

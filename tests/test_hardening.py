@@ -1066,3 +1066,21 @@ def test_commits_reads_and_maintenance_on_threads(tmp_path):
     fresh = make(tmp_path)
     for u in range(max(0, top[0] - conf["min_versions_to_retain"]), top[0] + 1):
         assert_reads(fresh, u, model[u])
+
+
+# -- 16. names no writer makes ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["05.delta", "5.DELTA", "5.Snapshot", "005.snapshot"])
+def test_a_foreign_old_layout_name_is_not_taken_for_a_version(tmp_path, name):
+    """A file someone copied in as "05.delta" or "5.DELTA" (no writer makes these: Spark writes the
+    version with Java's Long.toString, statecore a lower-case kind) is not version 5: it must not
+    become the default attempt and hide the store's newest version, nor be cleaned up as one."""
+    p, model = committed(tmp_path, 4, min_deltas_for_snapshot=100)
+    foreign = os.path.join(store_dir(tmp_path), name)
+    shutil.copyfile(the_file(tmp_path, 4, "delta"), foreign)
+    fresh = make(tmp_path, min_deltas_for_snapshot=100)
+    assert_reads(fresh, 4, model[4])
+    with pytest.raises(VersionNotFoundError):
+        fresh.get_store(5)
+    commit_next(fresh, model)  # version 5 is the store's own
+    assert_reads(make(tmp_path), 5, model[5])
+    assert os.path.exists(foreign)
