@@ -1084,3 +1084,52 @@ def test_a_foreign_old_layout_name_is_not_taken_for_a_version(tmp_path, name):
     commit_next(fresh, model)  # version 5 is the store's own
     assert_reads(make(tmp_path), 5, model[5])
     assert os.path.exists(foreign)
+
+
+# -- 5. what is not a regular file where a state file should be ------------------------------
+def _put_in_place(path, what):
+    """Replace ``path`` by a FIFO, a link to /dev/zero or a directory."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "dev_zero":
+        os.symlink("/dev/zero", path)
+    else:
+        os.mkdir(path)
+
+
+def _call_with_deadline(fn, deadline_s=WAIT_S):
+    """``("raised", exception)`` or ``("returned", value)`` of ``fn()`` run on a thread; fails the
+    test if it has not finished within ``deadline_s`` (a read blocked on a FIFO)."""
+    outcome = []
+
+    def body():
+        try:
+            outcome.append(("returned", fn()))
+        except BaseException as e:
+            outcome.append(("raised", e))
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert outcome, f"the call did not finish within {deadline_s} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev_zero", "directory"])
+def test_snapshot_reader_refuses_a_fifo_device_or_directory_without_waiting(tmp_path, what):
+    """Someone left a FIFO (or a link to /dev/zero, or a directory) where a snapshot should be:
+    the reader refuses it, naming the file, before it maps or waits on anything."""
+    path = str(tmp_path / f"3_{'ab' * 8}.snapshot")
+    _put_in_place(path, what)
+    try:
+        kind, value = _call_with_deadline(lambda: SnapshotReader(path))
+    finally:
+        if what == "fifo":  # release a reader blocked in open() on the old code
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    assert kind == "raised" and isinstance(value, statecore.errors.UnsafeFileError), (kind, value)
+    assert value.path == path and "not a regular file" in str(value)
