@@ -841,7 +841,7 @@ def test_damaged_commit_id_in_a_delta_header_names_the_file(tmp_path, damaged, f
         assert os.path.exists(path)
 
 
-@pytest.mark.parametrize("shape", ["lists", "dicts", "directory"])
+@pytest.mark.parametrize("shape", ["lists", "dicts", "directory", "fifo", "dev_zero", "oversize"])
 def test_unreadable_schema_file_is_corruption(tmp_path, shape):
     p = make(tmp_path)
     commit_upto(p, {0: {}}, 2)
@@ -854,11 +854,14 @@ def test_unreadable_schema_file_is_corruption(tmp_path, shape):
     elif shape == "dicts":
         with open(path, "w") as f:
             f.write('{"key": ' + '{"a": ' * depth + "1" + "}" * depth + "}")
+    elif shape == "oversize":  # sparse: its size is refused before a byte is read
+        with open(path, "wb") as f:
+            f.truncate(8 << 30)
     else:
-        os.mkdir(path)
-    with pytest.raises(StateCorruptionError) as e:
-        make(tmp_path)
-    assert e.value.path == path
+        _put_in_place(path, shape)
+    kind, value = _call_with_deadline(lambda: make(tmp_path))
+    assert kind == "raised" and isinstance(value, StateCorruptionError), (kind, value)
+    assert value.path == path
 
 
 @pytest.mark.parametrize("layout", ["with_id", "previous"])
@@ -882,15 +885,17 @@ def test_directory_with_a_version_file_name_is_ignored(tmp_path, layout):
         assert_reads(make(tmp_path), u, model[u])
 
 
+@pytest.mark.parametrize("what", ["dev_zero", "fifo"])
 @pytest.mark.parametrize("which", ["newest_delta", "middle_delta", "snapshot"])
-def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which):
+def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which, what):
+    """A link to /dev/zero, or a FIFO someone left, where a version file should be: every load
+    that needs it is corruption naming it, at once; the others and maintenance go on."""
     p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2)
     p.do_maintenance()
     commit_upto(p, model, 6)
     version, kind = {"newest_delta": (6, "delta"), "middle_delta": (5, "delta"), "snapshot": (3, "snapshot")}[which]
     path = the_file(tmp_path, version, kind)
-    os.unlink(path)
-    os.symlink("/dev/zero", path)
+    _put_in_place(path, what)
     result = run_bounded(f"""
         p = make({str(tmp_path)!r}, min_deltas_for_snapshot=2)
         out = {{}}
@@ -917,7 +922,7 @@ def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which)
             assert {int(k): tuple(x) for k, x in what.items()} == model[v], f"version {v}: wrong data"
         else:
             assert [kind_, what] == ["corrupt", path], f"version {v}: {kind_} {what}"
-    assert os.path.islink(path), "maintenance deleted the damaged file"
+    assert os.path.lexists(path) and not os.path.isfile(path), "maintenance deleted the damaged file"
 
 
 @pytest.mark.parametrize("root", ["{tmp}/a::b", "file://{tmp}/a::b", "memory://x::y"])
