@@ -129,13 +129,18 @@ def dump_command(checkpoint, operator_id, partition, version, store_name, fmt, o
     directory = os.path.dirname(out)
     if not os.path.isdir(directory):
         raise BadInput(f"the directory of --out {out} does not exist")
-    with bad_input(NotACheckpointError, VersionNotFoundError, ValueError):
+    with bad_input(NotACheckpointError, OSError):  # OSError: a symlink loop or a dangling link as CHECKPOINT
         found = scan_checkpoint(checkpoint)
+    with bad_input(NotACheckpointError, VersionNotFoundError, ValueError):
         plan = _store_reads if found.kind == "store" else _operator_reads
         reads, key, value, partition_column = plan(found, operator_id, partition, version, store_name)
     tmp = os.path.join(directory, f".{os.path.basename(out)}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        f = open(tmp, "xb")
+    except OSError as e:  # a name too long, a directory we may not write to
+        raise BadInput(f"--out {out} cannot be written: {e.strerror}") from None
+    try:
+        with f:
             with bad_input(NotTextError, VersionNotFoundError):
                 try:
                     rows = _write(reads, key, value, partition_column, fmt, f, rows_per_batch)
@@ -143,7 +148,8 @@ def dump_command(checkpoint, operator_id, partition, version, store_name, fmt, o
                     raise Unsound(f"{e} (nothing was written; statecore verify lists every problem)") from None
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out)
+        with bad_input(OSError):  # --out became a directory, or a file we may not replace
+            os.replace(tmp, out)
     except BaseException:
         try:
             os.unlink(tmp)
