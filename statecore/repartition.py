@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -37,19 +38,26 @@ from statecore.errors import StateCorruptionError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name, image_lineage
-from statecore.provider import SCHEMA_FILE, read_store_schemas
+from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
 from statecore.schema import key_value_schemas
 from statecore.snapshot_files import open_snapshot, write_snapshot_file
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
-           "write_targets", "build_partition", "switch", "finish", "repartition", "summary", "JOURNAL_DIR"]
+           "write_targets", "build_partition", "switch", "finish", "repartition", "summary", "JOURNAL_DIR",
+           "MAX_PARTITIONS"]
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "_repartition"  # <checkpoint>/<operator>/_repartition/<token>.json
 JOURNAL_FORMAT = "statecore-repartition-1"
 ROWS_PER_READ = 1 << 20
+# The most partitions an operator may have, old or new: every partition is a directory per store
+# and a commit id in every batch record, and each new one a random id made before anything is
+# written. A count from --to, _operator.json or a journal is checked against it before it sizes
+# anything (a journal naming 10**12 partitions would otherwise be walked for ever).
+MAX_PARTITIONS = 1 << 16
+_COMMIT_ID = re.compile(r"[0-9a-f]{16}")  # as a journal records the new ids
 
 
 class RepartitionError(ValueError):
@@ -117,8 +125,9 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     """Check that operator ``operator_id`` of ``checkpoint`` can go to ``num_partitions`` and
     return the plan; RepartitionError naming what is wrong otherwise. Writes nothing."""
     conf = conf or StateStoreConf()
-    if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
-        raise RepartitionError(f"the number of partitions must be an int >= 1, got {num_partitions!r}")
+    if not _is_partition_count(num_partitions):
+        raise RepartitionError(f"the number of partitions must be an int from 1 to {MAX_PARTITIONS} (MAX_PARTITIONS), "
+                               f"got {num_partitions!r}")
     if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
         raise RepartitionError(f"operator id must be an int >= 0, got {operator_id!r}")
     root = CheckpointFiles(checkpoint, conf.storage_options)
@@ -135,8 +144,9 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
                                f"state can be repartitioned")
     old = metadata.get("num_partitions")
     key_columns, key_types = metadata.get("key_columns"), metadata.get("key_column_types")
-    if not isinstance(old, int) or old < 1 or not key_columns or len(key_columns) != len(key_types or ()):
-        raise RepartitionError(f"{where} is not a StatefulOperator's metadata (num_partitions, key columns)")
+    if not _is_partition_count(old) or not key_columns or len(key_columns) != len(key_types or ()):
+        raise RepartitionError(f"{where} is not a StatefulOperator's metadata (num_partitions from 1 to "
+                               f"{MAX_PARTITIONS}, key columns)")
     bad = [f"{c} ({t})" for c, t in zip(key_columns, key_types) if t not in HASHABLE_TYPES]
     if bad:
         raise RepartitionError(f"key column(s) {bad} of operator {operator_id}: repartition routes keys of the "
@@ -164,6 +174,10 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     _pair_indexes(stores, operator_id)
     return RepartitionPlan(checkpoint, operator_id, conf, metadata, record, batch_id, batch_id + 1, old,
                            num_partitions, list(key_columns), list(key_types), stores, token)
+
+
+def _is_partition_count(n):
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_PARTITIONS
 
 
 def _pair_indexes(stores, operator_id):
@@ -194,7 +208,7 @@ def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, c
         except StateCorruptionError as e:
             raise RepartitionError(str(e)) from None
         if schemas is not None:
-            schema_bytes = files.read_bytes(SCHEMA_FILE)
+            schema_bytes = files.read_bytes(SCHEMA_FILE, max_bytes=MAX_SCHEMA_FILE_BYTES)
             break
     if schemas is None:
         raise RepartitionError(f"store {name!r} of operator {operator_id} has no {SCHEMA_FILE} in any partition")
@@ -224,7 +238,7 @@ def prepare(plan):
         if is_dir or not name.endswith(".json") or name.startswith("."):
             continue
         try:
-            journal = journals.read_json(name, "repartition journal")
+            journal = _checked_journal(journals.read_json(name, "repartition journal"), journals.path(name))
         except (ValueError, OSError) as e:
             log.warning("skipping unreadable repartition journal %s: %s", journals.path(name), e)
             continue
@@ -239,10 +253,26 @@ def prepare(plan):
         "stores": {s.name: list(s.new_ids) for s in plan.stores}}, indent=1)
 
 
+def _checked_journal(journal, where):
+    """``journal`` if it is one :func:`prepare` writes, its counts within what a checkpoint
+    allows; ValueError naming ``where`` otherwise (the caller skips it, deleting nothing)."""
+    stores = journal.get("stores") if isinstance(journal, dict) else None
+    if (not isinstance(stores, dict) or not _is_partition_count(journal.get("to_partitions"))
+            or not isinstance(journal.get("version"), int) or isinstance(journal.get("version"), bool)
+            or not all(isinstance(ids, list) and len(ids) <= MAX_PARTITIONS
+                       and all(isinstance(i, str) and _COMMIT_ID.fullmatch(i) for i in ids) for ids in stores.values())):
+        raise ValueError(f"{where} is not a repartition journal (to_partitions from 1 to {MAX_PARTITIONS}, a "
+                         f"version, 16-hex-digit ids per store)")
+    return journal
+
+
 def _discard(plan, journal):
     """Delete the snapshots an interrupted run wrote (named by its journal), and its new
     partition directories outside the current partitioning (nothing refers to them)."""
-    for name, ids in (journal.get("stores") or {}).items():
+    known = {s.name for s in plan.stores}  # a journal names this operator's stores; no other path is touched
+    for name, ids in journal["stores"].items():
+        if name not in known:
+            continue
         for q, commit_id in enumerate(ids):
             if q >= plan.from_partitions:
                 continue
