@@ -384,13 +384,14 @@ def test_a_commit_far_beyond_the_files_is_refused_promptly(tmp_path):
 
 
 def test_an_lz4_block_claiming_more_than_the_bound_is_refused_before_it_is_decompressed():
-    """A delta whose one lz4 block claims 3 GiB once decompressed (a few bytes of it on disk):
-    refused by its stated length, nothing allocated for it."""
+    """A delta whose lz4 blocks claim more than MAX_SPARK_FILE_BYTES once decompressed (a sound
+    block, then one of a few bytes on disk claiming 2 GiB): refused by the stated lengths,
+    before the second is decompressed."""
     from statecore.spark_rows import MAX_SPARK_FILE_BYTES, SparkFileError, lz4_stream
 
+    first = _lz4_raw_stream(b"x" * 64)[:-21]  # its stored block, without the end block
     body = b"\x1f\x00\x01\x00"
-    claimed = 3 << 30
-    stream = (b"LZ4Block" + bytes([0x20]) + struct.pack("<iii", len(body), claimed, 0) + body
+    stream = (first + b"LZ4Block" + bytes([0x20]) + struct.pack("<iii", len(body), 2**31 - 1, 0) + body
               + b"LZ4Block" + bytes([0x10]) + struct.pack("<iii", 0, 0, 0))
     with pytest.raises(SparkFileError, match=f"more than {MAX_SPARK_FILE_BYTES} bytes"):
         lz4_stream(stream, "state/0/0/1.delta")
