@@ -546,3 +546,24 @@ def test_verify_reports_a_batch_record_naming_a_missing_attempt(operator_copy):
     assert result.exit_code == 1
     record = os.path.join(operator_copy, "0", COMMITS_DIR, "2")
     assert any(p["path"] == record and f"attempt {named} of partition 1" in p["what"] for p in problems_of(result))
+
+
+@pytest.mark.parametrize("damage", ["not_json", "not_a_record", "fifo"])
+def test_dump_of_an_operator_whose_batch_record_is_damaged_exits_1(tmp_path, damage):
+    """The newest batch record (_commits/<b>) of a StatefulOperator's checkpoint is damaged:
+    that is damaged state, exit 1 and one line naming the record, not bad input (3)."""
+    from tests.test_repartition import make_checkpoint
+
+    root = tmp_path / "state"
+    make_checkpoint(str(root), partitions=2, batches=2)
+    record = root / "0" / COMMITS_DIR / "1"
+    if damage == "not_json":
+        record.write_text('{"format": ')
+    elif damage == "not_a_record":
+        record.write_text('{"format": "something else"}')
+    else:
+        record.unlink()
+        os.mkfifo(record)
+    out = tmp_path / "o.csv"
+    line = one_line_error(invoke_with_deadline(["dump", root, "--operator", 0, "--format", "csv", "--out", out]), 1)
+    assert str(record) in line and not out.exists()
