@@ -239,7 +239,7 @@ def prepare(plan):
             continue
         try:
             journal = _checked_journal(journals.read_json(name, "repartition journal"), journals.path(name))
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, RecursionError) as e:  # RecursionError: JSON nested too deep
             log.warning("skipping unreadable repartition journal %s: %s", journals.path(name), e)
             continue
         if name == f"{current}.json":

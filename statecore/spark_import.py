@@ -87,6 +87,8 @@ def _ls(fs, path):
         found = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return {}
+    except OSError as e:  # a symlink loop, a directory we may not list
+        raise SparkImportError(f"{path} cannot be listed: {e}") from None
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") == "directory" for e in found}
 
 

@@ -358,7 +358,16 @@ def test_metadata_naming_too_many_partitions_is_refused_promptly(tmp_path):
     assert tree(root) == before
 
 
+def test_a_checkpoint_path_that_is_a_symlink_loop_is_bad_input(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    out = CliRunner().invoke(main, ["repartition", str(loop), "--operator", "0", "--to", "3"])
+    assert out.exit_code == BAD_INPUT and "Too many levels of symbolic links" in out.output, out.output
+    assert len(out.output.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("journal", [
+    "[" * 100000 + "]" * 100000,  # JSON nested deeper than the parser's recursion allows
     {"to_partitions": 10**12},  # a leftover naming 10**12 new partitions: their directories were walked one by one
     {"to_partitions": "3"}, {"version": "x"}, {"stores": {"default": ["zz" * 8]}}, {"stores": ["default"]},
     {"stores": {"../../elsewhere": ["ab" * 8, "cd" * 8]}},
@@ -370,10 +379,11 @@ def test_a_damaged_leftover_journal_is_skipped_promptly_and_the_run_succeeds(tmp
     expected = make_checkpoint(root, partitions=2, batches=1)
     journals = os.path.join(operator_files.operator_dir(root, 0), engine.JOURNAL_DIR)
     os.makedirs(journals)
-    leftover = dict({"format": "statecore-repartition-1", "batch_id": 0, "version": 1, "from_partitions": 2,
-                     "to_partitions": 3, "stores": {"default": ["ab" * 8] * 3}}, **journal)
+    leftover = journal if isinstance(journal, str) else json.dumps(dict(
+        {"format": "statecore-repartition-1", "batch_id": 0, "version": 1, "from_partitions": 2, "to_partitions": 3,
+         "stores": {"default": ["ab" * 8] * 3}}, **journal))
     with open(os.path.join(journals, "0123456789abcdef.json"), "w") as f:
-        json.dump(leftover, f)
+        f.write(leftover)
     done = bounded_cli("repartition", root, "--operator", "0", "--to", "3")
     assert done.returncode == 0, done.stderr
     check_routed(read_at_record(root, 3), expected)

@@ -395,3 +395,11 @@ def test_an_lz4_block_claiming_more_than_the_bound_is_refused_before_it_is_decom
               + b"LZ4Block" + bytes([0x10]) + struct.pack("<iii", 0, 0, 0))
     with pytest.raises(SparkFileError, match=f"more than {MAX_SPARK_FILE_BYTES} bytes"):
         lz4_stream(stream, "state/0/0/1.delta")
+
+
+def test_a_spark_checkpoint_path_that_is_a_symlink_loop_is_bad_input(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    result = import_cli(loop, tmp_path / "out", "--operator", 0)
+    assert result.exit_code == BAD_INPUT and "cannot be listed" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -21,7 +21,7 @@ def repartition_command(checkpoint, operator_id, num_partitions, as_json):
     first; it resumes with TO partitions and the same state)."""
     try:
         plan = engine.plan_repartition(checkpoint, operator_id, num_partitions, StateStoreConf())
-    except (engine.RepartitionError, FileNotFoundError, NotADirectoryError) as e:
+    except (engine.RepartitionError, OSError) as e:  # OSError: CHECKPOINT missing, not a directory, a symlink loop
         raise BadInput(str(e)) from None
     engine.prepare(plan)
     with progress("reading old partitions", total=len(plan.stores) * plan.from_partitions) as advance:
