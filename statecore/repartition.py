@@ -260,7 +260,8 @@ def _checked_journal(journal, where):
     if (not isinstance(stores, dict) or not _is_partition_count(journal.get("to_partitions"))
             or not isinstance(journal.get("version"), int) or isinstance(journal.get("version"), bool)
             or not all(isinstance(ids, list) and len(ids) <= MAX_PARTITIONS
-                       and all(isinstance(i, str) and _COMMIT_ID.fullmatch(i) for i in ids) for ids in stores.values())):
+                       and all(isinstance(i, str) and _COMMIT_ID.fullmatch(i) for i in ids)
+                       for ids in stores.values())):
         raise ValueError(f"{where} is not a repartition journal (to_partitions from 1 to {MAX_PARTITIONS}, a "
                          f"version, 16-hex-digit ids per store)")
     return journal
