@@ -24,6 +24,8 @@ import uuid
 
 from fsspec.utils import tokenize
 
+from statecore.errors import UnsafeFileError
+
 __all__ = ["LocalCache", "default_cache_dir", "default_cache_dir_if_exists"]
 
 # One copy at a time per cached file in this process (striped locks, a fixed number):
@@ -216,6 +218,8 @@ class LocalCache:
         """``(size, digest)`` of the source's size and the version keys its filesystem reports."""
         self.fs.invalidate_cache(full)
         info = self.fs.info(full)
+        if info.get("type", "file") != "file":  # a directory (or what the filesystem calls other): never copied
+            raise UnsafeFileError(self.fs.unstrip_protocol(full), f"it is a {info.get('type')}, not a file")
         size = info["size"]
         return size, _digest(json.dumps(
             [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))

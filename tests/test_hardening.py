@@ -1138,3 +1138,20 @@ def test_snapshot_reader_refuses_a_fifo_device_or_directory_without_waiting(tmp_
                 pass
     assert kind == "raised" and isinstance(value, statecore.errors.UnsafeFileError), (kind, value)
     assert value.path == path and "not a regular file" in str(value)
+
+
+def test_a_remote_directory_in_place_of_a_snapshot_is_refused_not_copied(tmp_path):
+    """On a filesystem that is not local (here fsspec's memory one), a directory named like a
+    snapshot that a caller asks to map: refused by the local cache (UnsafeFileError naming it),
+    nothing copied."""
+    location = f"memory://hardening-{os.getpid()}/{tmp_path.name}"
+    files = StoreFiles(location, local_cache_dir=str(tmp_path / "cache"))
+    name = f"3_{'ab' * 8}.snapshot"
+    files.fs.pipe_file(f"{files._full(name)}/inside", b"x")
+    try:
+        with pytest.raises(statecore.errors.UnsafeFileError) as e:
+            files.local_path_for_mapping(name)
+        assert e.value.path == files.path(name) and "directory" in e.value.reason
+        assert not [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")]
+    finally:
+        files.fs.rm(files._full(name), recursive=True)
