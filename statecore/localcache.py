@@ -135,7 +135,7 @@ class LocalCache:
         # Sources change under a name only when a version is committed again; copying
         # while that happens yields a copy of the wrong size, so look again.
         for _ in range(3):
-            size, identity = self._identity(full)
+            size, identity = self._identity(full, to_copy=True)
             cached = os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}")
             with _COPYING[hash(cached) % len(_COPYING)]:
                 if self._copy(full, cached, size):
@@ -214,11 +214,12 @@ class LocalCache:
             if n.startswith(prefixes) and p != keep:
                 _remove(p)
 
-    def _identity(self, full):
-        """``(size, digest)`` of the source's size and the version keys its filesystem reports."""
+    def _identity(self, full, to_copy=False):
+        """``(size, digest)`` of the source's size and the version keys its filesystem reports;
+        ``to_copy``: UnsafeFileError if it is not a file (a directory is never copied)."""
         self.fs.invalidate_cache(full)
         info = self.fs.info(full)
-        if info.get("type", "file") != "file":  # a directory (or what the filesystem calls other): never copied
+        if to_copy and info.get("type", "file") != "file":
             raise UnsafeFileError(self.fs.unstrip_protocol(full), f"it is a {info.get('type')}, not a file")
         size = info["size"]
         return size, _digest(json.dumps(
