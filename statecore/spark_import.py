@@ -131,8 +131,8 @@ def _offsets_conf(reader, fs, root):
     lines = reader.read(path, MAX_SPARK_METADATA_BYTES).decode("utf-8", "replace").splitlines()
     entry = _json(lines[1], path, "a Spark offsets log entry") if len(lines) > 1 else {}
     conf = entry.get("conf", {}) if isinstance(entry, dict) else None
-    if not isinstance(conf, dict):
-        raise SparkImportError(f"{path} is not a Spark offsets log entry")
+    if not isinstance(conf, dict) or not all(isinstance(v, str) for v in conf.values()):
+        raise SparkImportError(f"{path} is not a Spark offsets log entry (its conf is not a map of strings)")
     return conf
 
 
@@ -173,7 +173,11 @@ def _schema_fields(schema_json, what):
     if not isinstance(schema_json, dict) or schema_json.get("type") != "struct":
         raise SparkImportError(f"the {what} schema is not a struct: {schema_json!r:.200}")
     fields = []
-    for f in schema_json.get("fields", []):
+    listed = schema_json.get("fields", [])
+    if not isinstance(listed, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                               and "type" in f for f in listed):
+        raise SparkImportError(f"the {what} schema's fields are not Spark's (a name and a type each): {listed!r:.200}")
+    for f in listed:
         try:
             fields.append((f["name"], field_type(f["name"], f["type"])))
         except SparkFileError as e:

@@ -272,7 +272,10 @@ def field_type(name, spark_type):
         if spark_type in ("string", "binary"):
             return FieldType(spark_type, variable=True)
         if spark_type.startswith("decimal(") and spark_type.endswith(")"):
-            precision = int(spark_type[8:-1].split(",")[0])
+            digits = spark_type[8:-1].split(",")[0].strip()
+            if not digits.isascii() or not digits.isdigit() or len(digits) > 2:  # Spark's precision is at most 38
+                raise SparkFileError(f"field '{name}' is {spark_type[:60]!r}: not a decimal type Spark writes")
+            precision = int(digits)
             if precision <= _MAX_LONG_DECIMAL_DIGITS:
                 return FieldType(spark_type, "<i8")  # the unscaled value
             raise SparkFileError(f"field '{name}' is {spark_type}: a decimal of more than "

@@ -403,3 +403,32 @@ def test_a_spark_checkpoint_path_that_is_a_symlink_loop_is_bad_input(tmp_path):
     result = import_cli(loop, tmp_path / "out", "--operator", 0)
     assert result.exit_code == BAD_INPUT and "cannot be listed" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key_json, message", [
+    ('{"type": "struct", "fields": [1]}', "fields are not Spark's"),
+    ('{"type": "struct", "fields": [{"type": "long"}]}', "fields are not Spark's"),
+    ('{"type": "struct", "fields": {"k": "long"}}', "fields are not Spark's"),
+    ('{"type": "struct", "fields": [{"name": "k", "type": "decimal(x,2)"}]}', "not a decimal type Spark writes"),
+    ('{"type": "struct", "fields": [{"name": "k", "type": "decimal(' + "9" * 5000 + ',2)"}]}',
+     "not a decimal type Spark writes"),
+])
+def test_a_state_schema_file_with_fields_spark_never_writes_is_bad_input(tmp_path, key_json, message):
+    """A damaged schema file whose key fields are not Spark's JSON: exit 3 and one line, not a traceback."""
+    checkpoint = tmp_path / "ckpt"
+    path = write_spark_checkpoint(checkpoint)["schema"]
+    with open(path, "wb") as f:
+        f.write(_utf("v1") + _utf(key_json) + _utf(_struct("count", "sum")))
+    result = import_cli(checkpoint, tmp_path / "out", "--operator", 0)
+    assert result.exit_code == BAD_INPUT and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_an_offsets_entry_whose_conf_is_not_strings_is_bad_input(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    path = write_spark_checkpoint(checkpoint)["offsets"]
+    with open(path, "w") as f:
+        f.write('v1\n{"conf": {"spark.sql.streaming.stateStore.compression.codec": 4}}\n{}')
+    result = import_cli(checkpoint, tmp_path / "out", "--operator", 0)
+    assert result.exit_code == BAD_INPUT and "not a Spark offsets log entry" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
