@@ -56,7 +56,7 @@ ROWS_PER_READ = 1 << 20
 # and a commit id in every batch record, and each new one a random id made before anything is
 # written. A count from --to, _operator.json or a journal is checked against it before it sizes
 # anything (a journal naming 10**12 partitions would otherwise be walked for ever).
-MAX_PARTITIONS = 1 << 16
+MAX_PARTITIONS = 100_000  # the bound the metadata reader sets on a partition count: one rule for both
 _COMMIT_ID = re.compile(r"[0-9a-f]{16}")  # as a journal records the new ids
 
 
