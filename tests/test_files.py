@@ -2,6 +2,8 @@
 faults, durable directories, refused locations, reads, deletes, mapping and cache copies."""
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -686,3 +688,20 @@ def test_memory_filesystem_reads_are_bounded_too(memory_root):
     with pytest.raises(UnsafeFileError, match="more than the 10"):
         files.read_bytes("big.json", max_bytes=10)
     assert files.read_bytes("big.json", max_bytes=100) == b"y" * 100
+
+
+def test_a_generous_bound_costs_the_file_not_the_bound(tmp_path):
+    """A reader whose format allows gigabytes (import-spark's state files) reading a file of a
+    few bytes: memory for the file's size, not for the bound (a child limited to 1 GiB of
+    address space more than it starts with reads it under a 2 GiB bound)."""
+    (tmp_path / "1.delta").write_bytes(b"z" * 100)
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import resource, sys; sys.path.insert(0, {checkout!r})\n"
+            "from statecore.files import StoreFiles\n"
+            "files = StoreFiles(sys.argv[1])\n"
+            "with open('/proc/self/status') as f:\n"
+            "    vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmSize:'))\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))\n"
+            "print(len(files.read_bytes('1.delta', max_bytes=2 << 30)))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "100", done.stderr[-2000:]
