@@ -105,11 +105,11 @@ class _SparkFiles:
         """The bytes of ``path`` (a path under the checkpoint); FileNotFoundError if missing."""
         try:
             return self.files.read_bytes(path[len(self.root.rstrip("/")) + 1:], max_bytes=max_bytes)
+        except FileNotFoundError:
+            raise
         except UnsafeFileError as e:
             raise SparkImportError(str(e)) from None
-        except OSError as e:
-            if isinstance(e, FileNotFoundError):
-                raise
+        except OSError as e:  # a symlink loop, a file we may not read
             raise SparkImportError(f"{path} cannot be read: {e}") from None
 
 
