@@ -34,7 +34,7 @@ from statecore._rowtable import RowTable
 from statecore.checkpoint import CheckpointFiles
 from statecore.conf import StateStoreConf
 from statecore.contracts import create_and_init_provider
-from statecore.errors import StateCorruptionError
+from statecore.errors import StateCorruptionError, UnsafeFileError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name, image_lineage
@@ -123,7 +123,8 @@ def _files(location, conf):
 
 def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     """Check that operator ``operator_id`` of ``checkpoint`` can go to ``num_partitions`` and
-    return the plan; RepartitionError naming what is wrong otherwise. Writes nothing."""
+    return the plan; RepartitionError naming what is wrong otherwise, StateCorruptionError or
+    UnsafeFileError naming a damaged or refused file (a FIFO, a device). Writes nothing."""
     conf = conf or StateStoreConf()
     if not _is_partition_count(num_partitions):
         raise RepartitionError(f"the number of partitions must be an int from 1 to {MAX_PARTITIONS} (MAX_PARTITIONS), "
@@ -137,6 +138,8 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     where = CheckpointFiles(location, conf.storage_options).path(operator_files.OPERATOR_METADATA_FILE)
     try:
         metadata = operator_files.read_metadata(location, conf.storage_options)
+    except (StateCorruptionError, UnsafeFileError):
+        raise  # damage, not bad input
     except ValueError as e:
         raise RepartitionError(str(e)) from None
     if metadata is None:
@@ -159,6 +162,8 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
                                f"new number of partitions)")
     try:
         record = operator_files.read_commit_record(records, batch_id, metadata)
+    except (StateCorruptionError, UnsafeFileError):
+        raise  # damage, not bad input
     except ValueError as e:
         raise RepartitionError(str(e)) from None
     if record["num_partitions"] != old:
@@ -203,10 +208,7 @@ def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, c
     schemas = None
     for p in range(old):
         files = _files(StateStoreId(checkpoint, operator_id, p, name).store_checkpoint_location(), conf)
-        try:
-            schemas = read_store_schemas(files)
-        except StateCorruptionError as e:
-            raise RepartitionError(str(e)) from None
+        schemas = read_store_schemas(files)  # StateCorruptionError: damage, as in any later step
         if schemas is not None:
             schema_bytes = files.read_bytes(SCHEMA_FILE, max_bytes=MAX_SCHEMA_FILE_BYTES)
             break

@@ -366,6 +366,31 @@ def test_a_checkpoint_path_that_is_a_symlink_loop_is_bad_input(tmp_path):
     assert len(out.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("damage", ["schema_not_json", "schema_fifo", "record_fifo", "metadata_fifo"])
+def test_damage_found_while_planning_is_exit_1_and_one_line(tmp_path, damage):
+    """A damaged or refused file met while planning (the first partition's schema file, the
+    batch record, _operator.json) is damaged state: exit 1 and one line naming it, as the same
+    damage met while reading the partitions is, and nothing written."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=2)
+    operator = operator_files.operator_dir(root, 0)
+    path = {"schema_not_json": os.path.join(operator, "0", "_statecore.schema.json"),
+            "schema_fifo": os.path.join(operator, "0", "_statecore.schema.json"),
+            "record_fifo": os.path.join(operator, operator_files.COMMITS_DIR, "1"),
+            "metadata_fifo": os.path.join(operator, operator_files.OPERATOR_METADATA_FILE)}[damage]
+    os.unlink(path)
+    if damage.endswith("fifo"):
+        os.mkfifo(path)
+    else:
+        with open(path, "w") as f:
+            f.write('{"key": [')
+    before = tree(root)
+    done = bounded_cli("repartition", root, "--operator", "0", "--to", "3", timeout_s=30)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and path in lines[0], done.stderr
+    assert tree(root) == before
+
+
 @pytest.mark.parametrize("journal", [
     "[" * 100000 + "]" * 100000,  # JSON nested deeper than the parser's recursion allows
     {"to_partitions": 10**12},  # a leftover naming 10**12 new partitions: their directories were walked one by one
