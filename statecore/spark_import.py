@@ -81,6 +81,11 @@ class SparkOperator:
         return out
 
 
+def _numeric(name):
+    """Whether ``name`` is ASCII digits (``str.isdigit`` alone takes "²", which ``int`` refuses)."""
+    return name.isascii() and name.isdigit()
+
+
 def _ls(fs, path):
     """``{name: is_dir}`` of a directory's entries (empty if it is missing)."""
     try:
@@ -124,7 +129,7 @@ def _json(text, where, what):
 
 def _offsets_conf(reader, fs, root):
     """The SQL settings Spark recorded in its newest offsets log entry (``{}`` if none)."""
-    numbered = [int(n) for n, is_dir in _ls(fs, f"{root}/offsets").items() if n.isdigit() and not is_dir]
+    numbered = [int(n) for n, is_dir in _ls(fs, f"{root}/offsets").items() if _numeric(n) and not is_dir]
     if not numbered:
         return {}
     path = f"{root}/offsets/{max(numbered)}"
@@ -197,10 +202,10 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
     if not ({"offsets", "commits", "metadata"} & set(top)) or not top.get("state"):
         raise SparkImportError(f"{location} is not a Spark streaming checkpoint with state: expected offsets/, "
                                f"commits/ and state/ (found {', '.join(sorted(top)) or 'nothing'})")
-    operators = sorted(int(n) for n, d in _ls(fs, f"{root}/state").items() if d and n.isdigit())
+    operators = sorted(int(n) for n, d in _ls(fs, f"{root}/state").items() if d and _numeric(n))
     op_dir = f"{root}/state/{operator_id}"
     entries = _ls(fs, op_dir)
-    partitions = sorted(int(n) for n, d in entries.items() if d and n.isdigit())
+    partitions = sorted(int(n) for n, d in entries.items() if d and _numeric(n))
     if operator_id not in operators or not partitions:
         raise SparkImportError(f"operator {operator_id} has no state in {location} (operators with state: "
                                f"{', '.join(map(str, operators)) or 'none'})")
@@ -237,7 +242,7 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
                                f"0..{num_partitions - 1}")
     sub = "" if store_name == "default" else f"/{store_name}"
     files = [_version_files(fs, f"{op_dir}/{p}{sub}") for p in range(num_partitions)]
-    committed = sorted(int(n) for n, d in _ls(fs, f"{root}/commits").items() if n.isdigit() and not d)
+    committed = sorted(int(n) for n, d in _ls(fs, f"{root}/commits").items() if _numeric(n) and not d)
     if not committed:
         raise SparkImportError(f"{location} has no committed batch (commits/ is empty): there is no state to import")
     last_version = committed[-1] + 1
@@ -278,7 +283,7 @@ def _version_files(fs, directory):
     out = {"delta": {}, "snapshot": {}}
     for name, is_dir in _ls(fs, directory).items():
         parts = name.split(".")
-        if not is_dir and len(parts) == 2 and parts[0].isdigit() and parts[1].lower() in out:
+        if not is_dir and len(parts) == 2 and _numeric(parts[0]) and parts[1].lower() in out:
             out[parts[1].lower()][int(parts[0])] = f"{directory}/{name}"
     return out
 

@@ -432,3 +432,16 @@ def test_an_offsets_entry_whose_conf_is_not_strings_is_bad_input(tmp_path):
     result = import_cli(checkpoint, tmp_path / "out", "--operator", 0)
     assert result.exit_code == BAD_INPUT and "not a Spark offsets log entry" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_names_of_unicode_digits_beside_spark_files_are_ignored(tmp_path):
+    """A stray "².delta", "³" directory or commits/"¹" (digits to str.isdigit, not to int): ignored
+    like any other name Spark does not write, not a traceback."""
+    checkpoint = tmp_path / "ckpt"
+    write_spark_checkpoint(checkpoint)
+    (checkpoint / "state" / "0" / "0" / "\u00b2.delta").write_bytes(b"x")
+    (checkpoint / "state" / "0" / "\u00b3").mkdir()
+    (checkpoint / "commits" / "\u00b9").write_text("v1")
+    (checkpoint / "offsets" / "\u00b9").write_text("v1")
+    result = import_cli(checkpoint, tmp_path / "out", "--operator", 0)
+    assert result.exit_code == 0, result.output
