@@ -39,6 +39,10 @@ _STRING_ROUNDING = 8  # an automatic S<n> width is the longest value rounded up 
 # The most bytes of an offsets log entry, the operator's _metadata/metadata or a state schema
 # file read: each is a few lines of JSON (a schema of thousands of columns is well under this).
 MAX_SPARK_METADATA_BYTES = 16 << 20
+# The most versions one partition's import commits: every version from 1 to the last batch's is
+# a statecore commit (a file written and synced), the ones before the oldest retained snapshot
+# empty, so a snapshot named 999999999.snapshot would otherwise start a billion commits.
+MAX_IMPORTED_VERSIONS = 1_000_000
 
 
 class SparkImportError(ValueError):
@@ -397,6 +401,10 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
         raise SparkImportError(f"{statecore_checkpoint} already holds a statecore checkpoint for operator "
                                f"{operator_id} ({target}/{operator_id} is not empty); import into a new checkpoint")
     firsts = op.first_versions()
+    if op.last_version > MAX_IMPORTED_VERSIONS:
+        raise SparkImportError(f"the last committed batch of {spark_checkpoint} is {op.last_version - 1}: import-spark "
+                               f"commits every version from 1 to it, at most {MAX_IMPORTED_VERSIONS} "
+                               f"(MAX_IMPORTED_VERSIONS)")
     columns = _Columns(op, dict(string_widths or {}), value_names, nulls_as_zero)
     plan = [_partition_plan(op, p, base) for p, base in enumerate(firsts)]
     for p, steps in enumerate(plan):  # pass 1: checks and string widths, nothing written

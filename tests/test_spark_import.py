@@ -445,3 +445,19 @@ def test_names_of_unicode_digits_beside_spark_files_are_ignored(tmp_path):
     (checkpoint / "offsets" / "\u00b9").write_text("v1")
     result = import_cli(checkpoint, tmp_path / "out", "--operator", 0)
     assert result.exit_code == 0, result.output
+
+
+def test_a_snapshot_of_a_billionth_version_is_refused_before_a_version_is_committed(tmp_path):
+    """A consistent-looking checkpoint whose one snapshot is version 10**9 (commits/ naming its
+    batch): the import would commit 10**9 - 1 empty versions first; refused at once, exit 3."""
+    from statecore.spark_import import MAX_IMPORTED_VERSIONS
+
+    checkpoint = tmp_path / "ckpt"
+    files = write_spark_checkpoint(checkpoint)
+    state = checkpoint / "state" / "0" / "0"
+    os.rename(files["delta"], state / f"{10**9}.snapshot")
+    os.rename(files["crc"], state / f".{10**9}.snapshot.crc")
+    (checkpoint / "commits" / str(10**9 - 1)).write_text("v1")
+    done = import_bounded(checkpoint, tmp_path / "out", timeout_s=30)
+    assert done.returncode == BAD_INPUT and f"at most {MAX_IMPORTED_VERSIONS}" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
