@@ -42,6 +42,7 @@ from statecore._snapshot_format import (
     FOOTER_SIZE, HEADER_SIZE, MAGIC, PACKED_FORMAT_VERSION, read_snapshot_header,
 )
 from statecore.errors import SchemaMismatchError, StateCorruptionError
+from statecore.files import open_regular_file
 from statecore.schema import as_schema
 
 
@@ -71,6 +72,8 @@ cdef class SnapshotReader(RowSource):
         If the file is damaged (or belongs to another lineage); names the path and offset.
     SchemaMismatchError
         If a schema given differs from the file's; the message names which one.
+    UnsafeFileError
+        If the path is not a regular file (a FIFO, a device, a directory), before it is read.
     OSError
         If the file cannot be opened.
     """
@@ -80,11 +83,11 @@ cdef class SnapshotReader(RowSource):
         self._closed = True
         if expected_lineage is not None:
             expected_lineage = lineage_bytes(expected_lineage, "expected_lineage")
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
+        # The one rule for opening a state file: a FIFO, a device or a directory is refused on
+        # the open descriptor, without waiting (UnsafeFileError), before anything is mapped.
+        with open_regular_file(self.path) as f:
+            fd = f.fileno()
             self._open(fd, os.fstat(fd).st_size, key_schema, value_schema, expected_lineage)
-        finally:
-            os.close(fd)
         self._closed = False
 
     def __dealloc__(self):

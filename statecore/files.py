@@ -156,7 +156,8 @@ class StoreFiles:
 
         Names are ``<v>_<16 hex digits>.delta`` / ``.snapshot`` (the version and the commit
         id of the attempt that wrote it), or ``<v>.delta`` / ``<v>.snapshot`` of the previous
-        layout; the kind is compared case-insensitively. Temporary files (leading dot),
+        layout (:func:`statecore.lineage.parse_name`'s rule: no leading zero, a lower-case kind).
+        Temporary files (leading dot),
         directories and other names are ignored (names that look like a version file but
         are not one are logged). A missing directory has no files.
         """
@@ -197,7 +198,9 @@ class StoreFiles:
         full = self._reading(name)
         if self.is_local:
             with open_regular_file(full, max_bytes) as f:
-                data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+                # One byte more than the size checked on open (read(n) allocates n bytes up front,
+                # so not max_bytes + 1): a file that grew since is caught below.
+                data = f.read() if max_bytes is None else f.read(os.fstat(f.fileno()).st_size + 1)
         else:
             self._checked_remote(full, max_bytes)
             data = self.fs.cat_file(full) if max_bytes is None else self.fs.cat_file(full, 0, max_bytes + 1)

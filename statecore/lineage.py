@@ -28,8 +28,10 @@ __all__ = ["ROOT_COMMIT_ID", "VersionFile", "Listing", "file_name", "image_linea
 
 ROOT_COMMIT_ID = bytes(8)  # version 0: the empty state
 KINDS = ("delta", "snapshot")
-# Versions are ASCII digits (Spark parses them as a Java long); ids are 16 lowercase hex digits.
-_NAME = re.compile(r"([0-9]+)(?:_([0-9a-f]{16}))?\.([A-Za-z]+)")
+# Versions are ASCII digits as Java's Long.toString writes them (no leading zero, no sign); ids are
+# 16 lowercase hex digits; the kind is lower case. Spark's reader would also take "05.delta" or
+# "5.DELTA", but no writer makes them: such a name is a foreign file, never a version of the store.
+_NAME = re.compile(r"(0|[1-9][0-9]*)(?:_([0-9a-f]{16}))?\.(delta|snapshot)")
 MAX_VERSION = 2**63 - 1
 
 
@@ -56,13 +58,13 @@ def parse_name(name):
     """The VersionFile a name stands for, or None if it is not a version file (cached: a
     store lists the same names at every open and commit)."""
     m = _NAME.fullmatch(name)
-    if m is None or m.group(3).lower() not in KINDS:
+    if m is None:
         return None
     version = int(m.group(1))
     if version > MAX_VERSION:
         return None
     commit_id = bytes.fromhex(m.group(2)) if m.group(2) else None
-    return VersionFile(version, commit_id, m.group(3).lower(), name)
+    return VersionFile(version, commit_id, m.group(3), name)
 
 
 def parse_commit_id(commit_id):

@@ -24,6 +24,8 @@ import uuid
 
 from fsspec.utils import tokenize
 
+from statecore.errors import UnsafeFileError
+
 __all__ = ["LocalCache", "default_cache_dir", "default_cache_dir_if_exists"]
 
 # One copy at a time per cached file in this process (striped locks, a fixed number):
@@ -133,7 +135,7 @@ class LocalCache:
         # Sources change under a name only when a version is committed again; copying
         # while that happens yields a copy of the wrong size, so look again.
         for _ in range(3):
-            size, identity = self._identity(full)
+            size, identity = self._identity(full, to_copy=True)
             cached = os.path.join(self.directory, f"{self._source_id(full)}-{identity[:16]}-{base}")
             with _COPYING[hash(cached) % len(_COPYING)]:
                 if self._copy(full, cached, size):
@@ -212,10 +214,13 @@ class LocalCache:
             if n.startswith(prefixes) and p != keep:
                 _remove(p)
 
-    def _identity(self, full):
-        """``(size, digest)`` of the source's size and the version keys its filesystem reports."""
+    def _identity(self, full, to_copy=False):
+        """``(size, digest)`` of the source's size and the version keys its filesystem reports;
+        ``to_copy``: UnsafeFileError if it is not a file (a directory is never copied)."""
         self.fs.invalidate_cache(full)
         info = self.fs.info(full)
+        if to_copy and info.get("type", "file") != "file":
+            raise UnsafeFileError(self.fs.unstrip_protocol(full), f"it is a {info.get('type')}, not a file")
         size = info["size"]
         return size, _digest(json.dumps(
             [size] + [[k, str(info[k])] for k in _IDENTITY_KEYS if info.get(k) is not None]))

@@ -14,7 +14,7 @@ import time
 from statecore._delta import DeltaReader
 from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader
-from statecore.errors import StateCorruptionError, VersionNotFoundError
+from statecore.errors import StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.layers import FrozenView, State
 from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
@@ -45,7 +45,7 @@ def run_maintenance(provider):
     except (FileNotFoundError, VersionNotFoundError) as e:
         log.info("files of %s changed during maintenance (another instance's cleanup?); "
                  "skipping this pass: %s", provider, e)
-    except StateCorruptionError as e:
+    except (StateCorruptionError, UnsafeFileError) as e:
         log.error("maintenance of %s found a damaged file and deleted nothing on its account: %s", provider, e)
 
 
@@ -354,7 +354,7 @@ def _verified(p, f):
                 check_names_agree(f, path, reader.store_version, reader.commit_id)
                 for _ in reader:
                     pass
-    except StateCorruptionError as e:
+    except (StateCorruptionError, UnsafeFileError) as e:  # UnsafeFileError: a FIFO, a device, a directory
         log.error("%s of %s is damaged; keeping the files that can stand in for it: %s", f.name, p, e)
         return False
     p._verified_files.add(f.name)

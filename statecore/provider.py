@@ -24,7 +24,7 @@ from statecore._snapshot import SnapshotReader
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
 from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMismatchError,
-                              StateCorruptionError, VersionNotFoundError)
+                              StateCorruptionError, UnsafeFileError, VersionNotFoundError)
 from statecore.file_stores import FileReadStore, FileStore, View
 from statecore.ids import StateStoreId
 from statecore.layers import FrozenView, State, take_rows
@@ -884,12 +884,15 @@ def read_version_header(files, f):
     None for a snapshot. The header must name the version and id the file name does
     (StateCorruptionError otherwise)."""
     path = files.path(f.name)
-    if f.kind == "delta":
-        header = read_delta_header(files.read_range(f.name, 0, DELTA_HEADER_SIZE), path)
-        parent_id = header.parent_id
-    else:
-        header = read_snapshot_file_header(files, f.name)
-        parent_id = None
+    try:
+        if f.kind == "delta":
+            header = read_delta_header(files.read_range(f.name, 0, DELTA_HEADER_SIZE), path)
+            parent_id = header.parent_id
+        else:
+            header = read_snapshot_file_header(files, f.name)
+            parent_id = None
+    except UnsafeFileError as e:  # a FIFO, a device, a directory in a version file's place: damage
+        raise StateCorruptionError(path, None, e.reason) from None
     check_names_agree(f, path, header.store_version, header.commit_id)
     return header.commit_id, parent_id
 
@@ -899,13 +902,13 @@ def read_store_schemas(files):
     None if it has none yet; StateCorruptionError if the schema file is unreadable."""
     path = files.path(SCHEMA_FILE)
     try:
-        raw = files.read_range(SCHEMA_FILE, 0, MAX_SCHEMA_FILE_BYTES + 1)
+        raw = files.read_bytes(SCHEMA_FILE, max_bytes=MAX_SCHEMA_FILE_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as e:  # a directory of that name, a file we may not read
+    except UnsafeFileError as e:  # a FIFO, a device, a directory, or more than the bound: refused unread
+        raise StateCorruptionError(path, None, f"unreadable schema file: {e.reason}") from None
+    except OSError as e:  # a file we may not read
         raise StateCorruptionError(path, None, f"unreadable schema file: {e}") from None
-    if len(raw) > MAX_SCHEMA_FILE_BYTES:
-        raise StateCorruptionError(path, None, f"the schema file is larger than {MAX_SCHEMA_FILE_BYTES} bytes")
     try:
         recorded = json.loads(raw)
         return RowSchema.from_description(recorded["key"]), RowSchema.from_description(recorded["value"])

@@ -26,33 +26,39 @@ import dataclasses
 import json
 import logging
 import os
+import re
 
 import numpy as np
 
 from statecore import files as files_module
 from statecore import operator_files, operator_lock
 from statecore._rowtable import RowTable
-from statecore.checkpoint import CheckpointFiles
+from statecore.checkpoint import MAX_PARTITIONS, CheckpointFiles
 from statecore.conf import StateStoreConf
 from statecore.contracts import create_and_init_provider
-from statecore.errors import StateCorruptionError
+from statecore.errors import StateCorruptionError, UnsafeFileError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name, image_lineage
-from statecore.provider import SCHEMA_FILE, read_store_schemas
+from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
 from statecore.schema import key_value_schemas
 from statecore.snapshot_files import open_snapshot, write_snapshot_file
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
            "write_targets", "build_partition", "switch", "finish", "repartition", "planned", "summary",
-           "JOURNAL_DIR"]
+           "JOURNAL_DIR", "MAX_PARTITIONS"]
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "_repartition"  # <checkpoint>/<operator>/_repartition/<token>.json
 JOURNAL_FORMAT = "statecore-repartition-1"
 ROWS_PER_READ = 1 << 20
+# The most partitions an operator may have, old or new: every partition is a directory per store
+# and a commit id in every batch record, and each new one a random id made before anything is
+# written. A count from --to, _operator.json or a journal is checked against it before it sizes
+# anything (a journal naming 10**12 partitions would otherwise be walked for ever).
+_COMMIT_ID = re.compile(r"[0-9a-f]{16}")  # as a journal records the new ids
 
 
 class RepartitionError(ValueError):
@@ -118,10 +124,12 @@ def _files(location, conf):
 
 def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     """Check that operator ``operator_id`` of ``checkpoint`` can go to ``num_partitions`` and
-    return the plan; RepartitionError naming what is wrong otherwise. Writes nothing."""
+    return the plan; RepartitionError naming what is wrong otherwise, StateCorruptionError or
+    UnsafeFileError naming a damaged or refused file (a FIFO, a device). Writes nothing."""
     conf = conf or StateStoreConf()
-    if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
-        raise RepartitionError(f"the number of partitions must be an int >= 1, got {num_partitions!r}")
+    if not _is_partition_count(num_partitions):
+        raise RepartitionError(f"the number of partitions must be an int from 1 to {MAX_PARTITIONS} (MAX_PARTITIONS), "
+                               f"got {num_partitions!r}")
     if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
         raise RepartitionError(f"operator id must be an int >= 0, got {operator_id!r}")
     root = CheckpointFiles(checkpoint, conf.storage_options)
@@ -131,6 +139,8 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     where = CheckpointFiles(location, conf.storage_options).path(operator_files.OPERATOR_METADATA_FILE)
     try:
         metadata = operator_files.read_metadata(location, conf.storage_options)
+    except (StateCorruptionError, UnsafeFileError):
+        raise  # damage, not bad input
     except ValueError as e:
         raise RepartitionError(str(e)) from None
     if metadata is None:
@@ -138,8 +148,9 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
                                f"state can be repartitioned")
     old = metadata.get("num_partitions")
     key_columns, key_types = metadata.get("key_columns"), metadata.get("key_column_types")
-    if not isinstance(old, int) or old < 1 or not key_columns or len(key_columns) != len(key_types or ()):
-        raise RepartitionError(f"{where} is not a StatefulOperator's metadata (num_partitions, key columns)")
+    if not _is_partition_count(old) or not key_columns or len(key_columns) != len(key_types or ()):
+        raise RepartitionError(f"{where} is not a StatefulOperator's metadata (num_partitions from 1 to "
+                               f"{MAX_PARTITIONS}, key columns)")
     bad = [f"{c} ({t})" for c, t in zip(key_columns, key_types) if t not in HASHABLE_TYPES]
     if bad:
         raise RepartitionError(f"key column(s) {bad} of operator {operator_id}: repartition routes keys of the "
@@ -152,6 +163,8 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
                                f"new number of partitions)")
     try:
         record = operator_files.read_commit_record(records, batch_id, metadata)
+    except (StateCorruptionError, UnsafeFileError):
+        raise  # damage, not bad input
     except ValueError as e:
         raise RepartitionError(str(e)) from None
     if record["num_partitions"] != old:
@@ -167,6 +180,10 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     _pair_indexes(stores, operator_id)
     return RepartitionPlan(checkpoint, operator_id, conf, metadata, record, batch_id, batch_id + 1, old,
                            num_partitions, list(key_columns), list(key_types), stores, token)
+
+
+def _is_partition_count(n):
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_PARTITIONS
 
 
 def _pair_indexes(stores, operator_id):
@@ -192,12 +209,9 @@ def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, c
     schemas = None
     for p in range(old):
         files = _files(StateStoreId(checkpoint, operator_id, p, name).store_checkpoint_location(), conf)
-        try:
-            schemas = read_store_schemas(files)
-        except StateCorruptionError as e:
-            raise RepartitionError(str(e)) from None
+        schemas = read_store_schemas(files)  # StateCorruptionError: damage, as in any later step
         if schemas is not None:
-            schema_bytes = files.read_bytes(SCHEMA_FILE)
+            schema_bytes = files.read_bytes(SCHEMA_FILE, max_bytes=MAX_SCHEMA_FILE_BYTES)
             break
     if schemas is None:
         raise RepartitionError(f"store {name!r} of operator {operator_id} has no {SCHEMA_FILE} in any partition")
@@ -227,8 +241,8 @@ def prepare(plan):
         if is_dir or not name.endswith(".json") or name.startswith("."):
             continue
         try:
-            journal = journals.read_json(name, "repartition journal")
-        except (ValueError, OSError) as e:
+            journal = _checked_journal(journals.read_json(name, "repartition journal"), journals.path(name))
+        except (ValueError, OSError) as e:  # damage (read_json bounds size and nesting), or unreadable
             log.warning("skipping unreadable repartition journal %s: %s", journals.path(name), e)
             continue
         if name == f"{current}.json":
@@ -242,10 +256,27 @@ def prepare(plan):
         "stores": {s.name: list(s.new_ids) for s in plan.stores}}, indent=1)
 
 
+def _checked_journal(journal, where):
+    """``journal`` if it is one :func:`prepare` writes, its counts within what a checkpoint
+    allows; ValueError naming ``where`` otherwise (the caller skips it, deleting nothing)."""
+    stores = journal.get("stores") if isinstance(journal, dict) else None
+    if (not isinstance(stores, dict) or not _is_partition_count(journal.get("to_partitions"))
+            or not isinstance(journal.get("version"), int) or isinstance(journal.get("version"), bool)
+            or not all(isinstance(ids, list) and len(ids) <= MAX_PARTITIONS
+                       and all(isinstance(i, str) and _COMMIT_ID.fullmatch(i) for i in ids)
+                       for ids in stores.values())):
+        raise ValueError(f"{where} is not a repartition journal (to_partitions from 1 to {MAX_PARTITIONS}, a "
+                         f"version, 16-hex-digit ids per store)")
+    return journal
+
+
 def _discard(plan, journal):
     """Delete the snapshots an interrupted run wrote (named by its journal), and its new
     partition directories outside the current partitioning (nothing refers to them)."""
-    for name, ids in (journal.get("stores") or {}).items():
+    known = {s.name for s in plan.stores}  # a journal names this operator's stores; no other path is touched
+    for name, ids in journal["stores"].items():
+        if name not in known:
+            continue
         for q, commit_id in enumerate(ids):
             if q >= plan.from_partitions:
                 continue
@@ -480,7 +511,8 @@ def finish(plan, previous=None):
     CheckpointFiles(plan.operator_dir, plan.conf.storage_options).delete_trees(
         name for name, is_dir in CheckpointFiles(plan.operator_dir, plan.conf.storage_options).entries()
         if is_dir and name.isascii() and name.isdigit() and int(name) >= partitions)
-    CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options).delete([f"{moved['journal']}.json"])
+    journals = CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options)
+    journals.delete([f"{moved['journal']}.json"])
 
 
 @contextlib.contextmanager

@@ -20,11 +20,13 @@ import numpy as np
 
 from statecore import operator_files, operator_lock
 from statecore.conf import StateStoreConf
+from statecore.errors import UnsafeFileError
+from statecore.files import StoreFiles
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID
 from statecore.schema import key_value_schemas
-from statecore.spark_rows import (SparkFileError, check_hadoop_crc, field_type, lz4_stream, records,
-                                  row_columns)
+from statecore.spark_rows import (MAX_SPARK_FILE_BYTES, SparkFileError, check_hadoop_crc, field_type, lz4_stream,
+                                  max_crc_bytes, records, row_columns)
 from statecore.store import create_and_init_provider
 
 __all__ = ["SparkImportError", "SparkOperator", "find_spark_operator", "import_spark_state"]
@@ -36,6 +38,13 @@ _ENCODING_KEY = "spark.sql.streaming.stateStore.encodingFormat"
 _ROW_CHECKSUM_KEY = "spark.sql.streaming.stateStore.rowChecksum.enabled"
 _ROCKSDB_MARKS = (".zip", ".changelog")
 _STRING_ROUNDING = 8  # an automatic S<n> width is the longest value rounded up to this
+# The most bytes of an offsets log entry, the operator's _metadata/metadata or a state schema
+# file read: each is a few lines of JSON (a schema of thousands of columns is well under this).
+MAX_SPARK_METADATA_BYTES = 16 << 20
+# The most versions one partition's import commits: every version from 1 to the last batch's is
+# a statecore commit (a file written and synced), the ones before the oldest retained snapshot
+# empty, so a snapshot named 999999999.snapshot would otherwise start a billion commits.
+MAX_IMPORTED_VERSIONS = 1_000_000
 
 
 class SparkImportError(ValueError):
@@ -50,8 +59,9 @@ class SparkOperator:
     ``key_fields`` and ``value_fields`` are ``[(name, FieldType)]`` from the state schema."""
 
     def __init__(self, fs, location, operator_id, store_name, num_partitions, files, last_version, key_fields,
-                 value_fields, notes):
+                 value_fields, notes, reader=None):
         self.fs, self.location, self.operator_id, self.store_name = fs, location, operator_id, store_name
+        self.reader = reader  # the _SparkFiles the files are read through
         self.num_partitions, self.files, self.last_version = num_partitions, files, last_version
         self.key_fields, self.value_fields, self.notes = key_fields, value_fields, notes
 
@@ -62,19 +72,24 @@ class SparkOperator:
         out = []
         for p in range(self.num_partitions):
             deltas, snapshots = self.files[p]["delta"], self.files[p]["snapshot"]
-            first = 0
-            for v in range(1, self.last_version + 1):
-                if v in snapshots:
-                    first = v if first is None else first
-                elif v not in deltas:
-                    first = None  # nothing loads until the next snapshot
+            # Down from the last version while each has a file (so as many steps as files, whatever
+            # the version numbers): the oldest snapshot on that run, or 0 if it reaches 0.
+            first, missing = None, self.last_version
+            while missing > 0 and (missing in deltas or missing in snapshots):
+                first = missing if missing in snapshots else first
+                missing -= 1
+            first = 0 if missing == 0 else first
             if first is None:
-                missing = max(v for v in range(1, self.last_version + 1) if v not in deltas and v not in snapshots)
                 raise SparkImportError(
                     f"partition {p} of operator {self.operator_id} cannot load version {self.last_version} (the last "
                     f"committed batch's): {missing}.delta is missing and no later snapshot stands in for it")
             out.append(first)
         return out
+
+
+def _numeric(name):
+    """Whether ``name`` is ASCII digits (``str.isdigit`` alone takes "²", which ``int`` refuses)."""
+    return name.isascii() and name.isdigit()
 
 
 def _ls(fs, path):
@@ -83,19 +98,53 @@ def _ls(fs, path):
         found = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return {}
+    except OSError as e:  # a symlink loop, a directory we may not list
+        raise SparkImportError(f"{path} cannot be listed: {e}") from None
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") == "directory" for e in found}
 
 
-def _offsets_conf(fs, root):
+class _SparkFiles:
+    """The files of a Spark checkpoint, read through :class:`statecore.files.StoreFiles`: each
+    refused unread (SparkImportError naming it) if it is not a regular file or is larger than
+    the bound its kind allows."""
+
+    def __init__(self, location, root, storage_options):
+        self.root = root
+        self.files = StoreFiles(location, storage_options)
+
+    def read(self, path, max_bytes):
+        """The bytes of ``path`` (a path under the checkpoint); FileNotFoundError if missing."""
+        try:
+            return self.files.read_bytes(path[len(self.root.rstrip("/")) + 1:], max_bytes=max_bytes)
+        except FileNotFoundError:
+            raise
+        except UnsafeFileError as e:
+            raise SparkImportError(str(e)) from None
+        except OSError as e:  # a symlink loop, a file we may not read
+            raise SparkImportError(f"{path} cannot be read: {e}") from None
+
+
+def _json(text, where, what):
+    """``text`` parsed as JSON; SparkImportError naming ``where`` if it is not JSON or nests
+    deeper than the interpreter's recursion limit allows."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise SparkImportError(f"{where} is not {what}: its JSON does not parse (or nests too deep)") from None
+
+
+def _offsets_conf(reader, fs, root):
     """The SQL settings Spark recorded in its newest offsets log entry (``{}`` if none)."""
-    numbered = [int(n) for n, is_dir in _ls(fs, f"{root}/offsets").items() if n.isdigit() and not is_dir]
+    numbered = [int(n) for n, is_dir in _ls(fs, f"{root}/offsets").items() if _numeric(n) and not is_dir]
     if not numbered:
         return {}
-    lines = fs.cat_file(f"{root}/offsets/{max(numbered)}").decode("utf-8", "replace").splitlines()
-    try:
-        return json.loads(lines[1]).get("conf", {}) if len(lines) > 1 else {}
-    except ValueError:
-        raise SparkImportError(f"{root}/offsets/{max(numbered)} is not a Spark offsets log entry") from None
+    path = f"{root}/offsets/{max(numbered)}"
+    lines = reader.read(path, MAX_SPARK_METADATA_BYTES).decode("utf-8", "replace").splitlines()
+    entry = _json(lines[1], path, "a Spark offsets log entry") if len(lines) > 1 else {}
+    conf = entry.get("conf", {}) if isinstance(entry, dict) else None
+    if not isinstance(conf, dict) or not all(isinstance(v, str) for v in conf.values()):
+        raise SparkImportError(f"{path} is not a Spark offsets log entry (its conf is not a map of strings)")
+    return conf
 
 
 def _read_utf(data, pos, where):
@@ -127,7 +176,7 @@ def _read_state_schema(data, where):
         else:
             raise SparkImportError(f"{where} is a state schema file of format {version!r}; import-spark reads v1 "
                                    f"and v2 (Spark 3.x and 4.x aggregations, deduplications and joins)")
-        texts.append(json.loads(text))
+        texts.append(_json(text, where, "a state schema file"))
     return texts
 
 
@@ -135,7 +184,11 @@ def _schema_fields(schema_json, what):
     if not isinstance(schema_json, dict) or schema_json.get("type") != "struct":
         raise SparkImportError(f"the {what} schema is not a struct: {schema_json!r:.200}")
     fields = []
-    for f in schema_json.get("fields", []):
+    listed = schema_json.get("fields", [])
+    if not isinstance(listed, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                               and "type" in f for f in listed):
+        raise SparkImportError(f"the {what} schema's fields are not Spark's (a name and a type each): {listed!r:.200}")
+    for f in listed:
         try:
             fields.append((f["name"], field_type(f["name"], f["type"])))
         except SparkFileError as e:
@@ -148,20 +201,21 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
     SparkImportError naming what is wrong for anything this import does not take."""
     fs, root = fsspec.core.url_to_fs(location, **dict(storage_options or {}))
     root = root.rstrip("/") or "/"
+    reader = _SparkFiles(location, root, storage_options)
     top = _ls(fs, root)
     if not top:
         raise SparkImportError(f"{location} is not a Spark streaming checkpoint: it is missing or empty")
     if not ({"offsets", "commits", "metadata"} & set(top)) or not top.get("state"):
         raise SparkImportError(f"{location} is not a Spark streaming checkpoint with state: expected offsets/, "
                                f"commits/ and state/ (found {', '.join(sorted(top)) or 'nothing'})")
-    operators = sorted(int(n) for n, d in _ls(fs, f"{root}/state").items() if d and n.isdigit())
+    operators = sorted(int(n) for n, d in _ls(fs, f"{root}/state").items() if d and _numeric(n))
     op_dir = f"{root}/state/{operator_id}"
     entries = _ls(fs, op_dir)
-    partitions = sorted(int(n) for n, d in entries.items() if d and n.isdigit())
+    partitions = sorted(int(n) for n, d in entries.items() if d and _numeric(n))
     if operator_id not in operators or not partitions:
         raise SparkImportError(f"operator {operator_id} has no state in {location} (operators with state: "
                                f"{', '.join(map(str, operators)) or 'none'})")
-    conf = _offsets_conf(fs, root)
+    conf = _offsets_conf(reader, fs, root)
     notes = []
     provider = conf.get(_PROVIDER_KEY, _HDFS_PROVIDER)
     rocksdb = sorted({n for p in partitions for n, d in _ls(fs, f"{op_dir}/{p}").items()
@@ -171,7 +225,7 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
         raise SparkImportError(f"operator {operator_id} in {location} keeps its state in RocksDB ({shown}): "
                                f"import-spark reads HDFSBackedStateStoreProvider files (<v>.delta, <v>.snapshot) "
                                f"only")
-    store_names = _operator_store_names(fs, op_dir, partitions)
+    store_names = _operator_store_names(reader, fs, op_dir, partitions)
     if len(store_names) > 1 or any(n.startswith(("left-", "right-")) for n in store_names):
         raise SparkImportError(f"operator {operator_id} in {location} is a stream-stream join (state stores "
                                f"{', '.join(sorted(store_names))}): its state is lists of rows per key over several "
@@ -194,7 +248,7 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
                                f"0..{num_partitions - 1}")
     sub = "" if store_name == "default" else f"/{store_name}"
     files = [_version_files(fs, f"{op_dir}/{p}{sub}") for p in range(num_partitions)]
-    committed = sorted(int(n) for n, d in _ls(fs, f"{root}/commits").items() if n.isdigit() and not d)
+    committed = sorted(int(n) for n, d in _ls(fs, f"{root}/commits").items() if _numeric(n) and not d)
     if not committed:
         raise SparkImportError(f"{location} has no committed batch (commits/ is empty): there is no state to import")
     last_version = committed[-1] + 1
@@ -204,22 +258,26 @@ def find_spark_operator(location, operator_id, store_name="default", storage_opt
                      f"would re-run that batch")
     schema_path = f"{op_dir}/0{sub}/_metadata/schema"
     try:
-        key_json, value_json = _read_state_schema(fs.cat_file(schema_path), schema_path)
+        key_json, value_json = _read_state_schema(reader.read(schema_path, MAX_SPARK_METADATA_BYTES), schema_path)
     except FileNotFoundError:
         raise SparkImportError(f"operator {operator_id} in {location} has no state schema file ({schema_path}); "
                                f"Spark writes one from 3.0 on") from None
     return SparkOperator(fs, location, operator_id, store_name, num_partitions, files, last_version,
-                         _schema_fields(key_json, "key"), _schema_fields(value_json, "value"), notes)
+                         _schema_fields(key_json, "key"), _schema_fields(value_json, "value"), notes, reader)
 
 
-def _operator_store_names(fs, op_dir, partitions):
+def _operator_store_names(reader, fs, op_dir, partitions):
     """The store names Spark recorded for the operator (``_metadata/metadata``, Spark 3.5+),
     else the named store directories in its first partition."""
+    path = f"{op_dir}/_metadata/metadata"
     try:
-        text = fs.cat_file(f"{op_dir}/_metadata/metadata").decode("utf-8", "replace")
-        info = json.loads(text.split("\n", 1)[1])
-        return {s["storeName"] for s in info.get("stateStoreInfo", [])}
-    except (FileNotFoundError, IndexError, ValueError, KeyError, TypeError):
+        lines = reader.read(path, MAX_SPARK_METADATA_BYTES).decode("utf-8", "replace").split("\n", 1)
+    except FileNotFoundError:
+        lines = []
+    try:
+        if len(lines) == 2:
+            return {s["storeName"] for s in _json(lines[1], path, "an operator's metadata").get("stateStoreInfo", [])}
+    except (AttributeError, KeyError, TypeError):
         pass
     return {n for n, d in _ls(fs, f"{op_dir}/{partitions[0]}").items() if d and not n.startswith(("_", "."))} \
         or {"default"}
@@ -231,20 +289,20 @@ def _version_files(fs, directory):
     out = {"delta": {}, "snapshot": {}}
     for name, is_dir in _ls(fs, directory).items():
         parts = name.split(".")
-        if not is_dir and len(parts) == 2 and parts[0].isdigit() and parts[1].lower() in out:
+        if not is_dir and len(parts) == 2 and _numeric(parts[0]) and parts[1].lower() in out:
             out[parts[1].lower()][int(parts[0])] = f"{directory}/{name}"
     return out
 
 
 # -- reading one file -----------------------------------------------------------------------------
 
-def _read_spark_file(fs, path, snapshot, key_fields, value_fields):
+def _read_spark_file(op, path, snapshot, key_fields, value_fields):
     """``(keys, values, removes)`` of one delta or snapshot: :class:`RowColumns` of every
     record's key and of the puts' values, and the removes mask, checksums checked."""
-    data = fs.cat_file(path)
+    data = op.reader.read(path, MAX_SPARK_FILE_BYTES)
     directory, name = path.rsplit("/", 1)
     try:
-        crc = fs.cat_file(f"{directory}/.{name}.crc")
+        crc = op.reader.read(f"{directory}/.{name}.crc", max_crc_bytes(len(data)))
     except FileNotFoundError:
         crc = None
     try:
@@ -343,11 +401,15 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
     target = target.rstrip("/") or "/"
     _refuse_existing(fs, target, statecore_checkpoint, operator_id)
     firsts = op.first_versions()
+    if op.last_version > MAX_IMPORTED_VERSIONS:
+        raise SparkImportError(f"the last committed batch of {spark_checkpoint} is {op.last_version - 1}: import-spark "
+                               f"commits every version from 1 to it, at most {MAX_IMPORTED_VERSIONS} "
+                               f"(MAX_IMPORTED_VERSIONS)")
     columns = _Columns(op, dict(string_widths or {}), value_names, nulls_as_zero)
     plan = [_partition_plan(op, p, base) for p, base in enumerate(firsts)]
     for p, steps in enumerate(plan):  # pass 1: checks and string widths, nothing written
         for _version, kind, path in steps:
-            keys, values, _removes = _read_spark_file(op.fs, path, kind == "snapshot", op.key_fields, op.value_fields)
+            keys, values, _removes = _read_spark_file(op, path, kind == "snapshot", op.key_fields, op.value_fields)
             columns.scan(keys, values)
             if progress:
                 progress(1)
@@ -439,7 +501,7 @@ def _write_partition(op, columns, stage, p, base, steps, progress):
             ids[v] = store.commit_id
         count = 0
         for version, kind, path in steps:
-            keys, values, removes = _read_spark_file(op.fs, path, kind == "snapshot", op.key_fields, op.value_fields)
+            keys, values, removes = _read_spark_file(op, path, kind == "snapshot", op.key_fields, op.value_fields)
             key_rows = columns.array(keys, op.key_fields, columns.key_names, columns.key_dtype)
             value_rows = columns.array(values, op.value_fields, columns.value_names, columns.value_dtype)
             store = provider.get_store(version - 1)

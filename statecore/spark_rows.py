@@ -28,8 +28,8 @@ import lz4.block
 import numpy as np
 import xxhash
 
-__all__ = ["SparkFileError", "lz4_stream", "check_hadoop_crc", "records", "Records", "FieldType",
-           "field_type", "RowColumns", "row_columns"]
+__all__ = ["SparkFileError", "lz4_stream", "check_hadoop_crc", "max_crc_bytes", "records", "Records", "FieldType",
+           "field_type", "RowColumns", "row_columns", "MAX_SPARK_FILE_BYTES"]
 
 LZ4_MAGIC = b"LZ4Block"
 _LZ4_HEADER = struct.Struct("<iii")  # compressed length, original length, checksum (after magic and token)
@@ -37,6 +37,11 @@ _LZ4_HEADER_SIZE = len(LZ4_MAGIC) + 1 + _LZ4_HEADER.size
 _LZ4_SEED = 0x9747B28C
 _METHOD_RAW, _METHOD_LZ4 = 0x10, 0x20
 _HADOOP_CRC_MAGIC = b"crc\x00"
+# The most bytes of a delta or snapshot read, and of what its lz4 blocks hold once decompressed:
+# the import holds a file whole in memory (twice, with its records), so the size is checked
+# before a byte is read (a sparse or endless file is refused, not read until memory runs out)
+# and each block's stated length before it is decompressed.
+MAX_SPARK_FILE_BYTES = 2 << 30
 
 
 class SparkFileError(ValueError):
@@ -48,7 +53,7 @@ def lz4_stream(data, where):
     checksum checked; several streams one after another are read as one, as Spark does."""
     view = memoryview(data)
     out = []
-    pos, ended = 0, False
+    pos, ended, total = 0, False, 0
     while pos < len(view):
         if view[pos:pos + 8] != LZ4_MAGIC or pos + _LZ4_HEADER_SIZE > len(view):
             raise SparkFileError(f"{where}: no lz4 block at byte {pos} (not an lz4-compressed Spark state file, "
@@ -63,6 +68,10 @@ def lz4_stream(data, where):
         if compressed == 0 and original == 0 and method == _METHOD_RAW:
             ended, pos = True, start  # the end block; another stream may follow
             continue
+        total += original
+        if total > MAX_SPARK_FILE_BYTES:
+            raise SparkFileError(f"{where}: its lz4 blocks hold more than {MAX_SPARK_FILE_BYTES} bytes "
+                                 f"(MAX_SPARK_FILE_BYTES), more than import-spark reads of one file")
         ended = False
         body = view[start:start + compressed]
         if method == _METHOD_RAW and compressed == original:
@@ -82,6 +91,12 @@ def lz4_stream(data, where):
     if not ended:
         raise SparkFileError(f"{where}: the lz4 stream has no end block: the file is truncated")
     return b"".join(out)
+
+
+def max_crc_bytes(size):
+    """The most bytes the Hadoop checksum file of a ``size``-byte file can hold: its 8-byte
+    header and a 4-byte checksum per chunk, of at least one byte each."""
+    return 8 + 4 * size
 
 
 def check_hadoop_crc(data, crc, where):
@@ -257,7 +272,10 @@ def field_type(name, spark_type):
         if spark_type in ("string", "binary"):
             return FieldType(spark_type, variable=True)
         if spark_type.startswith("decimal(") and spark_type.endswith(")"):
-            precision = int(spark_type[8:-1].split(",")[0])
+            digits = spark_type[8:-1].split(",")[0].strip()
+            if not digits.isascii() or not digits.isdigit() or len(digits) > 2:  # Spark's precision is at most 38
+                raise SparkFileError(f"field '{name}' is {spark_type[:60]!r}: not a decimal type Spark writes")
+            precision = int(digits)
             if precision <= _MAX_LONG_DECIMAL_DIGITS:
                 return FieldType(spark_type, "<i8")  # the unscaled value
             raise SparkFileError(f"field '{name}' is {spark_type}: a decimal of more than "

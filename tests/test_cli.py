@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import traceback
 
 import numpy as np
 import pyarrow.csv as pcsv
@@ -381,6 +383,86 @@ def test_dump_of_damaged_state_says_which_file_exits_1_and_writes_nothing(root, 
     assert os.listdir(out.parent) == []
 
 
+def _put_in_place(path, what):
+    """Replace ``path`` by a FIFO, a link to /dev/zero or a symlink loop."""
+    os.unlink(path)
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "dev_zero":
+        os.symlink("/dev/zero", path)
+    else:
+        os.symlink(path, path)  # a link to itself: ELOOP
+
+
+def invoke_with_deadline(args, deadline_s=60):
+    """The CliRunner result of ``args`` run on a thread; fails if it has not finished by then
+    (a command blocked on a FIFO)."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(CliRunner().invoke(main, [str(a) for a in args])),
+                              daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert done, f"statecore {args[0]} did not finish within {deadline_s} s"
+    return done[0]
+
+
+def one_line_error(result, code):
+    """The one line of a failure with exit code ``code`` (never a traceback)."""
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
+        "".join(traceback.format_exception(result.exception))
+    assert result.exit_code == code, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev_zero", "loop"])
+@pytest.mark.parametrize("target", ["delta", "snapshot", "schema"])
+def test_a_fifo_or_device_in_place_of_a_state_file_is_one_line_and_exit_1(root, tmp_path, target, what):
+    """Someone left a FIFO, a link to /dev/zero or a symlink loop where a delta,
+    a snapshot or the schema file of a store should be: verify and dump say which file in one
+    line and exit 1, promptly, writing nothing; inspect does not hang or print a traceback."""
+    root, _ = root
+    directory = str(root / "0" / "1")
+    path = {"delta": lambda: version_path(directory, 5, "delta"), "snapshot": lambda: version_path(directory, 6,
+            "snapshot"), "schema": lambda: os.path.join(directory, SCHEMA_FILE)}[target]()
+    _put_in_place(path, what)
+    out = tmp_path / "dumps" / "o.csv"
+    out.parent.mkdir()
+    version = ["--version", 5] if target == "delta" else []
+    assert path in one_line_error(invoke_with_deadline(["dump", root, "--format", "csv", "--out", out, *version]), 1)
+    assert os.listdir(out.parent) == []
+    verified = invoke_with_deadline(["verify", root])
+    assert verified.exit_code == 1 and path in verified.output
+    assert not isinstance(verified.exception, Exception) or isinstance(verified.exception, SystemExit)
+    inspected = invoke_with_deadline(["inspect", root])
+    assert inspected.exit_code in (0, 1) and (inspected.exit_code == 0 or path in inspected.output)
+    assert not isinstance(inspected.exception, Exception) or isinstance(inspected.exception, SystemExit)
+
+
+def test_dump_of_a_checkpoint_path_that_is_a_symlink_loop_or_an_out_that_cannot_be_created(root, tmp_path):
+    """Bad input, exit 3 and one line: CHECKPOINT a symlink loop, --out a name too long to create."""
+    root, _ = root
+    out = tmp_path / "dumps" / "o.csv"
+    out.parent.mkdir()
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    assert "Too many levels of symbolic links" in one_line_error(
+        invoke_with_deadline(["dump", loop, "--format", "csv", "--out", out]), 3)
+    assert "cannot be written" in one_line_error(
+        invoke_with_deadline(["dump", root, "--format", "csv", "--out", out.parent / ("x" * 300 + ".csv")]), 3)
+    assert os.listdir(out.parent) == []
+
+
+def test_dump_of_a_damaged_schema_file_is_one_line_and_exit_1(root, tmp_path):
+    root, _ = root
+    path = root / "0" / "1" / SCHEMA_FILE
+    path.write_text('{"key": [')
+    out = tmp_path / "o.csv"
+    line = one_line_error(invoke_with_deadline(["dump", root, "--format", "csv", "--out", out]), 1)
+    assert str(path) in line and "unreadable schema file" in line and not out.exists()
+
+
 def test_python_dash_m_statecore_runs_as_a_process(root):
     root, _ = root
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -465,3 +547,24 @@ def test_verify_reports_a_batch_record_naming_a_missing_attempt(operator_copy):
     assert result.exit_code == 1
     record = os.path.join(operator_copy, "0", COMMITS_DIR, "2")
     assert any(p["path"] == record and f"attempt {named} of partition 1" in p["what"] for p in problems_of(result))
+
+
+@pytest.mark.parametrize("damage", ["not_json", "not_a_record", "fifo"])
+def test_dump_of_an_operator_whose_batch_record_is_damaged_exits_1(tmp_path, damage):
+    """The newest batch record (_commits/<b>) of a StatefulOperator's checkpoint is damaged:
+    that is damaged state, exit 1 and one line naming the record, not bad input (3)."""
+    from tests.test_repartition import make_checkpoint
+
+    root = tmp_path / "state"
+    make_checkpoint(str(root), partitions=2, batches=2)
+    record = root / "0" / COMMITS_DIR / "1"
+    if damage == "not_json":
+        record.write_text('{"format": ')
+    elif damage == "not_a_record":
+        record.write_text('{"format": "something else"}')
+    else:
+        record.unlink()
+        os.mkfifo(record)
+    out = tmp_path / "o.csv"
+    line = one_line_error(invoke_with_deadline(["dump", root, "--operator", 0, "--format", "csv", "--out", out]), 1)
+    assert str(record) in line and not out.exists()

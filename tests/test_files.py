@@ -2,6 +2,8 @@
 faults, durable directories, refused locations, reads, deletes, mapping and cache copies."""
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -101,12 +103,13 @@ def by_name(f):
 def test_listing_follows_the_naming_rules(location, caplog):
     files = StoreFiles(location)
     files.mkdirs()
-    versions = [f"1_{ID_A}.delta", f"1_{ID_B}.delta", "2.DELTA", f"3_{ID_C}.Snapshot", "3.snapshot",
-                f"10_{ID_A}.delta", "007.delta", f"{2**63 - 1}.delta"]
+    versions = [f"1_{ID_A}.delta", f"1_{ID_B}.delta", "2.delta", f"3_{ID_C}.snapshot", "3.snapshot",
+                f"10_{ID_A}.delta", "7.delta", f"{2**63 - 1}.delta"]
     # names that look like <x>.delta or <x>.snapshot but are no version: logged, ignored
     logged = ["abc.delta", "-1.delta", "+8.delta", "1e3.delta", f"5_{ID_A.upper()}.delta",
               f"5_{ID_A[:15]}.delta", f"5_{ID_A}0.delta", f"5-{ID_A}.delta", "\u0663.delta",
-              "\uff15.snapshot", f"{2**63}.delta", f"_{ID_A}.delta", "5_.delta"]
+              "\uff15.snapshot", f"{2**63}.delta", f"_{ID_A}.delta", "5_.delta",
+              "05.delta", "5.DELTA", f"3_{ID_C}.Snapshot", f"03_{ID_C}.snapshot"]  # no writer makes these
     # other names: ignored quietly
     quiet = [f".5_{ID_A}.delta.{'0f' * 16}.tmp", "5.delta.tmp", "6", "7.txt", f"5_{ID_A}.delta.bak",
              "_statecore.schema.json", "8.deltas"]
@@ -119,10 +122,10 @@ def test_listing_follows_the_naming_rules(location, caplog):
     a, b, c = bytes.fromhex(ID_A), bytes.fromhex(ID_B), bytes.fromhex(ID_C)
     assert sorted(listing.of("delta", 1), key=by_name) == [VersionFile(1, a, "delta", f"1_{ID_A}.delta"),
                                                             VersionFile(1, b, "delta", f"1_{ID_B}.delta")]
-    assert list(listing.of("delta", 2)) == [VersionFile(2, None, "delta", "2.DELTA")]  # kind: any case
+    assert list(listing.of("delta", 2)) == [VersionFile(2, None, "delta", "2.delta")]
     assert sorted(listing.of("snapshot", 3), key=by_name) == [
-        VersionFile(3, None, "snapshot", "3.snapshot"), VersionFile(3, c, "snapshot", f"3_{ID_C}.Snapshot")]
-    assert list(listing.of("delta", 7)) == [VersionFile(7, None, "delta", "007.delta")]
+        VersionFile(3, None, "snapshot", "3.snapshot"), VersionFile(3, c, "snapshot", f"3_{ID_C}.snapshot")]
+    assert list(listing.of("delta", 7)) == [VersionFile(7, None, "delta", "7.delta")]
     assert list(listing.of("delta", 3)) == [] and list(listing.of("snapshot", 1)) == []
     assert listing.versions("delta") == [1, 2, 7, 10, 2**63 - 1]
     assert listing.versions("snapshot") == [3]
@@ -139,14 +142,14 @@ def test_listing_follows_the_naming_rules(location, caplog):
 
 @pytest.mark.parametrize("name,expected", [
     (f"5_{ID_A}.delta", (5, bytes.fromhex(ID_A), "delta")),
-    (f"5_{ID_A}.SNAPSHOT", (5, bytes.fromhex(ID_A), "snapshot")),
     ("12.delta", (12, None, "delta")),
-    ("0012.Delta", (12, None, "delta")),
     ("0.snapshot", (0, None, "snapshot")),
     (f"{2**63 - 1}_{ID_B}.snapshot", (2**63 - 1, bytes.fromhex(ID_B), "snapshot")),
     (f"{2**63}.delta", None), (f"5_{ID_A.upper()}.delta", None), (f"5_{ID_A}", None), ("5.tmp", None),
     ("\u0665.delta", None), (" 5.delta", None), ("5.delta ", None), (f"5_{ID_A}.delta.tmp", None),
     (f".5_{ID_A}.delta", None), ("5.changelog", None),
+    # what no writer makes (Java's Long.toString has no leading zero; kinds are lower case): a foreign file
+    ("05.delta", None), ("5.DELTA", None), ("0012.Delta", None), (f"5_{ID_A}.SNAPSHOT", None), ("00.delta", None),
 ])
 def test_parse_name(name, expected):
     parsed = parse_name(name)
@@ -160,13 +163,12 @@ def test_two_attempts_of_a_version_and_an_old_name_of_it_are_all_listed(tmp_path
     """Attempts never hide one another: a listing keeps every file of a version (which one
     a load follows is the lineage's business, read from the checked headers)."""
     files = StoreFiles(str(tmp_path))
-    for name in ["007.delta", "7.delta", f"7_{ID_A}.delta", f"7_{ID_B}.delta", "08.snapshot"]:
+    for name in ["7.delta", f"7_{ID_A}.delta", f"7_{ID_B}.delta", "8.snapshot"]:
         put_raw(files, name)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         listing = files.list_versions()
-    assert sorted(f.name for f in listing.of("delta", 7)) == ["007.delta", "7.delta", f"7_{ID_A}.delta",
-                                                               f"7_{ID_B}.delta"]
-    assert [f.name for f in listing.of("snapshot", 8)] == ["08.snapshot"]
+    assert sorted(f.name for f in listing.of("delta", 7)) == ["7.delta", f"7_{ID_A}.delta", f"7_{ID_B}.delta"]
+    assert [f.name for f in listing.of("snapshot", 8)] == ["8.snapshot"]
     assert listing.top == 8 and not caplog.records
     # a listing equals another of the same names, whatever their order
     assert listing == files.list_versions() and listing != Listing()
@@ -181,7 +183,7 @@ def test_missing_directory_has_no_files(location):
 def test_directories_named_like_versions_are_ignored(location, caplog):
     files = StoreFiles(location)
     files.mkdirs()
-    for name in ["4.delta", f"5_{ID_A}.delta", f"6_{ID_B}.snapshot", "7.SNAPSHOT"]:
+    for name in ["4.delta", f"5_{ID_A}.delta", f"6_{ID_B}.snapshot", "7.snapshot"]:
         put_raw(files, name + "/inside")  # a directory of that name (with a file: fsspec's memory fs
         #                                   keeps no empty directories)
     put_raw(files, f"3_{ID_C}.delta")
@@ -686,3 +688,20 @@ def test_memory_filesystem_reads_are_bounded_too(memory_root):
     with pytest.raises(UnsafeFileError, match="more than the 10"):
         files.read_bytes("big.json", max_bytes=10)
     assert files.read_bytes("big.json", max_bytes=100) == b"y" * 100
+
+
+def test_a_generous_bound_costs_the_file_not_the_bound(tmp_path):
+    """A reader whose format allows gigabytes (import-spark's state files) reading a file of a
+    few bytes: memory for the file's size, not for the bound (a child limited to 1 GiB of
+    address space more than it starts with reads it under a 2 GiB bound)."""
+    (tmp_path / "1.delta").write_bytes(b"z" * 100)
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import resource, sys; sys.path.insert(0, {checkout!r})\n"
+            "from statecore.files import StoreFiles\n"
+            "files = StoreFiles(sys.argv[1])\n"
+            "with open('/proc/self/status') as f:\n"
+            "    vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmSize:'))\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))\n"
+            "print(len(files.read_bytes('1.delta', max_bytes=2 << 30)))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "100", done.stderr[-2000:]

@@ -841,7 +841,7 @@ def test_damaged_commit_id_in_a_delta_header_names_the_file(tmp_path, damaged, f
         assert os.path.exists(path)
 
 
-@pytest.mark.parametrize("shape", ["lists", "dicts", "directory"])
+@pytest.mark.parametrize("shape", ["lists", "dicts", "directory", "fifo", "dev_zero", "oversize"])
 def test_unreadable_schema_file_is_corruption(tmp_path, shape):
     p = make(tmp_path)
     commit_upto(p, {0: {}}, 2)
@@ -854,11 +854,14 @@ def test_unreadable_schema_file_is_corruption(tmp_path, shape):
     elif shape == "dicts":
         with open(path, "w") as f:
             f.write('{"key": ' + '{"a": ' * depth + "1" + "}" * depth + "}")
+    elif shape == "oversize":  # sparse: its size is refused before a byte is read
+        with open(path, "wb") as f:
+            f.truncate(8 << 30)
     else:
-        os.mkdir(path)
-    with pytest.raises(StateCorruptionError) as e:
-        make(tmp_path)
-    assert e.value.path == path
+        _put_in_place(path, shape)
+    kind, value = _call_with_deadline(lambda: make(tmp_path))
+    assert kind == "raised" and isinstance(value, StateCorruptionError), (kind, value)
+    assert value.path == path
 
 
 @pytest.mark.parametrize("layout", ["with_id", "previous"])
@@ -882,15 +885,17 @@ def test_directory_with_a_version_file_name_is_ignored(tmp_path, layout):
         assert_reads(make(tmp_path), u, model[u])
 
 
+@pytest.mark.parametrize("what", ["dev_zero", "fifo"])
 @pytest.mark.parametrize("which", ["newest_delta", "middle_delta", "snapshot"])
-def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which):
+def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which, what):
+    """A link to /dev/zero, or a FIFO someone left, where a version file should be: every load
+    that needs it is corruption naming it, at once; the others and maintenance go on."""
     p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2)
     p.do_maintenance()
     commit_upto(p, model, 6)
     version, kind = {"newest_delta": (6, "delta"), "middle_delta": (5, "delta"), "snapshot": (3, "snapshot")}[which]
     path = the_file(tmp_path, version, kind)
-    os.unlink(path)
-    os.symlink("/dev/zero", path)
+    _put_in_place(path, what)
     result = run_bounded(f"""
         p = make({str(tmp_path)!r}, min_deltas_for_snapshot=2)
         out = {{}}
@@ -917,7 +922,7 @@ def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which)
             assert {int(k): tuple(x) for k, x in what.items()} == model[v], f"version {v}: wrong data"
         else:
             assert [kind_, what] == ["corrupt", path], f"version {v}: {kind_} {what}"
-    assert os.path.islink(path), "maintenance deleted the damaged file"
+    assert os.path.lexists(path) and not os.path.isfile(path), "maintenance deleted the damaged file"
 
 
 @pytest.mark.parametrize("root", ["{tmp}/a::b", "file://{tmp}/a::b", "memory://x::y"])
@@ -1066,3 +1071,87 @@ def test_commits_reads_and_maintenance_on_threads(tmp_path):
     fresh = make(tmp_path)
     for u in range(max(0, top[0] - conf["min_versions_to_retain"]), top[0] + 1):
         assert_reads(fresh, u, model[u])
+
+
+# -- 16. names no writer makes ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["05.delta", "5.DELTA", "5.Snapshot", "005.snapshot"])
+def test_a_foreign_old_layout_name_is_not_taken_for_a_version(tmp_path, name):
+    """A file someone copied in as "05.delta" or "5.DELTA" (no writer makes these: Spark writes the
+    version with Java's Long.toString, statecore a lower-case kind) is not version 5: it must not
+    become the default attempt and hide the store's newest version, nor be cleaned up as one."""
+    p, model = committed(tmp_path, 4, min_deltas_for_snapshot=100)
+    foreign = os.path.join(store_dir(tmp_path), name)
+    shutil.copyfile(the_file(tmp_path, 4, "delta"), foreign)
+    fresh = make(tmp_path, min_deltas_for_snapshot=100)
+    assert_reads(fresh, 4, model[4])
+    with pytest.raises(VersionNotFoundError):
+        fresh.get_store(5)
+    commit_next(fresh, model)  # version 5 is the store's own
+    assert_reads(make(tmp_path), 5, model[5])
+    assert os.path.exists(foreign)
+
+
+# -- 5. what is not a regular file where a state file should be ------------------------------
+def _put_in_place(path, what):
+    """Replace ``path`` by a FIFO, a link to /dev/zero or a directory."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "dev_zero":
+        os.symlink("/dev/zero", path)
+    else:
+        os.mkdir(path)
+
+
+def _call_with_deadline(fn, deadline_s=WAIT_S):
+    """``("raised", exception)`` or ``("returned", value)`` of ``fn()`` run on a thread; fails the
+    test if it has not finished within ``deadline_s`` (a read blocked on a FIFO)."""
+    outcome = []
+
+    def body():
+        try:
+            outcome.append(("returned", fn()))
+        except BaseException as e:
+            outcome.append(("raised", e))
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert outcome, f"the call did not finish within {deadline_s} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev_zero", "directory"])
+def test_snapshot_reader_refuses_a_fifo_device_or_directory_without_waiting(tmp_path, what):
+    """Someone left a FIFO (or a link to /dev/zero, or a directory) where a snapshot should be:
+    the reader refuses it, naming the file, before it maps or waits on anything."""
+    path = str(tmp_path / f"3_{'ab' * 8}.snapshot")
+    _put_in_place(path, what)
+    try:
+        kind, value = _call_with_deadline(lambda: SnapshotReader(path))
+    finally:
+        if what == "fifo":  # release a reader blocked in open() on the old code
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    assert kind == "raised" and isinstance(value, statecore.errors.UnsafeFileError), (kind, value)
+    assert value.path == path and "not a regular file" in str(value)
+
+
+def test_a_remote_directory_in_place_of_a_snapshot_is_refused_not_copied(tmp_path):
+    """On a filesystem that is not local (here fsspec's memory one), a directory named like a
+    snapshot that a caller asks to map: refused by the local cache (UnsafeFileError naming it),
+    nothing copied."""
+    location = f"memory://hardening-{os.getpid()}/{tmp_path.name}"
+    files = StoreFiles(location, local_cache_dir=str(tmp_path / "cache"))
+    name = f"3_{'ab' * 8}.snapshot"
+    files.fs.pipe_file(f"{files._full(name)}/inside", b"x")
+    try:
+        with pytest.raises(statecore.errors.UnsafeFileError) as e:
+            files.local_path_for_mapping(name)
+        assert e.value.path == files.path(name) and "directory" in e.value.reason
+        assert not [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")]
+    finally:
+        files.fs.rm(files._full(name), recursive=True)

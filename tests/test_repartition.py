@@ -306,10 +306,112 @@ def test_bad_input_is_refused_and_writes_nothing(tmp_path):
     before = tree(root)
     for bad in ("0", "-2"):
         out = cli("repartition", root, "--operator", "0", "--to", bad)
-        assert out.exit_code == BAD_INPUT and ">= 1" in out.output, out.output
+        assert out.exit_code == BAD_INPUT and f"from 1 to {engine.MAX_PARTITIONS}" in out.output, out.output
     usage = cli("repartition", root, "--operator", "0", "--to", "x")
     assert usage.exit_code == 2
     assert tree(root) == before
+
+
+def bounded_cli(*args, timeout_s=60, address_space=2 << 30):
+    """``python -m statecore *args`` in a child limited to ``address_space`` bytes and killed
+    after ``timeout_s`` (a count that sizes a loop or a list would run it out of either)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    try:
+        return subprocess.run([sys.executable, "-m", "statecore", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s, env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"statecore {args[0]} did not finish within {timeout_s} s")
+
+
+@pytest.mark.parametrize("count", [engine.MAX_PARTITIONS + 1, 10**8, 10**12])
+def test_to_beyond_max_partitions_is_refused_promptly(tmp_path, count):
+    """`repartition --to 100000000`: refused at once (exit 3, one line naming the bound) before
+    anything is sized by it, nothing written."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=1)
+    before = tree(root)
+    done = bounded_cli("repartition", root, "--operator", "0", "--to", str(count))
+    assert done.returncode == BAD_INPUT, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"from 1 to {engine.MAX_PARTITIONS}" in lines[0] and str(count) in lines[0]
+    assert tree(root) == before
+
+
+def test_metadata_naming_too_many_partitions_is_refused_promptly(tmp_path):
+    """A damaged _operator.json whose num_partitions is 10**12: refused, not walked partition by partition."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=1)
+    path = os.path.join(operator_files.operator_dir(root, 0), operator_files.OPERATOR_METADATA_FILE)
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["num_partitions"] = 10**12
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    before = tree(root)
+    done = bounded_cli("repartition", root, "--operator", "0", "--to", "3")
+    assert done.returncode == BAD_INPUT and "num_partitions" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert tree(root) == before
+
+
+def test_a_checkpoint_path_that_is_a_symlink_loop_is_bad_input(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    out = CliRunner().invoke(main, ["repartition", str(loop), "--operator", "0", "--to", "3"])
+    assert out.exit_code == BAD_INPUT and "Too many levels of symbolic links" in out.output, out.output
+    assert len(out.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["schema_not_json", "schema_fifo", "record_fifo", "metadata_fifo"])
+def test_damage_found_while_planning_is_exit_1_and_one_line(tmp_path, damage):
+    """A damaged or refused file met while planning (the first partition's schema file, the
+    batch record, _operator.json) is damaged state: exit 1 and one line naming it, as the same
+    damage met while reading the partitions is, and nothing written."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=2)
+    operator = operator_files.operator_dir(root, 0)
+    path = {"schema_not_json": os.path.join(operator, "0", "_statecore.schema.json"),
+            "schema_fifo": os.path.join(operator, "0", "_statecore.schema.json"),
+            "record_fifo": os.path.join(operator, operator_files.COMMITS_DIR, "1"),
+            "metadata_fifo": os.path.join(operator, operator_files.OPERATOR_METADATA_FILE)}[damage]
+    os.unlink(path)
+    if damage.endswith("fifo"):
+        os.mkfifo(path)
+    else:
+        with open(path, "w") as f:
+            f.write('{"key": [')
+    before = tree(root)
+    done = bounded_cli("repartition", root, "--operator", "0", "--to", "3", timeout_s=30)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and path in lines[0], done.stderr
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize("journal", [
+    "[" * 100000 + "]" * 100000,  # JSON nested deeper than the parser's recursion allows
+    {"to_partitions": 10**12},  # a leftover naming 10**12 new partitions: their directories were walked one by one
+    {"to_partitions": "3"}, {"version": "x"}, {"stores": {"default": ["zz" * 8]}}, {"stores": ["default"]},
+    {"stores": {"../../elsewhere": ["ab" * 8, "cd" * 8]}},
+])
+def test_a_damaged_leftover_journal_is_skipped_promptly_and_the_run_succeeds(tmp_path, journal):
+    """A leftover repartition journal with a count or an id no run writes: skipped with a warning
+    (nothing deleted on its account), and the repartition goes on."""
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=2, batches=1)
+    journals = os.path.join(operator_files.operator_dir(root, 0), engine.JOURNAL_DIR)
+    os.makedirs(journals)
+    leftover = journal if isinstance(journal, str) else json.dumps(dict(
+        {"format": "statecore-repartition-1", "batch_id": 0, "version": 1, "from_partitions": 2, "to_partitions": 3,
+         "stores": {"default": ["ab" * 8] * 3}}, **journal))
+    with open(os.path.join(journals, "0123456789abcdef.json"), "w") as f:
+        f.write(leftover)
+    done = bounded_cli("repartition", root, "--operator", "0", "--to", "3")
+    assert done.returncode == 0, done.stderr
+    check_routed(read_at_record(root, 3), expected)
 
 
 def test_a_store_not_keyed_by_the_key_columns_is_refused_by_name(tmp_path):

@@ -11,6 +11,7 @@ import uuid
 
 import click
 
+from statecore import operator_files
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 from statecore.cli.output import BadInput, Unsound, bad_input, emit, main, progress
 from statecore.conf import StateStoreConf
@@ -37,6 +38,11 @@ def _operator_reads(checkpoint, operator_id, partition, version, store_name):
         plan = plan_read(checkpoint.location, operator_id, store_name, version)
     except FileNotFoundError as e:
         raise NotACheckpointError(str(e)) from None
+    except ValueError:
+        damage = _damaged_record(checkpoint.location, operator_id, version)
+        if damage is not None:
+            raise Unsound(f"{damage} (nothing was written; statecore verify lists every problem)") from None
+        raise
     partitions = plan.partitions
     if partition is not None:
         if partition not in partitions:
@@ -46,6 +52,23 @@ def _operator_reads(checkpoint, operator_id, partition, version, store_name):
     reads = [(p, StateStoreId(checkpoint.location, operator_id, p, store_name), plan.version,
               None if plan.commit_ids is None else plan.commit_ids[p]) for p in partitions]
     return reads, plan.key_schema, plan.value_schema, PARTITION_ID_COLUMN
+
+
+def _damaged_record(location, operator_id, version):
+    """The ValueError of the batch record a read of ``version`` (None: the newest) follows, if
+    that file is damaged (not JSON, not a batch record); None if it is sound or missing. A
+    damaged record is damaged state (exit 1), not bad input."""
+    records = operator_files.commit_log(operator_files.operator_dir(location, operator_id))
+    batch = records.latest() if version is None else version - 1
+    if batch is None or batch < 0:
+        return None
+    try:
+        operator_files.checked_record(records.read(batch), batch, records.path(batch))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        return e
+    return None
 
 
 def _store_reads(checkpoint, operator_id, partition, version, store_name):
@@ -129,13 +152,18 @@ def dump_command(checkpoint, operator_id, partition, version, store_name, fmt, o
     directory = os.path.dirname(out)
     if not os.path.isdir(directory):
         raise BadInput(f"the directory of --out {out} does not exist")
-    with bad_input(NotACheckpointError, VersionNotFoundError, ValueError):
+    with bad_input(NotACheckpointError, OSError):  # OSError: a symlink loop or a dangling link as CHECKPOINT
         found = scan_checkpoint(checkpoint)
+    with bad_input(NotACheckpointError, VersionNotFoundError, ValueError):
         plan = _store_reads if found.kind == "store" else _operator_reads
         reads, key, value, partition_column = plan(found, operator_id, partition, version, store_name)
     tmp = os.path.join(directory, f".{os.path.basename(out)}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        f = open(tmp, "xb")
+    except OSError as e:  # a name too long, a directory we may not write to
+        raise BadInput(f"--out {out} cannot be written: {e.strerror}") from None
+    try:
+        with f:
             with bad_input(NotTextError, VersionNotFoundError):
                 try:
                     rows = _write(reads, key, value, partition_column, fmt, f, rows_per_batch)
@@ -143,7 +171,8 @@ def dump_command(checkpoint, operator_id, partition, version, store_name, fmt, o
                     raise Unsound(f"{e} (nothing was written; statecore verify lists every problem)") from None
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out)
+        with bad_input(OSError):  # --out became a directory, or a file we may not replace
+            os.replace(tmp, out)
     except BaseException:
         try:
             os.unlink(tmp)

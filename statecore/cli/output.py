@@ -2,10 +2,13 @@
 codes a script can test, progress bars on stderr, and bad input turned into one clear line.
 
 Exit codes: :data:`OK` (0), :data:`FOUND_PROBLEMS` (1: the command ran and found the state
-unsound, e.g. ``verify``), :data:`USAGE` (2: bad arguments, click's own), :data:`BAD_INPUT`
-(3: the path, operator, partition or version given is not what the command needs; one line
-on stderr says what, and nothing was written). Any other failure is a Python traceback and
-exit code 1 (click's default for an unexpected exception).
+unsound, e.g. ``verify``, or could not read a file of it), :data:`USAGE` (2: bad arguments,
+click's own), :data:`BAD_INPUT` (3: the path, operator, partition or version given is not what
+the command needs; one line on stderr says what, and nothing was written). A subcommand that
+meets a damaged file (StateCorruptionError), a file refused unread (UnsafeFileError: a FIFO, a
+device, a directory, an oversize file) or a failing system call (OSError: a symlink loop, a
+dangling link) it did not handle itself exits 1 with that one line too: the group turns them
+into :class:`Unsound`, so no subcommand prints a traceback for them.
 """
 import contextlib
 import json
@@ -15,6 +18,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from statecore.errors import StateCorruptionError, UnsafeFileError
 
 __all__ = ["main", "OK", "FOUND_PROBLEMS", "USAGE", "BAD_INPUT", "BadInput", "Unsound", "bad_input", "emit",
            "progress", "print_table"]
@@ -46,7 +51,18 @@ def bad_input(*errors):
         raise BadInput(str(message)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _CommandGroup(click.Group):
+    """The group of subcommands: damage, a refused file or an OS error that a subcommand did
+    not turn into an exit code itself becomes :class:`Unsound` (one line, exit code 1)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (StateCorruptionError, UnsafeFileError, OSError) as e:
+            raise Unsound(str(e)) from None
+
+
+@click.group(cls=_CommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="statecore")
 def main():
     """Inspect, verify, dump, repartition and import statecore checkpoints."""

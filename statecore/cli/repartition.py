@@ -26,7 +26,7 @@ def repartition_command(checkpoint, operator_id, num_partitions, as_json):
     with contextlib.ExitStack() as locked:
         try:
             plan = locked.enter_context(engine.planned(checkpoint, operator_id, num_partitions, StateStoreConf()))
-        except (engine.RepartitionError, OperatorLockedError, FileNotFoundError, NotADirectoryError) as e:
+        except (engine.RepartitionError, OperatorLockedError, OSError) as e:  # OSError: no CHECKPOINT, a symlink loop
             raise BadInput(str(e)) from None
         engine.prepare(plan)
         with progress("reading old partitions", total=len(plan.stores) * plan.from_partitions) as advance:
