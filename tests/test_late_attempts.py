@@ -13,10 +13,12 @@ import pytest
 from statecore import CommitConflictError, StateStoreConf, StateStoreId, create_and_init_provider
 from statecore import operator_files
 from statecore.checkpoint import CheckpointFiles
+from statecore.schema import key_value_schemas
 from tests.store_support import commit_batch, contents, open_provider, store_dir
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("v", "<i8")])
+KEY_SCHEMA, VALUE_SCHEMA = key_value_schemas(KEY, VALUE)
 
 
 def provider(root):
@@ -150,6 +152,7 @@ def test_the_record_a_repartition_left_in_operator_json_protects_its_files(tmp_p
     files = CheckpointFiles(operator_files.operator_dir(str(tmp_path), 0))
     files.write_json(operator_files.OPERATOR_METADATA_FILE, {
         "format": operator_files.METADATA_FORMAT, "operator_id": 0, "num_partitions": 1,
+        "key_schema": KEY_SCHEMA.describe(), "value_schema": VALUE_SCHEMA.describe(),
         operator_files.REPARTITION_KEY: {"batch_id": 3, "from_partitions": 2, "record": moved}})
     before = files_of(tmp_path)
     late = provider(tmp_path).get_store(2)

@@ -349,6 +349,7 @@ def test_metadata_naming_too_many_partitions_is_refused_promptly(tmp_path):
     with open(path) as f:
         metadata = json.load(f)
     metadata["num_partitions"] = 10**12
+    metadata.pop("checksum", None)  # as a file written before checksums: only the count is wrong
     with open(path, "w") as f:
         json.dump(metadata, f)
     before = tree(root)
