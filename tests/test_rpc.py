@@ -112,7 +112,10 @@ def make_env():
 
 
 class Recorder(RpcEndpoint):
-    """Records one-way ("add", sender, seq) messages; answers asks about them."""
+    """Records one-way ("add", sender, seq) messages; answers asks about them. Takes plain
+    values up to the default frame limit (values of 1 MiB round-trip through it)."""
+
+    max_message_bytes = rpc.DEFAULT_MAX_FRAME_BYTES
 
     def __init__(self):
         self.seen = {}
@@ -1385,8 +1388,9 @@ def test_a_peer_that_never_reads_its_replies_holds_up_no_one(make_env):
     """A peer asks for 16 MiB of replies and reads none; its asks are queued (the endpoint is
     busy), so another thread than its reader answers them, as under load. Then 200 clients
     connect and hang up while a good client asks: its p99 stays under 100 ms, and the bad
-    peer's replies wait in the server's backlog all along (its socket buffers are full)."""
-    env = make_env()
+    peer's replies wait in the server's backlog all along (its socket buffers are full; it is
+    given far longer than the test to read them)."""
+    env = make_env(reply_stall_s=600)
     tally = Tally()
     env.setup_endpoint("tally", tally)
     blocked = block_endpoint(env, tally)
@@ -1453,9 +1457,9 @@ def test_replies_a_slow_peer_reads_late_arrive_whole(make_env):
         assert not conn.dropped
 
 
-def test_a_peer_that_never_reads_is_dropped_past_the_backlog_bound_or_the_io_timeout(make_env, logs):
+def test_a_peer_that_never_reads_is_dropped_past_the_backlog_bound_or_the_reply_stall(make_env, logs):
     by_bytes = make_env(max_reply_backlog_bytes=2 << 20)
-    by_time = make_env(io_timeout_s=0.5)  # the default bound (16 MiB) is not reached by 16 x 1 MiB
+    by_time = make_env(reply_stall_s=0.5)  # the default bound (16 MiB) is not reached by 16 x 1 MiB
     for env in (by_bytes, by_time):
         env.setup_endpoint("tally", Tally())
     with unread_asker(by_bytes, 64, 1 << 20) as bad:  # far more than the socket buffers take
@@ -1467,9 +1471,224 @@ def test_a_peer_that_never_reads_is_dropped_past_the_backlog_bound_or_the_io_tim
     good = by_time.endpoint_ref(by_time.address, "tally")
     with unread_asker(by_time, 16, 1 << 20) as bad:
         assert good.ask(("echo", 2)) == ["echo", 2]
-        logs.wait_for("dropped", "read none of its replies for 0.5 s")
+        logs.wait_for("dropped", "of its replies in 0.5 s, less than 262144")
         assert_closed_by_server(bad)
     assert good.ask(("echo", 3)) == ["echo", 3]
+
+
+def test_a_peer_that_never_reads_is_dropped_within_seconds_by_default(make_env, logs):
+    """With the default settings, a peer that asks for 16 MiB of replies and reads none (under
+    the backlog bound, so only time can tell) is dropped a few seconds after its socket stopped
+    taking them, not after the io timeout (30 s); a good client is served meanwhile."""
+    env = make_env()
+    env.setup_endpoint("tally", Tally())
+    good = env.endpoint_ref(env.address, "tally")
+    with unread_asker(env, 16, 1 << 20) as bad:
+        conn = served(env, bad)
+        wait_until(lambda: conn.backlog_bytes > 0)
+        stalled_at = time.monotonic()
+        assert good.ask(("echo", 1)) == ["echo", 1]
+        logs.wait_for("dropped", "of its replies in 3 s, less than 262144")
+        assert time.monotonic() - stalled_at < rpc.DEFAULT_REPLY_STALL_S + 2
+        assert_closed_by_server(bad)
+    assert good.ask(("echo", 2)) == ["echo", 2]
+
+
+def empty_lists(n):
+    """A MessagePack array of ``n`` empty arrays (5 + n bytes): one object per byte, the plain
+    value that costs the most to decode per byte."""
+    return b"\xdd" + struct.pack(">I", n) + b"\x90" * n
+
+
+def test_a_megabyte_of_nested_values_to_an_untyped_endpoint_is_refused_before_decoding(make_env, logs):
+    """A peer asks an untyped endpoint with a message of a million empty lists (decoding it
+    would hold the interpreter for a good part of a second): it is dropped before the message
+    is decoded, its ask answered with the bound that was broken. A message at the bound is
+    taken, and an endpoint that declares a larger bound takes the larger one."""
+    env = make_env()
+    tally = Tally()
+    env.setup_endpoint("tally", tally)
+    bound = rpc.DEFAULT_MAX_UNTYPED_MESSAGE_BYTES
+    with raw_connect(env) as sock:
+        raw_handshake(sock, env.authkey)
+        sock.sendall(raw_frame(ASK, 1, "tally", message=empty_lists(1 << 20)))
+        kind, request_id, error, remote_type, text, _ = msgspec.msgpack.decode(read_frame(sock))
+        assert (kind, request_id, error, remote_type) == (ERROR, 1, "RpcProtocol", "")
+        assert f"a message of {(1 << 20) + 5} bytes to 'tally' exceeds the {bound} bytes Tally takes" in text
+        assert_closed_by_server(sock)
+    logs.wait_for("dropped", f"exceeds the {bound} bytes Tally takes")
+    assert tally.asks == 0
+    with raw_connect(env) as sock:  # exactly at the bound
+        raw_handshake(sock, env.authkey)
+        sock.sendall(raw_frame(ASK, 2, "tally", message=empty_lists(bound - 5)))
+        assert msgspec.msgpack.decode(read_frame(sock)) == [REPLY, 2, [[]] * (bound - 5)]
+    assert tally.asks == 1
+
+    class Roomy(Tally):
+        max_message_bytes = 2 << 20
+
+    env.setup_endpoint("roomy", Roomy())
+    with raw_connect(env) as sock:
+        raw_handshake(sock, env.authkey, limit=4 << 20)
+        sock.sendall(raw_frame(ASK, 3, "roomy", message=empty_lists(1 << 20)))
+        assert msgspec.msgpack.decode(read_frame(sock)) == [REPLY, 3, [[]] * (1 << 20)]
+
+
+@pytest.mark.parametrize("bound", [0, -1, 1.5, "64k"])
+def test_an_endpoint_bound_that_is_no_positive_int_is_refused_at_setup(make_env, bound):
+    env = make_env()
+
+    class Odd(Tally):
+        max_message_bytes = bound
+
+    with pytest.raises(ValueError, match=f"max_message_bytes of Odd must be an int >= 1 or None, got {bound!r}"):
+        env.setup_endpoint("odd", Odd())
+    env.setup_endpoint("odd", Tally())  # the name was not taken
+
+
+FLOOD_SCRIPT = """
+import hmac, os, socket, struct, sys, threading, time
+import msgspec
+from statecore import rpc
+
+host, port, key, seconds = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]), float(sys.argv[4])
+address, pack = (host, port), msgspec.msgpack.encode
+stop_at = time.monotonic() + seconds
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("closed")
+        data += chunk
+    return data
+
+
+def frame(body):
+    return struct.pack(">I", len(body)) + body
+
+
+def connect(rcvbuf=None):
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(5)
+    sock.connect(address)
+    _, server_nonce = msgspec.msgpack.decode(recv_exact(sock, struct.unpack(">I", recv_exact(sock, 4))[0]))
+    nonce, limit = os.urandom(32), 16 << 20
+    proof = hmac.digest(key, b"statecore-rpc client" + server_nonce + nonce + struct.pack(">I", limit), "sha256")
+    sock.sendall(frame(pack(["statecore-rpc/2", nonce, limit, proof])))
+    recv_exact(sock, struct.unpack(">I", recv_exact(sock, 4))[0])
+    return sock
+
+
+n = (16 << 20) - 128  # 16 M small ints: a plain value of 16 MiB
+big = frame(pack([1, "sink", msgspec.Raw(b"\\xdd" + struct.pack(">I", n) + bytes(range(128)) * (n // 128))]))
+counts = {"big": 0, "unread": 0, "flood": 0}
+RECONNECT_PAUSE_S = 0.05  # a dropped bad peer comes back 20 times a second at most
+
+
+def big_frames():  # 16 MiB plain values to the untyped endpoint, reconnecting whenever dropped
+    while time.monotonic() < stop_at:
+        try:
+            with connect() as sock:
+                while time.monotonic() < stop_at:
+                    sock.sendall(big)
+                    counts["big"] += 1
+        except (OSError, EOFError):
+            time.sleep(RECONNECT_PAUSE_S)
+
+
+def unread():  # asks for 1 MiB replies and never reads one, reconnecting whenever dropped
+    request_id = 0
+    while time.monotonic() < stop_at:
+        try:
+            with connect(rcvbuf=4096) as sock:
+                while time.monotonic() < stop_at:
+                    request_id += 1
+                    sock.sendall(frame(pack([2, request_id, "sink", ["big", 1 << 20]])))
+                    counts["unread"] += 1
+        except (OSError, EOFError):
+            time.sleep(RECONNECT_PAUSE_S)
+
+
+def flood(k):  # a reading client of its own connection: 100 sends, then an ask
+    ref = rpc.RpcEnv(port=0).endpoint_ref(address, "sink", key)
+    message = ("file:///tmp/checkpoint/state", 0, 17, "default", "3f9c1a52", "10.0.0.17", "executor-3")
+    while time.monotonic() < stop_at:
+        for _ in range(100):
+            ref.send(message)
+        assert ref.ask(("echo", k)) == ["echo", k]
+        counts["flood"] += 100
+
+
+threads = [threading.Thread(target=big_frames), threading.Thread(target=unread)]
+threads += [threading.Thread(target=flood, args=(k,)) for k in range(8)]
+for t in threads:
+    t.start()
+print("started", flush=True)
+for t in threads:
+    t.join()
+print(counts["big"], counts["unread"], counts["flood"], flush=True)
+os._exit(0)
+"""
+
+
+class Sink(RpcEndpoint):
+    """An untyped endpoint: takes any one-way message, echoes asks, answers ("big", n) with n bytes."""
+
+    def receive(self, message):
+        pass
+
+    def receive_and_reply(self, message):
+        return b"x" * message[1] if message[0] == "big" else message
+
+
+ASK_PERIOD_S = 0.01
+
+
+def test_bad_peers_and_a_flood_beside_them_keep_a_good_clients_asks_under_100_ms(make_env, logs):
+    """Three kinds of peers at once, from another process that stops by itself: one sends 16 MiB
+    plain values to an untyped endpoint, one asks for 1 MiB replies and never reads them (both
+    reconnect whenever dropped), and 8 connections flood that endpoint (100 sends, then an ask,
+    in a loop). The coordinator's good client asks every 10 ms all along: its p99 stays under
+    100 ms, and both bad peers were dropped, each for what it did."""
+    from statecore.coordinator import StateStoreCoordinatorRef
+    env = make_env()
+    env.setup_endpoint("sink", Sink())
+    StateStoreCoordinatorRef.for_driver(env)
+    good = StateStoreCoordinatorRef.for_executor(env.address, env.authkey)
+    provider = statecore.StateStoreProviderId(statecore.StateStoreId("/ckpt", 0, 1), uuid.uuid4())
+    good.report_active_instance(provider, "host", "1")
+    seconds = 8.0
+    with subprocess.Popen([sys.executable, "-c", FLOOD_SCRIPT, env.address[0], str(env.address[1]),
+                           env.authkey.hex(), str(seconds)], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT}) as peers:
+        try:
+            assert peers.stdout.readline() == "started\n"
+            # One ask every 10 ms, each timed from when it was due: an ask held up for a second
+            # delays the hundred due meanwhile, as it would a client on a timer.
+            latencies, pace, start = [], threading.Event(), time.perf_counter()
+            while peers.poll() is None:
+                due = start + len(latencies) * ASK_PERIOD_S
+                pace.wait(due - time.perf_counter())  # pacing only: nothing sets it
+                assert good.get_location(provider) == "executor_host_1"
+                latencies.append(time.perf_counter() - due)
+            counts = [int(c) for c in peers.stdout.read().split()]
+        finally:
+            peers.kill()  # nothing to do once it has stopped by itself
+    assert peers.returncode == 0 and len(counts) == 3 and min(counts) > 0, counts
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    print(f"\ngood client: {len(latencies)} asks beside the bad peers (sent {counts[0]} big frames, "
+          f"{counts[1]} unread asks, {counts[2]} flood messages); p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
+          f"max {latencies[-1] * 1e3:.2f} ms")
+    assert len(latencies) >= 200
+    assert p99 < 0.1, f"p99 {p99 * 1e3:.1f} ms"
+    logs.wait_for("dropped", "bytes to 'sink' exceeds the 65536 bytes Sink takes")
+    logs.wait_for("dropped", "of replies unread")
 
 
 class FailingThreads:
