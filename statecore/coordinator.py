@@ -31,7 +31,8 @@ from statecore import rpc
 from statecore.errors import EndpointAlreadyRegisteredError
 from statecore.ids import StateStoreId, StateStoreProviderId
 
-__all__ = ["ENDPOINT_NAME", "REPORT_IDS_PER_MESSAGE", "StateStoreCoordinator", "StateStoreCoordinatorRef", "executor_location",
+__all__ = ["ENDPOINT_NAME", "REPORT_IDS_PER_MESSAGE", "StateStoreCoordinator", "StateStoreCoordinatorRef",
+           "executor_location",
            "parse_executor_location", "executor_of", "same_executor",
            "provider_id_from_message", "provider_id_to_message", "ProviderId", "CoordinatorMessage",
            "ReportActiveInstance", "VerifyIfInstanceActive", "GetLocation", "DeactivateInstances", "StopCoordinator"]

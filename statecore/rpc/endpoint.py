@@ -9,8 +9,8 @@ import traceback
 from typing import Any
 
 from statecore.rpc.wire import (_Ask, check_value, _DECODE_ERRORS, _decoder, DEFAULT_MAX_QUEUED_BYTES,
-                                DEFAULT_MAX_QUEUED_MESSAGES, DEFAULT_MAX_UNTYPED_MESSAGE_BYTES, _error_frame, _frame, _REFUSED, _REMOTE_NAMES, _Reply,
-                                _type_name, _undecodable, _where)
+                                DEFAULT_MAX_QUEUED_MESSAGES, DEFAULT_MAX_UNTYPED_MESSAGE_BYTES, _error_frame, _frame,
+                                _REFUSED, _REMOTE_NAMES, _Reply, _type_name, _undecodable, _where)
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class _Dispatcher:
         """Drop ``conn`` for a message its endpoint does not take (logged with ``reason``). An
         ask is answered first with an RpcProtocolError, after the replies its reader holds."""
         refusal = None
-        if type(envelope) is _Ask:  # remote_type "": the RPC layer's own; with this name, the asker's connection is done
+        if type(envelope) is _Ask:  # remote_type "": the RPC layer refused it; the asker drops its connection
             refusal = _error_frame(envelope.request_id, _REFUSED, "", f"{reason} (the server at {self.where} "
                                    f"dropped the connection)", limit=conn.peer_max_frame)
         if conn.pending and conn.reader_ident == threading.get_ident():
