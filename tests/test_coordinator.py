@@ -242,8 +242,9 @@ def test_an_executor_holding_ten_thousand_stores_reports_them_in_bounded_message
     ref = StateStoreCoordinatorRef.for_driver(env)
     run = uuid.uuid4()
     ids = [pid(partition=i, run=run) for i in range(10000)]
-    for p in ids[::2]:
-        coordinator.instances[provider_id_to_message(p)] = ("10.0.0.9", "2")
+    for p in ids[::2]:  # before any RPC: called directly
+        report(coordinator, p, "10.0.0.9", "2")
+    coordinator.checked.clear()
     assert ref.report_active_instance(pid(partition=10000, run=run), "127.0.0.1", "1", ids) == ids[::2]
     assert coordinator.checked == [REPORT_IDS_PER_MESSAGE, REPORT_IDS_PER_MESSAGE, 10000 - 2 * REPORT_IDS_PER_MESSAGE]
     assert ref.get_location(pid(partition=10000, run=run)) == "executor_127.0.0.1_1"
