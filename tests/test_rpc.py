@@ -1475,6 +1475,43 @@ def test_a_peer_that_never_reads_is_dropped_past_the_backlog_bound_or_the_reply_
         assert_closed_by_server(bad)
     assert good.ask(("echo", 3)) == ["echo", 3]
 
+def test_a_16_mib_frame_arriving_in_pieces_is_received_into_one_buffer_of_its_size():
+    """A peer's 16 MiB frame comes in 64 KiB pieces, a caller's deadline passing in the middle,
+    then small frames behind it: the large body is received straight into a buffer of its
+    size (not regrown and copied as it arrives: that held the interpreter for tens of ms per
+    frame), kept across the deadline, and every frame comes out whole and in order."""
+    big = bytes(range(256)) * (1 << 16)
+    stream = b"".join(frame(body) for body in (b"first", big, b"after", b"x" * 70000))
+    cut = len(frame(b"first")) + 4 + (1 << 20)  # the first frame and 1 MiB of the big one
+    server, client = socket.socketpair()
+    resume = threading.Event()
+
+    def write():
+        server.sendall(stream[:cut])
+        assert resume.wait(DEADLINE_S)
+        for i in range(cut, len(stream), 65536):
+            server.sendall(stream[i:i + 65536])
+
+    with server, client:
+        reader = wire._FrameReader(client, 32 << 20, DEADLINE_S)
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            assert reader.read() == b"first"
+            deadline = time.monotonic() + DEADLINE_S
+            while reader._body is None or reader._filled < (1 << 20):  # white box: the 1 MiB sent so far
+                assert reader.read(deadline=time.monotonic() + 0.01) is None  # the rest has not come
+                assert time.monotonic() < deadline
+            assert type(reader._body) is bytearray and len(reader._body) == len(big)  # a buffer of its size
+        finally:
+            resume.set()
+        body = reader.read()
+        writer.join(DEADLINE_S)
+        assert body == big and len(body) == len(big)
+        assert reader.read() == b"after"
+        assert reader.read() == b"x" * 70000
+        assert not reader.has_frame() and reader._body is None
+
 
 def test_a_peer_that_never_reads_is_dropped_within_seconds_by_default(make_env, logs):
     """With the default settings, a peer that asks for 16 MiB of replies and reads none (under

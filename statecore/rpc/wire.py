@@ -225,10 +225,16 @@ class _Stalled(Exception):
     """A frame began but did not complete within the io timeout."""
 
 
+_FILL_IN_PLACE_BYTES = 2**16  # a frame body at least this big that spans reads is received into its own buffer
+
+
 class _FrameReader:
     """Reads frames from a blocking socket. A frame cut short by a caller's deadline stays
     buffered for the next call; one not complete ``io_timeout_s`` after its first byte
-    raises :class:`_Stalled`."""
+    raises :class:`_Stalled`. A large frame that spans reads is received straight into a
+    buffer of its size (``_body``), which is what ``read`` returns: gathering it piece by
+    piece would copy it over and over as the buffer grows (a 16 MiB frame holds the
+    interpreter for tens of ms that way)."""
 
     def __init__(self, sock, max_frame_bytes, io_timeout_s):
         self._sock = sock
@@ -237,6 +243,8 @@ class _FrameReader:
         self._buf = b""  # received bytes from _pos on are unread (bytes, or a bytearray while a frame spans reads)
         self._pos = 0
         self._started = None  # monotonic time of the first byte of the frame being read
+        self._body = None  # the bytearray a large frame's body is received into, or None
+        self._filled = 0  # bytes of _body received so far
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._recv_timeout = 0.0  # the socket's SO_RCVTIMEO (0: none)
@@ -265,24 +273,37 @@ class _FrameReader:
     def read(self, deadline=None):
         """The next frame's body, or None once ``deadline`` (monotonic; None: none) passed.
         EOFError at the end of the stream. Frames that came in one ``recv`` are sliced out
-        of it one by one (one copy each); only a frame spread over several reads is gathered."""
+        of it one by one (one copy each); only a frame spread over several reads is gathered
+        (a large one in its own bytearray, returned as it is)."""
         while True:
-            buf, pos = self._buf, self._pos
-            have = len(buf) - pos
-            if have >= 4:
-                size = _unpack_u32(buf, pos)[0]
-                if size > self._max:
-                    raise RpcProtocolError(f"frame of {size} bytes exceeds the limit of {self._max} bytes")
-                end = pos + 4 + size
-                if have >= 4 + size:
-                    if end < len(buf):
-                        self._pos, self._started = end, time.monotonic()
-                    else:  # all read: let go of the buffer (it may be a large one)
-                        self._buf, self._pos, self._started = b"", 0, None
-                    return buf[pos + 4:end]
-                need = 4 + size - have
+            body = self._body
+            if body is not None:
+                if self._filled == len(body):
+                    self._body, self._started = None, None
+                    return body
+                have, need = 4 + self._filled, len(body) - self._filled
             else:
-                need = 4 - have
+                buf, pos = self._buf, self._pos
+                have = len(buf) - pos
+                if have >= 4:
+                    size = _unpack_u32(buf, pos)[0]
+                    if size > self._max:
+                        raise RpcProtocolError(f"frame of {size} bytes exceeds the limit of {self._max} bytes")
+                    end = pos + 4 + size
+                    if have >= 4 + size:
+                        if end < len(buf):
+                            self._pos, self._started = end, time.monotonic()
+                        else:  # all read: let go of the buffer (it may be a large one)
+                            self._buf, self._pos, self._started = b"", 0, None
+                        return buf[pos + 4:end]
+                    if size >= _FILL_IN_PLACE_BYTES:  # the rest goes straight into a buffer of its size
+                        body = self._body = bytearray(size)
+                        self._filled = have - 4
+                        body[:self._filled] = memoryview(buf)[pos + 4:]
+                        self._buf, self._pos = b"", 0
+                    need = 4 + size - have
+                else:
+                    need = 4 - have
             if have:  # in the middle of a frame: it must complete within the io timeout
                 if self._started is None:
                     self._started = time.monotonic()
@@ -305,6 +326,13 @@ class _FrameReader:
             elif self._recv_timeout:
                 self._wait_at_most(0.0)
             try:
+                if body is not None:
+                    with memoryview(body) as view:
+                        got = self._sock.recv_into(view[self._filled:])
+                    if not got:
+                        raise EOFError(f"connection closed in the middle of a frame ({have} bytes)")
+                    self._filled += got
+                    continue
                 data = self._sock.recv(max(need, 65536))
             except BlockingIOError:  # SO_RCVTIMEO ran out: look at the deadline again
                 continue
