@@ -232,9 +232,9 @@ class _FrameReader:
     """Reads frames from a blocking socket. A frame cut short by a caller's deadline stays
     buffered for the next call; one not complete ``io_timeout_s`` after its first byte
     raises :class:`_Stalled`. A large frame that spans reads is received straight into a
-    buffer of its size (``_body``), which is what ``read`` returns: gathering it piece by
-    piece would copy it over and over as the buffer grows (a 16 MiB frame holds the
-    interpreter for tens of ms that way)."""
+    buffer of its size (``_body``, which is what ``read`` returns), in one ``MSG_WAITALL``
+    call bounded by ``SO_RCVTIMEO``: gathered piece by piece it would be copied over and over
+    as the buffer grows, and each piece would take the interpreter back."""
 
     def __init__(self, sock, max_frame_bytes, io_timeout_s):
         self._sock = sock
@@ -311,6 +311,17 @@ class _FrameReader:
                 if deadline is not None and deadline < until:
                     until, stalling = deadline, False
                 remaining = until - time.monotonic()
+                if body is not None and remaining > 0:  # the rest of a large frame: one call, within the time left
+                    self._wait_at_most(remaining)
+                    try:
+                        with memoryview(body) as view:
+                            got = self._sock.recv_into(view[self._filled:], 0, socket.MSG_WAITALL)
+                    except BlockingIOError:  # SO_RCVTIMEO ran out with nothing received
+                        continue
+                    if not got:
+                        raise EOFError(f"connection closed in the middle of a frame ({have} bytes)")
+                    self._filled += got
+                    continue
                 if remaining <= 0 or not self._poll.poll(int(remaining * 1000) + 1):
                     if time.monotonic() < until:
                         continue  # poll rounds down on some kernels; wait out the rest
@@ -326,13 +337,6 @@ class _FrameReader:
             elif self._recv_timeout:
                 self._wait_at_most(0.0)
             try:
-                if body is not None:
-                    with memoryview(body) as view:
-                        got = self._sock.recv_into(view[self._filled:])
-                    if not got:
-                        raise EOFError(f"connection closed in the middle of a frame ({have} bytes)")
-                    self._filled += got
-                    continue
                 data = self._sock.recv(max(need, 65536))
             except BlockingIOError:  # SO_RCVTIMEO ran out: look at the deadline again
                 continue
