@@ -267,7 +267,7 @@ class RpcEnv:
 
     ``max_frame_bytes`` bounds a frame either way, ``io_timeout_s`` how long a started frame
     (or a blocked write, or a send waiting for room in a full outbox) may take,
-    ``reply_stall_s`` how long a peer may take none of its unsent replies,
+    ``reply_stall_s`` how long a peer may take less than 256 KiB of its unsent replies,
     ``handshake_timeout_s`` how long a new peer may take to authenticate; a peer breaking
     any of them is disconnected and logged, others go on. Flow
     control (see docs/rpc.md): ``max_queued_messages`` and ``max_queued_bytes``

@@ -20,7 +20,7 @@ DEFAULT_MAX_OUTBOX_BYTES = 2**20
 DEFAULT_MAX_QUEUED_MESSAGES = 1000
 DEFAULT_MAX_QUEUED_BYTES = 4 * 2**20
 DEFAULT_MAX_REPLY_BACKLOG_BYTES = 16 * 2**20
-DEFAULT_REPLY_STALL_S = 3.0  # a peer with replies waiting that takes none of them this long is dropped
+DEFAULT_REPLY_STALL_S = 3.0  # a peer with replies waiting that takes under 256 KiB of them this long is dropped
 # An untyped (``Any``) endpoint's messages are at most this big unless it says otherwise: a plain value
 # can decode to one object per byte, and its decode holds the interpreter (see docs/rpc.md, Messages).
 DEFAULT_MAX_UNTYPED_MESSAGE_BYTES = 64 * 2**10
