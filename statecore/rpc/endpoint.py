@@ -101,8 +101,7 @@ class _Dispatcher:
         ``conn``'s share of the queue is at a bound. False once the endpoint is stopped. A
         message over the endpoint's bound drops ``conn`` before anything is queued."""
         if len(envelope.message) > self.max_message_bytes:
-            self._refuse(conn, envelope, f"a message of {len(envelope.message)} bytes to {self.name!r} exceeds the "
-                                         f"{self.max_message_bytes} bytes {type(self.endpoint).__name__} takes")
+            self.refuse_oversize(conn, envelope.request_id if type(envelope) is _Ask else None, len(envelope.message))
             return True
         with self.lock:
             while True:
@@ -211,12 +210,22 @@ class _Dispatcher:
             except Exception:
                 log.exception("on_stop of endpoint %r at %s failed", self.name, self.where)
 
-    def _refuse(self, conn, envelope, reason):
+    def refuse_oversize(self, conn, request_id, size):
+        """Drop ``conn`` if a message of ``size`` encoded bytes is over the endpoint's bound
+        (``request_id``: the ask's, None for a send); whether it was."""
+        if size <= self.max_message_bytes:
+            return False
+        self._refuse(conn, request_id, f"a message of {size} bytes to {self.name!r} exceeds the "
+                                       f"{self.max_message_bytes} bytes {type(self.endpoint).__name__} takes")
+        return True
+
+    def _refuse(self, conn, request_id, reason):
         """Drop ``conn`` for a message its endpoint does not take (logged with ``reason``). An
-        ask is answered first with an RpcProtocolError, after the replies its reader holds."""
+        ask (``request_id`` not None) is answered first with an RpcProtocolError, after the
+        replies its reader holds."""
         refusal = None
-        if type(envelope) is _Ask:  # remote_type "": the RPC layer refused it; the asker drops its connection
-            refusal = _error_frame(envelope.request_id, _REFUSED, "", f"{reason} (the server at {self.where} "
+        if request_id is not None:  # remote_type "": the RPC layer refused it; the asker drops its connection
+            refusal = _error_frame(request_id, _REFUSED, "", f"{reason} (the server at {self.where} "
                                    f"dropped the connection)", limit=conn.peer_max_frame)
         if conn.pending and conn.reader_ident == threading.get_ident():
             conn.flush()
@@ -229,7 +238,7 @@ class _Dispatcher:
         try:
             message = self.decoder.decode(envelope.message)
         except _DECODE_ERRORS as e:
-            self._refuse(conn, envelope, str(_undecodable(
+            self._refuse(conn, envelope.request_id if asking else None, str(_undecodable(
                 e, f"a message to {self.name!r} is not one {type(self.endpoint).__name__} takes")))
             return
         self.handler_ident = threading.get_ident()

@@ -15,9 +15,9 @@ from statecore.errors import AuthenticationError, EndpointAlreadyRegisteredError
 from statecore.rpc.wire import (_check_name, _DECODE_ERRORS, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT_S,
                                 DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_OUTBOX_BYTES,
                                 DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_MESSAGES, DEFAULT_MAX_REPLY_BACKLOG_BYTES,
-                                DEFAULT_REPLY_STALL_S,
-                                _error_frame, _FrameReader, _MAX_U32, _MIN_FRAME_BYTES, _normalize_authkey, _Send,
-                                _server_envelopes, _Stalled, _tune, _undecodable, _where)
+                                DEFAULT_REPLY_STALL_S, _envelope_head, _error_frame, _FrameReader, _MAX_U32,
+                                _MIN_FRAME_BYTES, _normalize_authkey, _Send, _server_envelopes, _Stalled, _tune,
+                                _undecodable, _where)
 from statecore.rpc.handshake import _server_handshake
 from statecore.rpc.client import _ConnectionPool, RpcEndpointRef
 from statecore.rpc.endpoint import _Dispatcher
@@ -468,6 +468,18 @@ class RpcEnv:
             raise _AcceptFailed(f"could not start a thread for {_where(peer)} (closed the connection): {e}") from None
         return True
 
+    def _vetter(self, conn):
+        """The reader's ``vet`` for ``conn``: a large frame whose head names an endpoint that
+        takes no message that big drops ``conn`` before the rest of it is read."""
+        def vet(size, head):
+            parsed = _envelope_head(head)
+            if parsed is not None:
+                request_id, name, offset = parsed
+                dispatcher = self._endpoints.get(name)
+                if dispatcher is not None and dispatcher.refuse_oversize(conn, request_id, size - offset):
+                    raise EOFError("dropped before the rest of the frame was read")  # the reader stops, quietly
+        return vet
+
     def _serve(self, sock, peer):
         """A connection's reader: handshake, then each frame to its endpoint (see _Dispatcher)."""
         where = _where(peer)
@@ -492,7 +504,7 @@ class RpcEnv:
             conn = _ServerConnection(sock, peer, peer_max, self)
             with self._lock:
                 self._served[peer] = conn
-            reader = _FrameReader(sock, self.max_frame_bytes, self.io_timeout_s)
+            reader = _FrameReader(sock, self.max_frame_bytes, self.io_timeout_s, vet=self._vetter(conn))
             endpoints = self._endpoints
             while not conn.dropped:
                 if conn.pending and not reader.has_frame():
