@@ -13,7 +13,9 @@ Every message is request/reply, as in Spark since 3.2. The messages are the
 :data:`CoordinatorMessage` (anything else drops the sender's connection: see
 :mod:`statecore.rpc`); a provider id travels as a :class:`ProviderId`, made and read by
 :func:`provider_id_to_message` and :func:`provider_id_from_message`, the one place that
-conversion is defined.
+conversion is defined. A report checks at most :data:`REPORT_IDS_PER_MESSAGE` ids in one
+message (a longer one does not decode, so one report holds the endpoint for a bounded time);
+the ref splits a longer list over several reports.
 
 Thread-safety: the endpoint is driven by :mod:`statecore.rpc`, which hands it one message at
 a time, so it keeps no lock; do not call its handlers from several threads yourself. A
@@ -21,7 +23,7 @@ a time, so it keeps no lock; do not call its handlers from several threads yours
 """
 import logging
 import uuid
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
 
@@ -29,7 +31,8 @@ from statecore import rpc
 from statecore.errors import EndpointAlreadyRegisteredError
 from statecore.ids import StateStoreId, StateStoreProviderId
 
-__all__ = ["ENDPOINT_NAME", "StateStoreCoordinator", "StateStoreCoordinatorRef", "executor_location",
+__all__ = ["ENDPOINT_NAME", "REPORT_IDS_PER_MESSAGE", "StateStoreCoordinator", "StateStoreCoordinatorRef",
+           "executor_location",
            "parse_executor_location", "executor_of", "same_executor",
            "provider_id_from_message", "provider_id_to_message", "ProviderId", "CoordinatorMessage",
            "ReportActiveInstance", "VerifyIfInstanceActive", "GetLocation", "DeactivateInstances", "StopCoordinator"]
@@ -37,12 +40,15 @@ __all__ = ["ENDPOINT_NAME", "StateStoreCoordinator", "StateStoreCoordinatorRef",
 log = logging.getLogger(__name__)
 
 ENDPOINT_NAME = "StateStoreCoordinator"
+REPORT_IDS_PER_MESSAGE = 4096  # provider ids one ReportActiveInstance checks (docs/rpc.md, Messages)
 
 
 # -- messages ----------------------------------------------------------------------------------
 
-class ProviderId(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """A StateStoreProviderId on the wire: ``[root, operator, partition, store name, run id]``."""
+class ProviderId(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False):
+    """A StateStoreProviderId on the wire: ``[root, operator, partition, store name, run id]``;
+    also the coordinator's key (hashable, equal when the provider ids are). Its fields hold no
+    references to containers, so the garbage collector need not track it (``gc=False``)."""
 
     checkpoint_root_location: str
     operator_id: int
@@ -53,12 +59,12 @@ class ProviderId(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
 
 class ReportActiveInstance(rpc.Message):
     """This executor loaded ``provider_id``; the reply lists those of ``provider_ids_to_check``
-    that are active on another executor."""
+    that are active on another executor (at most REPORT_IDS_PER_MESSAGE of them)."""
 
     provider_id: ProviderId
     host: str
     executor_id: str
-    provider_ids_to_check: list[ProviderId]
+    provider_ids_to_check: Annotated[list[ProviderId], msgspec.Meta(max_length=REPORT_IDS_PER_MESSAGE)]
 
 
 class VerifyIfInstanceActive(rpc.Message):
@@ -148,7 +154,8 @@ def same_executor(location, host, executor_id):
 
 
 class StateStoreCoordinator(rpc.RpcEndpoint):
-    """The endpoint: ``instances`` maps provider id -> ``(host, executor_id)`` of the active instance.
+    """The endpoint: ``instances`` maps provider id (a :class:`ProviderId`, as it arrives:
+    checking a report's ids converts none of them) -> ``(host, executor_id)`` of the active instance.
 
     Parameters
     ----------
@@ -172,10 +179,10 @@ class StateStoreCoordinator(rpc.RpcEndpoint):
             case ReportActiveInstance():
                 return self._report_active_instance(message)
             case VerifyIfInstanceActive():
-                location = self.instances.get(provider_id_from_message(message.provider_id))
+                location = self.instances.get(_checked(message.provider_id))
                 return location is not None and location[1] == message.executor_id  # the host is not compared (Spark)
             case GetLocation():
-                location = self.instances.get(provider_id_from_message(message.provider_id))
+                location = self.instances.get(_checked(message.provider_id))
                 return None if location is None else executor_location(*location)
             case DeactivateInstances():
                 return self._deactivate_instances(message.run_id)
@@ -186,15 +193,15 @@ class StateStoreCoordinator(rpc.RpcEndpoint):
     def _report_active_instance(self, message):
         host, executor_id = message.host, message.executor_id
         where = executor_location(host, executor_id)  # refuses what could not be named as a location
-        provider_id = provider_id_from_message(message.provider_id)
-        location = (host, executor_id)
+        provider_id = _checked(message.provider_id)
         log.debug("Reported state store %s is active at %s", provider_id, where)
-        self.instances[provider_id] = location
-        to_check = (provider_id_from_message(p) for p in message.provider_ids_to_check)
+        self.instances[provider_id] = (host, executor_id)
         # Ids not registered at all are left alone: only an instance owned by another executor is
-        # to be unloaded (one in a sibling worker of the reporter's executor is kept there).
-        return [provider_id_to_message(p) for p in to_check
-                if (active := self.instances.get(p)) is not None and not same_executor(active, host, executor_id)]
+        # to be unloaded (one in a sibling worker of the reporter's executor is kept there). Ids
+        # that make no provider id are never registered, so they are not found.
+        instances = self.instances
+        return [p for p in message.provider_ids_to_check
+                if (active := instances.get(p)) is not None and not same_executor(active, host, executor_id)]
 
     def _deactivate_instances(self, run_id):
         stale = [p for p in self.instances if p.query_run_id == run_id]
@@ -209,6 +216,12 @@ class StateStoreCoordinator(rpc.RpcEndpoint):
             self.rpc_env.stop_endpoint(ENDPOINT_NAME)
         log.info("StateStoreCoordinator stopped")
         return True
+
+
+def _checked(provider_id):
+    """``provider_id`` (a ProviderId), once its fields are known to make a provider id (ValueError)."""
+    provider_id_from_message(provider_id)
+    return provider_id
 
 
 def _name(message):
@@ -256,14 +269,19 @@ class StateStoreCoordinatorRef:
     def report_active_instance(self, provider_id, host, executor_id, provider_ids_to_check=()):
         """Record this executor as the owner of ``provider_id``; returns those of
         ``provider_ids_to_check`` that are active on another executor (to unload here; not
-        those in another Python worker of the same executor: :func:`same_executor`).
+        those in another Python worker of the same executor: :func:`same_executor`). More than
+        REPORT_IDS_PER_MESSAGE ids go in several reports of this provider id, one after another.
 
         Raises ``ValueError`` for a host with ``_`` in it (see :func:`executor_location`).
         """
         executor_location(host, executor_id)
-        message = ReportActiveInstance(provider_id_to_message(provider_id), host, executor_id,
-                                       [provider_id_to_message(p) for p in provider_ids_to_check])
-        return [provider_id_from_message(p) for p in self._ref.ask(message, reply_type=_PROVIDER_IDS)]
+        reported = provider_id_to_message(provider_id)
+        to_check = [provider_id_to_message(p) for p in provider_ids_to_check]
+        active_elsewhere = []
+        for start in range(0, max(len(to_check), 1), REPORT_IDS_PER_MESSAGE):
+            message = ReportActiveInstance(reported, host, executor_id, to_check[start:start + REPORT_IDS_PER_MESSAGE])
+            active_elsewhere += self._ref.ask(message, reply_type=_PROVIDER_IDS)
+        return [provider_id_from_message(p) for p in active_elsewhere]
 
     def verify_if_instance_active(self, provider_id, executor_id):
         """Whether ``executor_id`` holds the active instance of ``provider_id``."""

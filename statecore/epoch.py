@@ -137,6 +137,7 @@ class EpochCoordinator(rpc.RpcEndpoint):
     """
 
     message_type = EpochMessage
+    max_message_bytes = rpc.DEFAULT_MAX_UNTYPED_MESSAGE_BYTES  # commit messages and offsets are plain values
 
     def __init__(self, writer, query, start_epoch, epoch_backlog_queue_size=10000, *, rpc_env=None, name=None):
         super().__init__()

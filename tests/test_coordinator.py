@@ -218,6 +218,54 @@ def test_every_message_over_rpc(env):
     assert fresh.get_location(a) is None
 
 
+
+class CountingCoordinator(StateStoreCoordinator):
+    """The coordinator, noting how many ids each report it handles checks."""
+
+    def __init__(self, rpc_env):
+        super().__init__(rpc_env)
+        self.checked = []
+
+    def receive_and_reply(self, message):
+        if isinstance(message, ReportActiveInstance):
+            self.checked.append(len(message.provider_ids_to_check))
+        return super().receive_and_reply(message)
+
+
+def test_an_executor_holding_ten_thousand_stores_reports_them_in_bounded_messages(env):
+    """An executor reports a load and checks 10000 ids (every other one active on another
+    executor): the ref sends them in reports of at most REPORT_IDS_PER_MESSAGE, so no one
+    message holds the coordinator for long, and the answer is the same as one report's."""
+    from statecore.coordinator import ENDPOINT_NAME, REPORT_IDS_PER_MESSAGE
+    coordinator = CountingCoordinator(env)
+    env.setup_endpoint(ENDPOINT_NAME, coordinator)
+    ref = StateStoreCoordinatorRef.for_driver(env)
+    run = uuid.uuid4()
+    ids = [pid(partition=i, run=run) for i in range(10000)]
+    for p in ids[::2]:  # before any RPC: called directly
+        report(coordinator, p, "10.0.0.9", "2")
+    coordinator.checked.clear()
+    assert ref.report_active_instance(pid(partition=10000, run=run), "127.0.0.1", "1", ids) == ids[::2]
+    assert coordinator.checked == [REPORT_IDS_PER_MESSAGE, REPORT_IDS_PER_MESSAGE, 10000 - 2 * REPORT_IDS_PER_MESSAGE]
+    assert ref.get_location(pid(partition=10000, run=run)) == "executor_127.0.0.1_1"
+    assert ref.report_active_instance(ids[1], "127.0.0.1", "1") == [] and coordinator.checked[-1] == 0
+
+
+def test_a_report_checking_more_ids_than_a_message_takes_is_refused_before_decoding(env, caplog):
+    """A peer that is not the ref sends one report with REPORT_IDS_PER_MESSAGE + 1 ids: its
+    connection is dropped on the array's length, and nothing of it is recorded."""
+    from statecore.coordinator import REPORT_IDS_PER_MESSAGE
+    driver = StateStoreCoordinatorRef.for_driver(env)
+    raw = env.endpoint_ref(env.address, "StateStoreCoordinator", env.authkey)
+    a = pid()
+    oversize = ReportActiveInstance(provider_id_to_message(a), "127.0.0.1", "1",
+                                    [provider_id_to_message(a)] * (REPORT_IDS_PER_MESSAGE + 1))
+    with caplog.at_level(logging.WARNING, logger="statecore.rpc"):
+        with pytest.raises(rpc.RpcProtocolError, match=f"Expected `array` of length <= {REPORT_IDS_PER_MESSAGE}"):
+            raw.ask(oversize)
+    assert any("dropped" in m and f"of length <= {REPORT_IDS_PER_MESSAGE}" in m for m in caplog.messages)
+    assert driver.get_location(a) is None
+
 def test_for_driver_twice_shares_one_coordinator(env):
     first = StateStoreCoordinatorRef.for_driver(env)
     second = StateStoreCoordinatorRef.for_driver(env)

@@ -372,6 +372,24 @@ def test_a_message_it_does_not_take_drops_only_its_connection(env, caplog):
     assert ref.get_current_epoch() == 1 and events.committed() == [1]
 
 
+
+def test_a_writer_committing_a_quarter_million_nested_values_is_dropped_before_decoding(env, caplog):
+    """A commit message of 256 Ki empty lists (a plain value inside a typed message) is over
+    the endpoint's bound for plain values: its connection is dropped before it is decoded (an
+    ask is told why), so the epoch does not commit when its offset comes; a good commit does."""
+    ref, events = create(env)
+    ref.set_reader_partitions(1)
+    ref.set_writer_partitions(1)
+    bad = rpc.endpoint_ref(env.address, "EpochCoordinator-run--1", env.authkey)
+    with caplog.at_level(logging.WARNING, logger="statecore.rpc"):
+        with pytest.raises(rpc.RpcProtocolError, match="exceeds the 65536 bytes EpochCoordinator takes"):
+            bad.ask(CommitPartitionEpoch(0, 1, [[]] * (1 << 18)))
+    assert any("dropped" in m and "exceeds the 65536 bytes EpochCoordinator takes" in m for m in caplog.messages)
+    ref.report_partition_offset(0, 1, 0)
+    assert ref.get_current_epoch() == 1 and events.committed() == []
+    ref.commit_partition_epoch(0, 1, None)
+    assert ref.get_current_epoch() == 1 and events.committed() == [1]
+
 def test_ref_pickles_and_refuses_bad_arguments(env):
     ref, events = create(env)
     ref.set_reader_partitions(1)

@@ -18,9 +18,10 @@ from statecore.errors import (EndpointAlreadyRegisteredError, EndpointNotFoundEr
 from statecore.rpc.client import RpcEndpointRef, close_connections, endpoint_ref
 from statecore.rpc.endpoint import RpcEndpoint
 from statecore.rpc.server import RpcEnv
-from statecore.rpc.wire import DEFAULT_MAX_FRAME_BYTES, MAX_DEPTH, Message, check_value, decode_value, encode_value
+from statecore.rpc.wire import (DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_UNTYPED_MESSAGE_BYTES, DEFAULT_REPLY_STALL_S,
+                                MAX_DEPTH, Message, check_value, decode_value, encode_value)
 
 __all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "Message", "endpoint_ref", "close_connections", "RpcError",
            "RpcTimeoutError", "RpcConnectionError", "RpcProtocolError", "EndpointNotFoundError",
            "EndpointAlreadyRegisteredError", "check_value", "encode_value", "decode_value", "MAX_DEPTH",
-           "DEFAULT_MAX_FRAME_BYTES"]
+           "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_MAX_UNTYPED_MESSAGE_BYTES", "DEFAULT_REPLY_STALL_S"]

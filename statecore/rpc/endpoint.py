@@ -9,8 +9,8 @@ import traceback
 from typing import Any
 
 from statecore.rpc.wire import (_Ask, check_value, _DECODE_ERRORS, _decoder, DEFAULT_MAX_QUEUED_BYTES,
-                                DEFAULT_MAX_QUEUED_MESSAGES, _error_frame, _frame, _REFUSED, _REMOTE_NAMES, _Reply,
-                                _type_name, _undecodable, _where)
+                                DEFAULT_MAX_QUEUED_MESSAGES, DEFAULT_MAX_UNTYPED_MESSAGE_BYTES, _error_frame, _frame,
+                                _REFUSED, _REMOTE_NAMES, _Reply, _type_name, _undecodable, _where)
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +20,15 @@ class RpcEndpoint:
     ``message_type`` is what its messages are decoded as before they reach ``receive`` or
     ``receive_and_reply``: plain values (``Any``) unless a subclass declares the union of
     its :class:`Message` Structs. A message that does not decode as it drops its connection
-    (see "Messages" in docs/rpc.md)."""
+    (see "Messages" in docs/rpc.md).
+
+    ``max_message_bytes`` bounds one encoded message, checked before it is decoded (a larger
+    one drops its connection too): ``None`` means the env's frame limit for a typed endpoint
+    and ``DEFAULT_MAX_UNTYPED_MESSAGE_BYTES`` for an untyped one, whose decode time grows with
+    its object count (one object per byte at worst) and holds the interpreter meanwhile."""
 
     message_type = Any
+    max_message_bytes = None
 
     def receive(self, message):
         """A one-way message (``send``)."""
@@ -67,7 +73,9 @@ class _Dispatcher:
     def __init__(self, name, endpoint, where, max_queued=DEFAULT_MAX_QUEUED_MESSAGES,
                  max_queued_bytes=DEFAULT_MAX_QUEUED_BYTES):
         self.name, self.endpoint, self.where = name, endpoint, where
-        self.decoder = _decoder(getattr(endpoint, "message_type", Any))
+        message_type = getattr(endpoint, "message_type", Any)
+        self.decoder = _decoder(message_type)
+        self.max_message_bytes = _message_bound(endpoint, message_type)
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
         self.room = threading.Condition(self.lock)  # readers waiting for their connection's share to drain
@@ -90,7 +98,11 @@ class _Dispatcher:
 
     def deliver(self, conn, envelope, size):
         """Handle (or queue) one envelope of ``conn`` (a frame of ``size`` bytes). Waits while
-        ``conn``'s share of the queue is at a bound. False once the endpoint is stopped."""
+        ``conn``'s share of the queue is at a bound. False once the endpoint is stopped. A
+        message over the endpoint's bound drops ``conn`` before anything is queued."""
+        if len(envelope.message) > self.max_message_bytes:
+            self.refuse_oversize(conn, envelope.request_id if type(envelope) is _Ask else None, len(envelope.message))
+            return True
         with self.lock:
             while True:
                 if self.stopped:
@@ -198,6 +210,27 @@ class _Dispatcher:
             except Exception:
                 log.exception("on_stop of endpoint %r at %s failed", self.name, self.where)
 
+    def refuse_oversize(self, conn, request_id, size):
+        """Drop ``conn`` if a message of ``size`` encoded bytes is over the endpoint's bound
+        (``request_id``: the ask's, None for a send); whether it was."""
+        if size <= self.max_message_bytes:
+            return False
+        self._refuse(conn, request_id, f"a message of {size} bytes to {self.name!r} exceeds the "
+                                       f"{self.max_message_bytes} bytes {type(self.endpoint).__name__} takes")
+        return True
+
+    def _refuse(self, conn, request_id, reason):
+        """Drop ``conn`` for a message its endpoint does not take (logged with ``reason``). An
+        ask (``request_id`` not None) is answered first with an RpcProtocolError, after the
+        replies its reader holds."""
+        refusal = None
+        if request_id is not None:  # remote_type "": the RPC layer refused it; the asker drops its connection
+            refusal = _error_frame(request_id, _REFUSED, "", f"{reason} (the server at {self.where} "
+                                   f"dropped the connection)", limit=conn.peer_max_frame)
+        if conn.pending and conn.reader_ident == threading.get_ident():
+            conn.flush()
+        conn.drop(reason, refusal)
+
     def _handle(self, conn, envelope):
         if conn.dropped:  # the server hung up on it: what it sent is not handled
             return
@@ -205,12 +238,8 @@ class _Dispatcher:
         try:
             message = self.decoder.decode(envelope.message)
         except _DECODE_ERRORS as e:
-            reason = str(_undecodable(e, f"a message to {self.name!r} is not one {type(self.endpoint).__name__} takes"))
-            refusal = None
-            if asking:  # remote_type "": the RPC layer's own; with this name, the asker's connection is done
-                refusal = _error_frame(envelope.request_id, _REFUSED, "", f"{reason} (the server at {self.where} "
-                                       f"dropped the connection)", limit=conn.peer_max_frame)
-            conn.drop(reason, refusal)
+            self._refuse(conn, envelope.request_id if asking else None, str(_undecodable(
+                e, f"a message to {self.name!r} is not one {type(self.endpoint).__name__} takes")))
             return
         self.handler_ident = threading.get_ident()
         try:
@@ -238,5 +267,14 @@ class _Dispatcher:
             self.handler_ident = None
 
 
+def _message_bound(endpoint, message_type):
+    """The largest encoded message ``endpoint`` takes (see RpcEndpoint.max_message_bytes)."""
+    bound = getattr(endpoint, "max_message_bytes", None)
+    if bound is None:
+        return DEFAULT_MAX_UNTYPED_MESSAGE_BYTES if message_type is Any else _UNBOUNDED
+    if type(bound) is not int or bound < 1:
+        raise ValueError(f"max_message_bytes of {type(endpoint).__name__} must be an int >= 1 or None, got {bound!r}")
+    return bound
 
 
+_UNBOUNDED = float("inf")  # the env's frame limit bounds it already

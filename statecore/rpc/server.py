@@ -15,8 +15,9 @@ from statecore.errors import AuthenticationError, EndpointAlreadyRegisteredError
 from statecore.rpc.wire import (_check_name, _DECODE_ERRORS, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT_S,
                                 DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_OUTBOX_BYTES,
                                 DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_MESSAGES, DEFAULT_MAX_REPLY_BACKLOG_BYTES,
-                                _error_frame, _FrameReader, _MAX_U32, _MIN_FRAME_BYTES, _normalize_authkey, _Send,
-                                _server_envelopes, _Stalled, _tune, _undecodable, _where)
+                                DEFAULT_REPLY_STALL_S, _envelope_head, _error_frame, _FrameReader, _MAX_U32,
+                                _MIN_FRAME_BYTES, _normalize_authkey, _Send, _server_envelopes, _Stalled, _tune,
+                                _undecodable, _where)
 from statecore.rpc.handshake import _server_handshake
 from statecore.rpc.client import _ConnectionPool, RpcEndpointRef
 from statecore.rpc.endpoint import _Dispatcher
@@ -29,6 +30,7 @@ _DONTWAIT = socket.MSG_DONTWAIT  # replies are written without waiting (see _Ser
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # pieces per sendmsg
 
 _PENDING_BYTES = 2**18  # a reader writes the replies it holds once they come to this much
+_MIN_PROGRESS_BYTES = 2**18  # a peer with replies waiting takes at least this much every reply_stall_s
 
 
 class _ServerConnection:
@@ -40,14 +42,15 @@ class _ServerConnection:
     stays in ``backlog``, and the env's :class:`_ReplyWriter` writes it as the peer reads.
     A peer is dropped (logged; its socket shut down, so its reader sees the end and closes
     it) when a reply comes while ``max_reply_backlog_bytes`` or more wait for it, when it
-    takes none of its backlog for ``io_timeout_s``, or when one of its frames does not
+    takes less than ``_MIN_PROGRESS_BYTES`` of its backlog in ``reply_stall_s`` (a socket
+    whose peer reads nothing may still take a little now and then), or when one of its frames does not
     decode; its messages still queued are then not handled. Replies made by the
     connection's own reader are held until it has no further frame in hand (or holds
     ``_PENDING_BYTES``), then written together: frames that arrived together are answered
     with one write."""
 
     __slots__ = ("sock", "peer", "peer_max_frame", "env", "lock", "closed", "dropped", "broken", "reader_ident",
-                 "pending", "pending_bytes", "backlog", "backlog_bytes", "progress_at")
+                 "pending", "pending_bytes", "backlog", "backlog_bytes", "progress_at", "taken")
 
     def __init__(self, sock, peer, peer_max_frame, env):
         self.sock, self.peer, self.peer_max_frame, self.env = sock, peer, peer_max_frame, env
@@ -60,7 +63,8 @@ class _ServerConnection:
         self.pending_bytes = 0
         self.backlog = []  # what the socket did not take, oldest first
         self.backlog_bytes = 0
-        self.progress_at = 0.0  # when the peer last took some of the backlog (monotonic)
+        self.progress_at = 0.0  # when the backlog began, or the peer last took _MIN_PROGRESS_BYTES of it (monotonic)
+        self.taken = 0  # bytes of the backlog the peer took since progress_at
 
     def reply(self, frame):
         """Send ``frame``, or hold it if the reader itself made it; False if the peer is gone."""
@@ -101,7 +105,7 @@ class _ServerConnection:
                 return True
             self.backlog.append(memoryview(data)[sent:])
             self.backlog_bytes = len(data) - sent
-            self.progress_at = time.monotonic()
+            self.progress_at, self.taken = time.monotonic(), 0
         self.env._writer.watch(self)
         return True
 
@@ -121,7 +125,9 @@ class _ServerConnection:
                 self._break(e)
                 return None
             if sent:
-                self.progress_at = now
+                self.taken += sent
+                if self.taken >= _MIN_PROGRESS_BYTES:
+                    self.progress_at, self.taken = now, 0
                 self.backlog_bytes -= sent
                 done = 0
                 while done < len(backlog) and sent >= len(backlog[done]):
@@ -132,9 +138,10 @@ class _ServerConnection:
                     backlog[0] = memoryview(backlog[0])[sent:]
                 if not backlog:
                     return None
-            timeout = self.env.io_timeout_s
+            timeout = self.env.reply_stall_s
             if now - self.progress_at >= timeout:
-                self._drop(f"it read none of its replies for {timeout:g} s ({self.backlog_bytes} bytes unsent)")
+                self._drop(f"it took {self.taken} bytes of its replies in {timeout:g} s, less than "
+                           f"{_MIN_PROGRESS_BYTES} ({self.backlog_bytes} bytes unsent)")
                 return None
             return self.sock.fileno(), self.progress_at + timeout
 
@@ -182,8 +189,8 @@ class _ServerConnection:
 
 class _ReplyWriter:
     """The env's thread that writes the replies a connection's socket did not take at once
-    (see _ServerConnection) as each peer reads them, and drops the peers that read none
-    for ``io_timeout_s``. It waits only in ``poll``, so no peer can hold it up."""
+    (see _ServerConnection) as each peer reads them, and drops the peers that read too little
+    for ``reply_stall_s``. It waits only in ``poll``, so no peer can hold it up."""
 
     def __init__(self, name):
         self._lock = threading.Lock()
@@ -259,9 +266,10 @@ class RpcEnv:
     and one writes the replies that peers did not take at once (see _ServerConnection).
 
     ``max_frame_bytes`` bounds a frame either way, ``io_timeout_s`` how long a started frame
-    (or a blocked write, or a send waiting for room in a full outbox, or a peer taking none
-    of its unsent replies) may take, ``handshake_timeout_s`` how long a new peer may take to
-    authenticate; a peer breaking any of them is disconnected and logged, others go on. Flow
+    (or a blocked write, or a send waiting for room in a full outbox) may take,
+    ``reply_stall_s`` how long a peer may take less than 256 KiB of its unsent replies,
+    ``handshake_timeout_s`` how long a new peer may take to authenticate; a peer breaking
+    any of them is disconnected and logged, others go on. Flow
     control (see docs/rpc.md): ``max_queued_messages`` and ``max_queued_bytes``
     bound the messages of one client connection queued for one of this env's endpoints,
     ``max_reply_backlog_bytes`` the replies waiting for one client to read them (past it,
@@ -274,11 +282,11 @@ class RpcEnv:
                  io_timeout_s=DEFAULT_IO_TIMEOUT_S, handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S,
                  connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, max_queued_messages=DEFAULT_MAX_QUEUED_MESSAGES,
                  max_outbox_bytes=DEFAULT_MAX_OUTBOX_BYTES, max_queued_bytes=DEFAULT_MAX_QUEUED_BYTES,
-                 max_reply_backlog_bytes=DEFAULT_MAX_REPLY_BACKLOG_BYTES):
+                 max_reply_backlog_bytes=DEFAULT_MAX_REPLY_BACKLOG_BYTES, reply_stall_s=DEFAULT_REPLY_STALL_S):
         if not _MIN_FRAME_BYTES <= max_frame_bytes <= _MAX_U32:
             raise ValueError(f"max_frame_bytes must be in [{_MIN_FRAME_BYTES}, {_MAX_U32}], got {max_frame_bytes}")
         for arg, value in (("io_timeout_s", io_timeout_s), ("handshake_timeout_s", handshake_timeout_s),
-                           ("connect_timeout_s", connect_timeout_s)):
+                           ("connect_timeout_s", connect_timeout_s), ("reply_stall_s", reply_stall_s)):
             if not value > 0:
                 raise ValueError(f"{arg} must be > 0, got {value!r}")
         for arg, value in (("max_queued_messages", max_queued_messages), ("max_outbox_bytes", max_outbox_bytes),
@@ -292,6 +300,7 @@ class RpcEnv:
         self.authkey = secrets.token_bytes(32) if authkey is None else _normalize_authkey(authkey)
         self.max_frame_bytes = max_frame_bytes
         self.io_timeout_s = io_timeout_s
+        self.reply_stall_s = reply_stall_s
         self.handshake_timeout_s = handshake_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -459,6 +468,18 @@ class RpcEnv:
             raise _AcceptFailed(f"could not start a thread for {_where(peer)} (closed the connection): {e}") from None
         return True
 
+    def _vetter(self, conn):
+        """The reader's ``vet`` for ``conn``: a large frame whose head names an endpoint that
+        takes no message that big drops ``conn`` before the rest of it is read."""
+        def vet(size, head):
+            parsed = _envelope_head(head)
+            if parsed is not None:
+                request_id, name, offset = parsed
+                dispatcher = self._endpoints.get(name)
+                if dispatcher is not None and dispatcher.refuse_oversize(conn, request_id, size - offset):
+                    raise EOFError("dropped before the rest of the frame was read")  # the reader stops, quietly
+        return vet
+
     def _serve(self, sock, peer):
         """A connection's reader: handshake, then each frame to its endpoint (see _Dispatcher)."""
         where = _where(peer)
@@ -483,7 +504,7 @@ class RpcEnv:
             conn = _ServerConnection(sock, peer, peer_max, self)
             with self._lock:
                 self._served[peer] = conn
-            reader = _FrameReader(sock, self.max_frame_bytes, self.io_timeout_s)
+            reader = _FrameReader(sock, self.max_frame_bytes, self.io_timeout_s, vet=self._vetter(conn))
             endpoints = self._endpoints
             while not conn.dropped:
                 if conn.pending and not reader.has_frame():

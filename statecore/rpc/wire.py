@@ -20,6 +20,10 @@ DEFAULT_MAX_OUTBOX_BYTES = 2**20
 DEFAULT_MAX_QUEUED_MESSAGES = 1000
 DEFAULT_MAX_QUEUED_BYTES = 4 * 2**20
 DEFAULT_MAX_REPLY_BACKLOG_BYTES = 16 * 2**20
+DEFAULT_REPLY_STALL_S = 3.0  # a peer with replies waiting that takes under 256 KiB of them this long is dropped
+# An untyped (``Any``) endpoint's messages are at most this big unless it says otherwise: a plain value
+# can decode to one object per byte, and its decode holds the interpreter (see docs/rpc.md, Messages).
+DEFAULT_MAX_UNTYPED_MESSAGE_BYTES = 64 * 2**10
 MAX_DEPTH = 64  # containers in a plain value nest at most this deep
 _MIN_FRAME_BYTES = 1024  # a limit below this could not carry an error reply
 _MAX_U32 = 2**32 - 1
@@ -221,18 +225,65 @@ class _Stalled(Exception):
     """A frame began but did not complete within the io timeout."""
 
 
+_FILL_IN_PLACE_BYTES = 2**16  # a frame body at least this big that spans reads is received into its own buffer
+_HEAD_BYTES = 256  # what of such a frame is received first, for the reader's ``vet`` (see _envelope_head)
+
+
+def _envelope_head(head):
+    """``(request_id, endpoint, offset)`` of a send (request_id None) or an ask whose encoded
+    envelope begins with ``head``, ``offset`` being where its message begins; None if ``head``
+    does not hold that much of one (a name longer than it, or not an envelope: its decoding
+    says why later)."""
+    try:
+        if head[0] == 0x93 and head[1] == 1:  # [1, endpoint, message]
+            request_id, pos = None, 2
+        elif head[0] == 0x94 and head[1] == 2:  # [2, request_id, endpoint, message]
+            first = head[2]
+            if first <= 0x7F:
+                request_id, pos = first, 3
+            elif 0xCC <= first <= 0xCF:
+                width = 1 << (first - 0xCC)
+                request_id, pos = int.from_bytes(head[3:3 + width], "big"), 3 + width
+            else:
+                return None
+        else:
+            return None
+        first = head[pos]
+        if 0xA0 <= first <= 0xBF:
+            length, pos = first & 0x1F, pos + 1
+        elif first in (0xD9, 0xDA):
+            width = 1 if first == 0xD9 else 2
+            length, pos = int.from_bytes(head[pos + 1:pos + 1 + width], "big"), pos + 1 + width
+        else:
+            return None
+        if pos + length > len(head):
+            return None
+        return request_id, bytes(head[pos:pos + length]).decode("utf-8"), pos + length
+    except (IndexError, UnicodeDecodeError):
+        return None
+
+
 class _FrameReader:
     """Reads frames from a blocking socket. A frame cut short by a caller's deadline stays
     buffered for the next call; one not complete ``io_timeout_s`` after its first byte
-    raises :class:`_Stalled`."""
+    raises :class:`_Stalled`. A large frame that spans reads is received straight into a
+    buffer of its size (``_body``, which is what ``read`` returns), in one ``MSG_WAITALL``
+    call bounded by ``SO_RCVTIMEO``: gathered piece by piece it would be copied over and over
+    as the buffer grows, and each piece would take the interpreter back. Its first
+    ``_HEAD_BYTES`` come first, for ``vet(size, head)`` (the server's: it may drop the peer
+    before the rest is read)."""
 
-    def __init__(self, sock, max_frame_bytes, io_timeout_s):
+    def __init__(self, sock, max_frame_bytes, io_timeout_s, vet=None):
         self._sock = sock
         self._max = max_frame_bytes
         self._io_timeout = io_timeout_s
         self._buf = b""  # received bytes from _pos on are unread (bytes, or a bytearray while a frame spans reads)
         self._pos = 0
         self._started = None  # monotonic time of the first byte of the frame being read
+        self._body = None  # the bytearray a large frame's body is received into, or None
+        self._filled = 0  # bytes of _body received so far
+        self._vet = vet
+        self._vetted = True  # whether _body's head went to vet (or need not)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._recv_timeout = 0.0  # the socket's SO_RCVTIMEO (0: none)
@@ -261,24 +312,43 @@ class _FrameReader:
     def read(self, deadline=None):
         """The next frame's body, or None once ``deadline`` (monotonic; None: none) passed.
         EOFError at the end of the stream. Frames that came in one ``recv`` are sliced out
-        of it one by one (one copy each); only a frame spread over several reads is gathered."""
+        of it one by one (one copy each); only a frame spread over several reads is gathered
+        (a large one in its own bytearray, returned as it is)."""
         while True:
-            buf, pos = self._buf, self._pos
-            have = len(buf) - pos
-            if have >= 4:
-                size = _unpack_u32(buf, pos)[0]
-                if size > self._max:
-                    raise RpcProtocolError(f"frame of {size} bytes exceeds the limit of {self._max} bytes")
-                end = pos + 4 + size
-                if have >= 4 + size:
-                    if end < len(buf):
-                        self._pos, self._started = end, time.monotonic()
-                    else:  # all read: let go of the buffer (it may be a large one)
-                        self._buf, self._pos, self._started = b"", 0, None
-                    return buf[pos + 4:end]
-                need = 4 + size - have
+            body = self._body
+            if body is not None:
+                if self._filled == len(body):
+                    self._body, self._started = None, None
+                    return body
+                if not self._vetted and self._filled >= _HEAD_BYTES:
+                    self._vetted = True
+                    self._vet(len(body), body[:_HEAD_BYTES])
+                    continue
+                have, need = 4 + self._filled, len(body) - self._filled
             else:
-                need = 4 - have
+                buf, pos = self._buf, self._pos
+                have = len(buf) - pos
+                if have >= 4:
+                    size = _unpack_u32(buf, pos)[0]
+                    if size > self._max:
+                        raise RpcProtocolError(f"frame of {size} bytes exceeds the limit of {self._max} bytes")
+                    end = pos + 4 + size
+                    if have >= 4 + size:
+                        if end < len(buf):
+                            self._pos, self._started = end, time.monotonic()
+                        else:  # all read: let go of the buffer (it may be a large one)
+                            self._buf, self._pos, self._started = b"", 0, None
+                        return buf[pos + 4:end]
+                    if size >= _FILL_IN_PLACE_BYTES:  # the rest goes straight into a buffer of its size
+                        body = self._body = bytearray(size)
+                        self._filled = have - 4
+                        body[:self._filled] = memoryview(buf)[pos + 4:]
+                        self._buf, self._pos = b"", 0
+                        self._vetted = self._vet is None
+                        continue
+                    need = 4 + size - have
+                else:
+                    need = 4 - have
             if have:  # in the middle of a frame: it must complete within the io timeout
                 if self._started is None:
                     self._started = time.monotonic()
@@ -286,6 +356,18 @@ class _FrameReader:
                 if deadline is not None and deadline < until:
                     until, stalling = deadline, False
                 remaining = until - time.monotonic()
+                if body is not None and remaining > 0:  # the rest of a large frame: one call, within the time left
+                    self._wait_at_most(remaining)
+                    until_byte = len(body) if self._vetted else _HEAD_BYTES
+                    try:
+                        with memoryview(body) as view:
+                            got = self._sock.recv_into(view[self._filled:until_byte], 0, socket.MSG_WAITALL)
+                    except BlockingIOError:  # SO_RCVTIMEO ran out with nothing received
+                        continue
+                    if not got:
+                        raise EOFError(f"connection closed in the middle of a frame ({have} bytes)")
+                    self._filled += got
+                    continue
                 if remaining <= 0 or not self._poll.poll(int(remaining * 1000) + 1):
                     if time.monotonic() < until:
                         continue  # poll rounds down on some kernels; wait out the rest
