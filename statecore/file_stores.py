@@ -24,7 +24,10 @@ __all__ = ["View", "FileReadStore", "FileStore"]
 
 class View:
     """One version of a provider's State, pinned while the store that reads it is open, with
-    the directory listing taken when it opened (what a commit from it may supersede)."""
+    the directory listing taken when it opened (what a commit from it may supersede).
+    ``named``: a store's view opened at an attempt its caller named, not the default lineage."""
+
+    named = False
 
     def __init__(self, provider, state, version, listing):
         self.provider = provider

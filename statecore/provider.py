@@ -127,7 +127,9 @@ class FileStateStoreProvider(StateStoreProvider):
         return FILE_PROVIDER_CUSTOM_METRICS
 
     def get_store(self, version, commit_id=None):
-        return FileStore(self, self._view_of(version, commit_id))
+        view = self._view_of(version, commit_id)
+        view.named = commit_id is not None
+        return FileStore(self, view)
 
     def get_read_store(self, version, commit_id=None):
         return FileReadStore(self, self._view_of(version, commit_id))
@@ -506,11 +508,15 @@ class FileStateStoreProvider(StateStoreProvider):
 
     def _superseded(self, view, new_version):
         """The files a commit of ``new_version`` from ``view`` deletes, newest version first
-        (a version's delta before its snapshot): those of the versions above ``new_version``
-        that were there when the store opened (a re-execution from ``view.version`` abandons
-        them). Never another attempt of ``new_version`` itself: a result of the same batch."""
-        return sorted(view.listing.newer_than(new_version), key=lambda f: (f.version, f.kind == "delta"),
-                      reverse=True)
+        (a version's delta before its snapshot): those that were there when the store opened
+        of the versions above ``new_version`` (a re-execution from ``view.version`` abandons
+        them), and, for a store opened on the default lineage, the other attempts of
+        ``new_version`` too: with no driver naming attempts, the default lineage must not
+        depend on which of two files' modification times is later (equal within a clock tick).
+        A store opened at a named attempt leaves them: its driver names the attempt it keeps,
+        and a speculative copy's commit must not delete the original's, not yet recorded."""
+        above = new_version if view.named else view.version
+        return sorted(view.listing.newer_than(above), key=lambda f: (f.version, f.kind == "delta"), reverse=True)
 
     def _refuse_if_recorded(self, view, new_version, doomed):
         """A commit that would delete a file a batch record names, or one on the chain down
@@ -523,7 +529,7 @@ class FileStateStoreProvider(StateStoreProvider):
         chain = self._chain(listing)
         for batch_id, version, commit_id in self._recorded_attempts(new_version):
             for u, cid, delta, snapshot in chain.walk(version, commit_id):
-                if u <= new_version:
+                if u < new_version:
                     break
                 needed = [f.name for f in (delta, snapshot) if f is not None and f.name in doomed_names]
                 if needed:
@@ -537,7 +543,7 @@ class FileStateStoreProvider(StateStoreProvider):
 
     def _recorded_attempts(self, new_version):
         """``(batch_id, version, commit id)`` of this store's attempts that the operator's batch
-        records name above ``new_version`` (``<root>/<operator>/_commits/<batch>``, and the
+        records name at or above ``new_version`` (``<root>/<operator>/_commits/<batch>``, and the
         record ``_operator.json`` holds after a repartition); none without records."""
         from statecore import operator_files  # only on the re-execution path
 
@@ -545,10 +551,10 @@ class FileStateStoreProvider(StateStoreProvider):
         location = operator_files.operator_dir(sid.checkpoint_root_location, sid.operator_id)
         options = self._conf.storage_options
         records = operator_files.commit_log(location, options)
-        batches = [b for b in records.epochs() if b + 1 > new_version]
+        batches = [b for b in records.epochs() if b + 1 >= new_version]
         metadata = operator_files.read_metadata(location, options)
         moved = operator_files.repartitioned(metadata)
-        if moved is not None and isinstance(moved.get("batch_id"), int) and moved["batch_id"] + 1 > new_version:
+        if moved is not None and isinstance(moved.get("batch_id"), int) and moved["batch_id"] + 1 >= new_version:
             batches = sorted({b for b in batches if b >= moved["batch_id"]} | {moved["batch_id"]})
         found = []
         for batch_id in batches:

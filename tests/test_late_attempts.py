@@ -70,7 +70,10 @@ def assert_read_back(root, versions):
 def test_a_late_speculative_copy_keeps_the_original_attempt_the_driver_recorded(tmp_path, named):
     """A speculative copy of batch 3 opens version 3 just after the original committed
     version 4 (the original's file is in its listing), and commits after the driver recorded
-    the original: the original's delta of 4 stays, and reads back as recorded."""
+    the original: the original's delta of 4 stays, and reads back as recorded. Opened at the
+    named attempt, the copy lands beside it (the same batch's result); opened on the default
+    lineage, where a re-execution supersedes the other attempts of its version, it is refused,
+    since the one it would delete is recorded."""
     committed = run_batches(tmp_path, 0, 2)
     p = provider(tmp_path)
     original = p.get_store(3)
@@ -81,7 +84,11 @@ def test_a_late_speculative_copy_keeps_the_original_attempt_the_driver_recorded(
     late = provider(tmp_path).get_store(3, commit_id=base if named else None)  # opens after the commit
     record(tmp_path, 3, original.commit_id, base)
     late.put(3, (33,))
-    assert late.commit() == 4  # the same batch's result: nothing above 4 to refuse or delete
+    if named:
+        assert late.commit() == 4  # the same batch's result: nothing above 4 to refuse or delete
+    else:
+        with pytest.raises(CommitConflictError, match="after batch 3 was committed and recorded"):
+            late.commit()
     assert f"4_{original.commit_id}.delta" in files_of(tmp_path)
     assert_read_back(tmp_path, committed)
 

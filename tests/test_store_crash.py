@@ -587,10 +587,10 @@ def test_kill_at_pinned_points(tmp_path, spec, next_there):
 
 
 # (die spec for the worker that re-executes version 5 from 4, attempts of 5 left on disk)
-# A re-execution of 5 deletes no other attempt of 5 (a result of the same batch): both stay.
 RE_EXECUTION_KILLS = [
-    ("published:*.delta:1", 2, "renamed, before it is recorded"),
-    ("recorded:*:1", 2, "the commit not recorded"),
+    ("published:*.delta:1", 2, "renamed, before it deletes the abandoned attempt"),
+    ("delete:*.delta:1", 2, "at its delete of the abandoned attempt"),
+    ("recorded:*:1", 1, "the abandoned attempt deleted, the commit not recorded"),
 ]
 
 
@@ -599,8 +599,7 @@ RE_EXECUTION_KILLS = [
 def test_kill_in_a_re_execution(tmp_path, spec, n_attempts):
     """The worker commits 5 and dies before recording it; the next re-executes 5 from 4 (an
     attempt of 5 is on disk) and dies at a step of its commit. The attempts left are whole
-    versions (the abandoned attempt of 5 stays: it is not above the version re-executed),
-    the default is the re-execution's once it is renamed, and work goes on."""
+    versions, the default is the re-execution's once it is renamed, and work goes on."""
     run = CrashRun(tmp_path, seed=22, mode="plain")
     assert run.die_round("recorded:*:5", restart="re-execute") == (4, True)
     assert run.start == 4 and run.stats[RE_EXECUTIONS] == 1
@@ -610,17 +609,18 @@ def test_kill_in_a_re_execution(tmp_path, spec, n_attempts):
     assert len(left) == n_attempts and (abandoned in left) == (n_attempts == 2), left
     [mine] = [n for n in left if n != abandoned]
     assert default_id(make(run.root), 5) == id_of(mine)
-    # the next worker re-executes 5 once more (keeping the attempts it saw), then goes on
+    assert run.stats[BETWEEN] == (n_attempts == 2)
+    # the next worker re-executes 5 once more (deleting every attempt it saw), then goes on
     run.die_round("recorded:*:3")
-    assert set(attempts(run.root, 5)) > set(left)
+    assert attempts(run.root, 5) != left and len(attempts(run.root, 5)) == 1
     run.die_round("recorded:*:2")
     assert run.model_version >= 7
 
 
-@pytest.mark.parametrize("nth", [1, 2, 3])
+@pytest.mark.parametrize("nth", [1, 2, 3, 4])
 def test_kill_in_a_deep_re_executions_deletes_leaves_a_loadable_lineage(tmp_path, nth):
     """Versions 1..8 committed; a worker re-executes batch 5 from version 4: once its own
-    delta of 5 is renamed it deletes the abandoned run's 6..8 (its attempt of 5 stays), and is killed at the nth of
+    delta of 5 is renamed it deletes the abandoned run's 5..8, and is killed at the nth of
     those deletes. Whatever is left must be a loadable default lineage (the abandoned run's,
     as though the re-execution had not run, or the re-execution's): version 4, which both
     share, loads, and so does every version of the default lineage; a restart from 4 works."""
@@ -858,7 +858,7 @@ def test_failed_schema_file_write_at_the_first_commit(tmp_path, faulty):
 
 # (step, file pattern): before the re-execution's rename, or at a delete of the abandoned run
 RE_EXECUTION_FAULTS = [("write", "5_*.delta"), ("fsync", "5_*.delta"), ("rename", "5_*.delta"),
-                       ("delete", "6_*.delta"), ("delete", "8_*.delta")]
+                       ("delete", "5_*.delta"), ("delete", "6_*.delta"), ("delete", "8_*.delta")]
 
 
 @pytest.mark.parametrize("step,pattern", RE_EXECUTION_FAULTS, ids=[f"{s}-{p[0]}" for s, p in RE_EXECUTION_FAULTS])
@@ -1479,9 +1479,8 @@ def test_snapshot_of_the_abandoned_run_is_no_base_for_cleanup(tmp_path, hooks, o
 
 def test_maintenance_whose_snapshot_a_re_commit_deleted(tmp_path, hooks):
     """Maintenance renamed the snapshot of version 4 into place; before it swaps it in,
-    batch 4 is re-executed (that snapshot, of another attempt of 4, stays). Maintenance must
-    not fail for that (the registry would unload the provider), nor serve the abandoned
-    attempt's snapshot as the new version 4."""
+    batch 4 is re-executed and its commit deletes that snapshot of the abandoned run.
+    Maintenance must not fail for that (the registry would unload the provider)."""
     seed = 19
     expected = workload(seed, 4)
     p = make(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=3)
@@ -1498,7 +1497,7 @@ def test_maintenance_whose_snapshot_a_re_commit_deleted(tmp_path, hooks):
     assert renamed.wait(10)
     assert versions_on_disk(tmp_path)[1] == {4}
     assert commit_batch(p, 3, [(-1, (-1, -1.0))]) == 4
-    assert versions_on_disk(tmp_path)[1] == {4}  # another attempt of 4: the re-execution keeps it
+    assert versions_on_disk(tmp_path)[1] == set()  # the re-execution deleted it
     commit_done.set()
     thread.join(10)
     hooks.clear()
@@ -1562,8 +1561,8 @@ def test_maintenance_deletes_the_temporary_files_a_killed_writer_left(tmp_path):
 
 def test_a_version_re_executed_by_another_process_is_not_served_from_memory(tmp_path):
     """Worker processes come and go: one holds version 2 (attempt A) in memory while another,
-    after re-executing batch 2 from version 1, committed attempt B of version 2 (the default
-    now). The first must not serve (or build on) its own, abandoned, version 2."""
+    after re-executing batch 2 from version 1, committed attempt B of version 2 and deleted
+    A. The first must not serve (or build on) its own, abandoned, version 2."""
     first = make(tmp_path)
     commit_batch(first, 0, [(1, (1, 1.0))])
     commit_batch(first, 1, [(2, (2, 2.0))])
@@ -1571,8 +1570,8 @@ def test_a_version_re_executed_by_another_process_is_not_served_from_memory(tmp_
     [a] = attempts(tmp_path, 2)
     second = make(tmp_path)  # another process
     commit_batch(second, 1, [(3, (3, 3.0))])  # batch 2 re-executed there
-    [b] = [n for n in attempts(tmp_path, 2) if n != a]  # A stays: another attempt of the same batch
-    assert default_id(make(tmp_path), 2) == id_of(b)
+    [b] = attempts(tmp_path, 2)
+    assert b != a  # A deleted: B is the only attempt
     assert_version(first, 2, {1: (1, 1.0), 3: (3, 3.0)}, commit_id=id_of(b))
     commit_batch(first, 2, [(4, (4, 4.0))])
     assert_version(make(tmp_path), 3, {1: (1, 1.0), 3: (3, 3.0), 4: (4, 4.0)})
