@@ -42,7 +42,7 @@ from bench._common import print_header
 from bench.fs_counts import CallLog, counting_store_files, object_store_requests, REQUEST_KINDS, LIST_PAGE_KEYS
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider, registry, rpc
 from statecore.coordinator import (ENDPOINT_NAME, ReportActiveInstance, StateStoreCoordinator,
-                                   StateStoreCoordinatorRef)
+                                   StateStoreCoordinatorRef, provider_id_to_message)
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
@@ -250,7 +250,8 @@ def measure_service(kind, ids, n_instances, procs=2, threads=4, seconds=2.0):
     env.setup_endpoint(ENDPOINT_NAME, coordinator)
     run = uuid.UUID(int=1)
     for p in range(n_instances):  # a coordinator that knows every store of the query
-        coordinator.instances[StateStoreProviderId(StateStoreId("s3://bucket/checkpoint/state", 0, p), run)] = (
+        provider_id = StateStoreProviderId(StateStoreId("s3://bucket/checkpoint/state", 0, p), run)
+        coordinator.instances[provider_id_to_message(provider_id)] = (
             f"10.0.{p % 100 // 256}.{p % 100}", f"{p % 100}.1")
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
