@@ -23,3 +23,21 @@ def version_path(directory, version, kind):
     found = [n for n in os.listdir(directory) if short_name(n) == f"{version}.{kind}"]
     assert len(found) == 1, f"expected one {version}.{kind} in {directory}, found {found}"
     return os.path.join(directory, found[0])
+
+
+def put_in_place(path, what):
+    """Replace ``path`` (if it exists) by what a user or an attacker may leave where a file
+    should be: ``"fifo"``, ``"dev_zero"`` (a link to /dev/zero), ``"loop"`` (a link to
+    itself: ELOOP) or ``"directory"``."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "dev_zero":
+        os.symlink("/dev/zero", path)
+    elif what == "loop":
+        os.symlink(path, path)
+    elif what == "directory":
+        os.mkdir(path)
+    else:
+        raise ValueError(f"unknown replacement {what!r}")

@@ -22,7 +22,7 @@ from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.cli import main
 from statecore.operator_files import COMMITS_DIR, OPERATOR_METADATA_FILE
 from statecore.provider import SCHEMA_FILE
-from tests.state_files import version_path
+from tests.state_files import put_in_place, version_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = np.dtype([("k", "<i8"), ("region", "S4")])
@@ -383,17 +383,6 @@ def test_dump_of_damaged_state_says_which_file_exits_1_and_writes_nothing(root, 
     assert os.listdir(out.parent) == []
 
 
-def _put_in_place(path, what):
-    """Replace ``path`` by a FIFO, a link to /dev/zero or a symlink loop."""
-    os.unlink(path)
-    if what == "fifo":
-        os.mkfifo(path)
-    elif what == "dev_zero":
-        os.symlink("/dev/zero", path)
-    else:
-        os.symlink(path, path)  # a link to itself: ELOOP
-
-
 def invoke_with_deadline(args, deadline_s=60):
     """The CliRunner result of ``args`` run on a thread; fails if it has not finished by then
     (a command blocked on a FIFO)."""
@@ -426,7 +415,7 @@ def test_a_fifo_or_device_in_place_of_a_state_file_is_one_line_and_exit_1(root, 
     directory = str(root / "0" / "1")
     path = {"delta": lambda: version_path(directory, 5, "delta"), "snapshot": lambda: version_path(directory, 6,
             "snapshot"), "schema": lambda: os.path.join(directory, SCHEMA_FILE)}[target]()
-    _put_in_place(path, what)
+    put_in_place(path, what)
     out = tmp_path / "dumps" / "o.csv"
     out.parent.mkdir()
     version = ["--version", 5] if target == "delta" else []

@@ -25,6 +25,7 @@ import pytest
 import statecore
 import statecore.errors
 import statecore.maintenance
+from tests.state_files import put_in_place
 from tests.store_support import applied, commit_changes, contents, inject_faulty_files, store_dir, write_batch
 from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
@@ -858,7 +859,7 @@ def test_unreadable_schema_file_is_corruption(tmp_path, shape):
         with open(path, "wb") as f:
             f.truncate(8 << 30)
     else:
-        _put_in_place(path, shape)
+        put_in_place(path, shape)
     kind, value = _call_with_deadline(lambda: make(tmp_path))
     assert kind == "raised" and isinstance(value, StateCorruptionError), (kind, value)
     assert value.path == path
@@ -895,7 +896,7 @@ def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which,
     commit_upto(p, model, 6)
     version, kind = {"newest_delta": (6, "delta"), "middle_delta": (5, "delta"), "snapshot": (3, "snapshot")}[which]
     path = the_file(tmp_path, version, kind)
-    _put_in_place(path, what)
+    put_in_place(path, what)
     result = run_bounded(f"""
         p = make({str(tmp_path)!r}, min_deltas_for_snapshot=2)
         out = {{}}
@@ -1092,17 +1093,6 @@ def test_a_foreign_old_layout_name_is_not_taken_for_a_version(tmp_path, name):
 
 
 # -- 5. what is not a regular file where a state file should be ------------------------------
-def _put_in_place(path, what):
-    """Replace ``path`` by a FIFO, a link to /dev/zero or a directory."""
-    if os.path.lexists(path):
-        os.unlink(path)
-    if what == "fifo":
-        os.mkfifo(path)
-    elif what == "dev_zero":
-        os.symlink("/dev/zero", path)
-    else:
-        os.mkdir(path)
-
 
 def _call_with_deadline(fn, deadline_s=WAIT_S):
     """``("raised", exception)`` or ``("returned", value)`` of ``fn()`` run on a thread; fails the
@@ -1127,7 +1117,7 @@ def test_snapshot_reader_refuses_a_fifo_device_or_directory_without_waiting(tmp_
     """Someone left a FIFO (or a link to /dev/zero, or a directory) where a snapshot should be:
     the reader refuses it, naming the file, before it maps or waits on anything."""
     path = str(tmp_path / f"3_{'ab' * 8}.snapshot")
-    _put_in_place(path, what)
+    put_in_place(path, what)
     try:
         kind, value = _call_with_deadline(lambda: SnapshotReader(path))
     finally:

@@ -16,6 +16,7 @@ Afterwards, from a fresh provider:
 The commits' intervals (CLOCK_MONOTONIC, comparable across processes) show that they
 overlap; the test asserts that most rounds did.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -39,6 +40,27 @@ def contents(store):
     return {int(k[0]): (int(v[0]), int(v[1])) for k, v in store.iterator()}
 
 
+@contextlib.contextmanager
+def worker_processes(*worker_args):
+    """One two_writers_worker process per argument list, talking over its stdin and stdout;
+    killed if the test runs past TIME_LIMIT_S, and always reaped and closed after."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, bufsize=1, env=env) for args in worker_args]
+    watchdog = threading.Timer(TIME_LIMIT_S, lambda: [p.kill() for p in procs])
+    watchdog.start()
+    try:
+        yield procs
+    finally:
+        watchdog.cancel()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+
+
 def applied(before, writer, version):
     puts, removes = ww.batch(writer, version)
     after = dict(before)
@@ -50,12 +72,6 @@ def applied(before, writer, version):
 
 def test_two_writers_commit_the_same_version_at_once(tmp_path):
     root = str(tmp_path)
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, root, str(w), str(100 + w)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, bufsize=1, env=env) for w in (0, 1)]
-    watchdog = threading.Timer(TIME_LIMIT_S, lambda: [p.kill() for p in procs])
-    watchdog.start()
-
     def send(proc, line):
         proc.stdin.write(line + "\n")
         proc.stdin.flush()
@@ -68,7 +84,7 @@ def test_two_writers_commit_the_same_version_at_once(tmp_path):
     expected = {(0, ROOT_ID): {}}  # (version, commit id) -> contents
     rounds = []
     started = time.monotonic()
-    try:
+    with worker_processes(*([root, str(w), str(100 + w)] for w in (0, 1))) as procs:
         for v in range(1, ROUNDS + 1):
             for proc in procs:
                 send(proc, f"open {v - 1}")
@@ -87,14 +103,6 @@ def test_two_writers_commit_the_same_version_at_once(tmp_path):
             send(proc, "quit")
         for proc in procs:
             assert proc.wait(30) == 0
-    finally:
-        watchdog.cancel()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
     elapsed = time.monotonic() - started
 
     p = create_and_init_provider(StateStoreId(root, 0, 0), ww.KEY, ww.VALUE, StateStoreConf(**ww.CONF))
@@ -153,13 +161,6 @@ def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path
     root = str(tmp_path)
     rng = random.Random(7)
     log = operator_files.commit_log(operator_files.operator_dir(root, 0))
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, root, str(w), str(200 + w), str(RETAINED)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
-             for w in (0, 1)]
-    watchdog = threading.Timer(TIME_LIMIT_S, lambda: [p.kill() for p in procs])
-    watchdog.start()
-
     def ask(proc, line):
         proc.stdin.write(line + "\n")
         proc.stdin.flush()
@@ -174,7 +175,7 @@ def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path
     reader = create_and_init_provider(StateStoreId(root, 0, 0), ww.KEY, ww.VALUE,
                                       StateStoreConf(**dict(ww.CONF, min_versions_to_retain=RETAINED)))
     late_commits = late_refused = re_executions = 0
-    try:
+    with worker_processes(*([root, str(w), str(200 + w), str(RETAINED)] for w in (0, 1))) as procs:
         for rnd in range(LATE_ROUNDS):
             newest = max(records, default=-1)
             runner = rng.randrange(2)
@@ -230,14 +231,6 @@ def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path
             ask(proc, "quit")
         for proc in procs:
             assert proc.wait(30) == 0
-    finally:
-        watchdog.cancel()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
     print(f"\n{LATE_ROUNDS} rounds: {re_executions} re-executions, {late_commits} late attempts committed, "
           f"{late_refused} refused")
     assert re_executions and late_commits and late_refused  # every kind of round happened
