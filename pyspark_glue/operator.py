@@ -23,6 +23,7 @@ from statecore.schema import key_value_schemas
 from statecore.spark_hash import FIXED_WIDTH_TYPES
 from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
+from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 
 from pyspark_glue import query_runs
 from pyspark_glue.arrow import dtype_of_columns, output_schemas
@@ -306,6 +307,29 @@ class StatefulOperator:
         if ours is not None:
             self._recorded = operator_files.check_metadata(self.operator_dir, ours, self.conf.storage_options)
 
+    def _drop_failed_first_batch(self):
+        """After batch 0's job failed with nothing recorded (no ``_operator.json``, no batch
+        record): delete the partition directories its tasks wrote (attempts of version 1 and
+        the stores' schema files), so that a corrected re-run with other schemas starts from
+        nothing. Only when every store there holds nothing but attempts of version 1: state
+        kept before (a checkpoint from before operators recorded metadata) is never touched."""
+        options = self.conf.storage_options
+        try:
+            found = scan_checkpoint(self.checkpoint_location, options).operators.get(self.operator_id)
+        except (NotACheckpointError, OSError, ValueError) as e:
+            log.debug("nothing of the failed batch 0 to delete under %s: %s", self.operator_dir, e)
+            return
+        if found is None or found.has_metadata or found.has_records:
+            return
+        stores = found.stores()
+        if any(set(store.files(options).list_versions().versions()) - {1} for store in stores):
+            log.warning("operator %s: batch 0 failed over stores holding other versions than 1; nothing deleted",
+                        self.operator_id)
+            return
+        CheckpointFiles(self.operator_dir, options).delete_trees(str(p) for p in sorted(found.partitions))
+        log.info("operator %s: batch 0 failed; deleted what its tasks wrote (%d stores)", self.operator_id,
+                 len(stores))
+
     def _check_key_dtypes(self, schema):
         """ValueError naming the column, its Spark type and the field's dtype if a key column
         that is also a key field holds values of another kind than the field (a number in a
@@ -496,6 +520,10 @@ class StatefulOperator:
                 routed, routing_keys = self._routed(self._with_initial_state(df, batch_id))
                 task = dataclasses.replace(task, routing_keys=routing_keys)
                 rows = routed.mapInArrow(partition_function(task), STATUS_DDL).collect()
+        except BaseException:
+            if first_metadata is not None and batch_id == 0 and not recorded:
+                self._drop_failed_first_batch()
+            raise
         finally:
             sc.setJobDescription(description)
         seconds = time.perf_counter() - started

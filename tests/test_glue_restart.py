@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from glue_support import INPUT_DDL as EVENTS_DDL, events, expected_state, make_operator, state_dict, \
+from glue_support import INPUT_DDL as EVENTS_DDL, KEY, events, expected_state, make_operator, state_dict, \
     write_parquet
 from test_spark_import import INPUT_DDL, PARTITIONS, batch_table, import_cli, run_aggregation, statecore_rows
 
@@ -152,3 +152,43 @@ def test_a_failed_first_batch_records_nothing_and_the_corrected_rerun_works(spar
     fixed.process(df, 0)
     assert fixed.last_progress["state_keys"] == len(expected_state([events(3, 100)]))
     assert os.path.exists(os.path.join(state_root, "0", "_operator.json"))
+
+
+class FailsInPartitionOne:
+    """Puts each batch's keys with a value schema of its own, and fails at the end of
+    partition 1 only: partition 0 commits version 1 (and its store's schema file)."""
+
+    value_schema = np.dtype([("n", "<f8")])
+
+    def __call__(self, store, batch):
+        from pyspark_glue import keys_from_arrow
+
+        keys = keys_from_arrow(batch, KEY)
+        store.put_batch(keys, np.zeros(len(keys), self.value_schema))
+
+    def finish(self, store):
+        from pyspark import TaskContext
+
+        if TaskContext.get().partitionId() == 1:
+            raise RuntimeError("partition 1 fails before its commit")
+
+
+def test_a_first_batch_failing_after_some_partitions_committed_leaves_no_schema_behind(spark, tmp_path):
+    """Batch 0 of a first, mistaken operator (another value schema) fails in partition 1 after
+    partition 0 committed: what its tasks wrote is deleted, so the corrected operator runs
+    batch 0 on the same checkpoint instead of failing on partition 0's recorded schema."""
+    from pyspark_glue import StatefulOperator, read_state
+
+    state_root = str(tmp_path / "state")
+    df = spark.createDataFrame(events(3, 100).to_pandas(), EVENTS_DDL)
+    wrong = FailsInPartitionOne()
+    op = StatefulOperator(state_root, 0, 2, ["user", "region"], KEY, wrong.value_schema, wrong, None,
+                          coordinator=False)
+    with pytest.raises(Exception, match="partition 1 fails before its commit"):
+        op.process(df, 0, read_output=False)
+    op.close()
+    assert not os.path.exists(os.path.join(state_root, "0", "0"))  # partition 0's committed attempt is gone
+    fixed = make_operator(state_root, num_partitions=2, coordinator=False)
+    fixed.process(df, 0)
+    assert state_dict(read_state(spark, state_root, 0)) == expected_state([events(3, 100)])
+    fixed.close()
