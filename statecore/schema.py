@@ -99,8 +99,7 @@ class RowSchema:
 
     __slots__ = ("fields", "names", "dtype", "width", "fingerprint", "key", "_struct", "_bytes_fields",
                  "_bool_fields", "_key_floats", "_key_bools", "_normalizes", "_single_bytes", "_numeric",
-                 "_value_types",
-                 "_max_bytes", "_pack_values", "_unpack_row", "_codec")
+                 "_value_types", "_max_bytes", "_pack_values", "_unpack_row", "_codec")
 
     def __init__(self, dtype, *, key=False):
         dt = np.dtype(dtype)
