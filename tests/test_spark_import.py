@@ -21,6 +21,7 @@ from statecore.cli import main
 from statecore.cli.output import BAD_INPUT
 
 from glue_support import write_parquet
+from tests.state_files import put_in_place
 
 HDFS = "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider"
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
@@ -350,11 +351,8 @@ def test_a_spark_file_that_is_a_fifo_a_device_huge_or_nested_is_refused(tmp_path
     memory, nothing written (no MemoryError, no RecursionError, no hang)."""
     checkpoint = tmp_path / "ckpt"
     path = write_spark_checkpoint(checkpoint)[which]
-    os.unlink(path)
-    if what == "fifo":
-        os.mkfifo(path)
-    elif what == "dev_zero":
-        os.symlink("/dev/zero", path)
+    if what in ("fifo", "dev_zero"):
+        put_in_place(path, what)
     elif what == "sparse_8g":
         with open(path, "wb") as f:
             f.truncate(8 << 30)

@@ -40,6 +40,19 @@ def contents(store):
     return {int(k[0]): (int(v[0]), int(v[1])) for k, v in store.iterator()}
 
 
+def send(proc, line):
+    """One line of commands to a worker."""
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def answer(proc):
+    """The worker's next answer (a JSON line)."""
+    line = proc.stdout.readline()
+    assert line, f"a writer died (exit {proc.poll()}), or the test ran out of its {TIME_LIMIT_S} s"
+    return json.loads(line)
+
+
 @contextlib.contextmanager
 def worker_processes(*worker_args):
     """One two_writers_worker process per argument list, talking over its stdin and stdout;
@@ -72,15 +85,6 @@ def applied(before, writer, version):
 
 def test_two_writers_commit_the_same_version_at_once(tmp_path):
     root = str(tmp_path)
-    def send(proc, line):
-        proc.stdin.write(line + "\n")
-        proc.stdin.flush()
-
-    def answer(proc):
-        line = proc.stdout.readline()
-        assert line, f"a writer died (exit {proc.poll()}), or the test ran out of its {TIME_LIMIT_S} s"
-        return json.loads(line)
-
     expected = {(0, ROOT_ID): {}}  # (version, commit id) -> contents
     rounds = []
     started = time.monotonic()
@@ -161,15 +165,6 @@ def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path
     root = str(tmp_path)
     rng = random.Random(7)
     log = operator_files.commit_log(operator_files.operator_dir(root, 0))
-    def ask(proc, line):
-        proc.stdin.write(line + "\n")
-        proc.stdin.flush()
-
-    def answer(proc):
-        line = proc.stdout.readline()
-        assert line, f"a writer died (exit {proc.poll()}), or the test ran out of its {TIME_LIMIT_S} s"
-        return json.loads(line)
-
     expected = {(0, ROOT_ID): {}}  # (version, commit id) -> contents of every commit that succeeded
     records = {}  # batch -> commit id of version batch + 1, as written to the log
     reader = create_and_init_provider(StateStoreId(root, 0, 0), ww.KEY, ww.VALUE,
@@ -188,22 +183,22 @@ def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path
             else:
                 batch_id = newest + 1
             base = records.get(batch_id - 1, ROOT_ID)
-            ask(procs[runner], f"open {batch_id} {base}")
+            send(procs[runner], f"open {batch_id} {base}")
             late_open = None
             if rng.random() < 0.6 and batch_id > 0:  # a late attempt of an older batch
                 v = rng.randint(max(0, batch_id - 4), batch_id)
                 named = v - 1 in records or v == 0
                 late_open = v
-                ask(procs[late], f"open {v} {records.get(v - 1, ROOT_ID)}" if named else f"open {v}")
+                send(procs[late], f"open {v} {records.get(v - 1, ROOT_ID)}" if named else f"open {v}")
             opened = answer(procs[runner])
             assert "error" not in opened, f"round {rnd}: the driver's batch {batch_id} cannot open: {opened}"
             late_base = answer(procs[late]) if late_open is not None else None
             if late_base is not None and "error" in late_base:
                 late_open = None
             maintain = int(rng.random() < 0.3)
-            ask(procs[runner], f"commit 300 {maintain}")
+            send(procs[runner], f"commit 300 {maintain}")
             if late_open is not None:
-                ask(procs[late], f"commit 300 {int(rng.random() < 0.3)}")
+                send(procs[late], f"commit 300 {int(rng.random() < 0.3)}")
             result = answer(procs[runner])
             assert "error" not in result, f"round {rnd}: the driver's batch {batch_id} did not commit: {result}"
             expected[(batch_id + 1, result["commit_id"])] = applied(expected[(batch_id, base)], runner, batch_id + 1)
@@ -228,7 +223,7 @@ def test_late_openers_and_re_executions_never_change_a_recorded_version(tmp_path
                     f"round {rnd}: recorded batch {b} (version {b + 1}, {commit_id}) does not read back"
                 store.abort()
         for proc in procs:
-            ask(proc, "quit")
+            send(proc, "quit")
         for proc in procs:
             assert proc.wait(30) == 0
     print(f"\n{LATE_ROUNDS} rounds: {re_executions} re-executions, {late_commits} late attempts committed, "
