@@ -41,3 +41,14 @@ def put_in_place(path, what):
         os.mkdir(path)
     else:
         raise ValueError(f"unknown replacement {what!r}")
+
+
+def tree(root):
+    """Every file under ``root``, with its size and modification time: equal before and after
+    a command that must write nothing."""
+    out = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            st = os.stat(os.path.join(directory, name))
+            out[os.path.relpath(os.path.join(directory, name), root)] = (st.st_size, st.st_mtime_ns)
+    return out

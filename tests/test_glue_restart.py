@@ -16,18 +16,9 @@ import pytest
 from glue_support import INPUT_DDL as EVENTS_DDL, KEY, events, expected_state, make_operator, state_dict, \
     write_parquet
 from test_spark_import import INPUT_DDL, PARTITIONS, batch_table, import_cli, run_aggregation, statecore_rows
+from tests.state_files import tree
 
 pytestmark = pytest.mark.spark
-
-
-def tree(root):
-    """Every file under ``root``, with its size and modification time."""
-    out = {}
-    for directory, _, names in os.walk(root):
-        for name in names:
-            st = os.stat(os.path.join(directory, name))
-            out[os.path.relpath(os.path.join(directory, name), root)] = (st.st_size, st.st_mtime_ns)
-    return out
 
 
 def stream(spark, inputs, checkpoint, handle):

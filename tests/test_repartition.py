@@ -21,6 +21,7 @@ from statecore.spark_hash import spark_hash, spark_partition
 from statecore import repartition as engine
 
 from tests.glue_support import KEY, VALUE
+from tests.state_files import tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY_TYPES = ["bigint", "string"]
@@ -207,16 +208,6 @@ def check_routed(by_partition, expected):
             assert (spark_partition([keys["user"], keys["region"]], KEY_TYPES, m) == p).all()
         merged.update(rows)
     assert merged == expected
-
-
-def tree(root):
-    """Every file under ``root`` with its size and modification time."""
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            st = os.stat(os.path.join(d, n))
-            out[os.path.relpath(os.path.join(d, n), root)] = (st.st_size, st.st_mtime_ns)
-    return out
 
 
 def cli(*args):
