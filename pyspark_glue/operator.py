@@ -591,9 +591,7 @@ class StatefulOperator:
                 log.info("operator %s: no record of batch %d under %s; batch %d opens the default lineage",
                          self.operator_id, batch_id - 1, self.commit_log().location, batch_id)
             return None
-        if store_name is None:
-            return previous["commit_ids"]
-        return previous["store_commit_ids"].get(store_name)
+        return operator_files.store_ids(previous, self.store_name if store_name is None else store_name)
 
     def _extra_stores(self, batch_id, previous):
         """The :class:`StoreSpec` of each store ``fn.state_stores`` declares, at the attempts

@@ -465,8 +465,7 @@ def verify_checkpoint(checkpoint, operator_id=None, version=None, deep=False, st
             for check in checks:
                 named = None
                 if record is not None:
-                    ids = (record["commit_ids"] if check.ref.store_name == record["store_name"]
-                           else record["store_commit_ids"].get(check.ref.store_name))
+                    ids = operator_files.store_ids(record, check.ref.store_name)
                     if ids is not None and check.ref.partition_id < len(ids):
                         named = bytes.fromhex(ids[check.ref.partition_id])
                 try:

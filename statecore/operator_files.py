@@ -13,7 +13,7 @@ from statecore.schema import RowSchema
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
            "check_metadata", "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record",
-           "REPARTITION_KEY", "repartitioned"]
+           "store_ids", "REPARTITION_KEY", "repartitioned"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
@@ -146,6 +146,15 @@ def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base
             "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids),
             "store_commit_ids": {name: list(ids) for name, ids in (store_commit_ids or {}).items()},
             "watermarks": watermarks, "query_id": query_id}
+
+
+def store_ids(record, store_name):
+    """The attempts (one id per partition) a checked batch record names for store
+    ``store_name``: its ``commit_ids`` for the record's own store, its
+    ``store_commit_ids[store_name]`` for any other; None if it names none of that store."""
+    if record.get("store_name", "default") == store_name:
+        return record["commit_ids"]
+    return record["store_commit_ids"].get(store_name)
 
 
 def repartitioned(metadata):

@@ -561,10 +561,7 @@ class FileStateStoreProvider(StateStoreProvider):
             record = operator_files.read_commit_record(records, batch_id, metadata)
             if record is None or sid.partition_id >= record["num_partitions"]:
                 continue
-            if record.get("store_name", "default") == sid.store_name:
-                ids = record["commit_ids"]
-            else:
-                ids = record["store_commit_ids"].get(sid.store_name)
+            ids = operator_files.store_ids(record, sid.store_name)
             if ids is not None:
                 found.append((batch_id, batch_id + 1, bytes.fromhex(ids[sid.partition_id])))
         return found

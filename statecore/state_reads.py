@@ -108,9 +108,7 @@ def recorded_attempts(checkpoint_root, operator_id, store_name, version, storage
     record = operator_files.read_commit_record(records, batch, metadata)
     if record is None:
         return version, None
-    if record.get("store_name") == store_name:
-        return batch + 1, record["commit_ids"]
-    ids = record["store_commit_ids"].get(store_name)
+    ids = operator_files.store_ids(record, store_name)
     if ids is None:
         log.warning("the record of batch %d (%s) names no attempts of store %r (it names %s): reading that store's "
                     "default lineage", batch, records.path(batch), store_name,
