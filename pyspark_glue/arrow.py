@@ -3,6 +3,8 @@ back, for user functions (numpy in, the store's batch calls, Arrow out: no per-r
 
 The type mapping, one rule in both directions, is in ``docs/operator.md`` ("Types").
 """
+import re
+
 import numpy as np
 import pyarrow as pa
 
@@ -243,16 +245,54 @@ def dtype_of_columns(spark_schema, columns, widths=None, what="key"):
     return as_schema(np.dtype(out)).dtype
 
 
+_DDL_TYPES = {  # Spark's names of the simple types (as its DDL parser takes them) -> the type's class name
+    "boolean": "BooleanType", "tinyint": "ByteType", "byte": "ByteType", "smallint": "ShortType",
+    "short": "ShortType", "int": "IntegerType", "integer": "IntegerType", "bigint": "LongType", "long": "LongType",
+    "float": "FloatType", "real": "FloatType", "double": "DoubleType", "string": "StringType",
+    "binary": "BinaryType", "date": "DateType", "timestamp": "TimestampType", "timestamp_ltz": "TimestampType",
+    "timestamp_ntz": "TimestampNTZType",
+}
+_DDL_FIELD = re.compile(r"\s*(`(?:[^`]|``)+`|[A-Za-z_][A-Za-z0-9_]*)\s*:?\s*([A-Za-z_0-9]+)"
+                        r"(?:\s*\(\s*(\d+)\s*,\s*(\d+)\s*\))?\s*$")
+
+
+def parse_simple_ddl(text):
+    """A StructType from a DDL string of simple columns (``"user long, clicks long"``:
+    names, the types of ``_DDL_TYPES`` and ``decimal(p, s)``), without Spark; None for
+    anything else (nested types, ``NOT NULL``, comments), which Spark's own parser must read.
+    What it reads, it reads as Spark does: every field nullable."""
+    from pyspark.sql import types as T
+
+    fields = []
+    for part in re.split(r",(?![^(]*\))", text):  # commas outside a decimal's parentheses
+        m = _DDL_FIELD.match(part)
+        if m is None:
+            return None
+        name, type_name, precision, scale = m.groups()
+        if name.startswith("`"):
+            name = name[1:-1].replace("``", "`")
+        type_name = type_name.lower()
+        if type_name in ("decimal", "dec", "numeric") and precision is not None:
+            data_type = T.DecimalType(int(precision), int(scale))
+        elif type_name in _DDL_TYPES and precision is None:
+            data_type = getattr(T, _DDL_TYPES[type_name])()
+        else:
+            return None
+        fields.append(T.StructField(name, data_type, True))
+    return T.StructType(fields) if fields else None
+
+
 def output_schemas(schema):
     """``(StructType, pyarrow.Schema)`` of an output schema given as a StructType, a DDL
-    string or None (``(None, None)``: no output)."""
+    string or None (``(None, None)``: no output). A DDL string of simple columns is read
+    here (:func:`parse_simple_ddl`: no Spark needed); any other goes to Spark's parser."""
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import StructType
 
     if schema is None:
         return None, None
     if isinstance(schema, str):
-        schema = StructType.fromDDL(schema)
+        schema = parse_simple_ddl(schema) or StructType.fromDDL(schema)
     if not isinstance(schema, StructType):
         raise TypeError(f"output_schema must be a StructType, a DDL string or None, got {type(schema).__name__}")
     return schema, to_arrow_schema(schema, timezone="UTC")

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["parse_duration_us", "Watermarks", "next_watermark_ms", "check_event_time_column", "event_times_us",
+__all__ = ["parse_duration_us", "Watermarks", "next_watermark_ms", "batch_watermarks", "check_event_time_column", "event_times_us",
            "MICROS_PER_MILLI"]
 
 MICROS_PER_MILLI = 1000
@@ -85,6 +85,21 @@ def next_watermark_ms(previous_ms, max_event_time_us, delay_us):
     if max_event_time_us is None:
         return previous_ms
     return max(previous_ms, max_event_time_us // MICROS_PER_MILLI - delay_us // MICROS_PER_MILLI, 0)
+
+
+def batch_watermarks(previous, delay_us, advance_to_ms=None):
+    """The :class:`Watermarks` of a batch from the previous batch's (a batch record's
+    ``watermarks``: ``for_eviction_ms`` and ``max_event_time_us``; None for the first batch):
+    late rows against the previous eviction watermark; eviction at that one advanced by the
+    previous batch's largest event time less the delay, and raised to ``advance_to_ms``."""
+    if previous is None:
+        late = eviction = 0
+    else:
+        late = previous["for_eviction_ms"]
+        eviction = next_watermark_ms(late, previous["max_event_time_us"], delay_us)
+    if advance_to_ms is not None:
+        eviction = max(eviction, advance_to_ms)
+    return Watermarks(late, eviction)
 
 
 def check_event_time_column(spark_schema, column):

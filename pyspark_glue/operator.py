@@ -26,8 +26,9 @@ from statecore.checkpoint import CheckpointFiles
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 
 from pyspark_glue import query_runs
+from pyspark_glue.clocks import WallClock, as_millis
 from pyspark_glue.arrow import dtype_of_columns, output_schemas
-from pyspark_glue.event_time import Watermarks, check_event_time_column, next_watermark_ms, parse_duration_us
+from pyspark_glue.event_time import batch_watermarks, check_event_time_column, parse_duration_us
 from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL,
                                         PartitionTask, StoreSpec, partition_function)
 from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
@@ -40,19 +41,6 @@ _PROVIDER_CLASS_KEY = "spark.sql.streaming.stateStore.providerClass"
 _SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 _ADAPTIVE = "spark.sql.adaptive.enabled"
 _FROM_FN = object()  # an argument left out: taken from fn's attribute of the same name
-
-def _as_millis(when):
-    """A watermark given by the user: a ``datetime`` (naive: UTC) or int milliseconds."""
-    import datetime
-
-    if isinstance(when, datetime.datetime):
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        return int(when.timestamp() * 1000)
-    if isinstance(when, int) and not isinstance(when, bool) and when >= 0:
-        return when
-    raise TypeError(f"advance_watermark_to must be a datetime or int milliseconds >= 0, got {when!r}")
-
 
 def _from_fn(fn, name, given):
     """An operator argument: as given, or (left out) ``fn``'s attribute of the same name."""
@@ -130,6 +118,11 @@ class StatefulOperator:
         batch ids start at 0 again) over state that already holds batches up to ``n``
         (written by ``statecore import-spark``, or by a query whose checkpoint is gone):
         ``batch_id_offset=n + 1`` continues from that state (``docs/operator.md``).
+    clock : object with ``now_ms()``, default :class:`~pyspark_glue.clocks.WallClock`
+        Where each batch's processing time comes from (read once per batch on the driver, as
+        the batch begins; a batch run again over its own record keeps the recorded time).
+        A :class:`~pyspark_glue.clocks.ManualClock` makes processing-time timers and TTLs
+        testable and replayable (``docs/processor.md``, "Clocks").
 
     Attributes
     ----------
@@ -146,7 +139,7 @@ class StatefulOperator:
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
                  value_schema=_FROM_FN, fn=None, output_schema=_FROM_FN, conf=None, *, store_name="default",
                  coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=_FROM_FN,
-                 delay=_FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0):
+                 delay=_FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0, clock=None):
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
@@ -170,6 +163,9 @@ class StatefulOperator:
         if not isinstance(batch_id_offset, int) or isinstance(batch_id_offset, bool) or batch_id_offset < 0:
             raise ValueError(f"batch_id_offset must be an int >= 0, got {batch_id_offset!r}")
         self.batch_id_offset = batch_id_offset
+        self.clock = WallClock() if clock is None else clock
+        if not callable(getattr(self.clock, "now_ms", None)):
+            raise TypeError(f"clock must have a now_ms() method, got {type(clock).__name__}")
         if query_run_id is not None and not isinstance(query_run_id, uuid.UUID):
             raise TypeError(f"query_run_id must be a uuid.UUID, got {type(query_run_id).__name__}")
         self.checkpoint_location = checkpoint_location
@@ -479,7 +475,7 @@ class StatefulOperator:
 
     def _process(self, df, batch_id, advance_watermark_to, read_output):
         begun = time.perf_counter()
-        batch_timestamp_ms = int(time.time() * 1000)
+        clock_ms = self.clock.now_ms()
         spark = df.sparkSession
         self._resolve(spark)
         self._resolve_input(df)
@@ -495,6 +491,7 @@ class StatefulOperator:
         records = self.commit_log()
         recorded = records.epochs()
         self._refuse_starting_over(batch_id, recorded, query_id)
+        batch_timestamp_ms = self._batch_timestamp_ms(batch_id, recorded, clock_ms)
         run_id, generation, re_execution = self._run_for(df, batch_id)
         records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them
         previous = None if batch_id == 0 else self.commit_record(batch_id - 1)
@@ -533,7 +530,7 @@ class StatefulOperator:
             raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: expected one task per partition "
                                f"0..{self.num_partitions - 1}, got partitions {seen}")
         self._record_metadata(first_metadata)
-        self._record_batch(records, state_info, statuses, watermarks, query_id)
+        self._record_batch(records, state_info, statuses, watermarks, query_id, batch_timestamp_ms)
         records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
         self._record_progress(batch_id, run_id, statuses, re_execution, seconds, watermarks)
         observe = getattr(self.fn, "observe", None)
@@ -613,17 +610,12 @@ class StatefulOperator:
             if advance_to is not None:
                 raise ValueError("advance_watermark_to needs an event-time column")
             return None
-        if previous is None or previous.get("watermarks") is None:
-            if batch_id > 0:
-                log.info("operator %s: no watermark recorded for batch %d; batch %d starts from 0",
-                         self.operator_id, batch_id - 1, batch_id)
-            late = eviction = 0
-        else:
-            late = previous["watermarks"]["for_eviction_ms"]
-            eviction = next_watermark_ms(late, previous["watermarks"]["max_event_time_us"], self.delay_us)
-        if advance_to is not None:
-            eviction = max(eviction, _as_millis(advance_to))
-        return Watermarks(late, eviction)
+        marks = None if previous is None else previous.get("watermarks")
+        if marks is None and batch_id > 0:
+            log.info("operator %s: no watermark recorded for batch %d; batch %d starts from 0",
+                     self.operator_id, batch_id - 1, batch_id)
+        return batch_watermarks(marks, self.delay_us,
+                                None if advance_to is None else as_millis(advance_to, "advance_watermark_to"))
 
     def _refuse_starting_over(self, batch_id, recorded, query_id):
         """A query whose batch ids start below the recorded ones (a new Spark checkpoint over
@@ -657,9 +649,21 @@ class StatefulOperator:
             f"purpose, delete {self.operator_dir} first (docs/operator.md, \"Starting over\"). Nothing was "
             f"deleted or run")
 
-    def _record_batch(self, records, state_info, statuses, watermarks, query_id):
+    def _batch_timestamp_ms(self, batch_id, recorded, clock_ms):
+        """The batch's processing time: the one its record holds when the batch is run again
+        over its own record (as Spark replays a batch's timestamp from its offset log), else
+        the clock's reading as the batch began."""
+        if batch_id in recorded:
+            record = self.commit_record(batch_id)
+            if record is not None and record.get("batch_timestamp_ms") is not None:
+                return record["batch_timestamp_ms"]
+        if not isinstance(clock_ms, int) or isinstance(clock_ms, bool) or clock_ms < 0:
+            raise TypeError(f"the clock's now_ms() must return int milliseconds >= 0, got {clock_ms!r}")
+        return clock_ms
+
+    def _record_batch(self, records, state_info, statuses, watermarks, query_id, batch_timestamp_ms):
         """Write the record of the batch whose job just succeeded: each partition's winner
-        of each store, and the batch's watermarks and largest event time."""
+        of each store, the batch's watermarks and largest event time, its processing time."""
         batch_id = state_info.store_version
         if state_info.commit_ids is not None:
             opened = tuple(s["base_commit_id"] for s in statuses)
@@ -676,7 +680,8 @@ class StatefulOperator:
         records.write(batch_id, operator_files.commit_record(
             batch_id, self.num_partitions, self.store_name, state_info.query_run_id,
             [s["commit_id"] for s in statuses], [s["base_commit_id"] for s in statuses],
-            store_commit_ids=store_commit_ids, watermarks=marks, query_id=query_id))
+            store_commit_ids=store_commit_ids, watermarks=marks, query_id=query_id,
+            batch_timestamp_ms=batch_timestamp_ms))
 
     def _with_initial_state(self, df, batch_id):
         """Batch 0 carries the ``initial_state`` rows too, marked (other columns null)."""

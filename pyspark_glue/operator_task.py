@@ -242,6 +242,56 @@ def _open_stores(task, partition_id):
     return stores, already_loaded
 
 
+def run_fn(fn, context, batches, arrow_schema, event_time=None, check=None):
+    """``fn`` over one partition's batches, as every runner of an operator's ``fn`` runs it
+    (the operator's task, :class:`pyspark_glue.testing.Harness`): ``fn.open(context)``,
+    ``fn(store, batch)`` for each batch (after ``check(batch)``, which may drop columns),
+    ``fn.finish(store)``. Returns ``(outputs, rows_in, batches_in, max_event_time_us)``, the
+    outputs conformed to ``arrow_schema``. The stores are left to the caller to commit."""
+    store = context.store
+    outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
+    open_ = getattr(fn, "open", None)
+    if callable(open_):
+        open_(context)
+    for batch in batches:
+        if check is not None:
+            batch = check(batch)
+        rows_in += batch.num_rows
+        batches_in += 1
+        if event_time is not None and batch.num_rows:
+            batch_max = _max_event_time(batch, event_time)
+            if batch_max is not None:
+                max_event_time = batch_max if max_event_time is None else max(max_event_time, batch_max)
+        out = fn(store, batch)
+        if out is not None:
+            outputs += conform_output(out, arrow_schema, "fn")
+    finish = getattr(fn, "finish", None)
+    if callable(finish):
+        out = finish(store)
+        if out is not None:
+            outputs += conform_output(out, arrow_schema, "fn.finish")
+    return outputs, rows_in, batches_in, max_event_time
+
+
+def commit_stores(stores, store_name):
+    """Commit every store of a partition, the operator's own (``store_name``) last: its commit
+    id is the batch's. On a failure, the stores not yet committed are aborted."""
+    try:
+        for name, other in stores.items():
+            if name != store_name:
+                other.commit()
+        stores[store_name].commit()
+    except BaseException:
+        abort_uncommitted(stores)
+        raise
+
+
+def abort_uncommitted(stores):
+    for store in stores.values():
+        if not store.has_committed:
+            store.abort()
+
+
 def _run_partition(task, batches):
     """The body of partition ``p``'s task (``docs/operator.md``, step 3)."""
     from pyspark import TaskContext
@@ -252,43 +302,20 @@ def _run_partition(task, batches):
     stores, already_loaded = _open_stores(task, partition_id)
     store = stores[task.store_name]
     opened = time.perf_counter()
-    fn = task.fn
     context = PartitionContext(partition_id, task.state_info.store_version, stores, task.store_name,
                                task.watermarks, task.batch_timestamp_ms)
-    outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
     routing = None if task.routing_keys is None else (task.state_info.num_partitions, *task.routing_keys)
     try:
-        open_ = getattr(fn, "open", None)
-        if callable(open_):
-            open_(context)
-        for batch in joined_batches(batches, task.fn_batch_rows, FN_BATCH_BYTES):
-            batch = checked_partition(batch, partition_id, routing)
-            rows_in += batch.num_rows
-            batches_in += 1
-            if task.event_time is not None and batch.num_rows:
-                batch_max = _max_event_time(batch, task.event_time)
-                if batch_max is not None:
-                    max_event_time = batch_max if max_event_time is None else max(max_event_time, batch_max)
-            out = fn(store, batch)
-            if out is not None:
-                outputs += conform_output(out, task.arrow_schema, "fn")
-        finish = getattr(fn, "finish", None)
-        if callable(finish):
-            out = finish(store)
-            if out is not None:
-                outputs += conform_output(out, task.arrow_schema, "fn.finish")
+        outputs, rows_in, batches_in, max_event_time = run_fn(
+            task.fn, context, joined_batches(batches, task.fn_batch_rows, FN_BATCH_BYTES), task.arrow_schema,
+            task.event_time, lambda batch: checked_partition(batch, partition_id, routing))
         ran = time.perf_counter()
         if task.output_dir is not None:
             _write_output(task, partition_id, outputs)
         written = time.perf_counter()
-        for name, other in stores.items():  # the default store last: its commit id is the batch's
-            if name != task.store_name:
-                other.commit()
-        store.commit()
+        commit_stores(stores, task.store_name)
     except BaseException:
-        for s in stores.values():
-            if not s.has_committed:
-                s.abort()
+        abort_uncommitted(stores)
         raise
     committed = time.perf_counter()
     metrics = store.metrics

@@ -151,7 +151,10 @@ class StatefulProcessor:
         return None
 
     def open(self, context):
-        handle = StateHandle(self.key_schema, context.stores, self._clock_us(context))
+        watermarks = context.watermarks
+        handle = StateHandle(self.key_schema, context.stores, self._clock_us(context),
+                             processing_time_us=context.batch_timestamp_ms * 1000,
+                             watermark_us=None if watermarks is None else watermarks.for_eviction_us)
         self.init(handle)
         self._task = {"context": context, "handle": handle, "batches": [], "initial": []}
 

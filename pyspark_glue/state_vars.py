@@ -290,6 +290,18 @@ class Timers:
         self.key_dtype = handle.key_dtype
         self.full_key = _join(self.key_dtype, np.dtype([(_TIMER, "<i8")]))
 
+    @property
+    def processing_time_us(self):
+        """The batch's processing time (Spark's ``getCurrentProcessingTimeInMs``, here in
+        microseconds): the operator's clock when the batch began."""
+        return self.handle.processing_time_us
+
+    @property
+    def watermark_us(self):
+        """The batch's eviction watermark in microseconds (Spark's ``getCurrentWatermarkInMs``);
+        None without event time."""
+        return self.handle.watermark_us
+
     def stores(self):
         index = ExpiryIndex.schemas(self.key_dtype)
         return {_TIMERS: (self.full_key, np.dtype([])), f"{_TIMERS}.heads": index["heads"],
@@ -353,10 +365,11 @@ class StateHandle:
     """Declares a processor's variables (``value``, ``list``, ``map``) and binds them to the
     stores of the task's partition. On the driver it only records their stores and schemas."""
 
-    def __init__(self, key_dtype, stores=None, now_us=None):
+    def __init__(self, key_dtype, stores=None, now_us=None, *, processing_time_us=None, watermark_us=None):
         self.key_dtype = np.dtype(key_dtype)
         self._stores = stores
-        self.now_us = now_us
+        self.now_us = now_us  # the processor's clock: what timers fire and TTLs end against
+        self.processing_time_us, self.watermark_us = processing_time_us, watermark_us
         self.variables = {}
         self.timers = Timers(self)
 

@@ -134,18 +134,19 @@ def commit_log(operator_location, storage_options=None):
 
 
 def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
-                  store_commit_ids=None, watermarks=None, query_id=None):
+                  store_commit_ids=None, watermarks=None, query_id=None, batch_timestamp_ms=None):
     """The record of a batch whose job succeeded: each partition's winning attempt of
     version ``batch_id + 1`` and the attempt of ``batch_id`` it opened; the winners of the
     operator's other stores (``{name: [id per partition]}``); with event time, the batch's
     watermarks and largest event time (``{"for_late_events_ms", "for_eviction_ms",
     "max_event_time_us"}``); the persistent id of the streaming query that ran it (None
-    outside one, and for records written by ``statecore import-spark`` or ``repartition``)."""
+    outside one, and for records written by ``statecore import-spark`` or ``repartition``); the
+    batch's processing time in milliseconds (None: not known, as for those commands' records)."""
     return {"format": RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
             "num_partitions": num_partitions, "store_name": store_name, "run_id": str(run_id),
             "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids),
             "store_commit_ids": {name: list(ids) for name, ids in (store_commit_ids or {}).items()},
-            "watermarks": watermarks, "query_id": query_id}
+            "watermarks": watermarks, "query_id": query_id, "batch_timestamp_ms": batch_timestamp_ms}
 
 
 def store_ids(record, store_name):
@@ -206,4 +207,7 @@ def checked_record(record, batch_id, where):
             or not (marks.get("max_event_time_us") is None or isinstance(marks["max_event_time_us"], int))):
         raise ValueError(f"{where}: watermarks {marks!r} are not a batch's watermarks")
     record.setdefault("watermarks", None)
+    stamp = record.setdefault("batch_timestamp_ms", None)
+    if stamp is not None and (not isinstance(stamp, int) or isinstance(stamp, bool) or stamp < 0):
+        raise ValueError(f"{where}: batch_timestamp_ms {stamp!r} is not a time in milliseconds")
     return record

@@ -1,0 +1,272 @@
+"""The harness (pyspark_glue.testing.Harness): a processor run over hand-given batches without
+Spark, with a clock set by hand. The README's processor example, its processing-time TTL
+ending exactly at its boundary; timers firing exactly at their time; several partitions; a
+failing batch run again; a restart; the clocks; bad input. (That a harness run and a real
+StatefulOperator run agree is tests/test_harness_vs_operator.py, with Spark.)"""
+import datetime
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pyspark_glue import StatefulProcessor
+from pyspark_glue.clocks import ManualClock, WallClock
+from pyspark_glue.testing import Harness
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+KEY = np.dtype([("user", "<i8")])
+MINUTE_MS = 60_000
+
+
+def readme_blocks():
+    """The README's processor example and its harness test, as written there."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    example = next(b for b in blocks if "class Carts(StatefulProcessor)" in b)
+    test = next(b for b in blocks if "Harness(Carts())" in b)
+    return example, test
+
+
+@pytest.fixture
+def readme_module():
+    """The README's example as an importable module (its classes pickle by reference, as a
+    user's module's do)."""
+    example, _ = readme_blocks()
+    module = types.ModuleType("readme_processor_example")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(example.replace("/data/state", str(Path(__file__).parent / "unused")), "README.md", "exec"),
+             module.__dict__)
+        yield module
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_the_readme_processor_example_passes_its_own_harness_test(readme_module):
+    _, test = readme_blocks()
+    exec(compile(test, "README.md", "exec"), dict(readme_module.__dict__))
+
+
+def test_a_processing_time_ttl_ends_exactly_at_its_boundary_under_a_set_clock(readme_module):
+    """An item put at t lives while the clock is below t + 1 hour and is gone at t + 1 hour;
+    put again at t + 40 min, it lives until t + 100 min (a write restarts its TTL)."""
+    with Harness(readme_module.Carts(), clock=ManualClock(10_000)) as h:
+        h.run([{"user": 1, "item": 7, "qty": 2}, {"user": 1, "item": 8, "qty": 1}])  # at 10 s
+        h.run([{"user": 1, "item": 8, "qty": 5}], processing_time=10_000 + 40 * MINUTE_MS)
+        h.run(processing_time=10_000 + 60 * MINUTE_MS - 1)
+        _, items, qty = h.map("cart", [1])
+        assert sorted(zip(items["item"].tolist(), qty["qty"].tolist())) == [(7, 2), (8, 5)]
+        h.run(processing_time=10_000 + 60 * MINUTE_MS)
+        _, items, qty = h.map("cart", [1])
+        assert list(zip(items["item"].tolist(), qty["qty"].tolist())) == [(8, 5)]
+        keys, values = h.rows("cart")
+        assert keys["item"].tolist() == [8], "the ended entry left the store, not only the reads"
+        h.run(processing_time=10_000 + 100 * MINUTE_MS - 1)
+        assert len(h.map("cart", [1])[0]) == 1
+        h.run(processing_time=10_000 + 100 * MINUTE_MS)
+        assert len(h.map("cart", [1])[0]) == 0
+
+
+def test_a_processing_time_timer_fires_in_the_first_batch_at_or_after_its_time(readme_module):
+    """The reminder is due 30 min after the last change: not in a batch 1 ms before, then
+    exactly once; a change moves it."""
+    with Harness(readme_module.Carts()) as h:
+        h.run([{"user": 1, "item": 7, "qty": 2}, {"user": 2, "item": 3, "qty": 1}], processing_time=0)
+        which, times = h.timers([1, 2])
+        assert which.tolist() == [0, 1] and times.tolist() == [30 * MINUTE_MS * 1000] * 2
+        h.run([{"user": 2, "item": 4, "qty": 1}], processing_time=10 * MINUTE_MS)  # user 2's moves to 40 min
+        assert h.run(processing_time=30 * MINUTE_MS - 1).num_rows == 0
+        assert h.run(processing_time=30 * MINUTE_MS).to_pylist() == [{"user": 1, "items": 1}]
+        assert h.timers([1])[1].tolist() == []
+        assert h.run(processing_time=39 * MINUTE_MS).num_rows == 0
+        assert h.run(processing_time=41 * MINUTE_MS).to_pylist() == [{"user": 2, "items": 2}]
+        assert h.last_progress["batch_timestamp_ms"] == 41 * MINUTE_MS
+
+
+class Sessions(StatefulProcessor):
+    """Event time: clicks per user until 10 s of silence (a timer after the last click), and
+    the last 3 pages of each user (a list)."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    output_schema = "user long, clicks long"
+    time_mode = "event_time"
+    event_time, delay = "ts", "5 seconds"
+
+    def init(self, state):
+        self.count = state.value("count", [("n", "<i8"), ("last", "<i8")])
+        self.pages = state.list("pages", [("page", "<i8")])
+
+    def handle_input(self, groups, timers):
+        last = np.maximum.reduceat(groups.column("ts"), groups.starts)
+        old, found = self.count.get(groups.keys)
+        timers.delete(groups.keys[found], old["last"][found] + 10_000_000)
+        new = np.zeros(len(groups), self.count.dtype)
+        new["n"] = np.where(found, old["n"], 0) + groups.sizes
+        new["last"] = np.where(found, np.maximum(old["last"], last), last)
+        self.count.put(groups.keys, new)
+        timers.register(groups.keys, new["last"] + 10_000_000)
+        pages = np.zeros(groups.rows.num_rows, self.pages.dtype)
+        pages["page"] = groups.column("page")
+        self.pages.append(groups.keys[groups.group], pages)
+
+    def handle_expired_timers(self, keys, times, timers):
+        values, found = self.count.get(keys)
+        self.count.clear(keys[found])
+        return pa.RecordBatch.from_pydict({"user": keys["user"][found], "clicks": values["n"][found]})
+
+
+def clicks(rng, batch, n=40, users=12):
+    """``n`` clicks of batch ``batch``: 3 s of event time a batch, some up to 8 s late."""
+    ts = 1_000_000 * (3 * batch + rng.uniform(-8, 2, n)) + 50_000_000
+    return pa.table({"user": pa.array(rng.integers(0, users, n), pa.int64()),
+                     "ts": pa.array(ts.astype(np.int64), pa.timestamp("us", "UTC")),
+                     "page": pa.array(rng.integers(0, 50, n), pa.int64())})
+
+
+def sorted_rows(table):
+    return sorted(tuple(r.values()) for r in table.to_pylist())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_partitions_give_the_output_and_state_of_one(seed):
+    """Rows routed by Spark's hash to two partitions: every batch's output, the late rows and
+    the state read back are those of one partition."""
+    rng = np.random.default_rng(seed)
+    batches = [clicks(rng, b) for b in range(12)]
+    users = list(range(12))
+    with Harness(Sessions()) as one, Harness(Sessions(), num_partitions=2) as two:
+        fired = 0
+        for b, rows in enumerate(batches + [None] * 3):
+            flush = 200_000 if b >= 12 else None  # the end of a bounded run: the watermark moved on
+            out1, out2 = one.run(rows, advance_watermark_to=flush), two.run(rows, advance_watermark_to=flush)
+            assert sorted_rows(out1) == sorted_rows(out2), f"batch {b}"
+            assert one.last_progress["late_rows"] == two.last_progress["late_rows"]
+            fired += out1.num_rows
+            v1, f1 = one.value("count", users)
+            v2, f2 = two.value("count", users)
+            assert f1.tolist() == f2.tolist() and v1[f1].tolist() == v2[f2].tolist()
+            w1, p1 = one.list("pages", users)
+            w2, p2 = two.list("pages", users)
+            assert w1.tolist() == w2.tolist() and p1.tolist() == p2.tolist()
+        assert fired > 5, "sessions must end for the test to mean anything"
+        assert len(two.rows("count")[0]) == 0, "every session ended by the flush"
+
+
+def test_a_failing_batch_leaves_nothing_and_runs_again():
+    """fn raises in the second partition of a batch: every store of the batch is aborted
+    (the first partition's too), and the same batch run again gives what a run without the
+    failure gives."""
+    class Flaky(Sessions):
+        fail = True
+
+        def handle_input(self, groups, timers):
+            super().handle_input(groups, timers)
+            if Flaky.fail and 7 in groups.keys["user"]:
+                raise RuntimeError("boom")
+
+    rng = np.random.default_rng(3)
+    batches = [clicks(rng, b) for b in range(4)]
+    with Harness(Flaky(), num_partitions=2) as h, Harness(Sessions(), num_partitions=2) as clean:
+        for rows in batches[:2]:
+            Flaky.fail = False
+            h.run(rows)
+            clean.run(rows)
+        Flaky.fail = True
+        with pytest.raises(RuntimeError, match="boom"):
+            h.run(batches[2])
+        assert h.batch_id == 2
+        Flaky.fail = False
+        for rows in batches[2:]:
+            assert sorted_rows(h.run(rows)) == sorted_rows(clean.run(rows))
+        assert sorted(h.rows("count")[0].tolist()) == sorted(clean.rows("count")[0].tolist())
+
+
+def test_a_restart_reads_the_state_back_from_its_files(tmp_path):
+    rng = np.random.default_rng(5)
+    batches = [clicks(rng, b) for b in range(6)]
+    with Harness(Sessions(), checkpoint_location=str(tmp_path)) as h, Harness(Sessions()) as steady:
+        for b, rows in enumerate(batches):
+            if b == 3:
+                h.restart()
+                assert not h._providers
+            assert sorted_rows(h.run(rows)) == sorted_rows(steady.run(rows))
+        assert (tmp_path / "0" / "1" / "count").is_dir() is False  # one partition: 0 only
+        assert (tmp_path / "0" / "0" / "count").is_dir()
+
+
+def test_initial_state_goes_to_handle_initial_state_in_the_first_batch_only():
+    class Seeded(Sessions):
+        def handle_initial_state(self, groups, timers):
+            values = np.zeros(len(groups), self.count.dtype)
+            values["n"] = groups.column("n", np.int64)[groups.starts]
+            values["last"] = 0
+            self.count.put(groups.keys, values)
+
+    initial = [{"user": 1, "n": 100}, {"user": 2, "n": 200}]
+    rng = np.random.default_rng(7)
+    with Harness(Seeded(), initial_state=initial) as h:
+        h.run(clicks(rng, 0, n=5, users=1))  # user 0 only
+        values, found = h.value("count", [0, 1, 2])
+        assert found.tolist() == [True, True, True]
+        assert values["n"].tolist() == [5, 100, 200]
+        h.run(clicks(rng, 1, n=5, users=1))
+        assert h.value("count", [1])[0]["n"].tolist() == [100]
+
+
+def test_a_task_copy_of_the_processor_keeps_nothing_between_batches():
+    """What a handler sets on ``self`` is gone in the next batch, as on Spark (each task
+    gets its own copy of the processor)."""
+    class Remembers(Sessions):
+        def handle_input(self, groups, timers):
+            assert not hasattr(self, "seen"), "a task saw what an earlier task set on its processor"
+            self.seen = True
+            super().handle_input(groups, timers)
+
+    rng = np.random.default_rng(9)
+    processor = Remembers()
+    with Harness(processor) as h:
+        h.run(clicks(rng, 0))
+        h.run(clicks(rng, 1))
+    assert not hasattr(processor, "seen")
+
+
+def test_the_manual_clock_moves_only_forward_and_by_whole_milliseconds():
+    clock = ManualClock(1_000)
+    clock.advance("2 seconds")
+    clock.advance(5)
+    assert clock.now_ms() == 3_005
+    with pytest.raises(ValueError, match="does not go back"):
+        clock.set(3_004)
+    with pytest.raises(ValueError, match="whole milliseconds"):
+        clock.advance("10 microseconds")
+    with pytest.raises(TypeError, match="int milliseconds"):
+        ManualClock(-1)
+    assert WallClock().now_ms() > 1_700_000_000_000
+
+
+def test_bad_input_is_refused_naming_what_is_wrong():
+    with pytest.raises(TypeError, match="hold dicts"):
+        Harness(Sessions()).run([(1, 2, 3)])
+    with pytest.raises(ValueError, match="first batch needs rows"):
+        Harness(Sessions()).run()
+    with Harness(Sessions()) as h:
+        with pytest.raises(RuntimeError, match="no batch has run yet"):
+            h.value("count", [1])
+        h.run(clicks(np.random.default_rng(0), 0))
+        with pytest.raises(KeyError, match="no ListState named 'count'.*'count': 'ValueState'"):
+            h.list("count", [1])
+        with pytest.raises(TypeError, match="key dtype"):
+            h.value("count", np.zeros(1, dtype=[("user", "<i4")]))
+        with pytest.raises(ValueError, match="distinct"):
+            h.list("pages", [1, 1])
+        with pytest.raises(KeyError, match="no store 'nope'"):
+            h.rows("nope")
+    with pytest.raises(ValueError, match="fixed-width"):
+        class ByName(Sessions):
+            key_columns = ["name"]
+            key_schema = np.dtype([("name", "S8")])
+        Harness(ByName(), num_partitions=2).run([{"name": "a", "ts": datetime.datetime(2026, 1, 1), "page": 1}])
