@@ -517,6 +517,12 @@ class StatefulOperator:
                 routed, routing_keys = self._routed(self._with_initial_state(df, batch_id))
                 task = dataclasses.replace(task, routing_keys=routing_keys)
                 rows = routed.mapInArrow(partition_function(task), STATUS_DDL).collect()
+                if not rows:
+                    # Spark knew the input empty (a limit(0), an empty local relation) and ran
+                    # no task at all; every partition must still run (timers, TTL, a commit):
+                    # no rows again, in one empty RDD partition per state partition.
+                    empty = spark.createDataFrame(sc.parallelize([], self.num_partitions), routed.schema)
+                    rows = empty.mapInArrow(partition_function(task), STATUS_DDL).collect()
         except BaseException:
             if first_metadata is not None and batch_id == 0 and not recorded:
                 self._drop_failed_first_batch()

@@ -110,7 +110,7 @@ class Harness:
         if not self.key_columns:
             raise ValueError("no key_columns: pass them, or give fn an attribute of that name")
         self._schema_args = (key_schema, value_schema)
-        self._output_schema = _attr(fn, "output_schema", output_schema)
+        self._output_schema = output_schema  # resolved with the first batch (a built-in's follows its columns)
         self.event_time = _attr(fn, "event_time", event_time)
         delay = _attr(fn, "delay", delay)
         if self.event_time is not None and delay is None:

@@ -4,56 +4,32 @@ ending exactly at its boundary; timers firing exactly at their time; several par
 failing batch run again; a restart; the clocks; bad input. (That a harness run and a real
 StatefulOperator run agree is tests/test_harness_vs_operator.py, with Spark.)"""
 import datetime
-import re
-import sys
-import types
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from pyspark_glue import StatefulProcessor
 from pyspark_glue.clocks import ManualClock, WallClock
 from pyspark_glue.testing import Harness
+from tests.processor_support import Sessions, clicks, readme_blocks, readme_module, sorted_rows
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-KEY = np.dtype([("user", "<i8")])
 MINUTE_MS = 60_000
 
 
-def readme_blocks():
-    """The README's processor example and its harness test, as written there."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    example = next(b for b in blocks if "class Carts(StatefulProcessor)" in b)
-    test = next(b for b in blocks if "Harness(Carts())" in b)
-    return example, test
-
-
 @pytest.fixture
-def readme_module():
-    """The README's example as an importable module (its classes pickle by reference, as a
-    user's module's do)."""
-    example, _ = readme_blocks()
-    module = types.ModuleType("readme_processor_example")
-    sys.modules[module.__name__] = module
-    try:
-        exec(compile(example.replace("/data/state", str(Path(__file__).parent / "unused")), "README.md", "exec"),
-             module.__dict__)
+def readme_example(tmp_path):
+    with readme_module(tmp_path) as module:
         yield module
-    finally:
-        del sys.modules[module.__name__]
 
 
-def test_the_readme_processor_example_passes_its_own_harness_test(readme_module):
+def test_the_readme_processor_example_passes_its_own_harness_test(readme_example):
     _, test = readme_blocks()
-    exec(compile(test, "README.md", "exec"), dict(readme_module.__dict__))
+    exec(compile(test, "README.md", "exec"), dict(readme_example.__dict__))
 
 
-def test_a_processing_time_ttl_ends_exactly_at_its_boundary_under_a_set_clock(readme_module):
+def test_a_processing_time_ttl_ends_exactly_at_its_boundary_under_a_set_clock(readme_example):
     """An item put at t lives while the clock is below t + 1 hour and is gone at t + 1 hour;
     put again at t + 40 min, it lives until t + 100 min (a write restarts its TTL)."""
-    with Harness(readme_module.Carts(), clock=ManualClock(10_000)) as h:
+    with Harness(readme_example.Carts(), clock=ManualClock(10_000)) as h:
         h.run([{"user": 1, "item": 7, "qty": 2}, {"user": 1, "item": 8, "qty": 1}])  # at 10 s
         h.run([{"user": 1, "item": 8, "qty": 5}], processing_time=10_000 + 40 * MINUTE_MS)
         h.run(processing_time=10_000 + 60 * MINUTE_MS - 1)
@@ -70,10 +46,10 @@ def test_a_processing_time_ttl_ends_exactly_at_its_boundary_under_a_set_clock(re
         assert len(h.map("cart", [1])[0]) == 0
 
 
-def test_a_processing_time_timer_fires_in_the_first_batch_at_or_after_its_time(readme_module):
+def test_a_processing_time_timer_fires_in_the_first_batch_at_or_after_its_time(readme_example):
     """The reminder is due 30 min after the last change: not in a batch 1 ms before, then
     exactly once; a change moves it."""
-    with Harness(readme_module.Carts()) as h:
+    with Harness(readme_example.Carts()) as h:
         h.run([{"user": 1, "item": 7, "qty": 2}, {"user": 2, "item": 3, "qty": 1}], processing_time=0)
         which, times = h.timers([1, 2])
         assert which.tolist() == [0, 1] and times.tolist() == [30 * MINUTE_MS * 1000] * 2
@@ -84,51 +60,6 @@ def test_a_processing_time_timer_fires_in_the_first_batch_at_or_after_its_time(r
         assert h.run(processing_time=39 * MINUTE_MS).num_rows == 0
         assert h.run(processing_time=41 * MINUTE_MS).to_pylist() == [{"user": 2, "items": 2}]
         assert h.last_progress["batch_timestamp_ms"] == 41 * MINUTE_MS
-
-
-class Sessions(StatefulProcessor):
-    """Event time: clicks per user until 10 s of silence (a timer after the last click), and
-    the last 3 pages of each user (a list)."""
-
-    key_columns = ["user"]
-    key_schema = KEY
-    output_schema = "user long, clicks long"
-    time_mode = "event_time"
-    event_time, delay = "ts", "5 seconds"
-
-    def init(self, state):
-        self.count = state.value("count", [("n", "<i8"), ("last", "<i8")])
-        self.pages = state.list("pages", [("page", "<i8")])
-
-    def handle_input(self, groups, timers):
-        last = np.maximum.reduceat(groups.column("ts"), groups.starts)
-        old, found = self.count.get(groups.keys)
-        timers.delete(groups.keys[found], old["last"][found] + 10_000_000)
-        new = np.zeros(len(groups), self.count.dtype)
-        new["n"] = np.where(found, old["n"], 0) + groups.sizes
-        new["last"] = np.where(found, np.maximum(old["last"], last), last)
-        self.count.put(groups.keys, new)
-        timers.register(groups.keys, new["last"] + 10_000_000)
-        pages = np.zeros(groups.rows.num_rows, self.pages.dtype)
-        pages["page"] = groups.column("page")
-        self.pages.append(groups.keys[groups.group], pages)
-
-    def handle_expired_timers(self, keys, times, timers):
-        values, found = self.count.get(keys)
-        self.count.clear(keys[found])
-        return pa.RecordBatch.from_pydict({"user": keys["user"][found], "clicks": values["n"][found]})
-
-
-def clicks(rng, batch, n=40, users=12):
-    """``n`` clicks of batch ``batch``: 3 s of event time a batch, some up to 8 s late."""
-    ts = 1_000_000 * (3 * batch + rng.uniform(-8, 2, n)) + 50_000_000
-    return pa.table({"user": pa.array(rng.integers(0, users, n), pa.int64()),
-                     "ts": pa.array(ts.astype(np.int64), pa.timestamp("us", "UTC")),
-                     "page": pa.array(rng.integers(0, 50, n), pa.int64())})
-
-
-def sorted_rows(table):
-    return sorted(tuple(r.values()) for r in table.to_pylist())
 
 
 @pytest.mark.parametrize("seed", [0, 1])
