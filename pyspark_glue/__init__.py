@@ -14,6 +14,8 @@
   :mod:`statecore.operator_files`): the ``statecore`` command reads them without Spark.
 - Workers and the driver (:mod:`pyspark_glue.executor`, :mod:`pyspark_glue.driver`):
   executor identity, the worker registry's coordinator, the driver's coordinator.
+- Processing time (:mod:`pyspark_glue.clocks`): :class:`WallClock`, :class:`ManualClock`.
+- Testing an ``fn`` without Spark (:mod:`pyspark_glue.testing`): ``Harness``.
 - The main job: ``python -m pyspark_glue.demo``.
 
 Design notes: ``docs/operator.md``, ``docs/rdd.md``, ``docs/continuous.md``, ``docs/lineage.md``,
@@ -29,6 +31,7 @@ from pyspark_glue.windows import WindowedAggregate
 from pyspark_glue.arrow import (column_to_numpy, columns_from_arrow, keys_from_arrow, spark_schema_of, spark_type_of,
                                 to_record_batch)
 from pyspark_glue.operator import StatefulOperator
+from pyspark_glue.clocks import ManualClock, WallClock
 from pyspark_glue.read import read_state
 from pyspark_glue.repartition import repartition_state
 
@@ -37,6 +40,8 @@ __all__ = [
     "map_partitions_with_state_store",
     "map_partitions_with_read_state_store",
     "StatefulOperator",
+    "ManualClock",
+    "WallClock",
     "RunningAggregate",
     "Deduplicate",
     "WindowedAggregate",

@@ -131,9 +131,9 @@ class StatefulOperator:
         ``rows_in``, ``rows_out``, ``state_keys``, ``memory_used_bytes``, ``custom_metrics``
         (summed over partitions), ``stores_already_loaded`` and
         ``stores_loaded_from_files`` (tasks whose store was already in their Python worker),
-        ``re_execution``, ``seconds``, ``fn_counts`` (the counters ``fn`` kept in its
-        PartitionContext's ``counts``, summed), and ``partitions`` (the per-partition status
-        rows). After each batch, ``fn.observe(last_progress)`` is called if ``fn`` has it.
+        ``re_execution``, ``seconds``, ``batch_timestamp_ms`` (its processing time),
+        ``fn_counts`` (the counters ``fn`` kept in its PartitionContext's ``counts``, summed),
+        and ``partitions`` (the per-partition status rows). After each batch, ``fn.observe(last_progress)`` is called if ``fn`` has it.
     """
 
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
@@ -539,6 +539,7 @@ class StatefulOperator:
         self._record_batch(records, state_info, statuses, watermarks, query_id, batch_timestamp_ms)
         records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
         self._record_progress(batch_id, run_id, statuses, re_execution, seconds, watermarks)
+        self.last_progress["batch_timestamp_ms"] = batch_timestamp_ms
         observe = getattr(self.fn, "observe", None)
         if callable(observe):  # fn adapts to what the batch showed (RunningAggregate's "auto")
             observe(self.last_progress)
