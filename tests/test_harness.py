@@ -201,3 +201,11 @@ def test_bad_input_is_refused_naming_what_is_wrong():
             key_columns = ["name"]
             key_schema = np.dtype([("name", "S8")])
         Harness(ByName(), num_partitions=2).run([{"name": "a", "ts": datetime.datetime(2026, 1, 1), "page": 1}])
+
+
+@pytest.mark.parametrize("text", ["a array<int>", "a int NOT NULL", "a int COMMENT 'x'", "s struct<x: int>",
+                                  "a varchar(3)", ""])
+def test_a_ddl_beyond_simple_columns_is_left_to_sparks_parser(text):
+    from pyspark_glue.arrow import parse_simple_ddl
+
+    assert parse_simple_ddl(text) is None

@@ -155,3 +155,17 @@ def test_an_input_spark_knows_is_empty_still_runs_every_partition(spark, tmp_pat
         assert operator.process(spark.createDataFrame([], EVENTS_DDL).limit(0), 2).count() == 0
     finally:
         operator.close()
+
+
+DDL = ["user long, clicks long", "a int,b string, `c d` double", "x decimal(10, 2), y timestamp, z TIMESTAMP_NTZ",
+       "k: bigint, v: binary", "n date, f float, t tinyint, s smallint, b boolean, r real, i integer"]
+
+
+@pytest.mark.parametrize("text", DDL)
+def test_an_output_ddl_of_simple_columns_reads_as_sparks_own_parser_reads_it(spark, text):
+    """The harness reads an output schema's DDL without a JVM: it must read what Spark does."""
+    from pyspark.sql.types import StructType
+
+    from pyspark_glue.arrow import parse_simple_ddl
+
+    assert parse_simple_ddl(text) == StructType.fromDDL(text)
