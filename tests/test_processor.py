@@ -265,3 +265,43 @@ def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
     assert stores["last"].metrics.num_keys == 0, "the TTL (12.0 s, 12.5 s) ended by 13.1 s"
     for store in stores.values():
         store.abort()
+
+
+class PageHits(StatefulProcessor):
+    """Processing time: each input puts its pages into a map with a 1 s TTL, then lists the
+    map (``(user, page, hits)``): written before it is read, as a processor that only
+    records pages and reports them does."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    time_mode = "processing_time"
+
+    def init(self, state):
+        self.pages = state.map("pages", [("page", "<i4")], [("hits", "<i8")], ttl="1 second")
+
+    def handle_input(self, groups, timers):
+        pages = np.zeros(len(groups), dtype=self.pages.user_key_dtype)
+        pages["page"] = groups.column("page")[groups.starts]
+        self.pages.put(groups.keys, pages, np.ones(len(groups), dtype=self.pages.dtype))
+        which, listed, hits = self.pages.items(groups.keys)
+        return pa.RecordBatch.from_pydict({"user": groups.keys["user"][which], "page": listed["page"],
+                                           "hits": hits["hits"]})
+
+
+def test_a_map_entry_whose_ttl_ended_is_listed_once_when_put_again(tmp_path):
+    """A map entry that expired (and left the store at the end of a batch without input for
+    its key), put again before the map is listed: listed once, as Spark's
+    transformWithStateInPandas lists it, not once per time it was put."""
+    processor = PageHits()
+    partition = Partition(str(tmp_path), processor)
+    listed = []
+    for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7)]), (20_000, [(2, 0, 8)]), (30_000, [(1, 0, 7)])]):
+        stores = partition.open()
+        processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
+        processor(stores["default"], arrow_rows(rows))
+        out = processor.finish(stores["default"])
+        partition.commit(stores)
+        listed.append(sorted(tuple(r.values()) for part in out for r in pa.Table.from_batches(
+            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+    # user 1's page 7 expired at 11 s and left the store at the end of batch 1 (20 s)
+    assert listed == [[(1, 7, 1)], [(2, 8, 1)], [(1, 7, 1)]]

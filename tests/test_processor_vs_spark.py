@@ -66,7 +66,7 @@ def run_both(spark, tmp_path, tables, phases, spark_query, make_operator, schema
     names = write_batches(staged, tables)
     os.makedirs(source)
     spark_seen, ours_seen = [], []
-    settings = {"spark.sql.streaming.stateStore.providerClass": ROCKSDB, "spark.sql.shuffle.partitions": "2",
+    settings = {"spark.sql.streaming.stateStore.providerClass": ROCKSDB, "spark.sql.shuffle.partitions": "1",
                 "spark.sql.streaming.noDataMicroBatches.enabled": "false"}
     with session_settings(spark, settings):
         for lo, hi in phases:
@@ -297,4 +297,137 @@ def test_event_time_processor_matches_transformWithStateInPandas_batch_by_batch(
     late = [(3, at(10)), (4, at(1)), (2, at(3)), (8, at(21))]  # late rows: in neither side's lists
     assert not [r for _, rows, _, _ in spark_seen for r in rows if r[1] == "list" and (r[0], r[2]) in late]
     assert [e[2] for e in ours_seen] == [0, 0, 0, 3, 0, 1, 0]
+    assert_same_batches(spark_seen, ours_seen)
+
+
+# -- processing time: TTL on value, list and map state --------------------------------------------
+
+RECALL_DDL = "user long, x long"
+TTLS = {"tiny": (1, "1 millisecond"), "huge": (3_600_000, "1 hour")}  # gone by the next batch / never here
+
+
+def spark_recall():
+    """Per user (Spark's TWS, processing time): a value, a list and a map per TTL in
+    :data:`TTLS`. Each input first emits what it reads (``value_<ttl>`` or -1, every
+    ``list_<ttl>`` item, every ``map_huge`` entry), then writes the batch's largest ``x`` to
+    the values, every ``x`` to the lists, and per ``x % 3`` its largest ``x`` to the maps, and
+    emits the tiny value and map read back (``value_tiny_after``, ``map_tiny_after``: alive in
+    the batch that wrote them). The tiny map is listed only after the writes, so an entry
+    whose TTL ended is put again before the map is listed (u2's in batch 2)."""
+    import pandas as pd
+    from pyspark.sql.streaming import StatefulProcessor
+
+    class Recall(StatefulProcessor):
+        def init(self, handle):
+            self.values = {name: handle.getValueState(f"value_{name}", "x long", ms) for name, (ms, _) in TTLS.items()}
+            self.lists = {name: handle.getListState(f"list_{name}", "x long", ms) for name, (ms, _) in TTLS.items()}
+            self.maps = {name: handle.getMapState(f"map_{name}", "k long", "x long", ms)
+                         for name, (ms, _) in TTLS.items()}
+
+        def handleInputRows(self, key, rows, timerValues):
+            pdf = pd.concat(list(rows), ignore_index=True)
+            user, xs = int(key[0]), [int(x) for x in pdf["x"]]
+            out = []
+            for name in TTLS:
+                value = self.values[name]
+                out.append((user, f"value_{name}", value.get()[0] if value.exists() else -1, 0))
+                out += [(user, f"list_{name}", int(x), 0) for (x,) in self.lists[name].get()]
+            out += [(user, "map_huge", int(k[0]), int(v[0])) for k, v in self.maps["huge"].iterator()]
+            for name in TTLS:
+                self.values[name].update((max(xs),))
+                self.lists[name].appendList([(x,) for x in xs])
+                for k in sorted({x % 3 for x in xs}):
+                    self.maps[name].updateValue((k,), (max(x for x in xs if x % 3 == k),))
+            out.append((user, "value_tiny_after", self.values["tiny"].get()[0], 0))
+            out += [(user, "map_tiny_after", int(k[0]), int(v[0])) for k, v in self.maps["tiny"].iterator()]
+            yield pd.DataFrame(out, columns=COLUMNS).astype({"user": "int64", "a": "int64", "b": "int64"})
+
+        def close(self):
+            pass
+
+    return Recall()
+
+
+def statecore_recall():
+    """:func:`spark_recall` over whole batches."""
+    from pyspark_glue import StatefulProcessor
+
+    class Recall(StatefulProcessor):
+        key_columns = ["user"]
+        key_schema = np.dtype([("user", "<i8")])
+        output_schema = OUTPUT_DDL
+        time_mode = "processing_time"
+
+        def init(self, state):
+            self.values = {name: state.value(f"value_{name}", [("x", "<i8")], ttl) for name, (_, ttl) in TTLS.items()}
+            self.lists = {name: state.list(f"list_{name}", [("x", "<i8")], ttl) for name, (_, ttl) in TTLS.items()}
+            self.maps = {name: state.map(f"map_{name}", [("k", "<i8")], [("x", "<i8")], ttl)
+                         for name, (_, ttl) in TTLS.items()}
+
+        def handle_input(self, groups, timers):
+            keys, users = groups.keys, groups.keys["user"]
+            out = []
+            for name in TTLS:
+                values, found = self.values[name].get(keys)
+                out.append(output_batch(users, f"value_{name}", np.where(found, values["x"], -1), np.zeros(len(keys))))
+                which, items = self.lists[name].get(keys)
+                out.append(output_batch(users[which], f"list_{name}", items["x"], np.zeros(len(which))))
+            owner, map_keys, map_values = self.maps["huge"].items(keys)
+            out.append(output_batch(users[owner], "map_huge", map_keys["k"], map_values["x"]))
+            xs = groups.column("x", np.int64)
+            largest = np.zeros(len(keys), np.dtype([("x", "<i8")]))
+            largest["x"] = np.maximum.reduceat(xs, groups.starts)
+            items = np.zeros(len(xs), np.dtype([("x", "<i8")]))
+            items["x"] = xs
+            pairs = np.rec.fromarrays([groups.group, xs % 3], names="g,k")
+            distinct, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+            per_pair = np.full(len(distinct), np.iinfo(np.int64).min)
+            np.maximum.at(per_pair, inverse.ravel(), xs)
+            map_keys = np.zeros(len(distinct), np.dtype([("k", "<i8")]))
+            map_keys["k"] = distinct["k"]
+            map_values = np.zeros(len(distinct), np.dtype([("x", "<i8")]))
+            map_values["x"] = per_pair
+            for name in TTLS:
+                self.values[name].put(keys, largest)
+                self.lists[name].append(keys[groups.group], items)
+                self.maps[name].put(keys[groups.group[first]], map_keys, map_values)
+            after, _ = self.values["tiny"].get(keys)
+            out.append(output_batch(users, "value_tiny_after", after["x"], np.zeros(len(keys))))
+            owner, map_keys, map_values = self.maps["tiny"].items(keys)
+            out.append(output_batch(users[owner], "map_tiny_after", map_keys["k"], map_values["x"]))
+            return pa.Table.from_batches(out)
+
+    return Recall()
+
+
+RECALL_BATCHES = [  # (user, x); u1 in consecutive batches, u2 with gaps, u4 only late on
+    [(1, 1), (1, 2), (2, 3)],
+    [(1, 4), (3, 5)],
+    [(2, 6), (3, 7), (3, 8), (1, 9)],
+    [(4, 10)],
+    [(1, 11), (2, 12), (3, 13), (4, 14), (4, 15)],
+]
+
+
+def test_processing_time_ttl_matches_transformWithStateInPandas_batch_by_batch(spark, tmp_path):
+    """Value, list and map state with a 1 ms TTL (gone in the next batch) and a 1 hour TTL
+    (kept throughout), read before each write: what expired shows in each batch's output,
+    and statecore's equals Spark's."""
+    tables = [pa.table({"user": pa.array([u for u, _ in rows], pa.int64()), "x": pa.array([x for _, x in rows],
+                                                                                         pa.int64())})
+              for rows in RECALL_BATCHES]
+
+    def spark_query(df):
+        return df.groupBy("user").transformWithStateInPandas(spark_recall(), OUTPUT_DDL, "Append", "ProcessingTime")
+
+    def ours():
+        return StatefulOperator(str(tmp_path / "state"), 0, 2, fn=statecore_recall())
+
+    spark_seen, ours_seen = run_both(spark, tmp_path, tables, [(0, len(tables))], spark_query, ours, RECALL_DDL)
+    kinds = Counter(r[1] for _, rows, _, _ in spark_seen for r in rows)
+    # the scenario's premise on Spark's side: tiny state never survives to the next batch, huge state does
+    assert kinds["list_huge"] > 0 and kinds["map_huge"] > 0 and not kinds["list_tiny"]
+    assert sorted(r for _, rows, _, _ in spark_seen[2:3] for r in rows if r[:2] == (2, "map_tiny_after")) \
+        == [(2, "map_tiny_after", 0, 6)]
+    assert {r[2] for _, rows, _, _ in spark_seen for r in rows if r[1] == "value_tiny"} == {-1}
     assert_same_batches(spark_seen, ours_seen)
