@@ -305,3 +305,40 @@ def test_a_map_entry_whose_ttl_ended_is_listed_once_when_put_again(tmp_path):
             [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
     # user 1's page 7 expired at 11 s and left the store at the end of batch 1 (20 s)
     assert listed == [[(1, 7, 1)], [(2, 8, 1)], [(1, 7, 1)]]
+
+
+class Snooze(StatefulProcessor):
+    """Event time: each input arms an alarm at its event time; an alarm that fires emits
+    ``(user, time)`` and arms a snooze 1 s later, at or before the watermark here."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    time_mode = "event_time"
+    event_time = "ts"
+    delay = "0 seconds"
+
+    def handle_input(self, groups, timers):
+        timers.register(groups.keys, groups.column("ts")[groups.starts])
+
+    def handle_expired_timers(self, keys, times, timers):
+        timers.register(keys, times + 1_000_000)
+        return pa.RecordBatch.from_pydict({"user": keys["user"], "time": times})
+
+
+def test_a_timer_the_timer_handler_registers_fires_in_a_later_batch_even_when_due(tmp_path):
+    """A snooze registered by handle_expired_timers, already at or before the watermark: it
+    fires in the next batch, not in the same one (Spark's transformWithStateInPandas fires the
+    timers due when its timer step begins, once; tests/test_processor_vs_spark.py)."""
+    processor = Snooze()
+    partition = Partition(str(tmp_path), processor)
+    fired = []
+    for b, (watermark_ms, rows) in enumerate([(0, [(1, 5_000_000, 0)]), (10_000, []), (10_000, []), (10_000, [])]):
+        stores = partition.open()
+        processor.open(PartitionContext(0, b, stores, "default", Watermarks(watermark_ms, watermark_ms)))
+        if rows:
+            processor(stores["default"], arrow_rows(rows))
+        out = processor.finish(stores["default"])
+        partition.commit(stores)
+        fired.append(sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
+            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+    assert fired == [[], [(1, 5_000_000)], [(1, 6_000_000)], [(1, 7_000_000)]]

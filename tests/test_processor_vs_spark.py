@@ -18,7 +18,6 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
-import pytest
 
 from pyspark_glue import StatefulOperator
 from tests.event_time_support import run_spark_phase, run_statecore_phase, session_settings
@@ -29,6 +28,7 @@ OUTPUT_DDL = "user long, kind string, a long, b long"
 COLUMNS = ["user", "kind", "a", "b"]
 T0_MS = 1_767_225_600_000  # 2026-01-01 00:00 UTC
 TIMEOUT_MS = 30_000
+SNOOZE_MS = 5_001
 DELAY = "10 seconds"
 
 
@@ -37,11 +37,10 @@ def at(seconds):
     return T0_MS + round(seconds * 1000)
 
 
-def output_batch(users, kinds, a, b):
-    """Output rows of :data:`OUTPUT_DDL` from columns (``kinds``: one str or one per row)."""
-    n = len(users)
-    kinds = [kinds] * n if isinstance(kinds, str) else list(kinds)
-    return pa.RecordBatch.from_pydict({"user": pa.array(np.asarray(users, np.int64)), "kind": pa.array(kinds, pa.string()),
+def output_batch(users, kind, a, b):
+    """Output rows of :data:`OUTPUT_DDL`: columns ``users``, ``a``, ``b``, every row of ``kind``."""
+    return pa.RecordBatch.from_pydict({"user": pa.array(np.asarray(users, np.int64)),
+                                       "kind": pa.array([kind] * len(users), pa.string()),
                                        "a": pa.array(np.asarray(a, np.int64)), "b": pa.array(np.asarray(b, np.int64))})
 
 
@@ -110,9 +109,10 @@ def spark_activity():
     """Per user (Spark's TWS): ``total`` (rows, last event time), ``times`` (a list of every
     row's event time), ``pages`` (a map page -> hits; a ``drop`` row removes its page before
     the batch's hits are counted). A timer ``TIMEOUT_MS`` after the last event, moved by each
-    new input, emits ``("timer", time, rows or -1)`` and forgets ``total``. Each input emits
-    ``("input", rows, last)``, the whole list and the whole map. The initial state sets
-    ``total``, one page at 100 hits and an alarm timer."""
+    new input, emits ``("timer", time, rows or -1)`` and forgets ``total``; a timer at a whole
+    second also arms a snooze 5.001 s later. Each input emits ``("input", rows, last)``, the
+    whole list and the whole map. The initial state sets ``total``, one page at 100 hits and
+    an alarm timer."""
     import pandas as pd
     from pyspark.sql.streaming import StatefulProcessor
 
@@ -155,6 +155,8 @@ def spark_activity():
         def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
             n = self.total.get()[0] if self.total.exists() else -1
             self.total.clear()
+            if expiredTimerInfo.getExpiryTimeInMs() % 1000 == 0:
+                self.handle.registerTimer(expiredTimerInfo.getExpiryTimeInMs() + SNOOZE_MS)
             yield frame([(int(key[0]), "timer", expiredTimerInfo.getExpiryTimeInMs(), n)])
 
         def close(self):
@@ -229,6 +231,8 @@ def statecore_activity():
             first = np.zeros(len(keys), dtype=bool)
             first[np.unique(keys, return_index=True)[1]] = True  # later timers of a key find total cleared
             self.total.clear(keys[found])
+            whole = (times // 1000) % 1000 == 0
+            timers.register(keys[whole], times[whole] + SNOOZE_MS * 1000)
             return output_batch(keys["user"], "timer", times // 1000, np.where(found & first, values["n"], -1))
 
     return Activity()
@@ -257,16 +261,18 @@ EVENT_BATCHES = [
     # 2: watermark 10 s; u2's timer moves from 31 s to 55 s
     [event(2, 25, 2), event(6, 30, 1)],
     # -- restart --
-    # 3: watermark 20 s: u1's alarm (15 s) fires. Late at or below 10 s: u3's row at 10 s, u4's and
-    #    u2's (1 s, 3 s); u3's at 10.001 s is kept. u1's map listed in a later batch.
+    # 3: watermark 20 s: u1's alarm (15 s) fires; its snooze (20.001 s) waits. Late at or below
+    #    10 s: u3's row at 10 s, u4's and u2's (1 s, 3 s); u3's at 10.001 s is kept. u1's map
+    #    listed in a later batch.
     [event(3, 10, 5), event(3, 10.001, 5), event(1, 26, 7), event(6, 31, 1), event(4, 1, 1), event(2, 3, 3)],
-    # 4: watermark 21 s
+    # 4: watermark 21 s: u1's snooze fires
     [event(5, 40, 3), event(2, 52, 2), event(7, 50, 4)],
-    # 5: watermark 42 s: u3's timer is exactly at it, u4's 1 ms after it; u9's alarm (35 s) has no input.
+    # 5: watermark 42 s: u3's timer is exactly at it, u4's 1 ms after it; u9's alarm (35 s) has no input,
+    #    and the snooze it arms (40.001 s) is at or below the watermark already.
     #    Late at or below 21 s: u8's row at 21 s, not the one at 21.001 s.
     [event(1, 60, 7), event(7, 61, 1), event(8, 21, 1), event(8, 21.001, 2), event(2, 53, 2), event(5, 41, 3),
      event(6, 44, 1)],
-    # 6: watermark 51 s: u4's timer (42.001 s) fires now
+    # 6: watermark 51 s: u4's timer (42.001 s) fires now, as do u9's snooze and u3's (47.001 s)
     [event(1, 62, 1)],
 ]
 
@@ -275,7 +281,8 @@ def test_event_time_processor_matches_transformWithStateInPandas_batch_by_batch(
     """A click stream per user with value, list and map state, timers moved by new clicks, late
     clicks, an initial state and a restart after batch 2: statecore's output equals Spark's in
     every batch, including a map entry removed and put again in one batch (u1, page 7), listed
-    then and in later batches, and a timer exactly at the watermark (u3, 42 s)."""
+    then and in later batches, a timer exactly at the watermark (u3, 42 s), and a timer the
+    timer handler registers at or below the watermark (u9's snooze: the next batch)."""
     tables = [event_table(rows) for rows in EVENT_BATCHES]
     initial = spark.createDataFrame(INITIAL, INITIAL_DDL)
 
@@ -294,6 +301,7 @@ def test_event_time_processor_matches_transformWithStateInPandas_batch_by_batch(
     # watermark in batch 5 (Spark fires timers at or below it), the one 1 ms above in batch 6
     assert fired[3] == [(1, at(15))] and (3, at(42)) in fired[5] and (4, at(42.001)) in fired[6], fired
     assert (4, at(42.001)) not in fired[5] and (9, at(35)) in fired[5], fired
+    assert (1, at(20.001)) in fired[4] and (9, at(40.001)) in fired[6] and (3, at(47.001)) in fired[6], fired
     assert not any(user == 2 and t == at(31) for b in fired for user, t in fired[b]), "u2's moved timer fired"
     listed = {(r[0], r[2]) for _, rows, _, _ in spark_seen for r in rows if r[1] == "list"}
     late = {(3, at(10)), (4, at(1)), (2, at(3)), (8, at(21))}  # at or below the previous watermark
