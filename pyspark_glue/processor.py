@@ -97,7 +97,9 @@ class StatefulProcessor:
 
     def handle_expired_timers(self, keys, times, timers):
         """Timers at or before the clock: ``keys[i]`` had one at ``times[i]`` (microseconds),
-        now deleted. Timers registered here fire in a later batch. Return output or None."""
+        now deleted (and deleted again after the call: registering one of them here does
+        not arm it again). Other timers registered here fire in a later batch. Return output
+        or None."""
         return None
 
     def handle_initial_state(self, groups, timers):
@@ -190,10 +192,12 @@ class StatefulProcessor:
         clock = handle.now_us
         if clock is not None:
             # the timers due now fire once; those their handler registers wait for a later
-            # batch, due or not (Spark's transformWithStateInPandas: docs/processor.md)
+            # batch, due or not, except the fired ones themselves, deleted again after the
+            # call (Spark's transformWithStateInPandas: docs/processor.md)
             keys, times = timers.pop_due(clock)
             if len(keys):
                 out.append(self.handle_expired_timers(keys, times, timers))
+                timers.delete(keys, times)
             handle.expire()
         del self._task
         out = [o for o in out if o is not None]

@@ -325,11 +325,17 @@ class Snooze(StatefulProcessor):
         return pa.RecordBatch.from_pydict({"user": keys["user"], "time": times})
 
 
-def test_a_timer_the_timer_handler_registers_fires_in_a_later_batch_even_when_due(tmp_path):
-    """A snooze registered by handle_expired_timers, already at or before the watermark: it
-    fires in the next batch, not in the same one (Spark's transformWithStateInPandas fires the
-    timers due when its timer step begins, once; tests/test_processor_vs_spark.py)."""
-    processor = Snooze()
+class Rearm(Snooze):
+    """An alarm that fires registers itself again, at the same time."""
+
+    def handle_expired_timers(self, keys, times, timers):
+        timers.register(keys, times)
+        return pa.RecordBatch.from_pydict({"user": keys["user"], "time": times})
+
+
+def fired_over_batches(tmp_path, processor):
+    """What ``processor`` emits in four batches: user 1's row at 5 s, then none, with the
+    watermark at 10 s from the second batch on."""
     partition = Partition(str(tmp_path), processor)
     fired = []
     for b, (watermark_ms, rows) in enumerate([(0, [(1, 5_000_000, 0)]), (10_000, []), (10_000, []), (10_000, [])]):
@@ -341,4 +347,18 @@ def test_a_timer_the_timer_handler_registers_fires_in_a_later_batch_even_when_du
         partition.commit(stores)
         fired.append(sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
             [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
-    assert fired == [[], [(1, 5_000_000)], [(1, 6_000_000)], [(1, 7_000_000)]]
+    return fired
+
+
+def test_a_timer_the_timer_handler_registers_fires_in_a_later_batch_even_when_due(tmp_path):
+    """A snooze registered by handle_expired_timers, already at or before the watermark: it
+    fires in the next batch, not in the same one (Spark's transformWithStateInPandas fires the
+    timers due when its timer step begins, once; tests/test_processor_vs_spark.py)."""
+    assert fired_over_batches(tmp_path, Snooze()) == [[], [(1, 5_000_000)], [(1, 6_000_000)], [(1, 7_000_000)]]
+
+
+def test_a_fired_timer_registered_again_by_its_handler_does_not_fire_again(tmp_path):
+    """A handler that registers the expired timer's own (key, time) again: the timer is gone
+    after the call all the same, as in Spark's transformWithStateInPandas, which deletes a
+    fired timer after its handler returns."""
+    assert fired_over_batches(tmp_path, Rearm()) == [[], [(1, 5_000_000)], [], []]

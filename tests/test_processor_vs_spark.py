@@ -110,9 +110,10 @@ def spark_activity():
     row's event time), ``pages`` (a map page -> hits; a ``drop`` row removes its page before
     the batch's hits are counted). A timer ``TIMEOUT_MS`` after the last event, moved by each
     new input, emits ``("timer", time, rows or -1)`` and forgets ``total``; a timer at a whole
-    second also arms a snooze 5.001 s later. Each input emits ``("input", rows, last)``, the
-    whole list and the whole map. The initial state sets ``total``, one page at 100 hits and
-    an alarm timer."""
+    second also arms a snooze 5.001 s later, and one at 1 ms past a second (a snooze) registers
+    itself again (which Spark undoes: it deletes a fired timer after its handler). Each input
+    emits ``("input", rows, last)``, the whole list and the whole map. The initial state sets
+    ``total``, one page at 100 hits and an alarm timer."""
     import pandas as pd
     from pyspark.sql.streaming import StatefulProcessor
 
@@ -157,6 +158,8 @@ def spark_activity():
             self.total.clear()
             if expiredTimerInfo.getExpiryTimeInMs() % 1000 == 0:
                 self.handle.registerTimer(expiredTimerInfo.getExpiryTimeInMs() + SNOOZE_MS)
+            if expiredTimerInfo.getExpiryTimeInMs() % 1000 == 1:
+                self.handle.registerTimer(expiredTimerInfo.getExpiryTimeInMs())
             yield frame([(int(key[0]), "timer", expiredTimerInfo.getExpiryTimeInMs(), n)])
 
         def close(self):
@@ -233,6 +236,8 @@ def statecore_activity():
             self.total.clear(keys[found])
             whole = (times // 1000) % 1000 == 0
             timers.register(keys[whole], times[whole] + SNOOZE_MS * 1000)
+            again = (times // 1000) % 1000 == 1
+            timers.register(keys[again], times[again])
             return output_batch(keys["user"], "timer", times // 1000, np.where(found & first, values["n"], -1))
 
     return Activity()
@@ -281,8 +286,9 @@ def test_event_time_processor_matches_transformWithStateInPandas_batch_by_batch(
     """A click stream per user with value, list and map state, timers moved by new clicks, late
     clicks, an initial state and a restart after batch 2: statecore's output equals Spark's in
     every batch, including a map entry removed and put again in one batch (u1, page 7), listed
-    then and in later batches, a timer exactly at the watermark (u3, 42 s), and a timer the
-    timer handler registers at or below the watermark (u9's snooze: the next batch)."""
+    then and in later batches, a timer exactly at the watermark (u3, 42 s), a timer the timer
+    handler registers at or below the watermark (u9's snooze: the next batch), and a fired
+    timer its handler registers again (u1's snooze: gone all the same)."""
     tables = [event_table(rows) for rows in EVENT_BATCHES]
     initial = spark.createDataFrame(INITIAL, INITIAL_DDL)
 
@@ -302,6 +308,7 @@ def test_event_time_processor_matches_transformWithStateInPandas_batch_by_batch(
     assert fired[3] == [(1, at(15))] and (3, at(42)) in fired[5] and (4, at(42.001)) in fired[6], fired
     assert (4, at(42.001)) not in fired[5] and (9, at(35)) in fired[5], fired
     assert (1, at(20.001)) in fired[4] and (9, at(40.001)) in fired[6] and (3, at(47.001)) in fired[6], fired
+    assert [t for b in fired for user, t in fired[b] if user == 1] == [at(15), at(20.001)], "a snooze fired twice"
     assert not any(user == 2 and t == at(31) for b in fired for user, t in fired[b]), "u2's moved timer fired"
     listed = {(r[0], r[2]) for _, rows, _, _ in spark_seen for r in rows if r[1] == "list"}
     late = {(3, at(10)), (4, at(1)), (2, at(3)), (8, at(21))}  # at or below the previous watermark
