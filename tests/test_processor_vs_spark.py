@@ -6,12 +6,13 @@ file per micro-batch (``maxFilesPerTrigger=1``, ``availableNow``), and each batc
 rows, sorted, must be equal (map iteration order differs by design, hence the sort).
 
 Spark's query runs with ``spark.sql.streaming.noDataMicroBatches.enabled=false``. With it
-on, an event-time TWS query runs an extra batch without data whenever the watermark moved
-(to fire timers and expire state), which a ``foreachBatch`` query never does: the batch ids
-of the two would drift apart. With it off, Spark fires the timers the new watermark makes
-due in the next batch that has data, as statecore does, so batch ``b`` is file ``b`` on
-both sides; the tests check that (Spark's batch ids, and each batch's input rows, which
-differ from file to file).
+on, an event-time TWS query runs a batch without data when its watermark has moved and no
+new file is waiting, to fire the timers it makes due (run over the event-time scenario's
+files: an eighth batch after the seventh file, firing u8's timer); a ``foreachBatch`` query
+never runs one, so the batch ids of the two would drift apart after a pause in the input.
+With it off, Spark fires due timers in the next batch that has data, as statecore does, and
+batch ``b`` is file ``b`` on both sides: the tests check Spark's batch ids and each batch's
+input rows, which differ from file to file.
 """
 import os
 from collections import Counter
