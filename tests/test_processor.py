@@ -130,6 +130,12 @@ class Partition:
         self.providers = {}
 
 
+def output_rows(out):
+    """The rows of what ``finish`` returned (batches, tables or None), as sorted tuples."""
+    return sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
+        [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist())
+
+
 def arrow_rows(rows):
     return pa.RecordBatch.from_pydict({
         "user": pa.array([r[0] for r in rows], pa.int64()),
@@ -162,8 +168,7 @@ def test_processor_with_timers_and_ttl_matches_the_model(tmp_path, seed):
                 processor(stores["default"], arrow_rows(chunk))
         out = processor.finish(stores["default"])
         partition.commit(stores)
-        got = sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
-            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist())
+        got = output_rows(out)
         expected = model.batch(rows, late_ms * 1000, watermark * 1000)
         assert got == expected, f"batch {b}"
         assert context.late_rows == sum(1 for r in rows if r[1] <= late_ms * 1000)
@@ -256,8 +261,7 @@ def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
             processor(stores["default"], arrow_rows(rows))
         out = processor.finish(stores["default"])
         partition.commit(stores)
-        fired.append(sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
-            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+        fired.append(output_rows(out))
     # 11.0 s: users 1 and 2 (due 11.0); 11.6 s: user 3 (due 11.5); their values (written at
     # 10.0 and 10.5, living until 12.0 and 12.5) still there
     assert fired == [[], [], [(1, 7), (2, 8)], [(3, 9)], [], []]
@@ -301,8 +305,7 @@ def test_a_map_entry_whose_ttl_ended_is_listed_once_when_put_again(tmp_path):
         processor(stores["default"], arrow_rows(rows))
         out = processor.finish(stores["default"])
         partition.commit(stores)
-        listed.append(sorted(tuple(r.values()) for part in out for r in pa.Table.from_batches(
-            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+        listed.append(output_rows(out))
     # user 1's page 7 expired at 11 s and left the store at the end of batch 1 (20 s)
     assert listed == [[(1, 7, 1)], [(2, 8, 1)], [(1, 7, 1)]]
 
@@ -345,8 +348,7 @@ def fired_over_batches(tmp_path, processor):
             processor(stores["default"], arrow_rows(rows))
         out = processor.finish(stores["default"])
         partition.commit(stores)
-        fired.append(sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
-            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+        fired.append(output_rows(out))
     return fired
 
 
