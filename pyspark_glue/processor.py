@@ -25,7 +25,6 @@ __all__ = ["StatefulProcessor", "Groups", "TIME_MODES"]
 TIME_MODES = ("none", "event_time", "processing_time")
 _PROTOCOL = frozenset(["init", "handle_input", "handle_expired_timers", "handle_initial_state", "open", "finish",
                        "resolve_schemas", "state_stores", "value_schema", "key_schema", "key_columns"])
-_MAX_TIMER_ROUNDS = 1000  # handlers that keep registering due timers are stopped after this many rounds
 
 
 class Groups:
@@ -98,7 +97,9 @@ class StatefulProcessor:
 
     def handle_expired_timers(self, keys, times, timers):
         """Timers at or before the clock: ``keys[i]`` had one at ``times[i]`` (microseconds),
-        now deleted. Return output or None."""
+        now deleted (and deleted again after the call: registering one of them here does
+        not arm it again). Other timers registered here fire in a later batch. Return output
+        or None."""
         return None
 
     def handle_initial_state(self, groups, timers):
@@ -193,14 +194,13 @@ class StatefulProcessor:
             out.append(self.handle_input(self._groups(task["batches"]), timers))
         clock = handle.now_us
         if clock is not None:
-            for _ in range(_MAX_TIMER_ROUNDS):
-                keys, times = timers.pop_due(clock)
-                if not len(keys):
-                    break
+            # the timers due now fire once; those their handler registers wait for a later
+            # batch, due or not, except the fired ones themselves, deleted again after the
+            # call (Spark's transformWithStateInPandas: docs/processor.md)
+            keys, times = timers.pop_due(clock)
+            if len(keys):
                 out.append(self.handle_expired_timers(keys, times, timers))
-            else:
-                raise RuntimeError(f"handle_expired_timers kept registering due timers for "
-                                   f"{_MAX_TIMER_ROUNDS} rounds")
+                timers.delete(keys, times)
             handle.expire()
         del self._task
         out = [o for o in out if o is not None]

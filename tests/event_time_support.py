@@ -1,5 +1,6 @@
 """Running the same input files as micro-batches through one of Spark's own stateful queries
-and through a statecore operator, for the event-time tests.
+and through a statecore operator, for the event-time tests (and the processor's,
+tests/test_processor_vs_spark.py, which reads parquet files: ``fmt``).
 
 Files are JSON lines, one per micro-batch (``maxFilesPerTrigger=1``), their modification
 times in order. Each phase adds files and runs both queries with ``availableNow`` from their
@@ -8,6 +9,7 @@ the end of a phase (its watermark moved); statecore's ``foreachBatch`` query run
 the harness gives statecore's query an empty file for each such batch of Spark's, so that
 both queries run the same batches with the same ids (an empty batch is how a user flushes a
 bounded run: ``docs/event-time.md``, "Flushing")."""
+import contextlib
 import json
 import os
 
@@ -44,8 +46,13 @@ def _iso(seconds):
     return t.isoformat()
 
 
-def _source(spark, directory, schema):
-    return spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(directory)
+def _source(spark, directory, schema, fmt="json"):
+    return spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).format(fmt).load(directory)
+
+
+def _input_rows(query):
+    """{batch id: rows read from the source} of a finished query run."""
+    return {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
 
 
 def _rows(df, columns):
@@ -53,19 +60,19 @@ def _rows(df, columns):
     return [tuple(tuple(r[c]) if hasattr(r[c], "asDict") else r[c] for c in columns) for r in df.collect()]
 
 
-def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA, columns=None):
+def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA, columns=None, fmt="json"):
     """Spark's own query over the files not yet read; appends ``(batch_id, rows, late_rows,
     input rows)`` per batch to ``seen`` (rows as tuples of ``columns``), data or not."""
     def collect(df, batch_id):
         seen.append([batch_id, _rows(df, columns or df.columns), None])
 
-    writer = transform(_source(spark, directory, schema)).writeStream.foreachBatch(collect)
+    writer = transform(_source(spark, directory, schema, fmt)).writeStream.foreachBatch(collect)
     writer = writer.outputMode(getattr(transform, "output_mode", "append"))
     query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
     query.awaitTermination()
     late = {p["batchId"]: sum(op.get("numRowsDroppedByWatermark", 0) for op in p.get("stateOperators", []))
             for p in query.recentProgress}
-    inputs = {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
+    inputs = _input_rows(query)
     for entry in seen:
         if entry[2] is None:
             entry[2] = late.get(entry[0], 0)
@@ -73,18 +80,22 @@ def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA
     return query
 
 
-def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCHEMA, columns=None):
-    """statecore's query over the files not yet read; appends ``(batch_id, rows, late_rows)``
-    per batch to ``seen``."""
+def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCHEMA, columns=None, fmt="json"):
+    """statecore's query over the files not yet read; appends ``(batch_id, rows, late_rows,
+    input rows)`` per batch to ``seen``."""
     def process(df, batch_id):
         out = operator.process(df, batch_id)
         seen.append([batch_id, _rows(out, columns or out.columns), operator.last_progress.get("late_rows", 0)])
 
-    query = (_source(spark, directory, schema).writeStream.foreachBatch(process)
+    query = (_source(spark, directory, schema, fmt).writeStream.foreachBatch(process)
              .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
     query.awaitTermination()
     if query.exception() is not None:
         raise query.exception()
+    inputs = _input_rows(query)
+    for entry in seen:
+        if len(entry) == 3:
+            entry.append(inputs.get(entry[0]))
 
 
 def no_data_batches_at_end(seen, phase_start):
@@ -132,3 +143,19 @@ def _run_phases(spark, tmp_path, batches, phases, spark_transform, make_operator
             run_statecore_phase(spark, ours_in, str(tmp_path / "ours-ckpt"), operator, ours_seen, schema, columns)
         finally:
             operator.close()
+
+
+@contextlib.contextmanager
+def session_settings(spark, settings):
+    """``spark``'s SQL ``settings`` changed while the block runs, then restored (or unset)."""
+    before = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)

@@ -130,6 +130,12 @@ class Partition:
         self.providers = {}
 
 
+def output_rows(out):
+    """The rows of what ``finish`` returned (batches, tables or None), as sorted tuples."""
+    return sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
+        [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist())
+
+
 def arrow_rows(rows):
     return pa.RecordBatch.from_pydict({
         "user": pa.array([r[0] for r in rows], pa.int64()),
@@ -162,8 +168,7 @@ def test_processor_with_timers_and_ttl_matches_the_model(tmp_path, seed):
                 processor(stores["default"], arrow_rows(chunk))
         out = processor.finish(stores["default"])
         partition.commit(stores)
-        got = sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
-            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist())
+        got = output_rows(out)
         expected = model.batch(rows, late_ms * 1000, watermark * 1000)
         assert got == expected, f"batch {b}"
         assert context.late_rows == sum(1 for r in rows if r[1] <= late_ms * 1000)
@@ -256,8 +261,7 @@ def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
             processor(stores["default"], arrow_rows(rows))
         out = processor.finish(stores["default"])
         partition.commit(stores)
-        fired.append(sorted(tuple(r.values()) for part in (out or []) for r in pa.Table.from_batches(
-            [part] if isinstance(part, pa.RecordBatch) else part.to_batches()).to_pylist()))
+        fired.append(output_rows(out))
     # 11.0 s: users 1 and 2 (due 11.0); 11.6 s: user 3 (due 11.5); their values (written at
     # 10.0 and 10.5, living until 12.0 and 12.5) still there
     assert fired == [[], [], [(1, 7), (2, 8)], [(3, 9)], [], []]
@@ -265,3 +269,98 @@ def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
     assert stores["last"].metrics.num_keys == 0, "the TTL (12.0 s, 12.5 s) ended by 13.1 s"
     for store in stores.values():
         store.abort()
+
+
+class PageHits(StatefulProcessor):
+    """Processing time: each input puts its pages into a map with a 1 s TTL, then lists the
+    map (``(user, page, hits)``): written before it is read, as a processor that only
+    records pages and reports them does."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    time_mode = "processing_time"
+
+    def init(self, state):
+        self.pages = state.map("pages", [("page", "<i4")], [("hits", "<i8")], ttl="1 second")
+
+    def handle_input(self, groups, timers):
+        pages = np.zeros(len(groups), dtype=self.pages.user_key_dtype)
+        pages["page"] = groups.column("page")[groups.starts]
+        self.pages.put(groups.keys, pages, np.ones(len(groups), dtype=self.pages.dtype))
+        which, listed, hits = self.pages.items(groups.keys)
+        return pa.RecordBatch.from_pydict({"user": groups.keys["user"][which], "page": listed["page"],
+                                           "hits": hits["hits"]})
+
+
+def test_a_map_entry_whose_ttl_ended_is_listed_once_when_put_again(tmp_path):
+    """A map entry that expired (and left the store at the end of a batch without input for
+    its key), put again before the map is listed: listed once, as Spark's
+    transformWithStateInPandas lists it, not once per time it was put."""
+    processor = PageHits()
+    partition = Partition(str(tmp_path), processor)
+    listed = []
+    for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7)]), (20_000, [(2, 0, 8)]), (30_000, [(1, 0, 7)])]):
+        stores = partition.open()
+        processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
+        processor(stores["default"], arrow_rows(rows))
+        out = processor.finish(stores["default"])
+        partition.commit(stores)
+        listed.append(output_rows(out))
+    # user 1's page 7 expired at 11 s and left the store at the end of batch 1 (20 s)
+    assert listed == [[(1, 7, 1)], [(2, 8, 1)], [(1, 7, 1)]]
+
+
+class Snooze(StatefulProcessor):
+    """Event time: each input arms an alarm at its event time; an alarm that fires emits
+    ``(user, time)`` and arms a snooze 1 s later, at or before the watermark here."""
+
+    key_columns = ["user"]
+    key_schema = KEY
+    time_mode = "event_time"
+    event_time = "ts"
+    delay = "0 seconds"
+
+    def handle_input(self, groups, timers):
+        timers.register(groups.keys, groups.column("ts")[groups.starts])
+
+    def handle_expired_timers(self, keys, times, timers):
+        timers.register(keys, times + 1_000_000)
+        return pa.RecordBatch.from_pydict({"user": keys["user"], "time": times})
+
+
+class Rearm(Snooze):
+    """An alarm that fires registers itself again, at the same time."""
+
+    def handle_expired_timers(self, keys, times, timers):
+        timers.register(keys, times)
+        return pa.RecordBatch.from_pydict({"user": keys["user"], "time": times})
+
+
+def fired_over_batches(tmp_path, processor):
+    """What ``processor`` emits in four batches: user 1's row at 5 s, then none, with the
+    watermark at 10 s from the second batch on."""
+    partition = Partition(str(tmp_path), processor)
+    fired = []
+    for b, (watermark_ms, rows) in enumerate([(0, [(1, 5_000_000, 0)]), (10_000, []), (10_000, []), (10_000, [])]):
+        stores = partition.open()
+        processor.open(PartitionContext(0, b, stores, "default", Watermarks(watermark_ms, watermark_ms)))
+        if rows:
+            processor(stores["default"], arrow_rows(rows))
+        out = processor.finish(stores["default"])
+        partition.commit(stores)
+        fired.append(output_rows(out))
+    return fired
+
+
+def test_a_timer_the_timer_handler_registers_fires_in_a_later_batch_even_when_due(tmp_path):
+    """A snooze registered by handle_expired_timers, already at or before the watermark: it
+    fires in the next batch, not in the same one (Spark's transformWithStateInPandas fires the
+    timers due when its timer step begins, once; tests/test_processor_vs_spark.py)."""
+    assert fired_over_batches(tmp_path, Snooze()) == [[], [(1, 5_000_000)], [(1, 6_000_000)], [(1, 7_000_000)]]
+
+
+def test_a_fired_timer_registered_again_by_its_handler_does_not_fire_again(tmp_path):
+    """A handler that registers the expired timer's own (key, time) again: the timer is gone
+    after the call all the same, as in Spark's transformWithStateInPandas, which deletes a
+    fired timer after its handler returns."""
+    assert fired_over_batches(tmp_path, Rearm()) == [[], [(1, 5_000_000)], [], []]
