@@ -312,3 +312,90 @@ def _declared_schemas():
 TestStateVarsModel = StateVarsModel.TestCase
 TestStateVarsModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+class Batches:
+    """A map (and a TTL'd one) on the stores of one partition, bound batch by batch."""
+
+    def __init__(self, root):
+        self.partition = Partition(root, _declared_schemas())
+        self.now = START_US
+
+    def open(self, now=None):
+        self.now = self.now if now is None else now
+        self.stores = self.partition.open()
+        return declare(StateHandle(KEY, self.stores, self.now))
+
+    def commit(self, variables):
+        next(iter(variables.values())).handle.expire()
+        self.partition.commit(self.stores)
+
+    def close(self):
+        for store in self.stores.values():
+            store.abort()
+        self.partition.reload()
+
+
+def pairs_of(var, pairs):
+    return keys_of([k for k, _ in pairs]), rows_of([u for _, u in pairs], var.user_key_dtype)
+
+
+def listing(var, ks):
+    which, user_keys = var._lists().read(keys_of(ks))
+    return [(ks[w], int(u)) for w, u in zip(which, user_keys["u"])]
+
+
+def items(var, ks):
+    which, user_keys, values = var.items(keys_of(ks))
+    return [(ks[w], int(u), int(x)) for w, u, x in zip(which, user_keys["u"], values["x"])]
+
+
+def test_a_map_an_older_version_listed_twice_yields_each_entry_once(tmp_path):
+    """State written before the listing was kept exact: a page removed and put again listed
+    twice, and a removed page still listed. ``items()`` yields each entry once, at its first
+    listing, and rewrites the listing."""
+    batches = Batches(tmp_path)
+    m = batches.open()["map"]
+    m.put(*pairs_of(m, [(0, 1), (0, 2), (1, 5)]), rows_of([10, 20, 50], m.dtype))
+    m._lists().append(*pairs_of(m, [(0, 3), (0, 1), (0, 2)]))  # 3 has no entry; 1 and 2 twice
+    batches.commit({"map": m})
+    m = batches.open()["map"]
+    assert listing(m, [0, 1]) == [(0, 1), (0, 2), (0, 3), (0, 1), (0, 2), (1, 5)]
+    assert items(m, [0, 1]) == [(0, 1, 10), (0, 2, 20), (1, 5, 50)]
+    assert listing(m, [0, 1]) == [(0, 1), (0, 2), (1, 5)]
+    batches.close()
+
+
+def test_repeated_pairs_in_one_call_put_the_last_value_and_remove_once(tmp_path):
+    """A handler putting the same (user, page) twice in one call (last value wins, listed
+    once), then removing a page given twice, then putting it again: listed once, at the end."""
+    batches = Batches(tmp_path)
+    m = batches.open()["map"]
+    m.put(*pairs_of(m, [(0, 1), (0, 2), (0, 1), (1, 1)]), rows_of([5, 6, 7, 8], m.dtype))
+    values, found = m.get(*pairs_of(m, [(0, 1), (0, 2), (1, 1)]))
+    assert found.all() and values["x"].tolist() == [7, 6, 8]
+    assert listing(m, [0, 1]) == [(0, 1), (0, 2), (1, 1)]
+    m.remove(*pairs_of(m, [(0, 1), (0, 1), (1, 0)]))
+    assert listing(m, [0, 1]) == [(0, 2), (1, 1)]
+    m.put(*pairs_of(m, [(0, 1)]), rows_of([9], m.dtype))
+    assert items(m, [0, 1]) == [(0, 2, 6), (0, 1, 9), (1, 1, 8)]
+    batches.close()
+
+
+def test_an_entry_expired_by_its_ttl_and_put_again_later_is_listed_once(tmp_path):
+    """A page whose TTL ended (removed at the end of its batch) is put again in a later
+    batch, before anything lists the map: ``items()`` yields it once."""
+    batches = Batches(tmp_path)
+    m = batches.open()["ttl_map"]
+    m.put(*pairs_of(m, [(0, 1), (0, 2)]), rows_of([1, 2], m.dtype))
+    batches.commit({"ttl_map": m})
+    m = batches.open(START_US + TTL_US // 2)["ttl_map"]
+    m.put(*pairs_of(m, [(0, 2)]), rows_of([3], m.dtype))  # page 2 lives on
+    batches.commit({"ttl_map": m})
+    m = batches.open(START_US + TTL_US)["ttl_map"]  # page 1's TTL ends in this batch
+    batches.commit({"ttl_map": m})
+    m = batches.open()["ttl_map"]
+    assert listing(m, [0]) == [(0, 2)], "the expiry removed page 1 from the listing"
+    m.put(*pairs_of(m, [(0, 1)]), rows_of([4], m.dtype))
+    assert items(m, [0]) == [(0, 2, 3), (0, 1, 4)]
+    batches.close()
