@@ -301,8 +301,14 @@ class MapState(_Variable):
         return which[keep], user_keys[keep], values[keep]
 
     def items(self, keys):
-        """``(which, user_keys, values)`` of every live entry of each of the (distinct) ``keys``,
-        each entry once, a key's entries in the order of its listing."""
+        """``(which, user_keys, values)`` of every live entry of each of the ``keys``, each entry
+        once, a key's entries in the order of its listing. ValueError if a key comes twice (the
+        listing it repairs is rewritten per key)."""
+        order, starts = group_rows(keys)
+        if len(starts) != len(keys):
+            twice = np.setdiff1d(np.arange(len(keys)), order[starts])[0]
+            raise ValueError(f"state variable {self.name!r}: items() takes distinct keys, but key "
+                             f"{keys[twice].tolist()!r} (at {twice}) comes twice")
         which, user_keys, values = self._listing(keys)
         live = self._live(values, np.ones(len(values), dtype=bool))
         return which[live], user_keys[live], _strip(values[live], self.dtype)
