@@ -1,7 +1,8 @@
 """What the store tests share: opening a provider on a directory, committing a batch of
 per-row or batch updates and keeping a model of each version, reading a store back as a dict,
-handing every provider a FaultInjectingFiles, the stores of a partition committed together, a maintenance pass that writes a snapshot, a
-maintenance thread racing the test, and waiting for a condition another thread brings about."""
+handing every provider a FaultInjectingFiles, the stores of a partition committed together
+(Partition), a maintenance pass that writes a snapshot, a maintenance thread racing the test,
+and waiting for a condition another thread brings about."""
 import contextlib
 import dataclasses
 import os
