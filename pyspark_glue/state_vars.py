@@ -61,6 +61,12 @@ def _strip(values, dtype):
     return out
 
 
+def _distinct(keys):
+    """The distinct rows of ``keys``, in order of their first occurrence."""
+    order, starts = group_rows(keys)
+    return keys[order[starts]]
+
+
 class _Variable:
     """What every variable shares: its name, the grouping key, its TTL and its stores."""
 
@@ -95,14 +101,17 @@ class _Variable:
 
     def _expire_rows(self, key_dtype, now_us):
         """Remove the rows of the variable's store whose TTL ended (entries of rows written
-        again since are stale and ignored)."""
+        again since are stale and ignored); returns the keys removed (with repeats)."""
         if self.ttl_us is None:
-            return
+            return np.empty(0, dtype=key_dtype)
         times, keys = self._ttl_index(key_dtype).pop_until(now_us)
-        if len(keys):
-            store = self.handle.store(self.name)
-            values, found = store.get_batch(keys)
-            store.remove_batch(keys[found & (values[EXPIRES] == times)])
+        if not len(keys):
+            return keys
+        store = self.handle.store(self.name)
+        values, found = store.get_batch(keys)
+        gone = keys[found & (values[EXPIRES] == times)]
+        store.remove_batch(gone)
+        return gone
 
     def _live(self, values, found):
         """``found`` less the rows whose TTL has passed."""
@@ -160,10 +169,6 @@ class ListState(_Variable):
         return KeyedLists(self.handle.store(self.name), self.handle.store(f"{self.name}.entries"), self.key_dtype,
                           self.stored)
 
-    def _distinct(self, keys):
-        order, starts = group_rows(keys)
-        return keys[order[starts]]
-
     def get(self, keys):
         """``(which, items)``: the items of each of the (distinct) ``keys``, ``items[j]`` in the
         list of ``keys[which[j]]``, in order."""
@@ -190,7 +195,7 @@ class ListState(_Variable):
     def _index_expiry(self, keys):
         """File the written keys under the expiry their new items got (older items keep theirs)."""
         if self.ttl_us is not None and len(keys):
-            distinct = self._distinct(keys)
+            distinct = _distinct(keys)
             self._ttl_index(self.key_dtype).add(np.full(len(distinct), self.handle.now_us + self.ttl_us), distinct)
 
     def clear(self, keys):
@@ -202,7 +207,7 @@ class ListState(_Variable):
         _, due = self._ttl_index(self.key_dtype).pop_until(now_us)
         if not len(due):
             return
-        keys = self._distinct(due)
+        keys = _distinct(due)
         lists = self._lists()
         counts = lists.counts(keys)
         which, items = lists.read(keys, counts)
@@ -212,7 +217,13 @@ class ListState(_Variable):
 
 
 class MapState(_Variable):
-    """Rows of ``schema`` per (key, user key), listable per key."""
+    """Rows of ``schema`` per (key, user key), listable per key.
+
+    Each key's *listing* (a :class:`~statecore.keyed_lists.KeyedLists` of user keys) is kept
+    exact: every listed user key has an entry in the store, listed once, in the order the user
+    keys were first put since they were last absent. ``put`` appends the absent ones;
+    ``remove``, ``clear`` and the TTL's expiry drop what they remove from the listings of the
+    keys they touch, in the same call."""
 
     def __init__(self, handle, name, user_key_schema, schema, ttl=None):
         super().__init__(handle, name, ttl)
@@ -235,12 +246,20 @@ class MapState(_Variable):
         _copy_fields(full, user_keys, self.user_key_dtype.names)
         return full
 
+    def _owners(self, full):
+        keys = np.empty(len(full), dtype=self.key_dtype)
+        _copy_fields(keys, full, self.key_dtype.names)
+        return keys
+
     def get(self, keys, user_keys):
         """``(values, found)`` for each (key, user key) pair."""
         values, found = self.handle.store(self.name).get_batch(self._full(keys, user_keys))
         return _strip(values, self.dtype), self._live(values, found)
 
     def put(self, keys, user_keys, values):
+        """Write ``values[i]`` as the entry of (``keys[i]``, ``user_keys[i]``); a user key that
+        was absent goes to the end of its key's listing. A pair given several times in one call
+        is one entry, listed once, holding the last of its values (as a store's ``put_batch``)."""
         full = self._full(keys, user_keys)
         store = self.handle.store(self.name)
         _, present = store.get_batch(full)
@@ -257,28 +276,56 @@ class MapState(_Variable):
             self._ttl_index(self.full_key).add(rows[EXPIRES], full)
 
     def remove(self, keys, user_keys):
+        """Remove the entry of each (key, user key) pair and drop it from its key's listing
+        (absent pairs, and pairs given several times, are removed once). Costs the listings
+        of the distinct ``keys``: each is read once and rewritten without the removed ones."""
         self.handle.store(self.name).remove_batch(self._full(keys, user_keys))
+        self._listing(_distinct(keys))
 
-    def items(self, keys):
-        """``(which, user_keys, values)`` of every live entry of each of the (distinct) ``keys``.
-        The listing of a key is compacted here when entries were removed since."""
+    def _listing(self, keys):
+        """``(which, user_keys, values)``: the listed entries of each of the (distinct) ``keys``,
+        expired ones included. A listed user key without an entry (just removed or expired) or
+        listed a second time (state written by a version that listed remove-then-put twice) is
+        dropped, the first listing kept, and the listing rewritten when it had any."""
         lists = self._lists()
         counts = lists.counts(keys)
         which, user_keys = lists.read(keys, counts)
         full = self._full(keys[which], user_keys)
         values, found = self.handle.store(self.name).get_batch(full)
-        if not found.all():  # removed entries (or expired ones cleaned up) leave the listing
-            lists.replace(keys, which[found], user_keys[found], counts)
-        live = self._live(values, found)
+        order, starts = group_rows(full)
+        keep = np.zeros(len(full), dtype=bool)
+        keep[order[starts]] = True
+        keep &= found
+        if not keep.all():
+            lists.replace(keys, which[keep], user_keys[keep], counts)
+        return which[keep], user_keys[keep], values[keep]
+
+    def items(self, keys):
+        """``(which, user_keys, values)`` of every live entry of each of the ``keys``, each entry
+        once, a key's entries in the order of its listing. ValueError if a key comes twice (the
+        listing it repairs is rewritten per key)."""
+        order, starts = group_rows(keys)
+        if len(starts) != len(keys):
+            twice = np.setdiff1d(np.arange(len(keys)), order[starts])[0]
+            raise ValueError(f"state variable {self.name!r}: items() takes distinct keys, but key "
+                             f"{keys[twice].tolist()!r} (at {twice}) comes twice")
+        which, user_keys, values = self._listing(keys)
+        live = self._live(values, np.ones(len(values), dtype=bool))
         return which[live], user_keys[live], _strip(values[live], self.dtype)
 
     def clear(self, keys):
-        which, user_keys, _ = self.items(keys)
+        """Remove every entry of each of the (distinct) ``keys``, and its listing."""
+        lists = self._lists()
+        counts = lists.counts(keys)
+        which, user_keys = lists.read(keys, counts)
         self.handle.store(self.name).remove_batch(self._full(keys[which], user_keys))
-        self._lists().clear(keys)
+        lists.clear(keys, counts)
 
     def expire(self, now_us):
-        self._expire_rows(self.full_key, now_us)
+        """Remove the entries whose TTL ended, and drop them from their keys' listings."""
+        gone = self._expire_rows(self.full_key, now_us)
+        if len(gone):
+            self._listing(_distinct(self._owners(gone)))
 
 
 class Timers:

@@ -1,7 +1,8 @@
 """What the store tests share: opening a provider on a directory, committing a batch of
 per-row or batch updates and keeping a model of each version, reading a store back as a dict,
-handing every provider a FaultInjectingFiles, a maintenance pass that writes a snapshot, a
-maintenance thread racing the test, and waiting for a condition another thread brings about."""
+handing every provider a FaultInjectingFiles, the stores of a partition committed together
+(Partition), a maintenance pass that writes a snapshot, a maintenance thread racing the test,
+and waiting for a condition another thread brings about."""
 import contextlib
 import dataclasses
 import os
@@ -19,6 +20,33 @@ from statecore.faults import FaultInjectingFiles
 def open_provider(root, key, value, partition=0, **conf):
     """A provider of ``StateStoreId(root, 0, partition)`` with ``StateStoreConf(**conf)``."""
     return create_and_init_provider(StateStoreId(str(root), 0, partition), key, value, StateStoreConf(**conf))
+
+
+class Partition:
+    """The stores of one partition (``schemas``: ``{store name: (key, value)}``), opened at a
+    version and committed together, as a task does; providers are opened on first use."""
+
+    def __init__(self, root, schemas):
+        self.root, self.schemas, self.version = str(root), dict(schemas), 0
+        self.providers = {}
+
+    def open(self):
+        for name, (key, value) in self.schemas.items():
+            if name not in self.providers:
+                self.providers[name] = create_and_init_provider(StateStoreId(self.root, 0, 0, store_name=name),
+                                                                key, value, StateStoreConf())
+        return {name: p.get_store(self.version) for name, p in self.providers.items()}
+
+    def commit(self, stores):
+        for store in stores.values():
+            store.commit()
+        self.version += 1
+
+    def reload(self):
+        """Close every provider: the next :meth:`open` loads the stores from their files."""
+        for p in self.providers.values():
+            p.close()
+        self.providers = {}
 
 
 def snapshot_now(provider):

@@ -10,10 +10,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from pyspark_glue.event_time import Watermarks
 from pyspark_glue.operator_task import PartitionContext
 from pyspark_glue.processor import StatefulProcessor
+from tests.store_support import Partition
 
 KEY = np.dtype([("user", "<i8")])
 TIMEOUT_US = 10_000_000
@@ -104,30 +104,9 @@ class Model:
         return sorted(out)
 
 
-class Partition:
-    """The stores of one partition, opened at a version and committed together, as a task does."""
-
-    def __init__(self, root, processor):
-        stores = dict(processor.state_stores, default=(processor.key_schema, processor.value_schema))
-        self.root, self.schemas, self.version = root, stores, 0
-        self.providers = {}
-
-    def open(self):
-        for name, (key, value) in self.schemas.items():
-            if name not in self.providers:
-                self.providers[name] = create_and_init_provider(StateStoreId(self.root, 0, 0, store_name=name),
-                                                                key, value, StateStoreConf())
-        return {name: p.get_store(self.version) for name, p in self.providers.items()}
-
-    def commit(self, stores):
-        for store in stores.values():
-            store.commit()
-        self.version += 1
-
-    def reload(self):
-        for p in self.providers.values():
-            p.close()
-        self.providers = {}
+def processor_partition(root, processor):
+    """The stores of one partition of ``processor``: its variables' and its default store."""
+    return Partition(root, dict(processor.state_stores, default=(processor.key_schema, processor.value_schema)))
 
 
 def output_rows(out):
@@ -147,7 +126,7 @@ def arrow_rows(rows):
 def test_processor_with_timers_and_ttl_matches_the_model(tmp_path, seed):
     rng = np.random.default_rng(seed)
     processor, model = Inactivity(), Model()
-    partition = Partition(str(tmp_path), processor)
+    partition = processor_partition(tmp_path, processor)
     max_event, watermark, fired, expired_pages, pages_before = 0, 0, 0, 0, set()
     for b in range(30):
         late_ms = watermark
@@ -250,7 +229,7 @@ class Reminder(StatefulProcessor):
 
 def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
     processor = Reminder()
-    partition = Partition(str(tmp_path), processor)
+    partition = processor_partition(tmp_path, processor)
     fired = []
     # (batch timestamp ms, rows): a reminder is due 1 s after its batch, the value lives 2 s
     for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7), (2, 0, 8)]), (10_500, [(3, 0, 9)]),
