@@ -276,7 +276,7 @@ def test_a_map_entry_whose_ttl_ended_is_listed_once_when_put_again(tmp_path):
     its key), put again before the map is listed: listed once, as Spark's
     transformWithStateInPandas lists it, not once per time it was put."""
     processor = PageHits()
-    partition = Partition(str(tmp_path), processor)
+    partition = processor_partition(str(tmp_path), processor)
     listed = []
     for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7)]), (20_000, [(2, 0, 8)]), (30_000, [(1, 0, 7)])]):
         stores = partition.open()
@@ -318,7 +318,7 @@ class Rearm(Snooze):
 def fired_over_batches(tmp_path, processor):
     """What ``processor`` emits in four batches: user 1's row at 5 s, then none, with the
     watermark at 10 s from the second batch on."""
-    partition = Partition(str(tmp_path), processor)
+    partition = processor_partition(str(tmp_path), processor)
     fired = []
     for b, (watermark_ms, rows) in enumerate([(0, [(1, 5_000_000, 0)]), (10_000, []), (10_000, []), (10_000, [])]):
         stores = partition.open()
