@@ -18,6 +18,9 @@ import pyarrow.compute  # noqa: F401 (pa.compute)
 from statecore import registry
 from statecore.arrow_rows import parquet_writer
 from statecore.conf import StateStoreConf
+from statecore.files import open_store_files
+from statecore.schema import key_value_schemas
+from statecore.snapshot_at import start_empty
 from statecore.spark_hash import spark_partition
 from statecore.checkpoint import CheckpointFiles
 
@@ -59,12 +62,15 @@ _STATUS_SCHEMA = pa.schema([
 @dataclasses.dataclass(frozen=True)
 class StoreSpec:
     """One of the operator's stores besides the default one: its name and numpy schemas, and
-    per partition the attempt to open (None: the default lineage)."""
+    per partition the attempt to open (None: the default lineage); ``starts_empty``: the
+    store is new to the operator (the previous batch's record does not name it), each task
+    starts it empty at the batch's version (``docs/lineage.md``)."""
 
     name: str
     key_dtype: np.dtype
     value_dtype: np.dtype
     commit_ids: tuple = None
+    starts_empty: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +120,17 @@ class PartitionContext:
     counts : dict
         Counters of ``fn``'s own (name -> int), summed over the partitions into
         ``last_progress["fn_counts"]`` (what an ``fn.observe`` may adapt to).
+    new_stores : frozenset
+        The names of the stores that start empty in this batch: every store in batch 0, and
+        later a store the previous batch's record does not name (new to the operator), which
+        ``fn`` may fill from the others once.
     """
 
-    def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0):
+    def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0,
+                 new_stores=frozenset()):
         self.partition_id, self.batch_id = partition_id, batch_id
         self.stores = stores
+        self.new_stores = frozenset(new_stores)
         self.store = stores[store_name]
         self.watermarks = watermarks
         self.batch_timestamp_ms = batch_timestamp_ms
@@ -220,26 +232,42 @@ def _max_event_time(batch, column):
 
 
 def _open_stores(task, partition_id):
-    """``({name: store}, already_loaded of the default store)``, every store at the batch's version."""
+    """``({name: store}, already_loaded of the default store, names of the stores started
+    empty)``, every store at the batch's version."""
     info = task.state_info
-    specs = [(task.store_name, task.key_dtype, task.value_dtype, info.commit_id(partition_id))]
-    specs += [(s.name, s.key_dtype, s.value_dtype, None if s.commit_ids is None else s.commit_ids[partition_id])
-              for s in task.extra_stores]
-    stores, already_loaded = {}, None
+    version = info.store_version
+    specs = [(task.store_name, task.key_dtype, task.value_dtype, info.commit_id(partition_id), False)]
+    specs += [(s.name, s.key_dtype, s.value_dtype, None if s.commit_ids is None else s.commit_ids[partition_id],
+               s.starts_empty) for s in task.extra_stores]
+    stores, already_loaded, new_stores = {}, None, set()
     try:
-        for name, key_dtype, value_dtype, commit_id in specs:
+        for name, key_dtype, value_dtype, commit_id, starts_empty in specs:
             provider_id = info.provider_id(partition_id, name)
             _retire_stale_instances(task, provider_id)
-            store, loaded = executor.open_store(provider_id, key_dtype, value_dtype, info.store_version, task.conf,
+            if starts_empty:
+                commit_id = _start_empty(task, provider_id, key_dtype, value_dtype)
+            store, loaded = executor.open_store(provider_id, key_dtype, value_dtype, version, task.conf,
                                                 commit_id=commit_id)
             stores[name] = store
+            if starts_empty or version == 0:
+                new_stores.add(name)
             if already_loaded is None:
                 already_loaded = loaded
     except BaseException:
         for store in stores.values():
             store.abort()
         raise
-    return stores, already_loaded
+    return stores, already_loaded, new_stores
+
+
+def _start_empty(task, provider_id, key_dtype, value_dtype):
+    """The attempt (hex id) of an empty snapshot at the batch's version, written for a store new
+    to the operator (:func:`statecore.snapshot_at.start_empty`)."""
+    conf = task.conf
+    files = open_store_files(provider_id.store_id.store_checkpoint_location(), conf.storage_options,
+                             conf.local_cache_dir)
+    key_schema, value_schema = key_value_schemas(key_dtype, value_dtype)
+    return start_empty(files, task.state_info.store_version, key_schema, value_schema, conf.compression).hex()
 
 
 def _run_partition(task, batches):
@@ -249,12 +277,12 @@ def _run_partition(task, batches):
     started = time.perf_counter()
     partition_id = TaskContext.get().partitionId()
     executor.ensure_worker_registry(task.coordinator_address, task.authkey)
-    stores, already_loaded = _open_stores(task, partition_id)
+    stores, already_loaded, new_stores = _open_stores(task, partition_id)
     store = stores[task.store_name]
     opened = time.perf_counter()
     fn = task.fn
     context = PartitionContext(partition_id, task.state_info.store_version, stores, task.store_name,
-                               task.watermarks, task.batch_timestamp_ms)
+                               task.watermarks, task.batch_timestamp_ms, new_stores)
     outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
     routing = None if task.routing_keys is None else (task.state_info.num_partitions, *task.routing_keys)
     try:
