@@ -153,6 +153,7 @@ class StatefulProcessor:
     def open(self, context):
         handle = StateHandle(self.key_schema, context.stores, self._clock_us(context))
         self.init(handle)
+        handle.timers.fill_listing(context.new_stores)  # a checkpoint from before the timers' listing
         self._task = {"context": context, "handle": handle, "batches": [], "initial": []}
 
     def __call__(self, store, batch):
