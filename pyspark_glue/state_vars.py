@@ -30,8 +30,8 @@ _TIMER = "__timer"
 _TIMERS = "__timers"
 # A key's timer listing is looked over when a register makes it grow past a power of two from
 # LISTING_BOUND on, and rewritten to its live timers if at least half of it is stale: a key whose
-# timer moves every batch lists fewer than LISTING_BOUND entries, and each look (a read of the
-# listing) follows at least a quarter as many registers of the key: O(1) per register amortized.
+# timer moves every batch lists fewer than LISTING_BOUND entries, and a look (a read of the
+# listing) costs O(1) per register amortized (docs/processor.md, "Listing timers").
 LISTING_BOUND = 8
 
 

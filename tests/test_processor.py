@@ -5,12 +5,15 @@ plain-Python model of the documented rules (docs/processor.md): late rows droppe
 handled, then the timers at or before the eviction watermark fired (deleted ones not), then
 what the TTL ended removed; a TTL'd row is absent as soon as its time has come."""
 import datetime
+import json
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from click.testing import CliRunner
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from statecore.cli import main as cli_main
 from statecore.expiry import ExpiryIndex
 from statecore.files import open_store_files
 from statecore.schema import key_value_schemas
@@ -508,3 +511,5 @@ def test_a_variable_and_the_timers_listing_added_to_a_running_query(spark, tmp_p
     assert n == {1: 4, 2: 2, 3: 3, 4: 1, 5: 2}
     listing = {r["id"]: r["count"] for r in read_state(spark, root, 0, "__timers.keys").collect()}
     assert listing == {1: 4, 2: 2, 3: 2, 4: 1, 5: 2}, "timers registered before the upgrade are listed"
+    result = CliRunner().invoke(cli_main, ["verify", root, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0 and json.loads(result.output)["sound"], result.output

@@ -90,11 +90,9 @@ def test_a_retried_task_starts_over_the_empty_snapshot_its_first_attempt_left(tm
     store = provider.get_store(3, first)
     store.put_batch(*rows(4))
     store.commit()
-    provider.close()
 
-    second = seed(tmp_path, 3)
+    second = seed(tmp_path, 3)  # the retry, in the same worker: the provider is still loaded
     assert second != first
-    provider = create_and_init_provider(store_id(tmp_path), KEY, VALUE, CONF)
     try:
         store = provider.get_store(3, second)
         assert store.metrics.num_keys == 0, "the retry starts from its own empty snapshot"
@@ -103,6 +101,11 @@ def test_a_retried_task_starts_over_the_empty_snapshot_its_first_attempt_left(tm
         assert state_of(provider, 4, store.commit_id) == {50: 500, 51: 510}
     finally:
         provider.close()
+    reloaded = create_and_init_provider(store_id(tmp_path), KEY, VALUE, CONF)
+    try:
+        assert state_of(reloaded, 4, store.commit_id) == {50: 500, 51: 510}
+    finally:
+        reloaded.close()
 
 
 def test_older_versions_no_record_names_are_refused_and_nothing_is_written(tmp_path):
