@@ -294,7 +294,8 @@ class Timers:
     time, to pop the due ones) and a per-key listing (a :class:`KeyedLists`, for ``list``).
     The listing is lazy: ``register`` appends the timers that were absent, ``delete`` and firing
     leave it alone, and ``list`` (and a ``register`` that grows it past :data:`LISTING_BOUND`
-    entries, or a power of two after that) keeps only what ``__timers`` still holds (``docs/processor.md``, "Listing timers")."""
+    entries, or a power of two after that) keeps only what ``__timers`` still holds
+    (``docs/processor.md``, "Listing timers")."""
 
     def __init__(self, handle):
         self.handle = handle

@@ -55,9 +55,10 @@ def start_empty(files, version, key_schema, value_schema, compression):
     no record names: UnrecordedStateError, nothing written."""
     older = sorted({f.version for f in files.list_versions() if f.version < version})
     if older:
+        held = f"version {older[0]}" if len(older) == 1 else f"versions {older[0]}..{older[-1]}"
         raise UnrecordedStateError(
             f"store {files.location} is new to the operator at version {version} (the previous batch's record "
-            f"does not name it), but it holds versions {older[0]}..{older[-1]} that no record names (a state "
+            f"does not name it), but it holds {held} that no record names (a state "
             f"variable removed and declared again?); starting it empty would hide them. To start the store empty, "
             f"move that directory away (or delete it); nothing was written")
     commit_id = os.urandom(8)

@@ -6,6 +6,7 @@ handled, then the timers at or before the eviction watermark fired (deleted ones
 what the TTL ended removed; a TTL'd row is absent as soon as its time has come."""
 import datetime
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -513,3 +514,60 @@ def test_a_variable_and_the_timers_listing_added_to_a_running_query(spark, tmp_p
     assert listing == {1: 4, 2: 2, 3: 2, 4: 1, 5: 2}, "timers registered before the upgrade are listed"
     result = CliRunner().invoke(cli_main, ["verify", root, "--json"], catch_exceptions=False)
     assert result.exit_code == 0 and json.loads(result.output)["sound"], result.output
+
+
+def test_a_variable_removed_and_declared_again_is_refused_until_its_directory_is_moved(spark, tmp_path):
+    """A query drops its ``extra`` variable for a batch, then declares it again: the store's
+    directory holds versions no record names, so the batch fails naming the directory, writes
+    no record and changes no state; once the directory is moved away, ``extra`` starts empty."""
+    import pyarrow as pa
+    from pyspark_glue import StatefulOperator
+
+    class Counter(StatefulProcessor):
+        key_columns = ["id"]
+        key_schema = np.dtype([("id", "<i8")])
+        output_schema = "id long, n long, extra long"
+        with_extra = True
+
+        def init(self, state):
+            self.n = state.value("n", [("n", "<i8")])
+            if self.with_extra:
+                self.extra = state.value("extra", [("n", "<i8")])
+
+        def handle_input(self, groups, timers):
+            old, found = self.n.get(groups.keys)
+            new = np.zeros(len(groups), dtype=self.n.dtype)
+            new["n"] = np.where(found, old["n"], 0) + groups.sizes
+            self.n.put(groups.keys, new)
+            extra = np.full(len(groups), -1)
+            if self.with_extra:
+                had, there = self.extra.get(groups.keys)
+                values = np.zeros(len(groups), dtype=self.extra.dtype)
+                values["n"] = extra = np.where(there, had["n"], 0) + 1
+                self.extra.put(groups.keys, values)
+            return pa.RecordBatch.from_pydict({"id": groups.keys["id"], "n": new["n"], "extra": extra})
+
+    root = str(tmp_path / "state")
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+    def run(with_extra, b):
+        fn = Counter()
+        fn.with_extra = with_extra
+        op = StatefulOperator(root, 0, 2, fn=fn)
+        try:
+            df = spark.createDataFrame([(i, t0, "p") for i in (1, 2)], "id long, ts timestamp, payload string")
+            return sorted(tuple(r) for r in op.process(df, b).collect())
+        finally:
+            op.close()
+
+    assert run(True, 0) == [(1, 1, 1), (2, 1, 1)]
+    assert run(False, 1) == [(1, 2, -1), (2, 2, -1)]
+    with pytest.raises(Exception, match=r"extra is new to the operator at version 2 .*holds version 1 that no record"):
+        run(True, 2)
+    op = StatefulOperator(root, 0, 2, fn=Counter())
+    assert op.commit_record(2) is None, "the failed batch wrote no record"
+    op.close()
+    for p in (0, 1):
+        extra = StateStoreId(root, 0, p, store_name="extra").store_checkpoint_location()
+        os.rename(extra, str(tmp_path / f"extra-{p}-kept"))
+    assert run(True, 2) == [(1, 3, 1), (2, 3, 1)], "n went on from batch 1; extra started empty"
