@@ -140,7 +140,7 @@ def measure_task_path(stores, batches, maintenance_every, conf, rows=50, key_spa
                     first = batch == 0
                     with log.phase("first open" if first else phase):
                         coordinator.phase = "first open" if first else phase
-                        opened, _ = _open_stores(task, p)
+                        opened, _, _ = _open_stores(task, p)
                     store = opened["default"]
                     updates.apply(store)
                     with log.phase("first commit" if first else "commit"):

@@ -599,14 +599,20 @@ class StatefulOperator:
 
     def _extra_stores(self, batch_id, previous):
         """The :class:`StoreSpec` of each store ``fn.state_stores`` declares, at the attempts
-        the previous batch recorded."""
+        the previous batch recorded; one the previous record does not name starts empty."""
         declared = getattr(self.fn, "state_stores", None) or {}
         specs = []
         for name, (key, value) in sorted(declared.items()):
             if name == self.store_name:
                 raise ValueError(f"fn.state_stores names the operator's own store {name!r}")
             key, value = key_value_schemas(key, value)
-            specs.append(StoreSpec(name, key.dtype, value.dtype, self._base_commit_ids(batch_id, previous, name)))
+            commit_ids = self._base_commit_ids(batch_id, previous, name)
+            # recorded before, without this store: it is new to the operator and starts empty
+            starts_empty = previous is not None and commit_ids is None
+            if starts_empty:
+                log.info("operator %s: store %r is new in batch %d (the record of batch %d does not name it); its "
+                         "tasks start it empty", self.operator_id, name, batch_id, batch_id - 1)
+            specs.append(StoreSpec(name, key.dtype, value.dtype, commit_ids, starts_empty))
         return tuple(specs)
 
     def _watermarks(self, batch_id, previous, advance_to):

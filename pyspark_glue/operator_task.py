@@ -18,6 +18,7 @@ import pyarrow.compute  # noqa: F401 (pa.compute)
 from statecore import registry
 from statecore.arrow_rows import parquet_writer
 from statecore.conf import StateStoreConf
+from statecore.snapshot_at import start_store_empty
 from statecore.spark_hash import spark_partition
 from statecore.checkpoint import CheckpointFiles
 
@@ -59,12 +60,15 @@ _STATUS_SCHEMA = pa.schema([
 @dataclasses.dataclass(frozen=True)
 class StoreSpec:
     """One of the operator's stores besides the default one: its name and numpy schemas, and
-    per partition the attempt to open (None: the default lineage)."""
+    per partition the attempt to open (None: the default lineage); ``starts_empty``: the
+    store is new to the operator (the previous batch's record does not name it), each task
+    starts it empty at the batch's version (``docs/lineage.md``)."""
 
     name: str
     key_dtype: np.dtype
     value_dtype: np.dtype
     commit_ids: tuple = None
+    starts_empty: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +118,17 @@ class PartitionContext:
     counts : dict
         Counters of ``fn``'s own (name -> int), summed over the partitions into
         ``last_progress["fn_counts"]`` (what an ``fn.observe`` may adapt to).
+    new_stores : frozenset
+        The names of the stores that start empty in this batch: every store in batch 0, and
+        later a store the previous batch's record does not name (new to the operator), which
+        ``fn`` may fill from the others once.
     """
 
-    def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0):
+    def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0,
+                 new_stores=frozenset()):
         self.partition_id, self.batch_id = partition_id, batch_id
         self.stores = stores
+        self.new_stores = frozenset(new_stores)
         self.store = stores[store_name]
         self.watermarks = watermarks
         self.batch_timestamp_ms = batch_timestamp_ms
@@ -220,26 +230,32 @@ def _max_event_time(batch, column):
 
 
 def _open_stores(task, partition_id):
-    """``({name: store}, already_loaded of the default store)``, every store at the batch's version."""
+    """``({name: store}, already_loaded of the default store, names of the stores started
+    empty)``, every store at the batch's version."""
     info = task.state_info
-    specs = [(task.store_name, task.key_dtype, task.value_dtype, info.commit_id(partition_id))]
-    specs += [(s.name, s.key_dtype, s.value_dtype, None if s.commit_ids is None else s.commit_ids[partition_id])
-              for s in task.extra_stores]
-    stores, already_loaded = {}, None
+    version = info.store_version
+    specs = [(task.store_name, task.key_dtype, task.value_dtype, info.commit_id(partition_id), False)]
+    specs += [(s.name, s.key_dtype, s.value_dtype, None if s.commit_ids is None else s.commit_ids[partition_id],
+               s.starts_empty) for s in task.extra_stores]
+    stores, already_loaded, new_stores = {}, None, set()
     try:
-        for name, key_dtype, value_dtype, commit_id in specs:
+        for name, key_dtype, value_dtype, commit_id, starts_empty in specs:
             provider_id = info.provider_id(partition_id, name)
             _retire_stale_instances(task, provider_id)
-            store, loaded = executor.open_store(provider_id, key_dtype, value_dtype, info.store_version, task.conf,
+            if starts_empty:
+                commit_id = start_store_empty(provider_id.store_id, version, key_dtype, value_dtype, task.conf)
+            store, loaded = executor.open_store(provider_id, key_dtype, value_dtype, version, task.conf,
                                                 commit_id=commit_id)
             stores[name] = store
+            if starts_empty or version == 0:
+                new_stores.add(name)
             if already_loaded is None:
                 already_loaded = loaded
     except BaseException:
         for store in stores.values():
             store.abort()
         raise
-    return stores, already_loaded
+    return stores, already_loaded, new_stores
 
 
 def run_fn(fn, context, batches, arrow_schema, event_time=None, check=None):
@@ -299,11 +315,11 @@ def _run_partition(task, batches):
     started = time.perf_counter()
     partition_id = TaskContext.get().partitionId()
     executor.ensure_worker_registry(task.coordinator_address, task.authkey)
-    stores, already_loaded = _open_stores(task, partition_id)
+    stores, already_loaded, new_stores = _open_stores(task, partition_id)
     store = stores[task.store_name]
     opened = time.perf_counter()
     context = PartitionContext(partition_id, task.state_info.store_version, stores, task.store_name,
-                               task.watermarks, task.batch_timestamp_ms)
+                               task.watermarks, task.batch_timestamp_ms, new_stores)
     routing = None if task.routing_keys is None else (task.state_info.num_partitions, *task.routing_keys)
     try:
         outputs, rows_in, batches_in, max_event_time = run_fn(

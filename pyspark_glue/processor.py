@@ -96,10 +96,9 @@ class StatefulProcessor:
         raise NotImplementedError(f"{type(self).__name__} must define handle_input(groups, timers)")
 
     def handle_expired_timers(self, keys, times, timers):
-        """Timers at or before the clock: ``keys[i]`` had one at ``times[i]`` (microseconds),
-        now deleted (and deleted again after the call: registering one of them here does
-        not arm it again). Other timers registered here fire in a later batch. Return output
-        or None."""
+        """Timers at or before the clock: ``keys[i]`` has one at ``times[i]`` (microseconds),
+        deleted when this returns (registering one of them here does not arm it again).
+        Other timers registered here fire in a later batch. Return output or None."""
         return None
 
     def handle_initial_state(self, groups, timers):
@@ -194,9 +193,10 @@ class StatefulProcessor:
             out.append(self.handle_input(self._groups(task["batches"]), timers))
         clock = handle.now_us
         if clock is not None:
-            # the timers due now fire once; those their handler registers wait for a later
-            # batch, due or not, except the fired ones themselves, deleted again after the
-            # call (Spark's transformWithStateInPandas: docs/processor.md)
+            # the timers due now fire once, registered until their handler returns (then
+            # deleted: registering one of them again there does not arm it again); others the
+            # handler registers wait for a later batch, due or not (Spark's
+            # transformWithStateInPandas: docs/processor.md)
             keys, times = timers.pop_due(clock)
             if len(keys):
                 out.append(self.handle_expired_timers(keys, times, timers))

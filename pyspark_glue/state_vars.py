@@ -18,16 +18,21 @@ import numpy as np
 from statecore.expiry import ExpiryIndex
 from statecore.grouping import group_rows
 from statecore.ids import check_store_name
-from statecore.keyed_lists import KeyedLists
+from statecore.keyed_lists import SEQ_FIELD, KeyedLists, positions
 from statecore.schema import as_schema
 
 from pyspark_glue.event_time import parse_duration_us
 
-__all__ = ["StateHandle", "ValueState", "ListState", "MapState", "Timers", "EXPIRES"]
+__all__ = ["StateHandle", "ValueState", "ListState", "MapState", "Timers", "EXPIRES", "LISTING_BOUND"]
 
 EXPIRES = "__expires"
 _TIMER = "__timer"
 _TIMERS = "__timers"
+# A key's timer listing is looked over when a register makes it grow past a power of two from
+# LISTING_BOUND on, and rewritten to its live timers if at least half of it is stale: a key whose
+# timer moves every batch lists fewer than LISTING_BOUND entries, and a look (a read of the
+# listing) costs O(1) per register amortized (docs/processor.md, "Listing timers").
+LISTING_BOUND = 8
 
 
 def _fields(dtype, what):
@@ -329,13 +334,24 @@ class MapState(_Variable):
 
 
 class Timers:
-    """Timers per key: ``register``, ``delete``; due timers are handed to the processor's
-    ``handle_expired_timers`` once the processor's clock reaches them (at or past)."""
+    """Timers per key: ``register``, ``delete``, ``list``; due timers are handed to the
+    processor's ``handle_expired_timers`` once the processor's clock reaches them (at or past).
+
+    Three structures: ``__timers`` (which timers exist), an :class:`ExpiryIndex` (timers by
+    time, to pop the due ones) and a per-key listing (a :class:`KeyedLists`, for ``list``).
+    The listing is kept from the first ``list`` of a partition on (until then no ``register``
+    pays for it): that call fills it from a full read of ``__timers`` and marks it kept. It is
+    lazy: ``register`` appends the timers that were absent, ``delete`` and firing leave it
+    alone, and ``list`` (and a ``register`` that grows it past :data:`LISTING_BOUND` entries,
+    or a power of two after that) keeps only what ``__timers`` still holds
+    (``docs/processor.md``, "Listing timers")."""
 
     def __init__(self, handle):
         self.handle = handle
         self.key_dtype = handle.key_dtype
         self.full_key = _join(self.key_dtype, np.dtype([(_TIMER, "<i8")]))
+        self.listed = np.dtype([(_TIMER, "<i8")])
+        self._kept = None  # whether the partition keeps the listing: read once, at first need
 
     @property
     def processing_time_us(self):
@@ -351,8 +367,10 @@ class Timers:
 
     def stores(self):
         index = ExpiryIndex.schemas(self.key_dtype)
+        listing = KeyedLists.schemas(self.key_dtype, self.listed)
         return {_TIMERS: (self.full_key, np.dtype([])), f"{_TIMERS}.heads": index["heads"],
-                f"{_TIMERS}.entries": index["entries"]}
+                f"{_TIMERS}.entries": index["entries"], f"{_TIMERS}.keys": listing["heads"],
+                f"{_TIMERS}.key_entries": listing["entries"]}
 
     def _full(self, keys, times):
         full = np.empty(len(keys), dtype=self.full_key)
@@ -378,9 +396,30 @@ class Timers:
         full = self._full(keys, times)
         store = self.handle.store(_TIMERS)
         _, present = store.get_batch(full)
-        if (~present).any():
-            store.put_batch(full[~present], None)
-            self._index().add(times[~present], keys[~present])
+        if present.all():
+            return
+        keys, times, full = keys[~present], times[~present], full[~present]
+        if self._listing_kept():  # before __timers holds them: a compaction keeps only the timers already there
+            self._list_new(keys, times)
+        store.put_batch(full, None)
+        self._index().add(times, keys)
+
+    def _list_new(self, keys, times):
+        """Append new timers to their keys' listings; a listing that grows past a power of two
+        (from :data:`LISTING_BOUND` on) is compacted first when at least half of it is stale."""
+        listing = self._listing()
+        order, starts = group_rows(keys)
+        distinct = keys[order[starts]]
+        added = np.diff(np.append(starts, len(keys))).astype(np.int64)
+        counts = listing.counts(distinct)
+        grown = counts + added
+        crossing = (grown >= LISTING_BOUND) & (counts < (1 << (np.frexp(grown)[1] - 1).astype(np.int64)))
+        if crossing.any():
+            counts[crossing] = self._relist(listing, distinct[crossing], counts[crossing], compacting=True)[2]
+        listed = np.empty(len(keys), dtype=self.listed)
+        listed[_TIMER] = times[order]
+        listing.put_at(keys[order], np.repeat(counts, added) + positions(added), listed)
+        listing.set_counts(distinct, counts + added)
 
     def delete(self, keys, times):
         """Delete the timers at ``times[i]`` of ``keys[i]`` (absent ones are ignored)."""
@@ -389,22 +428,87 @@ class Timers:
     def exists(self, keys, times):
         return self.handle.store(_TIMERS).get_batch(self._full(keys, self._micros(times)))[1]
 
+    def list(self, keys):
+        """``(which, times)``: every registered timer of each of the (distinct) ``keys``,
+        ``times[j]`` a timer of ``keys[which[j]]``; a key's times ascending (Spark's
+        ``listTimers``). The listing of a key that held deleted or fired timers is rewritten;
+        the partition's first call fills the listing of every key (a full read of the timers)."""
+        if not self._listing_kept():
+            self._keep_listing()
+        listing = self._listing()
+        return self._relist(listing, keys, listing.counts(keys))[:2]
+
+    def _relist(self, listing, keys, counts, compacting=False):
+        """``(which, times, new counts)``: the live timers of the (distinct) ``keys`` whose
+        listings are ``counts`` long, by key then time. A listing that held more (timers
+        deleted or fired since, or listed twice) is rewritten to exactly those; when
+        ``compacting``, only one at least half of which was stale."""
+        which, listed = listing.read(keys, counts)
+        times = listed[_TIMER]
+        _, live = self.handle.store(_TIMERS).get_batch(self._full(keys[which], times))
+        order = np.lexsort((times, which))
+        which, times, live = which[order], times[order], live[order]
+        repeat = np.zeros(len(which), dtype=bool)
+        repeat[1:] = (which[1:] == which[:-1]) & (times[1:] == times[:-1])
+        keep = live & ~repeat
+        which, times = which[keep], times[keep]
+        kept = np.bincount(which, minlength=len(keys)).astype(np.int64)
+        changed = 2 * kept <= counts if compacting else kept != counts
+        if changed.any():
+            rewritten = changed[which]
+            position = np.cumsum(changed) - 1  # a changed key's index among the changed ones
+            items = np.empty(int(rewritten.sum()), dtype=self.listed)
+            items[_TIMER] = times[rewritten]
+            listing.replace(keys[changed], position[which[rewritten]], items, counts[changed])
+        return which, times, np.where(changed, kept, counts)
+
+    def _marker(self):
+        """The row of the listing's entries store that says the listing is kept: the zero key
+        at position -1, which no list ever has."""
+        marker = np.zeros(1, dtype=self._listing()._entry_key)
+        marker[SEQ_FIELD] = -1
+        return marker
+
+    def _listing_kept(self):
+        if self._kept is None:
+            self._kept = bool(self.handle.store(f"{_TIMERS}.key_entries").get_batch(self._marker())[1][0])
+        return self._kept
+
+    def _keep_listing(self):
+        """List every timer of ``__timers`` (a full read), and mark the listing kept: once per
+        partition, at its first ``list`` (a checkpoint written before the listing existed
+        comes here too, its listing's stores new and empty)."""
+        listing = self._listing()
+        for full, _ in self.handle.store(_TIMERS).iter_batches():
+            keys = np.empty(len(full), dtype=self.key_dtype)
+            _copy_fields(keys, full, self.key_dtype.names)
+            listed = np.empty(len(full), dtype=self.listed)
+            listed[_TIMER] = full[_TIMER]
+            listing.append(keys, listed)
+        self.handle.store(f"{_TIMERS}.key_entries").put_batch(self._marker(), np.zeros(1, dtype=self.listed))
+        self._kept = True
+
+    def _listing(self):
+        return KeyedLists(self.handle.store(f"{_TIMERS}.keys"), self.handle.store(f"{_TIMERS}.key_entries"),
+                          self.key_dtype, self.listed)
+
     def _index(self):
         return ExpiryIndex(self.handle.store(f"{_TIMERS}.heads"), self.handle.store(f"{_TIMERS}.entries"),
                            self.key_dtype)
 
     def pop_due(self, now_us):
-        """``(keys, times)`` of the registered timers at or before ``now_us``, removed."""
+        """``(keys, times)`` of the registered timers at or before ``now_us``, each once, taken
+        off the index. They stay registered (``exists`` says so) until the caller deletes them:
+        the processor does after its handler, as Spark deletes a fired timer after its handler.
+        Their listing entries stay until the key is listed or its listing compacted."""
         times, keys = self._index().pop_until(now_us)
         if not len(keys):
             return keys, times
         full = self._full(keys, times)
-        store = self.handle.store(_TIMERS)
-        _, live = store.get_batch(full)
+        _, live = self.handle.store(_TIMERS).get_batch(full)
         keys, times, full = keys[live], times[live], full[live]
         order, starts = group_rows(full)  # a timer registered, deleted and registered again is filed twice
         first = order[starts]
-        store.remove_batch(full[first])
         return keys[first], times[first]
 
 

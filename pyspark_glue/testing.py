@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.schema import key_value_schemas
+from statecore.snapshot_at import start_store_empty
 from statecore.spark_hash import FIXED_WIDTH_TYPES
 
 from pyspark_glue.arrow import output_schemas, to_record_batch
@@ -130,6 +131,7 @@ class Harness:
         self._marks = None  # the last batch's watermarks, as a batch record holds them
         self._clock_us = None  # the processor's clock in the last batch (for reading state)
         self._providers = {}  # (partition, store name) -> provider, kept open between batches
+        self._committed_stores = set()  # the stores the last batch committed
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -177,16 +179,25 @@ class Harness:
         return provider
 
     def _open(self, partition):
-        """Every store of ``partition`` at the current version (a reader aborts them after)."""
-        stores = {}
+        """``(stores, new)``: every store of ``partition`` at the current version, and the names
+        of those that start empty in it (all in the first batch; later, one the previous batch
+        did not have, started empty at the version as the operator starts a store new to it)."""
+        stores, new = {}, set()
         try:
             for name, (key, value) in self._store_schemas().items():
-                stores[name] = self._provider(partition, name, key, value).get_store(self.batch_id)
+                provider = self._provider(partition, name, key, value)
+                commit_id = None
+                if self.batch_id == 0:
+                    new.add(name)
+                elif name not in self._committed_stores:
+                    commit_id = start_store_empty(provider.state_store_id, self.batch_id, key, value, self.conf)
+                    new.add(name)
+                stores[name] = provider.get_store(self.batch_id, commit_id)
         except BaseException:
             for store in stores.values():
                 store.abort()
             raise
-        return stores
+        return stores, new
 
     # -- batches --------------------------------------------------------------------------------
 
@@ -216,8 +227,9 @@ class Harness:
         shipped = _pickled(self.fn)
         outputs, late_rows, counts, maxima, rows_in = [], 0, {}, [], 0
         for partition in range(self.num_partitions):
-            stores = self._open(partition)
-            context = PartitionContext(partition, self.batch_id, stores, self.store_name, watermarks, timestamp_ms)
+            stores, new = self._open(partition)
+            context = PartitionContext(partition, self.batch_id, stores, self.store_name, watermarks, timestamp_ms,
+                                       new)
             fn = shipped.copy()  # each task gets its own copy, as Spark ships it
             try:
                 out, n, _, max_event = run_fn(fn, context, parts[partition], self._arrow_schema, self.event_time)
@@ -232,6 +244,7 @@ class Harness:
                 maxima.append(max_event)
             for name, value in context.counts.items():
                 counts[name] = counts.get(name, 0) + int(value)
+        self._committed_stores = set(self._store_schemas())
         self._finish_batch(watermarks, maxima, timestamp_ms)
         self.last_progress = {"batch_id": self.batch_id - 1, "batch_timestamp_ms": timestamp_ms, "rows_in": rows_in,
                               "rows_out": sum(b.num_rows for b in outputs), "late_rows": late_rows,
@@ -310,7 +323,7 @@ class Harness:
         results = []
         for partition in np.unique(partitions):
             mine = np.flatnonzero(partitions == partition)
-            stores = self._open(int(partition))
+            stores, _ = self._open(int(partition))
             try:
                 results.append((mine, read(self._variables(stores), keys[mine])))
             finally:

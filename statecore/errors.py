@@ -13,6 +13,7 @@ __all__ = [
     "DamagedMetadataError",
     "SchemaMismatchError",
     "CommitConflictError",
+    "UnrecordedStateError",
     "UnsafeFileError",
     "AuthenticationError",
     "RpcError",
@@ -68,6 +69,11 @@ class SchemaMismatchError(StateStoreError, TypeError):
 class CommitConflictError(StateStoreError):
     """A commit was refused because newer versions were committed since its store opened:
     the committing attempt is stale (a zombie task). Nothing of it is visible."""
+
+
+class UnrecordedStateError(StateStoreError, ValueError):
+    """A store the operator would start empty (no batch record names it) already holds older
+    versions: starting over them would hide state. Nothing was written."""
 
 
 class UnsafeFileError(StateStoreError, ValueError):

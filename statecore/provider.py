@@ -34,7 +34,7 @@ from statecore.schema import RowSchema, key_value_schemas
 from statecore.spill import Spill, filter_bytes as spill_filter_bytes
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
 
-__all__ = ["FileStateStoreProvider", "read_store_schemas", "read_version_header", "SCHEMA_FILE"]
+__all__ = ["FileStateStoreProvider", "read_store_schemas", "schema_file_bytes", "read_version_header", "SCHEMA_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -820,10 +820,6 @@ class FileStateStoreProvider(StateStoreProvider):
                     yield u, False, self._key_schema.from_rows(keys), None
 
     # -- schema file -----------------------------------------------------------------------
-    def _schema_record(self):
-        return {"format": "statecore-state-schema-1", "key": self._key_schema.describe(),
-                "value": self._value_schema.describe()}
-
     def _check_schema_file(self):
         stored = read_store_schemas(self._files)
         if stored is None:
@@ -840,7 +836,7 @@ class FileStateStoreProvider(StateStoreProvider):
     def _write_schema_file(self):
         if self._schema_written:
             return
-        payload = json.dumps(self._schema_record(), indent=1).encode()
+        payload = schema_file_bytes(self._key_schema, self._value_schema)
         try:
             self._files.write_atomic(SCHEMA_FILE, lambda f: f.write(payload), overwrite=False)
         except FileExistsError:
@@ -898,6 +894,12 @@ def read_version_header(files, f):
         raise StateCorruptionError(path, None, e.reason) from None
     check_names_agree(f, path, header.store_version, header.commit_id)
     return header.commit_id, parent_id
+
+
+def schema_file_bytes(key_schema, value_schema):
+    """The bytes of a store's :data:`SCHEMA_FILE`: the schemas its first commit records."""
+    record = {"format": "statecore-state-schema-1", "key": key_schema.describe(), "value": value_schema.describe()}
+    return json.dumps(record, indent=1).encode()
 
 
 def read_store_schemas(files):

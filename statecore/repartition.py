@@ -39,10 +39,10 @@ from statecore.contracts import create_and_init_provider
 from statecore.errors import StateCorruptionError, UnsafeFileError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
-from statecore.lineage import ROOT_COMMIT_ID, file_name, image_lineage
+from statecore.lineage import ROOT_COMMIT_ID, file_name
 from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
 from statecore.schema import key_value_schemas
-from statecore.snapshot_files import open_snapshot, write_snapshot_file
+from statecore.snapshot_at import write_snapshot_at
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
@@ -439,27 +439,10 @@ def build_partition(plan, partition):
 
 
 def _write_snapshot(plan, store, q, chunks):
-    files = _files(plan.store_location(q, store.name), plan.conf)
-    recorded = read_store_schemas(files)
-    if recorded is None:
-        files.write_atomic(SCHEMA_FILE, lambda f: f.write(store.schema_bytes), overwrite=False)
-    elif recorded != (store.key_schema, store.value_schema):
-        raise StateCorruptionError(files.path(SCHEMA_FILE), None, "the schemas differ from the old partitions'")
-    commit_id = bytes.fromhex(store.new_ids[q])
-    name = file_name(plan.version, commit_id, "snapshot")
-    count = sum(len(c) for c in chunks)
-
-    write_snapshot_file(files, name, store.key_schema, store.value_schema, count, plan.version,
-                        image_lineage(commit_id), chunks, plan.conf.compression)
     # Checked whole before anything relies on it: the old files go on the strength of it.
-    reader = open_snapshot(files, name, store.key_schema, store.value_schema)
-    try:
-        if reader.store_version != plan.version or reader.commit_id != commit_id or reader.row_count != count:
-            raise StateCorruptionError(files.path(name), None, "the snapshot written is not the one meant")
-        reader.verify(index=False)  # every checksum, as maintenance checks a snapshot it relies on
-    finally:
-        reader.close()
-    return count
+    return write_snapshot_at(_files(plan.store_location(q, store.name), plan.conf), plan.version,
+                             bytes.fromhex(store.new_ids[q]), store.key_schema, store.value_schema, chunks,
+                             sum(len(c) for c in chunks), plan.conf.compression, schema_bytes=store.schema_bytes)
 
 
 # -- 4. the switch, 5. the roll-forward --------------------------------------------------------------

@@ -29,13 +29,27 @@ class Partition:
     def __init__(self, root, schemas):
         self.root, self.schemas, self.version = str(root), dict(schemas), 0
         self.providers = {}
+        self._started = {}  # store name -> the attempt it was started empty at (this version)
+
+    def start_empty(self, name, key, value):
+        """Add store ``name``, started empty at the current version, as the operator starts a
+        store new to it (:func:`statecore.snapshot_at.start_empty`)."""
+        from statecore.files import open_store_files
+        from statecore.schema import key_value_schemas
+        from statecore.snapshot_at import start_empty
+
+        files = open_store_files(StateStoreId(self.root, 0, 0, store_name=name).store_checkpoint_location())
+        self._started[name] = start_empty(files, self.version, *key_value_schemas(key, value),
+                                          StateStoreConf().compression)
+        self.schemas[name] = (key, value)
 
     def open(self):
         for name, (key, value) in self.schemas.items():
             if name not in self.providers:
                 self.providers[name] = create_and_init_provider(StateStoreId(self.root, 0, 0, store_name=name),
                                                                 key, value, StateStoreConf())
-        return {name: p.get_store(self.version) for name, p in self.providers.items()}
+        started, self._started = self._started, {}
+        return {name: p.get_store(self.version, started.get(name)) for name, p in self.providers.items()}
 
     def commit(self, stores):
         for store in stores.values():

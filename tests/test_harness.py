@@ -209,3 +209,37 @@ def test_a_ddl_beyond_simple_columns_is_left_to_sparks_parser(text):
     from pyspark_glue.arrow import parse_simple_ddl
 
     assert parse_simple_ddl(text) is None
+
+
+def test_a_processor_upgraded_with_a_new_variable_goes_on_in_the_harness(tmp_path):
+    """restart(fn=...) with a processor that declares one more variable: the new variable's
+    store starts empty at the batch's version (as in the operator), the old state goes on,
+    and the task knows which stores are new (``context.new_stores``)."""
+    class Upgraded(Sessions):
+        def init(self, state):
+            super().init(state)
+            self.first_seen = state.value("first_seen", [("batch", "<i8")])
+
+        def open(self, context):
+            super().open(context)
+            Upgraded.new_stores = set(context.new_stores)
+
+        def handle_input(self, groups, timers):
+            super().handle_input(groups, timers)
+            _, found = self.first_seen.get(groups.keys)
+            seen = np.full(int((~found).sum()), 7, dtype=[("batch", "<i8")])
+            self.first_seen.put(groups.keys[~found], seen)
+
+    rng = np.random.default_rng(11)
+    with Harness(Sessions(), checkpoint_location=str(tmp_path)) as h:
+        h.run(clicks(rng, 0, users=3))
+        before = h.value("count", [0, 1, 2])
+        h.restart(fn=Upgraded())
+        h.run(clicks(rng, 1, n=0, users=3))
+        assert Upgraded.new_stores == {"first_seen"}
+        after = h.value("count", [0, 1, 2])
+        assert after[1].tolist() == before[1].tolist() and after[0].tolist() == before[0].tolist()
+        h.run(clicks(rng, 2, n=6, users=3))
+        assert Upgraded.new_stores == set()
+        values, found = h.value("first_seen", [0, 1, 2])
+        assert found.any() and set(values["batch"][found].tolist()) == {7}
