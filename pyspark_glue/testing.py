@@ -225,25 +225,28 @@ class Harness:
             table = _with_initial_state(table, self._initial_state, self.key_columns)
         parts = self._route(table)
         shipped = _pickled(self.fn)
-        outputs, late_rows, counts, maxima, rows_in = [], 0, {}, [], 0
-        for partition in range(self.num_partitions):
-            stores, new = self._open(partition)
-            context = PartitionContext(partition, self.batch_id, stores, self.store_name, watermarks, timestamp_ms,
-                                       new)
-            fn = shipped.copy()  # each task gets its own copy, as Spark ships it
-            try:
+        outputs, late_rows, counts, maxima, rows_in, opened = [], 0, {}, [], 0, []
+        try:  # every partition runs, then every store commits: a failure leaves none committed
+            for partition in range(self.num_partitions):
+                stores, new = self._open(partition)
+                opened.append(stores)
+                context = PartitionContext(partition, self.batch_id, stores, self.store_name, watermarks,
+                                           timestamp_ms, new)
+                fn = shipped.copy()  # each task gets its own copy, as Spark ships it
                 out, n, _, max_event = run_fn(fn, context, parts[partition], self._arrow_schema, self.event_time)
+                outputs += out
+                rows_in += n
+                late_rows += context.late_rows
+                if max_event is not None:
+                    maxima.append(max_event)
+                for name, value in context.counts.items():
+                    counts[name] = counts.get(name, 0) + int(value)
+            for stores in opened:
                 commit_stores(stores, self.store_name)
-            except BaseException:
+        except BaseException:
+            for stores in opened:
                 abort_uncommitted(stores)
-                raise
-            outputs += out
-            rows_in += n
-            late_rows += context.late_rows
-            if max_event is not None:
-                maxima.append(max_event)
-            for name, value in context.counts.items():
-                counts[name] = counts.get(name, 0) + int(value)
+            raise
         self._committed_stores = set(self._store_schemas())
         self._finish_batch(watermarks, maxima, timestamp_ms)
         self.last_progress = {"batch_id": self.batch_id - 1, "batch_timestamp_ms": timestamp_ms, "rows_in": rows_in,

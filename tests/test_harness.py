@@ -8,6 +8,8 @@ import datetime
 import numpy as np
 import pytest
 
+from statecore import StateStoreId
+from statecore.files import open_store_files
 from pyspark_glue.clocks import ManualClock, WallClock
 from pyspark_glue.testing import Harness
 from tests.processor_support import Sessions, clicks, readme_blocks, readme_module, sorted_rows
@@ -88,29 +90,39 @@ def test_two_partitions_give_the_output_and_state_of_one(seed):
 
 
 def test_a_failing_batch_leaves_nothing_and_runs_again():
-    """fn raises in the second partition of a batch: every store of the batch is aborted
-    (the first partition's too), and the same batch run again gives what a run without the
-    failure gives."""
+    """fn raises in the second partition of a batch, after the first partition's ran: no
+    store of the batch is committed (the first partition's neither), and the same batch run
+    again gives what a run without the failure gives."""
     class Flaky(Sessions):
-        fail = True
+        fail_in = None
+
+        def open(self, context):
+            super().open(context)
+            self.partition = context.partition_id
 
         def handle_input(self, groups, timers):
             super().handle_input(groups, timers)
-            if Flaky.fail and 7 in groups.keys["user"]:
+            if self.partition == Flaky.fail_in:
                 raise RuntimeError("boom")
 
     rng = np.random.default_rng(3)
     batches = [clicks(rng, b) for b in range(4)]
     with Harness(Flaky(), num_partitions=2) as h, Harness(Sessions(), num_partitions=2) as clean:
         for rows in batches[:2]:
-            Flaky.fail = False
             h.run(rows)
             clean.run(rows)
-        Flaky.fail = True
+        before = sorted(h.rows("count")[0].tolist())
+        Flaky.fail_in = 1
         with pytest.raises(RuntimeError, match="boom"):
             h.run(batches[2])
         assert h.batch_id == 2
-        Flaky.fail = False
+        for partition in (0, 1):
+            for store in ("count", "pages", "__timers", "default"):
+                location = StateStoreId(h.checkpoint_location, 0, partition, store_name=store)
+                versions = open_store_files(location.store_checkpoint_location()).list_versions().versions()
+                assert 3 not in set(versions), f"partition {partition}'s {store} committed the failed batch"
+        assert sorted(h.rows("count")[0].tolist()) == before
+        Flaky.fail_in = None
         for rows in batches[2:]:
             assert sorted_rows(h.run(rows)) == sorted_rows(clean.run(rows))
         assert sorted(h.rows("count")[0].tolist()) == sorted(clean.rows("count")[0].tolist())
