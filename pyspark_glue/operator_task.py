@@ -303,6 +303,7 @@ def commit_stores(stores, store_name):
 
 
 def abort_uncommitted(stores):
+    """Abort every store of ``stores`` that has not committed (after a failure)."""
     for store in stores.values():
         if not store.has_committed:
             store.abort()
