@@ -61,6 +61,8 @@ def _copy_fields(dst, src, names):
 
 
 def _strip(values, dtype):
+    """The ``dtype`` fields of ``values``, a copy (a variable's fields without the expiry; a
+    key out of a full key)."""
     out = np.empty(len(values), dtype=dtype)
     _copy_fields(out, values, dtype.names)
     return out
@@ -251,11 +253,6 @@ class MapState(_Variable):
         _copy_fields(full, user_keys, self.user_key_dtype.names)
         return full
 
-    def _owners(self, full):
-        keys = np.empty(len(full), dtype=self.key_dtype)
-        _copy_fields(keys, full, self.key_dtype.names)
-        return keys
-
     def get(self, keys, user_keys):
         """``(values, found)`` for each (key, user key) pair."""
         values, found = self.handle.store(self.name).get_batch(self._full(keys, user_keys))
@@ -330,7 +327,7 @@ class MapState(_Variable):
         """Remove the entries whose TTL ended, and drop them from their keys' listings."""
         gone = self._expire_rows(self.full_key, now_us)
         if len(gone):
-            self._listing(_distinct(self._owners(gone)))
+            self._listing(_distinct(_strip(gone, self.key_dtype)))
 
 
 class Timers:
@@ -465,7 +462,7 @@ class Timers:
     def _marker(self):
         """The row of the listing's entries store that says the listing is kept: the zero key
         at position -1, which no list ever has."""
-        marker = np.zeros(1, dtype=self._listing()._entry_key)
+        marker = np.zeros(1, dtype=KeyedLists.schemas(self.key_dtype, self.listed)["entries"][0])
         marker[SEQ_FIELD] = -1
         return marker
 
@@ -480,8 +477,7 @@ class Timers:
         comes here too, its listing's stores new and empty)."""
         listing = self._listing()
         for full, _ in self.handle.store(_TIMERS).iter_batches():
-            keys = np.empty(len(full), dtype=self.key_dtype)
-            _copy_fields(keys, full, self.key_dtype.names)
+            keys = _strip(full, self.key_dtype)
             listed = np.empty(len(full), dtype=self.listed)
             listed[_TIMER] = full[_TIMER]
             listing.append(keys, listed)
