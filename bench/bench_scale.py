@@ -1,4 +1,4 @@
-"""The scale curve (issue 16): per-batch time and resident memory of one partition holding
+"""The scale curve: per-batch time and resident memory of one partition holding
 K keys, for several K, with the page cache of the state's files dropped before it opens.
 
     python -m bench.bench_scale --keys 1000000,10000000,100000000 --batch-rows 100000 --batches 30

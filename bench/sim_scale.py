@@ -1,4 +1,4 @@
-"""A simulation of statecore at scale: N state partitions over E executors (issue 16).
+"""A simulation of statecore at scale: N state partitions over E executors.
 
     python -m bench.sim_scale [--partitions 10000] [--executors 100] [--cores 4] [--trigger-s 1]
         [--maintenance-s 60] [--min-deltas 10] [--retain 100] [--keys-per-store 100000]
