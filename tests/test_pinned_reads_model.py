@@ -51,6 +51,9 @@ keys_st = st.sampled_from(NEAR + FAR)
 probe_st = st.sampled_from(NEAR + FAR + NEVER)
 # how far below the newest retained version a store opens: mostly the newest (the next batch)
 back_st = st.sampled_from([0, 0, 0, 1, 2, RETAIN + 1])
+# what happens beside the machine's stores (PinnedReadsMachine.background)
+background_st = st.sampled_from(["next batch", "next batch spilling", "spill", "spill stacked", "maintenance",
+                                 "maintenance spilling", "maintenance stacking", "maintenance compacting"])
 values_st = st.tuples(st.integers(-5, 5), st.sampled_from([0.0, 0.5, -1.25, 3.0]))
 
 
@@ -163,8 +166,9 @@ class Opened:
 
     @property
     def what(self):
-        kind = "committed store" if self.committed else ("writing store" if self.writable else "read store")
-        return f"{kind} #{self.serial} of version {self.version}"
+        if self.committed:
+            return f"store #{self.serial}, opened at version {self.version}, committed {self.version + 1}"
+        return f"{'writing' if self.writable else 'read'} store #{self.serial} of version {self.version}"
 
 
 class PinnedReadsMachine(RuleBasedStateMachine):
@@ -321,9 +325,7 @@ class PinnedReadsMachine(RuleBasedStateMachine):
             self.close(o)
 
     # -- spills and maintenance -----------------------------------------------------------------
-    @rule(how=st.sampled_from(["next batch", "next batch spilling", "spill", "spill stacked", "maintenance",
-                               "maintenance spilling", "maintenance stacking", "maintenance compacting"]),
-          data=st.data())
+    @rule(how=background_st, data=st.data())
     def background(self, how, data):
         """What happens while stores are open and iterations held: another task commits the
         next batch; or the registry's thread spills the head (whatever its size; the levels
@@ -373,15 +375,22 @@ class PinnedReadsMachine(RuleBasedStateMachine):
             check_count(o.store, o.contents, o.what)
 
     @precondition(lambda self: self.opened)
-    @rule(i=st.integers(0, 10), how=st.sampled_from(["start", "step", "step", "finish", "abandon"]), data=st.data())
+    @rule(i=st.integers(0, 10), how=st.sampled_from(["start", "across", "step", "finish", "abandon"]),
+          data=st.data())
     def iterate(self, i, how, data):
         """Start an iteration of an open store, taking its first step only (the rest comes
         after other rules ran: commits, spills, maintenance, updates of the store itself);
-        or take a few more steps of one, finish it, or abandon it."""
-        if how == "start" or not self.iterations:
+        ``across``: start one, then let one to three things happen beside it (the next
+        batch's commit, spills, maintenance), then finish it; or take a few more steps of
+        one, finish it, or abandon it."""
+        if how in ("start", "across") or not self.iterations:
             it = Iteration(self.pick(self.opened, i), data.draw(st.one_of(st.none(), st.integers(1, 3))))
             it.step(1)
-            if not it.done:
+            if how == "across":
+                for _ in range(data.draw(st.integers(1, 3))):
+                    self.background(data.draw(background_st), data)
+                it.finish()
+            elif not it.done:
                 self.iterations.append(it)
             return
         it = self.pick(self.iterations, i)
@@ -400,3 +409,157 @@ PinnedReadsMachine.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=60, derandomize=True, deadline=None, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_pinned_reads_machine = PinnedReadsMachine.TestCase
+
+
+# -- focused interleavings ---------------------------------------------------------------------
+def open_provider(root, **conf):
+    """A provider of ``root`` whose spills go to ``root/cache`` (see :func:`mapped_images`)."""
+    conf = dict(CONF, local_cache_dir=os.path.join(str(root), "cache"), **conf)
+    return create_and_init_provider(StateStoreId(os.path.join(str(root), "state"), 0, 0), KEY, VALUE,
+                                    StateStoreConf(**conf))
+
+
+def state_files(root):
+    return sorted(os.listdir(os.path.join(str(root), "state", "0", "0")))
+
+
+def mapped_images(root):
+    """The files under ``root/cache`` this process has mapped (a spill's images are mapped
+    there, and unlinked at once): a new one shows that a spill happened."""
+    cache = os.path.join(str(root), "cache")
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(cache)}
+
+
+def spill(p, root, stack=False):
+    """Spill the head now, whatever its size; asserts that a new image was mapped."""
+    before = mapped_images(root)
+    with small_spills(stack=stack):
+        p.spill_if_outgrown(0)
+    assert mapped_images(root) - before, "no spill was made"
+
+
+def commit_next(p, model, puts, removes=()):
+    """Commit the version after the newest in ``model`` from a store of its own; returns it."""
+    v = max(model)
+    store = p.get_store(v)
+    store.put_batch(keys_array(list(puts)), values_array(list(puts.values())))
+    store.remove_batch(keys_array(list(removes)))
+    assert store.commit() == v + 1
+    store.abort()
+    model[v + 1] = {k: val for k, val in {**model[v], **puts}.items() if k not in removes}
+    return v + 1
+
+
+def check_three_ways(store, expected, what):
+    check_rows(store, expected, NEAR + FAR + NEVER, False, what)
+    check_batch(store, expected, NEVER + FAR + NEAR + NEAR[:3], what)
+    for rows_per_batch in (None, 2):
+        Iteration(Opened(store, 0, False, 0, expected), rows_per_batch).finish()
+    check_count(store, expected, what)
+
+
+def first_three_versions(p):
+    """Versions 1 to 3: every NEAR and FAR key put, then changed, removed and put back."""
+    model = {0: {}}
+    commit_next(p, model, {k: (k, 0.0) for k in NEAR + FAR})
+    commit_next(p, model, {k: (k, 1.0) for k in NEAR[:6]}, removes=NEAR[9:] + FAR[:1])
+    commit_next(p, model, {k: (k, 2.0) for k in NEAR[4:10]}, removes=NEAR[:2])
+    return model
+
+
+def test_an_iteration_held_across_a_commit_a_spill_and_a_snapshot_returns_its_version(tmp_path):
+    """A fn iterates an older version (its undo layer first, the head later) and a writing
+    store iterates its own updates over the newest, each one step in, while the next batch
+    commits, the head is spilled, two more batches commit and maintenance writes a snapshot:
+    each iteration, finished after all that, gives exactly what it began on; the writing
+    store's puts made meanwhile are not in it, and both stores still read their versions."""
+    p = open_provider(tmp_path, min_versions_to_retain=10)
+    model = first_three_versions(p)
+    reader = p.get_read_store(2)
+    held = Iteration(Opened(reader, 2, False, 0, model[2]), None)
+    held.step(1)
+    writer = p.get_store(3)
+    writer.put_batch(keys_array(NEAR[:3]), values_array([(-1, 0.5)] * 3))
+    writer.remove(7)
+    mine = {k: v for k, v in {**model[3], **{k: (-1, 0.5) for k in NEAR[:3]}}.items() if k != 7}
+    held_batches = Iteration(Opened(writer, 3, True, 0, mine), 2)
+    held_batches.step(1)
+    writer.put(FAR[0], (9, 9.0))  # after the iteration began: not in it
+    mine[FAR[0]] = (9, 9.0)
+
+    commit_next(p, model, {k: (k, 4.0) for k in NEAR[6:]}, removes=NEAR[2:4])
+    spill(p, tmp_path)
+    commit_next(p, model, {k: (k, 5.0) for k in FAR}, removes=NEAR[5:7])
+    commit_next(p, model, {k: (k, 6.0) for k in NEAR[:4]})
+    assert not [n for n in state_files(tmp_path) if n.endswith(".snapshot")]
+    p.do_maintenance()
+    assert [n for n in state_files(tmp_path) if n.endswith(".snapshot")] == \
+        [n for n in state_files(tmp_path) if n.startswith("6_") and n.endswith(".snapshot")] != []
+
+    held.finish()
+    held_batches.finish()
+    check_three_ways(reader, model[2], "the read store of version 2")
+    check_three_ways(writer, mine, "the writing store of version 3")
+    check_three_ways(p.get_read_store(6), model[6], "version 6")
+
+
+def test_a_store_pinned_at_a_version_reads_it_after_two_spills_a_snapshot_and_cleanup(tmp_path):
+    """Read stores opened at versions 2 and 3 stay open while the head is spilled twice (the
+    second a level stacked over the first), a snapshot of version 6 replaces what the state
+    stood on and cleanup deletes the files of version 2: both read their version three ways,
+    and versions 3 and 6 opened afresh read the same as the model."""
+    p = open_provider(tmp_path, min_versions_to_retain=2)
+    model = first_three_versions(p)
+    p.do_maintenance()  # a snapshot of 3, which cleanup later keeps as its base
+    assert [n for n in state_files(tmp_path) if n.endswith(".snapshot")][0].startswith("3_")
+    pinned = {v: p.get_read_store(v) for v in (2, 3)}
+    commit_next(p, model, {k: (k, 4.0) for k in NEAR[::2]}, removes=FAR[1:2])
+    spill(p, tmp_path)
+    commit_next(p, model, {k: (k, 5.0) for k in NEAR[:3]}, removes=NEAR[3:4])
+    spill(p, tmp_path, stack=True)
+    commit_next(p, model, {k: (k, 6.0) for k in FAR}, removes=NEAR[4:6])
+    p.do_maintenance()
+    files = state_files(tmp_path)
+    assert any(n.startswith("6_") and n.endswith(".snapshot") for n in files), files
+    assert not any(n.startswith(("1_", "2_")) for n in files), f"cleanup left {files}"
+    for v, store in pinned.items():
+        check_three_ways(store, model[v], f"the read store pinned at version {v}")
+    for v in (3, 6):
+        check_three_ways(p.get_read_store(v), model[v], f"version {v} opened afresh")
+
+
+def test_a_re_execution_leaves_the_readers_of_the_abandoned_versions_their_versions(tmp_path):
+    """Batch 3 runs again (a store of version 3 commits 4 while 4 and 5 exist) while read
+    stores hold versions 4 and 5, one of them iterating, and the head was spilled: the
+    abandoned run's files go, fresh stores read the new lineage, and the held stores (and
+    the iteration) still give the versions they opened, also after the new run's next
+    batch, a spill and maintenance."""
+    p = open_provider(tmp_path, min_versions_to_retain=10)
+    model = first_three_versions(p)
+    commit_next(p, model, {k: (k, 4.0) for k in NEAR[:5]})
+    commit_next(p, model, {k: (k, 5.0) for k in FAR}, removes=NEAR[5:8])
+    abandoned = {v: model[v] for v in (4, 5)}
+    pinned = {v: p.get_read_store(v) for v in (4, 5)}
+    held = Iteration(Opened(pinned[4], 4, False, 0, abandoned[4]), None)
+    held.step(1)
+    spill(p, tmp_path)
+    rerun = p.get_store(3)
+    rerun.put_batch(keys_array(NEAR[8:]), values_array([(-8, 0.5)] * 4))
+    assert rerun.commit() == 4
+    del model[5]
+    model[4] = {**model[3], **{k: (-8, 0.5) for k in NEAR[8:]}}
+    assert [n for n in state_files(tmp_path) if n.startswith(("4_", "5_"))] == [f"4_{rerun.commit_id}.delta"]
+    with pytest.raises(VersionNotFoundError):
+        p.get_read_store(5)
+    check_three_ways(rerun, model[4], "the re-executed store, committed")
+    commit_next(p, model, {k: (k, 55.0) for k in NEAR[:2]})
+    spill(p, tmp_path)
+    with small_spills(compact=True):
+        p.do_maintenance()
+    held.finish()
+    for v, store in pinned.items():
+        check_three_ways(store, abandoned[v], f"the read store of the abandoned version {v}")
+    for v in (4, 5):
+        check_three_ways(p.get_read_store(v), model[v], f"version {v} of the new run")
