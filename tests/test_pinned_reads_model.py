@@ -380,14 +380,15 @@ class PinnedReadsMachine(RuleBasedStateMachine):
     def iterate(self, i, how, data):
         """Start an iteration of an open store, taking its first step only (the rest comes
         after other rules ran: commits, spills, maintenance, updates of the store itself);
-        ``across``: start one, then let one to three things happen beside it (the next
-        batch's commit, spills, maintenance), then finish it; or take a few more steps of
-        one, finish it, or abandon it."""
+        ``across``: start one, then another store commits the next batch, and up to two more
+        things happen beside it (commits, spills, maintenance), then finish it; or take a
+        few more steps of one, finish it, or abandon it."""
         if how in ("start", "across") or not self.iterations:
             it = Iteration(self.pick(self.opened, i), data.draw(st.one_of(st.none(), st.integers(1, 3))))
             it.step(1)
             if how == "across":
-                for _ in range(data.draw(st.integers(1, 3))):
+                self.background("next batch", data)
+                for _ in range(data.draw(st.integers(0, 2))):
                     self.background(data.draw(background_st), data)
                 it.finish()
             elif not it.done:
@@ -403,7 +404,7 @@ class PinnedReadsMachine(RuleBasedStateMachine):
         if how == "abandon" or it.done:
             self.iterations.remove(it)
 
-EXAMPLES = int(os.environ.get("STATECORE_STATEFUL_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("STATECORE_STATEFUL_EXAMPLES", "100"))
 
 PinnedReadsMachine.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=60, derandomize=True, deadline=None, database=None,
