@@ -3,13 +3,13 @@ and maintenance run, against a dict model of every committed version.
 
 The state machine holds several stores of one provider open at once: read stores and writing
 stores at any retained version (each pins it), writing stores that committed (they then read
-the version they made) and iterations of any of them taken a chunk at a time. Between
+the version they made) and iterations of any of them taken a few keys at a time. Between
 those reads it commits (also re-executions from an older version, and stale attempts, which
 must be refused), aborts, spills the head whatever its size (levels stacked or taken in),
 and runs maintenance that spills, writes snapshots, compacts and deletes old files. Every
 read of a store must give exactly what its version held when it was opened, plus, for a
-writing store, its own updates (an iteration sees them as they were when it began;
-``statecore.file_stores.FileStore``): ``get`` of a few keys, present and absent, ``get_batch``
+writing store, its own updates (an iteration sees them as they were when it began, as
+``FileStore._iteration_layers`` says): ``get`` of a few keys, present and absent, ``get_batch``
 of keys repeated and absent, a whole ``iterator()`` or ``iter_batches``, and the key count.
 
 Only the public store API is used, and the module constants that make spills, compactions
@@ -27,7 +27,6 @@ import shutil
 import tempfile
 from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -37,9 +36,9 @@ import statecore.provider
 import statecore.spill
 from statecore import (CommitConflictError, IllegalStateError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
+from tests.store_support import applied, write_batch
+from tests.test_store_stateful import KEY, VALUE, keys_array, values_array  # key k, value (n: int64, x: float64)
 
-KEY = np.dtype([("k", "<i8")])
-VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])
 NEAR = list(range(12))  # a small key space: keys collide in a few buckets
 FAR = [1 << 40, -(1 << 52), (1 << 62) + 3]  # far apart from the rest and from each other
 NEVER = [12, -1, 1 << 41, -(1 << 62)]  # never written: absent from every version
@@ -78,17 +77,20 @@ def small_spills(spill=True, ratio=0, hard_ratio=None, compact=False, stack=Fals
         yield
 
 
-def keys_array(ks):
-    out = np.zeros(len(ks), KEY)
-    out["k"] = ks
-    return out
+def open_provider(root, **conf):
+    """A provider of ``root`` whose spills go to ``root/cache`` (see :func:`mapped_images`)."""
+    conf = dict(CONF, local_cache_dir=os.path.join(str(root), "cache"), **conf)
+    return create_and_init_provider(StateStoreId(os.path.join(str(root), "state"), 0, 0), KEY, VALUE,
+                                    StateStoreConf(**conf))
 
 
-def values_array(vs):
-    out = np.zeros(len(vs), VALUE)
-    out["n"] = [v[0] for v in vs]
-    out["x"] = [v[1] for v in vs]
-    return out
+def commit_from(p, version, puts, removes):
+    """A task's store of ``version`` commits one ``put_batch`` of ``puts`` ({k: value}) and one
+    ``remove_batch`` of ``removes``, then is aborted by its completion hook."""
+    store = p.get_store(version)
+    write_batch(store, KEY, VALUE, puts, list(removes))
+    assert store.commit() == version + 1
+    store.abort()
 
 
 def as_value(v):
@@ -116,23 +118,25 @@ def check_count(store, expected, what):
 
 
 class Iteration:
-    """An iteration of a store, taken a step at a time: ``iterator()`` (a step is one item) or
-    ``iter_batches(rows)`` (a step is one batch); ``expected``: the store's contents when it began."""
+    """An iteration of ``store`` (``what``, in messages), taken a key at a time: ``iterator()``,
+    or ``iter_batches`` of ``rows_per_batch`` rows; it must give ``expected`` (copied now)."""
 
-    def __init__(self, opened, rows_per_batch):
-        self.opened = opened
-        self.expected = dict(opened.contents)
-        self.what = f"{opened.what}, {'iterator()' if rows_per_batch is None else f'iter_batches({rows_per_batch})'}"
+    def __init__(self, store, expected, what, rows_per_batch):
+        self.store = store
+        self.expected = dict(expected)
         if rows_per_batch is None:
-            self.items = opened.store.iterator()
+            self.what = f"{what}, iterator()"
+            self.source = self.items = store.iterator()
         else:
-            self.items = ((int(k), as_value(v)) for keys, values in opened.store.iter_batches(rows_per_batch)
+            self.what = f"{what}, iter_batches({rows_per_batch})"
+            self.source = store.iter_batches(rows_per_batch)
+            self.items = ((int(k), as_value(v)) for keys, values in self.source
                           for (k,), v in zip(keys.tolist(), values.tolist()))
         self.seen = {}
         self.done = False
 
     def step(self, n):
-        """Take ``n`` more steps; at the end, check that every key of its version came once."""
+        """Take ``n`` more keys; at the end, check that every key of its version came once."""
         for _ in range(n):
             item = next(self.items, None)
             if item is None:
@@ -149,7 +153,7 @@ class Iteration:
             self.step(64)
 
     def abandon(self):
-        self.items.close()
+        self.source.close()
 
 
 @dataclasses.dataclass
@@ -175,8 +179,7 @@ class PinnedReadsMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.root = tempfile.mkdtemp(prefix="statecore-pinned-")
-        self.conf = StateStoreConf(local_cache_dir=os.path.join(self.root, "cache"), **CONF)
-        self.p = create_and_init_provider(StateStoreId(os.path.join(self.root, "state"), 0, 0), KEY, VALUE, self.conf)
+        self.p = open_provider(self.root)
         self.model = {0: {}}  # the default lineage: version -> contents
         self.born = {0: 0}  # version -> the number of commits made when it was committed
         self.commits = 0
@@ -227,20 +230,12 @@ class PinnedReadsMachine(RuleBasedStateMachine):
             self.next_batch(items, [], spilling=False)
 
     def next_batch(self, items, gone, spilling):
-        """Another task commits the version after the newest (one put_batch, one remove_batch)
-        while the machine's stores stay open."""
+        """Another task commits the version after the newest while the machine's stores stay
+        open."""
         v = self.top
-        store = self.p.get_store(v)
-        store.put_batch(keys_array(list(items)), values_array(list(items.values())))
-        store.remove_batch(keys_array(gone))
         with small_spills(hard_ratio=0) if spilling else contextlib.nullcontext():
-            assert store.commit() == v + 1
-        store.abort()
-        contents = dict(self.model[v])
-        contents.update(items)
-        for k in gone:
-            contents.pop(k, None)
-        self.add_version(v + 1, contents)
+            commit_from(self.p, v, items, gone)
+        self.add_version(v + 1, applied(self.model[v], items, gone))
 
     # -- stores: open (pin), update, commit, close (unpin) -----------------------------------
     @rule(i=st.integers(0, MAX_OPEN - 1), how=st.sampled_from(["open writing", "open reading", "close"]),
@@ -261,7 +256,7 @@ class PinnedReadsMachine(RuleBasedStateMachine):
 
     def close(self, o):
         """Abort (unpin) a store, abandoning its iterations first."""
-        for it in [it for it in self.iterations if it.opened is o]:
+        for it in [it for it in self.iterations if it.store is o.store]:
             it.abandon()
             self.iterations.remove(it)
         o.store.abort()
@@ -355,11 +350,11 @@ class PinnedReadsMachine(RuleBasedStateMachine):
             v = self.retained(data.draw(back_st))
             store = self.p.get_read_store(v)
             try:
-                o = Opened(store, v, False, self.commits, self.model[v])
-                check_rows(store, o.contents, data.draw(st.lists(probe_st, min_size=1, max_size=6)), False, o.what)
-                check_batch(store, o.contents, NEVER + NEAR + FAR, o.what)
-                Iteration(o, None).finish()
-                check_count(store, o.contents, o.what)
+                what = f"a read store of version {v} opened afresh"
+                check_rows(store, self.model[v], data.draw(st.lists(probe_st, min_size=1, max_size=6)), False, what)
+                check_batch(store, self.model[v], NEVER + NEAR + FAR, what)
+                Iteration(store, self.model[v], what, None).finish()
+                check_count(store, self.model[v], what)
             finally:
                 store.abort()
             return
@@ -371,7 +366,7 @@ class PinnedReadsMachine(RuleBasedStateMachine):
             ks = data.draw(st.lists(probe_st, min_size=1, max_size=12))
             check_batch(o.store, o.contents, ks + ks[:2], o.what)
         else:
-            Iteration(o, data.draw(st.one_of(st.none(), st.integers(1, 5)))).finish()
+            Iteration(o.store, o.contents, o.what, data.draw(st.one_of(st.none(), st.integers(1, 5)))).finish()
             check_count(o.store, o.contents, o.what)
 
     @precondition(lambda self: self.opened)
@@ -384,7 +379,8 @@ class PinnedReadsMachine(RuleBasedStateMachine):
         things happen beside it (commits, spills, maintenance), then finish it; or take a
         few more steps of one, finish it, or abandon it."""
         if how in ("start", "across") or not self.iterations:
-            it = Iteration(self.pick(self.opened, i), data.draw(st.one_of(st.none(), st.integers(1, 3))))
+            o = self.pick(self.opened, i)
+            it = Iteration(o.store, o.contents, o.what, data.draw(st.one_of(st.none(), st.integers(1, 3))))
             it.step(1)
             if how == "across":
                 self.background("next batch", data)
@@ -404,6 +400,7 @@ class PinnedReadsMachine(RuleBasedStateMachine):
         if how == "abandon" or it.done:
             self.iterations.remove(it)
 
+
 EXAMPLES = int(os.environ.get("STATECORE_STATEFUL_EXAMPLES", "100"))
 
 PinnedReadsMachine.TestCase.settings = settings(
@@ -413,13 +410,6 @@ test_pinned_reads_machine = PinnedReadsMachine.TestCase
 
 
 # -- focused interleavings ---------------------------------------------------------------------
-def open_provider(root, **conf):
-    """A provider of ``root`` whose spills go to ``root/cache`` (see :func:`mapped_images`)."""
-    conf = dict(CONF, local_cache_dir=os.path.join(str(root), "cache"), **conf)
-    return create_and_init_provider(StateStoreId(os.path.join(str(root), "state"), 0, 0), KEY, VALUE,
-                                    StateStoreConf(**conf))
-
-
 def state_files(root):
     return sorted(os.listdir(os.path.join(str(root), "state", "0", "0")))
 
@@ -429,8 +419,8 @@ def mapped_images(root):
     there, and unlinked at once): a new one shows that a spill happened."""
     cache = os.path.join(str(root), "cache")
     with open("/proc/self/maps") as f:
-        return {line.split(None, 5)[5].strip() for line in f
-                if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(cache)}
+        fields = [line.split(None, 5) for line in f]
+    return {f[5].strip() for f in fields if len(f) == 6 and f[5].startswith(cache)}
 
 
 def spill(p, root, stack=False):
@@ -442,22 +432,17 @@ def spill(p, root, stack=False):
 
 
 def commit_next(p, model, puts, removes=()):
-    """Commit the version after the newest in ``model`` from a store of its own; returns it."""
+    """Commit the version after the newest in ``model`` and add it there."""
     v = max(model)
-    store = p.get_store(v)
-    store.put_batch(keys_array(list(puts)), values_array(list(puts.values())))
-    store.remove_batch(keys_array(list(removes)))
-    assert store.commit() == v + 1
-    store.abort()
-    model[v + 1] = {k: val for k, val in {**model[v], **puts}.items() if k not in removes}
-    return v + 1
+    commit_from(p, v, puts, removes)
+    model[v + 1] = applied(model[v], puts, removes)
 
 
 def check_three_ways(store, expected, what):
     check_rows(store, expected, NEAR + FAR + NEVER, False, what)
     check_batch(store, expected, NEVER + FAR + NEAR + NEAR[:3], what)
     for rows_per_batch in (None, 2):
-        Iteration(Opened(store, 0, False, 0, expected), rows_per_batch).finish()
+        Iteration(store, expected, what, rows_per_batch).finish()
     check_count(store, expected, what)
 
 
@@ -471,21 +456,22 @@ def first_three_versions(p):
 
 
 def test_an_iteration_held_across_a_commit_a_spill_and_a_snapshot_returns_its_version(tmp_path):
-    """A fn iterates an older version (its undo layer first, the head later) and a writing
-    store iterates its own updates over the newest, each one step in, while the next batch
-    commits, the head is spilled, two more batches commit and maintenance writes a snapshot:
-    each iteration, finished after all that, gives exactly what it began on; the writing
-    store's puts made meanwhile are not in it, and both stores still read their versions."""
+    """A fn iterates an older version (read today from the newer version's undo layer, then
+    the head) and a writing store iterates its own updates over the newest, each one step
+    in, while the next batch commits, the head is spilled, two more batches commit and
+    maintenance writes a snapshot: each iteration, finished after all that, gives exactly
+    what it began on; the writing store's puts made meanwhile are not in it, and both stores
+    still read their versions."""
     p = open_provider(tmp_path, min_versions_to_retain=10)
     model = first_three_versions(p)
     reader = p.get_read_store(2)
-    held = Iteration(Opened(reader, 2, False, 0, model[2]), None)
+    held = Iteration(reader, model[2], "the read store of version 2", None)
     held.step(1)
     writer = p.get_store(3)
     writer.put_batch(keys_array(NEAR[:3]), values_array([(-1, 0.5)] * 3))
     writer.remove(7)
     mine = {k: v for k, v in {**model[3], **{k: (-1, 0.5) for k in NEAR[:3]}}.items() if k != 7}
-    held_batches = Iteration(Opened(writer, 3, True, 0, mine), 2)
+    held_batches = Iteration(writer, mine, "the writing store of version 3", 2)
     held_batches.step(1)
     writer.put(FAR[0], (9, 9.0))  # after the iteration began: not in it
     mine[FAR[0]] = (9, 9.0)
@@ -543,7 +529,7 @@ def test_a_re_execution_leaves_the_readers_of_the_abandoned_versions_their_versi
     commit_next(p, model, {k: (k, 5.0) for k in FAR}, removes=NEAR[5:8])
     abandoned = {v: model[v] for v in (4, 5)}
     pinned = {v: p.get_read_store(v) for v in (4, 5)}
-    held = Iteration(Opened(pinned[4], 4, False, 0, abandoned[4]), None)
+    held = Iteration(pinned[4], abandoned[4], "the read store of the abandoned version 4", None)
     held.step(1)
     spill(p, tmp_path)
     rerun = p.get_store(3)
