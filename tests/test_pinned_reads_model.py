@@ -50,6 +50,8 @@ keys_st = st.sampled_from(NEAR + FAR)
 probe_st = st.sampled_from(NEAR + FAR + NEVER)
 # how far below the newest retained version a store opens: mostly the newest (the next batch)
 back_st = st.sampled_from([0, 0, 0, 1, 2, RETAIN + 1])
+# a writing store's updates (PinnedReadsMachine.update)
+UPDATES = ["put_batch", "put", "remove", "remove_batch", "read_modify_write"]
 # what happens beside the machine's stores (PinnedReadsMachine.background)
 background_st = st.sampled_from(["next batch", "next batch spilling", "spill", "spill stacked", "maintenance",
                                  "maintenance spilling", "maintenance stacking", "maintenance compacting"])
@@ -267,11 +269,14 @@ class PinnedReadsMachine(RuleBasedStateMachine):
           how=st.sampled_from(["put_batch", "commit", "put", "remove", "remove_batch", "read_modify_write",
                                "commit spilling"]))
     def write(self, i, how, data):
-        """An update of a writing store, per row (the key as an int or a 1-tuple) or by batch
-        (``read_modify_write``: one ``get_batch`` of some keys, then one ``put_batch`` of the
-        same keys, as a counting fn does: when it is the store's first write, its commit takes
-        the priors from that read); or its commit."""
-        o = self.pick(self.updating(), i)
+        """Update a writing store, or commit it."""
+        self.update(self.pick(self.updating(), i), how, data)
+
+    def update(self, o, how, data):
+        """An update of writing store ``o``, per row (the key as an int or a 1-tuple) or by
+        batch (``read_modify_write``: one ``get_batch`` of some keys, then one ``put_batch`` of
+        the same keys, as a counting fn does: when it is the store's first write, its commit
+        takes the priors from that read); or its commit."""
         if how.startswith("commit"):
             self.commit(o, spilling=how == "commit spilling")
         elif how == "put":
@@ -376,8 +381,8 @@ class PinnedReadsMachine(RuleBasedStateMachine):
         """Start an iteration of an open store, taking its first step only (the rest comes
         after other rules ran: commits, spills, maintenance, updates of the store itself);
         ``across``: start one, then another store commits the next batch, and up to two more
-        things happen beside it (commits, spills, maintenance), then finish it; or take a
-        few more steps of one, finish it, or abandon it."""
+        things happen (commits, spills, maintenance, updates of the store iterated), then
+        finish it; or take a few more steps of one, finish it, or abandon it."""
         if how in ("start", "across") or not self.iterations:
             o = self.pick(self.opened, i)
             it = Iteration(o.store, o.contents, o.what, data.draw(st.one_of(st.none(), st.integers(1, 3))))
@@ -385,7 +390,11 @@ class PinnedReadsMachine(RuleBasedStateMachine):
             if how == "across":
                 self.background("next batch", data)
                 for _ in range(data.draw(st.integers(0, 2))):
-                    self.background(data.draw(background_st), data)
+                    then = data.draw(st.one_of(background_st, st.sampled_from(UPDATES)))
+                    if then not in UPDATES:
+                        self.background(then, data)
+                    elif o.writable and not o.committed:
+                        self.update(o, then, data)
                 it.finish()
             elif not it.done:
                 self.iterations.append(it)
@@ -473,8 +482,10 @@ def test_an_iteration_held_across_a_commit_a_spill_and_a_snapshot_returns_its_ve
     mine = {k: v for k, v in {**model[3], **{k: (-1, 0.5) for k in NEAR[:3]}}.items() if k != 7}
     held_batches = Iteration(writer, mine, "the writing store of version 3", 2)
     held_batches.step(1)
-    writer.put(FAR[0], (9, 9.0))  # after the iteration began: not in it
-    mine[FAR[0]] = (9, 9.0)
+    # after the iteration began (not in it): a key put back, one changed, one removed
+    writer.put_batch(keys_array([FAR[0], NEAR[8]]), values_array([(9, 9.0)] * 2))
+    writer.remove(FAR[1])
+    mine = applied(mine, {FAR[0]: (9, 9.0), NEAR[8]: (9, 9.0)}, [FAR[1]])
 
     commit_next(p, model, {k: (k, 4.0) for k in NEAR[6:]}, removes=NEAR[2:4])
     spill(p, tmp_path)
