@@ -310,7 +310,8 @@ class PinnedReadsMachine(RuleBasedStateMachine):
         due to be spilled at any size, and a commit after one that asked spills it itself.
         A late attempt (v + 1 was committed, and built on, since it opened) is refused, and
         the store reads what it read; any other is given up (aborted): its commit would be
-        a second attempt of v + 1, which the default lineage takes by the files' times."""
+        a second attempt of v + 1 (the default lineage then follows the files' times), or a
+        version over an attempt of v that a re-execution deleted (see the last test below)."""
         if o.opened_after == self.commits:
             with small_spills(hard_ratio=0) if spilling else contextlib.nullcontext():
                 assert o.store.commit() == o.version + 1
@@ -561,3 +562,4 @@ def test_a_re_execution_leaves_the_readers_of_the_abandoned_versions_their_versi
         check_three_ways(store, abandoned[v], f"the read store of the abandoned version {v}")
     for v in (4, 5):
         check_three_ways(p.get_read_store(v), model[v], f"version {v} of the new run")
+
