@@ -563,3 +563,30 @@ def test_a_re_execution_leaves_the_readers_of_the_abandoned_versions_their_versi
     for v in (4, 5):
         check_three_ways(p.get_read_store(v), model[v], f"version {v} of the new run")
 
+
+
+def test_a_late_commit_on_an_attempt_a_re_execution_replaced_leaves_the_newest_version_loadable(tmp_path):
+    """A task opens version 2 (attempt A); batch 1 is re-executed meanwhile (version 2 is now
+    attempt B, and A's file is deleted); then the late task commits. Whether that commit is
+    refused or not, the default lineage's newest version must still load from the files
+    (docs/provider-rules.md: every version on the default lineage loads).
+
+    Fails on main (4d14748): the commit succeeds and writes version 3 over the deleted A, so
+    a fresh provider's load of version 3 raises VersionNotFoundError naming A's delta. The
+    machine above gives such a store up instead of committing it."""
+    p = open_provider(tmp_path)
+    model = {0: {}}
+    commit_next(p, model, {1: (1, 0.0)})
+    commit_next(p, model, {2: (2, 0.0)})
+    late = p.get_store(2)
+    del model[2]
+    commit_next(p, model, {3: (3, 0.0)})  # batch 1 again: version 2 is another attempt now
+    late.put(4, (4, 0.0))
+    try:
+        late.commit()
+    except CommitConflictError:
+        pass
+    fresh = open_provider(tmp_path)
+    newest = max(int(n.split("_")[0]) for n in state_files(tmp_path) if n.endswith(".delta"))
+    store = fresh.get_read_store(newest)
+    store.abort()
