@@ -54,7 +54,7 @@ back_st = st.sampled_from([0, 0, 0, 1, 2, RETAIN + 1])
 UPDATES = ["put_batch", "put", "remove", "remove_batch", "read_modify_write"]
 # what happens beside the machine's stores (PinnedReadsMachine.background)
 background_st = st.sampled_from(["next batch", "next batch spilling", "spill", "spill stacked", "maintenance",
-                                 "maintenance spilling", "maintenance stacking", "maintenance compacting"])
+                                 "maintenance spilling", "maintenance stacking", "maintenance compacting", "rerun"])
 values_st = st.tuples(st.integers(-5, 5), st.sampled_from([0.0, 0.5, -1.25, 3.0]))
 
 
@@ -231,10 +231,10 @@ class PinnedReadsMachine(RuleBasedStateMachine):
         for items in batches:
             self.next_batch(items, [], spilling=False)
 
-    def next_batch(self, items, gone, spilling):
-        """Another task commits the version after the newest while the machine's stores stay
-        open."""
-        v = self.top
+    def next_batch(self, items, gone, spilling, version=None):
+        """Another task commits the version after ``version`` (the newest by default; below
+        it, a batch re-executed) while the machine's stores stay open."""
+        v = self.top if version is None else version
         with small_spills(hard_ratio=0) if spilling else contextlib.nullcontext():
             commit_from(self.p, v, items, gone)
         self.add_version(v + 1, applied(self.model[v], items, gone))
@@ -329,12 +329,14 @@ class PinnedReadsMachine(RuleBasedStateMachine):
     @rule(how=background_st, data=st.data())
     def background(self, how, data):
         """What happens while stores are open and iterations held: another task commits the
-        next batch; or the registry's thread spills the head (whatever its size; the levels
+        next batch, or re-executes an older one (``rerun``: the versions above it are
+        abandoned); or the registry's thread spills the head (whatever its size; the levels
         below taken in, or stacked), or runs a maintenance pass: as configured, or spilling
         any head, or with changes past half the state due for a snapshot or a compaction."""
-        if how.startswith("next batch"):
+        if how.startswith("next batch") or how == "rerun":
             self.next_batch(data.draw(st.dictionaries(keys_st, values_st, max_size=8)),
-                            data.draw(st.lists(probe_st, max_size=4)), spilling=how.endswith("spilling"))
+                            data.draw(st.lists(probe_st, max_size=4)), spilling=how.endswith("spilling"),
+                            version=self.retained(data.draw(st.integers(1, RETAIN + 1))) if how == "rerun" else None)
         elif how.startswith("spill"):
             with small_spills(stack=how == "spill stacked"):
                 self.p.spill_if_outgrown(0)
