@@ -505,6 +505,13 @@ class FileStateStoreProvider(StateStoreProvider):
             raise CommitConflictError(
                 f"version {new_version} of {self} was not committed: versions {unseen} were committed "
                 f"by other attempts since this store opened version {view.version} (a stale attempt)")
+        chain = self._chain(listing)
+        if view.version > 0 and all(chain.find(kind, view.version, view.commit_id) is None
+                                    for kind in ("delta", "snapshot")):
+            raise CommitConflictError(
+                f"version {new_version} of {self} was not committed: the attempt {view.commit_id.hex()} of "
+                f"version {view.version} this store opened is gone from the files (a re-execution replaced "
+                f"it): a commit on it would not load")
 
     def _superseded(self, view, new_version):
         """The files a commit of ``new_version`` from ``view`` deletes, newest version first
