@@ -13,6 +13,8 @@ import pytest
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider
 from statecore.errors import SchemaMismatchError
 
+from pyspark_glue.operator_fn import PartitionContext
+
 from tests.glue_support import (INPUT_DDL, KEY, events, expected_state, make_operator, state_dict,
                                  write_parquet)
 from tests.state_files import version_names
@@ -68,9 +70,10 @@ def test_running_aggregate_groups_within_and_across_batches(tmp_path):
     first = events(1, 500)
     second = events(2, 300)
     store = provider.get_store(0)
-    assert agg(store, first.to_batches()[0]) is None
-    assert agg(store, second.to_batches()[0]) is None
-    out = agg.finish(store)
+    task = agg.open(PartitionContext(0, 0, {"default": store}, "default", None))
+    assert task.process(first.to_batches()[0]) is None
+    assert task.process(second.to_batches()[0]) is None
+    out = task.finish()
     store.commit()
     emitted = {(u, r): (c, s) for u, r, c, s in zip(*(out.column(i).to_pylist() for i in range(4)))}
     assert emitted == expected_state([first, second])  # each key once, with its final totals
@@ -95,14 +98,16 @@ def test_running_aggregate_merges_partial_aggregates_like_raw_rows(tmp_path):
     agg = RunningAggregate(KEY, "amount")
     provider = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), KEY, agg.value_schema, StateStoreConf())
     store = provider.get_store(0)
-    agg(store, events(1, 500).to_batches()[0])  # an earlier batch, as raw rows
+    agg.open(PartitionContext(0, 0, {"default": store}, "default", None)).process(
+        events(1, 500).to_batches()[0])  # an earlier batch, as raw rows
     store.commit()
     store = provider.get_store(1)
     second, third = events(2, 300, users=20), events(3, 200, users=30)  # disjoint users: each key in one batch
     third = third.set_column(0, "user", pa.compute.add(third.column("user"), 1000))
-    agg(store, partial_batch(second))
-    agg(store, partial_batch(third))
-    out = agg.finish(store)
+    task = agg.open(PartitionContext(0, 1, {"default": store}, "default", None))
+    task.process(partial_batch(second))
+    task.process(partial_batch(third))
+    out = task.finish()
     store.commit()
     emitted = {(u, r): (c, s) for u, r, c, s in zip(*(out.column(i).to_pylist() for i in range(4)))}
     everything = expected_state([events(1, 500), second, third])
@@ -447,13 +452,16 @@ class CountingAggregate:
         with open(os.path.join(self.directory, what), "a") as f:
             f.write("x\n")
 
+    def open(self, context):  # a plain fn's open: the inner aggregate's handler of this task
+        self.task = self.inner.open(context)
+
     def __call__(self, store, batch):
         self._count("calls")
-        return self.inner(store, batch)
+        return self.task.process(batch)
 
     def finish(self, store):
         self._count("finishes")
-        return self.inner.finish(store)
+        return self.task.finish()
 
 
 def count_lines(path):

@@ -158,9 +158,9 @@ def test_a_checkpoint_written_before_the_listing_lists_its_timers_after_the_upgr
         partition.start_empty(name, *schemas[name])
     stores = partition.open()
     processor = TimersOnly()
-    processor.open(PartitionContext(0, partition.version, stores, "default", None, new_stores=set(LISTING)))
+    task = processor.open(PartitionContext(0, partition.version, stores, "default", None, new_stores=set(LISTING)))
     expected = {u: sorted(t for v, t in registered if v == u) for u in range(6)}
-    assert listed(processor._task["handle"].timers, range(8)) == expected
+    assert listed(task.handle.timers, range(8)) == expected
     partition.commit(stores)
     partition.reload()
     stores = partition.open()
