@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from pyspark_glue.event_time import Watermarks
-from pyspark_glue.operator_task import PartitionContext
+from pyspark_glue.operator_fn import PartitionContext
 from pyspark_glue.processor import StatefulProcessor
 from tests.store_support import Partition
 
