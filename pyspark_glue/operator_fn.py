@@ -253,7 +253,7 @@ class FunctionSettings:
     """
 
     def __init__(self, fn, key_columns=FROM_FN, key_schema=FROM_FN, value_schema=FROM_FN, output_schema=FROM_FN,
-                 event_time=FROM_FN, delay=FROM_FN, initial_state=False):
+                 event_time=FROM_FN, delay=FROM_FN, with_initial_state=False):
         self.contract = contract_of(fn)
         key_columns = _from_fn(self.contract, "key_columns", key_columns)
         if isinstance(key_columns, str):
@@ -269,7 +269,7 @@ class FunctionSettings:
         if self.event_time is not None and delay is None:
             raise ValueError(f"an event-time column ('{self.event_time}') needs a watermark delay")
         self.delay_us = None if delay is None else parse_duration_us(delay, "the watermark delay")
-        if initial_state and not self.contract.takes_initial_state:
+        if with_initial_state and not self.contract.takes_initial_state:
             raise TypeError("an initial_state needs an fn with handle_initial_state (a StatefulProcessor)")
         self._schema_args = (key_schema, value_schema)
         self._output_schema_arg = output_schema
