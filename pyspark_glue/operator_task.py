@@ -1,9 +1,11 @@
 """The task of a :class:`~pyspark_glue.StatefulOperator` micro-batch: one per state partition.
 
 It checks that its rows were routed to it, opens the partition's stores (the default one and
-any ``fn.state_stores``) at the attempts the driver recorded, runs ``fn`` (``open``, each Arrow
-batch, ``finish``), writes the output, commits every store, and returns one status row. What
-the steps are and why is in ``docs/operator.md``; the event-time part in ``docs/event-time.md``.
+any ``fn.state_stores``) at the attempts the driver recorded, runs ``fn`` through its contract
+(``fn.open(context)``, the handler's ``process`` for each Arrow batch, its ``finish``), writes
+the output, commits every store, and returns one status row (a
+:class:`~pyspark_glue.task_status.TaskStatus`). What the steps are and why is in
+``docs/operator.md``; the event-time part in ``docs/event-time.md``.
 """
 import dataclasses
 import logging
