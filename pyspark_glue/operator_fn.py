@@ -156,6 +156,12 @@ class OperatorFunction:
         raise NotImplementedError(f"{type(self).__name__} must define open(context) returning a TaskHandler")
 
 
+def _fn_attribute(name):
+    """A property of :class:`CallableFunction`: the wrapped ``fn``'s attribute ``name``, read
+    when asked (a built-in sets its schemas late), None if it has none."""
+    return property(lambda self: getattr(self.fn, name, None), doc=f"``fn.{name}``, or None")
+
+
 class CallableFunction(OperatorFunction):
     """A plain ``fn(store, batch)`` as the contract: its optional attributes (``key_schema``,
     ``prepare``, ``open``, ``finish``...) read from it when asked, so a callable written against
@@ -165,13 +171,13 @@ class CallableFunction(OperatorFunction):
     def __init__(self, fn):
         self.fn = fn
 
-    def _get(name):
-        return property(lambda self: getattr(self.fn, name, None), doc=f"``fn.{name}``, or None")
-
-    key_columns, key_schema, value_schema = _get("key_columns"), _get("key_schema"), _get("value_schema")
-    output_schema, event_time, delay, state_stores = (_get("output_schema"), _get("event_time"), _get("delay"),
-                                                      _get("state_stores"))
-    del _get
+    key_columns = _fn_attribute("key_columns")
+    key_schema = _fn_attribute("key_schema")
+    value_schema = _fn_attribute("value_schema")
+    output_schema = _fn_attribute("output_schema")
+    event_time = _fn_attribute("event_time")
+    delay = _fn_attribute("delay")
+    state_stores = _fn_attribute("state_stores")
 
     @property
     def takes_initial_state(self):
