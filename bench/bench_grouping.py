@@ -65,7 +65,7 @@ def aggregate_table(n, batch_rows, repeat, rng):
     finish (the output), the output's parquet (the task's writer, and pyarrow's default
     writer beside it; in memory, no fsync), the commit and a maintenance pass, each timed
     per task."""
-    from pyspark_glue import RunningAggregate
+    from pyspark_glue import PartitionContext, RunningAggregate
 
     aggregate = RunningAggregate(KEY, "amount", pre_aggregate=False)
     root = tempfile.mkdtemp(prefix="bench-grouping-")
@@ -83,11 +83,12 @@ def aggregate_table(n, batch_rows, repeat, rng):
             batches = [pa.RecordBatch.from_pydict({"key": keys[i:i + batch_rows], "amount": amounts[i:i + batch_rows]})
                        for i in range(0, n, batch_rows)]
             store = provider.get_store(version)
+            task = aggregate.open(PartitionContext(0, version, {"default": store}, "default", None))
             t0 = time.perf_counter()
             for batch in batches:
-                aggregate(store, batch)
+                task.process(batch)
             t1 = time.perf_counter()
-            out = aggregate.finish(store)
+            out = task.finish()
             phases["batches"].append(t1 - t0)
             phases["finish"].append(time.perf_counter() - t1)
             for name, writer_of in (("output (parquet_writer)", parquet_writer),

@@ -3,7 +3,8 @@
 - RDD level (:mod:`pyspark_glue.rdd`): :class:`StatefulOperatorStateInfo` and
   :func:`map_partitions_with_state_store` (Spark's ``mapPartitionsWithStateStore``).
 - DataFrame / Structured Streaming level (:mod:`pyspark_glue.operator`):
-  :class:`StatefulOperator` for ``foreachBatch``; ready-made functions
+  :class:`StatefulOperator` for ``foreachBatch``; the contract of its ``fn``
+  (:mod:`pyspark_glue.operator_fn`: :class:`OperatorFunction`, :class:`TaskHandler`); ready-made functions
   (:mod:`pyspark_glue.aggregates`: :class:`RunningAggregate`); the Arrow <-> numpy <-> Spark
   conversions user functions are written with (:mod:`pyspark_glue.arrow`:
   :func:`keys_from_arrow`, :func:`columns_from_arrow`, :func:`to_record_batch`).
@@ -23,6 +24,7 @@ Design notes: ``docs/operator.md``, ``docs/rdd.md``, ``docs/continuous.md``, ``d
 """
 from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
                               map_partitions_with_state_store)
+from pyspark_glue.operator_fn import OperatorFunction, PartitionContext, TaskHandler
 from pyspark_glue.aggregates import RunningAggregate
 from pyspark_glue.deduplicate import Deduplicate
 from pyspark_glue.processor import Groups, StatefulProcessor
@@ -40,6 +42,9 @@ __all__ = [
     "map_partitions_with_state_store",
     "map_partitions_with_read_state_store",
     "StatefulOperator",
+    "OperatorFunction",
+    "TaskHandler",
+    "PartitionContext",
     "ManualClock",
     "WallClock",
     "RunningAggregate",

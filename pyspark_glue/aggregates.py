@@ -7,7 +7,8 @@ import numpy as np
 from statecore.grouping import group_rows
 from statecore.schema import RowSchema, as_schema
 
-from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, spark_schema_of, to_record_batch
+from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, spark_schema_of
+from pyspark_glue.operator_fn import OperatorFunction, TaskHandler
 
 __all__ = ["RunningAggregate", "group_rows", "PARTIAL_COUNT", "PARTIAL_SUM"]
 
@@ -22,7 +23,7 @@ AUTO_OFF_ABOVE = 0.5
 AUTO_ON_BELOW = 0.3
 
 
-class RunningAggregate:
+class RunningAggregate(OperatorFunction):
     """``fn`` for a running count and sum per key (Spark's ``groupBy(keys).agg(count, sum)``
     in update mode): one row per key updated in the micro-batch, with its new totals.
 
@@ -30,8 +31,8 @@ class RunningAggregate:
     per key first, so a task merges one row per key: one ``get_batch`` and one ``put_batch``
     per Arrow batch. Given raw rows instead (other runners call it that way), a batch's keys
     are grouped by hash (:func:`group_rows`) and counted and summed with
-    ``np.add.reduceat`` (exact for integer sums). The output is emitted by :meth:`finish`,
-    once per key per micro-batch.
+    ``np.add.reduceat`` (exact for integer sums). The output is emitted when the task
+    finishes, once per key per micro-batch (:meth:`TaskHandler.emit_latest`).
 
     Parameters
     ----------
@@ -77,22 +78,14 @@ class RunningAggregate:
             raise ValueError(f"pre_aggregate must be True, False or 'auto', got {pre_aggregate!r}")
         self.pre_aggregate = pre_aggregate
         self.pre_aggregating = pre_aggregate is not False  # what prepare() does for the next batch
-        self._pending = {}  # id(store) -> [(keys, values)] of the current task
-        self._context = None  # the task's PartitionContext (open())
 
     @property
     def output_schema(self):
         return spark_schema_of(self.key_dtype, self.value_schema) if self.emit else None
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_pending"] = {}
-        state["_context"] = None
-        return state
-
     def open(self, context):
-        """In each task: keep its PartitionContext, to count rows and keys into."""
-        self._context = context
+        """In each task: its :class:`_AggregateTask`."""
+        return _AggregateTask(self, context)
 
     def observe(self, progress):
         """After each batch, on the driver: with ``pre_aggregate="auto"``, whether the next
@@ -123,51 +116,36 @@ class RunningAggregate:
         return df.groupBy(*names).agg(F.count(F.lit(1)).alias(PARTIAL_COUNT),
                                       F.coalesce(F.sum(value), F.lit(0)).alias(PARTIAL_SUM))
 
-    def __call__(self, store, batch):
-        keys = columns_from_arrow(batch, self.key_dtype, self.key_columns)
+class _AggregateTask(TaskHandler):
+    """One task of a :class:`RunningAggregate`: each batch merged into the store, the keys it
+    updated emitted once at the end, with their final totals; the rows and keys seen counted
+    into the context (what ``observe`` decides from)."""
+
+    def process(self, batch):
+        agg = self.fn
+        keys = columns_from_arrow(batch, agg.key_dtype, agg.key_columns)
         partial = batch.schema.get_field_index(PARTIAL_COUNT) >= 0
         if partial:  # from prepare(): the keys are distinct in the whole partition
             distinct = keys
             counts = column_to_numpy(column(batch, PARTIAL_COUNT), np.int64, PARTIAL_COUNT)
-            sums = column_to_numpy(column(batch, PARTIAL_SUM), self.sum_dtype, PARTIAL_SUM,
-                                   null_value=0)
+            sums = column_to_numpy(column(batch, PARTIAL_SUM), agg.sum_dtype, PARTIAL_SUM, null_value=0)
         else:
-            amounts = column_to_numpy(column(batch, self.value_column), self.sum_dtype,
-                                      self.value_column, null_value=0)
+            amounts = column_to_numpy(column(batch, agg.value_column), agg.sum_dtype, agg.value_column,
+                                      null_value=0)
             order, starts = group_rows(keys)
             distinct = keys[order[starts]]
             counts = np.diff(np.append(starts, len(keys)))
             sums = np.add.reduceat(amounts[order], starts) if len(starts) else amounts[:0]
-        if self._context is not None:
-            tally = self._context.counts
-            tally["input_rows"] = tally.get("input_rows", 0) + int(counts.sum())
-            tally["keys"] = tally.get("keys", 0) + len(distinct)
+        tally = self.context.counts
+        tally["input_rows"] = tally.get("input_rows", 0) + int(counts.sum())
+        tally["keys"] = tally.get("keys", 0) + len(distinct)
         if not len(distinct):
             return None
-        old, found = store.get_batch(distinct)
-        new = np.empty(len(distinct), dtype=self.value_schema)
-        new[self.count_field] = np.where(found, old[self.count_field], 0) + counts
-        new[self.sum_field] = np.where(found, old[self.sum_field], 0) + sums
-        store.put_batch(distinct, new)
-        if self.emit:
-            pending = self._pending.setdefault(id(store), [[], True])
-            pending[0].append((distinct, new))
-            pending[1] = pending[1] and partial
+        old, found = self.store.get_batch(distinct)
+        new = np.empty(len(distinct), dtype=agg.value_schema)
+        new[agg.count_field] = np.where(found, old[agg.count_field], 0) + counts
+        new[agg.sum_field] = np.where(found, old[agg.sum_field], 0) + sums
+        self.store.put_batch(distinct, new)
+        if agg.emit:
+            self.emit_latest(distinct, new, distinct=True)
         return None
-
-    def finish(self, store):
-        parts, distinct = self._pending.pop(id(store), [[], True])
-        if not self.emit or not parts:
-            return None
-        if len(parts) == 1:
-            keys, values = parts[0]
-        elif distinct:  # partial aggregates: every key came once
-            keys = np.concatenate([k for k, _ in parts])
-            values = np.concatenate([v for _, v in parts])
-        else:  # a key may be in several Arrow batches: emit it once, with its final totals
-            everything = np.concatenate([k for k, _ in parts])
-            order, starts = group_rows(everything)
-            last = order[np.append(starts[1:], len(everything)) - 1]  # a group's rows keep their order
-            keys = everything[last]
-            values = np.concatenate([v for _, v in parts])[last]
-        return to_record_batch(keys, values)

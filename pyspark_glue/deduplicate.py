@@ -14,6 +14,7 @@ from statecore.grouping import group_rows
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns
 from pyspark_glue.event_time import event_times_us
 from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
+from pyspark_glue.operator_fn import TaskHandler
 
 __all__ = ["Deduplicate", "EXPIRES_FIELD"]
 
@@ -48,18 +49,28 @@ class Deduplicate(KeyedEventTimeFn):
         self.key_schema = dtype_of_columns(spark_schema, self.key_columns, self.key_widths)
         self.output_schema = spark_schema
 
-    def task_record(self, context):
-        return [context, [], []]  # and the keys kept in each Arrow batch, and their expiry times
+    def open(self, context):
+        return _DeduplicateTask(self, context)
 
-    def __call__(self, store, batch):
-        context, kept_keys, kept_expiry = self._tasks[id(store)]
-        times = event_times_us(batch, self.event_time)
+
+class _DeduplicateTask(TaskHandler):
+    """One task of a :class:`Deduplicate`: the first row of each new key kept; at the end, the
+    new keys filed in the expiry index and the expired ones forgotten."""
+
+    def __init__(self, fn, context):
+        super().__init__(fn, context)
+        self.kept_keys, self.kept_expiry = [], []  # the keys kept in each Arrow batch, and their expiry times
+
+    def process(self, batch):
+        fn, store = self.fn, self.store
+        context, kept_keys, kept_expiry = self.context, self.kept_keys, self.kept_expiry
+        times = event_times_us(batch, fn.event_time)
         on_time = times > context.watermarks.for_late_events_us
         context.late_rows += int(len(times) - on_time.sum())
         rows = np.flatnonzero(on_time)
         if not len(rows):
             return None
-        keys = columns_from_arrow(batch, self.key_schema, self.key_columns)[rows]
+        keys = columns_from_arrow(batch, fn.key_schema, fn.key_columns)[rows]
         order, starts = group_rows(keys)
         first = order[starts]  # each key's first row in the batch, ascending
         candidates = keys[first]
@@ -68,23 +79,24 @@ class Deduplicate(KeyedEventTimeFn):
         if not len(kept):
             return None
         new_keys = keys[kept]
-        expires = times[rows[kept]] + self.delay_us
-        values = np.empty(len(kept), dtype=self.value_schema)
+        expires = times[rows[kept]] + fn.delay_us
+        values = np.empty(len(kept), dtype=fn.value_schema)
         values[EXPIRES_FIELD] = expires
         store.put_batch(new_keys, values)
         kept_keys.append(new_keys)
         kept_expiry.append(expires)
         return batch.take(rows[kept])
 
-    def finish(self, store):
+    def finish(self):
         """File the batch's new keys in the expiry index (once per task), then forget the keys
         whose expiry the batch's eviction watermark reached.
 
         Every entry of the index is current: a key is filed once, when it enters the state,
         and leaves the state only when its entry is popped, so what ``pop_until`` returns is
         removed without checking it against the state."""
-        context, kept_keys, kept_expiry = self._tasks.pop(id(store))
-        index = self.index(context)
+        fn, store, context = self.fn, self.store, self.context
+        kept_keys, kept_expiry = self.kept_keys, self.kept_expiry
+        index = fn.index(context)
         if kept_keys:
             index.add(np.concatenate(kept_expiry), np.concatenate(kept_keys))
         _, keys = index.pop_until(context.watermarks.for_eviction_us)

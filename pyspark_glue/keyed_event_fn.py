@@ -3,18 +3,19 @@ runs per partition, and the expiry index their state leaves by (``docs/event-tim
 from statecore.expiry import ExpiryIndex
 
 from pyspark_glue.event_time import parse_duration_us
+from pyspark_glue.operator_fn import OperatorFunction
 
 __all__ = ["KeyedEventTimeFn"]
 
 _HEADS, _ENTRIES = "expiry_heads", "expiry_entries"
 
 
-class KeyedEventTimeFn:
+class KeyedEventTimeFn(OperatorFunction):
     """Base of :class:`~pyspark_glue.Deduplicate`, :class:`~pyspark_glue.WindowedAggregate` and
     :class:`~pyspark_glue.SessionWindow`: ``key_columns``, ``event_time``, ``delay`` and
-    ``key_widths`` checked once; per task a record kept under the task's default store (a
-    worker may run several tasks of one fn); an :class:`~statecore.expiry.ExpiryIndex` over the
-    ``index_key`` schema in two stores of the partition."""
+    ``key_widths`` checked once; an :class:`~statecore.expiry.ExpiryIndex` over the
+    ``index_key`` schema in two stores of the partition. Each defines ``open`` (its task's
+    handler)."""
 
     def __init__(self, key_columns, event_time, delay, key_widths=None):
         if isinstance(key_columns, str):
@@ -29,7 +30,6 @@ class KeyedEventTimeFn:
         self.delay_us = parse_duration_us(delay, "the watermark delay")
         self.key_widths = dict(key_widths or {})
         self.key_schema = self.output_schema = None
-        self._tasks = {}  # id(default store) -> what the task running here keeps
 
     @property
     def index_key(self):
@@ -40,18 +40,6 @@ class KeyedEventTimeFn:
     def state_stores(self):
         schemas = ExpiryIndex.schemas(self.index_key)
         return {_HEADS: schemas["heads"], _ENTRIES: schemas["entries"]}
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_tasks"] = {}
-        return state
-
-    def open(self, context):
-        self._tasks[id(context.store)] = self.task_record(context)
-
-    def task_record(self, context):
-        """What a task keeps from ``open`` to ``finish`` (default: its context)."""
-        return context
 
     def index(self, context):
         """The task's expiry index."""

@@ -10,7 +10,6 @@ streaming query's run in :mod:`pyspark_glue.query_runs`.
 """
 import contextlib
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,6 @@ import uuid
 from statecore.conf import StateStoreConf
 from statecore.lineage import ROOT_COMMIT_ID
 from statecore.metrics import StateStoreMetrics
-from statecore.schema import key_value_schemas
 from statecore.spark_hash import FIXED_WIDTH_TYPES
 from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
@@ -27,10 +25,12 @@ from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 
 from pyspark_glue import query_runs
 from pyspark_glue.clocks import WallClock, as_millis
-from pyspark_glue.arrow import dtype_of_columns, output_schemas
-from pyspark_glue.event_time import batch_watermarks, check_event_time_column, parse_duration_us
-from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, STATUS_DDL,
-                                        PartitionTask, StoreSpec, partition_function)
+from pyspark_glue.arrow import dtype_of_columns
+from pyspark_glue.event_time import batch_watermarks
+from pyspark_glue.operator_fn import FROM_FN, FunctionSettings
+from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, PartitionTask,
+                                        StoreSpec, partition_function)
+from pyspark_glue.task_status import TaskStatus
 from pyspark_glue.rdd import StatefulOperatorStateInfo, ship_function_module
 
 __all__ = ["StatefulOperator", "PARTITION_COLUMN"]
@@ -40,11 +40,6 @@ log = logging.getLogger(__name__)
 _PROVIDER_CLASS_KEY = "spark.sql.streaming.stateStore.providerClass"
 _SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 _ADAPTIVE = "spark.sql.adaptive.enabled"
-_FROM_FN = object()  # an argument left out: taken from fn's attribute of the same name
-
-def _from_fn(fn, name, given):
-    """An operator argument: as given, or (left out) ``fn``'s attribute of the same name."""
-    return getattr(fn, name, None) if given is _FROM_FN else given
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -87,10 +82,13 @@ class StatefulOperator:
         The columns rows are partitioned by; they must determine the state key (normally
         the key schema's fields).
     key_schema, value_schema : numpy structured dtypes
-    fn : callable ``(StateStore, pyarrow.RecordBatch) -> pyarrow.RecordBatch | None``
-        Optionally with ``fn.finish(store) -> RecordBatch | None``, called once per
-        partition after the last batch. Defined anywhere: a test module or notebook helper
-        is shipped by value.
+    fn : :class:`~pyspark_glue.OperatorFunction`, or a callable ``(StateStore, pyarrow.RecordBatch)
+        -> pyarrow.RecordBatch | None``
+        The contract (attributes, hooks, the per-task handler ``fn.open(context)`` returns) is
+        in ``docs/operator.md``, "The function's contract"; a plain callable may have a
+        ``finish(store) -> RecordBatch | None``, called once per partition after the last
+        batch. Arguments left out here are taken from ``fn``'s attributes of the same name.
+        Defined anywhere: a test module or notebook helper is shipped by value.
     output_schema : pyspark StructType, DDL string, or None
         The schema of the batches ``fn`` returns (cast to it exactly; the columns must be the
         same). None: ``fn`` returns nothing, and ``process`` returns an empty DataFrame.
@@ -133,27 +131,22 @@ class StatefulOperator:
         ``stores_loaded_from_files`` (tasks whose store was already in their Python worker),
         ``re_execution``, ``seconds``, ``batch_timestamp_ms`` (its processing time),
         ``fn_counts`` (the counters ``fn`` kept in its PartitionContext's ``counts``, summed),
-        and ``partitions`` (the per-partition status rows). After each batch, ``fn.observe(last_progress)`` is called if ``fn`` has it.
+        and ``partitions`` (each partition's :class:`~pyspark_glue.task_status.TaskStatus` as a dict). After
+        each batch, ``fn.observe(last_progress)`` is called.
     """
 
-    def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=_FROM_FN, key_schema=_FROM_FN,
-                 value_schema=_FROM_FN, fn=None, output_schema=_FROM_FN, conf=None, *, store_name="default",
-                 coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=_FROM_FN,
-                 delay=_FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0, clock=None):
+    def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=FROM_FN, key_schema=FROM_FN,
+                 value_schema=FROM_FN, fn=None, output_schema=FROM_FN, conf=None, *, store_name="default",
+                 coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=FROM_FN,
+                 delay=FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0, clock=None):
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
             raise ValueError(f"operator_id must be an int >= 0, got {operator_id!r}")
         if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
             raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        key_columns = _from_fn(fn, "key_columns", key_columns)
-        if isinstance(key_columns, str):
-            key_columns = [key_columns]
-        key_columns = list(key_columns or ())
-        if not key_columns or not all(isinstance(c, str) for c in key_columns):
-            raise ValueError(f"key_columns must be a non-empty list of column names, got {key_columns!r}")
+        self._settings = settings = FunctionSettings(fn, key_columns, key_schema, value_schema, output_schema,
+                                                     event_time, delay, initial_state is not None)
         if not isinstance(output_batches_to_retain, int) or output_batches_to_retain < 1:
             raise ValueError(f"output_batches_to_retain must be an int >= 1, got {output_batches_to_retain!r}")
         if fn_batch_rows is not None and (not isinstance(fn_batch_rows, int) or isinstance(fn_batch_rows, bool)
@@ -171,33 +164,19 @@ class StatefulOperator:
         self.checkpoint_location = checkpoint_location
         self.operator_id = operator_id
         self.num_partitions = num_partitions
-        self.key_columns = key_columns
         self.fn = fn
-        self._key_schema_arg = key_schema
-        self._value_schema_arg = value_schema
-        self.key_schema = self.value_schema = None
-        self._take_schemas()
-        self.event_time = _from_fn(fn, "event_time", event_time)
-        if self.event_time is not None and not isinstance(self.event_time, str):
-            raise TypeError(f"event_time must be a column name, got {type(self.event_time).__name__}")
-        delay = _from_fn(fn, "delay", delay)
-        if self.event_time is not None and delay is None:
-            raise ValueError(f"an event-time column ('{self.event_time}') needs a watermark delay")
-        self.delay_us = None if delay is None else parse_duration_us(delay, "the watermark delay")
+        self.contract = settings.contract  # what the operator reads of fn (pyspark_glue.operator_fn)
+        self.key_columns = settings.key_columns
+        self.event_time, self.delay_us = settings.event_time, settings.delay_us
         self.store_name = store_name
         self.initial_state = initial_state
-        if initial_state is not None and not callable(getattr(fn, "handle_initial_state", None)):
-            raise TypeError("an initial_state needs an fn with handle_initial_state (a StatefulProcessor)")
         self.output_batches_to_retain = output_batches_to_retain
         self.last_progress = None
-        self._output_schema_arg = output_schema  # resolved with the input's schema (a built-in's may depend on it)
-        self.output_schema = self._arrow_schema = None
         self._conf_arg = conf
         self._coordinator_arg = coordinator
         self._own_run_id = query_run_id or uuid.uuid4()
         self._lock = threading.Lock()
         self._resolved = False
-        self._input_resolved = False  # the output schema is known (from the first input's columns)
         self._recorded = None  # the metadata in the checkpoint, once checked
         self._runs = {}  # run id -> [generation, last batch id processed]
         self._current_run = None
@@ -205,16 +184,12 @@ class StatefulOperator:
         self._closed = False
         self._operator_lock = None  # statecore.operator_lock.OperatorLock, from the first batch
 
-    def _take_schemas(self):
-        """The key and value schemas: the arguments, else ``fn``'s attributes (None while a
-        built-in has not resolved them from the input's columns)."""
-        key = _from_fn(self.fn, "key_schema", self._key_schema_arg)
-        value = _from_fn(self.fn, "value_schema", self._value_schema_arg)
-        if key is not None and value is not None:
-            self.key_schema, self.value_schema = key_value_schemas(key, value)
-        elif not callable(getattr(self.fn, "resolve_schemas", None)):
-            missing = "key_schema" if key is None else "value_schema"
-            raise ValueError(f"no {missing}: pass it, or give fn an attribute of that name")
+    # The schemas: given, fn's attributes, or resolved from the first input's columns.
+    key_schema = property(lambda self: self._settings.key_schema)
+    value_schema = property(lambda self: self._settings.value_schema)
+    output_schema = property(lambda self: self._settings.output_schema)
+    _arrow_schema = property(lambda self: self._settings.arrow_schema)
+    _input_resolved = property(lambda self: self._settings.input_resolved)
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -256,21 +231,10 @@ class StatefulOperator:
         self._resolved = True
 
     def _resolve_input(self, df):
-        """Checks of the input before any store changes: the key columns and the event-time
-        column are there (the latter a timestamp); a built-in given only column names takes
-        its schemas from the first batch's (``fn.resolve_schemas``)."""
-        missing = [c for c in self.key_columns if c not in df.columns]
-        if missing:
-            raise ValueError(f"key column '{missing[0]}' is not in the DataFrame (columns: {df.columns})")
-        if self.event_time is not None:
-            check_event_time_column(df.schema, self.event_time)
-        if self.key_schema is None:
-            self.fn.resolve_schemas(df.schema)
-            self._take_schemas()
-        if not self._input_resolved:
-            self.output_schema, self._arrow_schema = output_schemas(
-                _from_fn(self.fn, "output_schema", self._output_schema_arg))
-            self._input_resolved = True
+        """Checks of the input before any store changes (the key columns and the event-time
+        column are there); a built-in given only column names takes its schemas from the first
+        batch's (:meth:`FunctionSettings.resolve_input`)."""
+        self._settings.resolve_input(df.schema)
 
     def _metadata(self, df):
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
@@ -503,7 +467,7 @@ class StatefulOperator:
         task = PartitionTask(
             state_info=state_info, store_name=self.store_name, key_dtype=self.key_schema.dtype,
             value_dtype=self.value_schema.dtype, extra_stores=self._extra_stores(batch_id, previous), conf=self.conf,
-            fn=self.fn, arrow_schema=self._arrow_schema, output_dir=output_dir,
+            fn=self.contract, arrow_schema=self._arrow_schema, output_dir=output_dir,
             coordinator_address=None if coordinator is None else tuple(coordinator.address),
             authkey=None if coordinator is None else coordinator.authkey, generation=generation,
             event_time=self.event_time, watermarks=watermarks, batch_timestamp_ms=batch_timestamp_ms,
@@ -516,13 +480,13 @@ class StatefulOperator:
             with _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
                 routed, routing_keys = self._routed(self._with_initial_state(df, batch_id))
                 task = dataclasses.replace(task, routing_keys=routing_keys)
-                rows = routed.mapInArrow(partition_function(task), STATUS_DDL).collect()
+                rows = routed.mapInArrow(partition_function(task), TaskStatus.spark_schema()).collect()
                 if not rows:
                     # Spark knew the input empty (a limit(0), an empty local relation) and ran
                     # no task at all; every partition must still run (timers, TTL, a commit):
                     # no rows again, in one empty RDD partition per state partition.
                     empty = spark.createDataFrame(sc.parallelize([], self.num_partitions), routed.schema)
-                    rows = empty.mapInArrow(partition_function(task), STATUS_DDL).collect()
+                    rows = empty.mapInArrow(partition_function(task), TaskStatus.spark_schema()).collect()
         except BaseException:
             if first_metadata is not None and batch_id == 0 and not recorded:
                 self._drop_failed_first_batch()
@@ -530,8 +494,8 @@ class StatefulOperator:
         finally:
             sc.setJobDescription(description)
         seconds = time.perf_counter() - started
-        statuses = sorted((r.asDict() for r in rows), key=lambda r: r["partition_id"])
-        seen = [s["partition_id"] for s in statuses]
+        statuses = sorted((TaskStatus.from_row(r) for r in rows), key=lambda s: s.partition_id)
+        seen = [s.partition_id for s in statuses]
         if seen != list(range(self.num_partitions)):
             raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: expected one task per partition "
                                f"0..{self.num_partitions - 1}, got partitions {seen}")
@@ -540,9 +504,7 @@ class StatefulOperator:
         records.delete([b for b in recorded if b < batch_id - self.conf.min_versions_to_retain])
         self._record_progress(batch_id, run_id, statuses, re_execution, seconds, watermarks)
         self.last_progress["batch_timestamp_ms"] = batch_timestamp_ms
-        observe = getattr(self.fn, "observe", None)
-        if callable(observe):  # fn adapts to what the batch showed (RunningAggregate's "auto")
-            observe(self.last_progress)
+        self.contract.observe(self.last_progress)  # fn adapts to the batch (RunningAggregate's "auto")
         oldest_kept = batch_id - self.output_batches_to_retain + 1
         if oldest_kept > 0:
             operator_files.delete_outputs_before(self.operator_dir, oldest_kept, self.conf.storage_options)
@@ -600,12 +562,8 @@ class StatefulOperator:
     def _extra_stores(self, batch_id, previous):
         """The :class:`StoreSpec` of each store ``fn.state_stores`` declares, at the attempts
         the previous batch recorded; one the previous record does not name starts empty."""
-        declared = getattr(self.fn, "state_stores", None) or {}
         specs = []
-        for name, (key, value) in sorted(declared.items()):
-            if name == self.store_name:
-                raise ValueError(f"fn.state_stores names the operator's own store {name!r}")
-            key, value = key_value_schemas(key, value)
+        for name, (key, value) in self._settings.extra_stores(self.store_name).items():
             commit_ids = self._base_commit_ids(batch_id, previous, name)
             # recorded before, without this store: it is new to the operator and starts empty
             starts_empty = previous is not None and commit_ids is None
@@ -679,20 +637,20 @@ class StatefulOperator:
         of each store, the batch's watermarks and largest event time, its processing time."""
         batch_id = state_info.store_version
         if state_info.commit_ids is not None:
-            opened = tuple(s["base_commit_id"] for s in statuses)
+            opened = tuple(s.base_commit_id for s in statuses)
             if opened != state_info.commit_ids:
                 raise RuntimeError(f"operator {self.operator_id} batch {batch_id}: the tasks opened version "
                                    f"{batch_id} at {opened}, not at the recorded {state_info.commit_ids}")
-        per_store = [json.loads(s["store_commit_ids"]) for s in statuses]
-        store_commit_ids = {name: [ids[name][1] for ids in per_store] for name in (per_store[0] if per_store else {})}
+        names = statuses[0].store_commit_ids if statuses else {}
+        store_commit_ids = {name: [s.store_commit_ids[name]["commit_id"] for s in statuses] for name in names}
         marks = None
         if watermarks is not None:
-            maxima = [s["max_event_time_us"] for s in statuses if s["max_event_time_us"] is not None]
+            maxima = [s.max_event_time_us for s in statuses if s.max_event_time_us is not None]
             marks = {"for_late_events_ms": watermarks.for_late_events, "for_eviction_ms": watermarks.for_eviction,
                      "max_event_time_us": max(maxima) if maxima else None}
         records.write(batch_id, operator_files.commit_record(
             batch_id, self.num_partitions, self.store_name, state_info.query_run_id,
-            [s["commit_id"] for s in statuses], [s["base_commit_id"] for s in statuses],
+            [s.commit_id for s in statuses], [s.base_commit_id for s in statuses],
             store_commit_ids=store_commit_ids, watermarks=marks, query_id=query_id,
             batch_timestamp_ms=batch_timestamp_ms))
 
@@ -718,13 +676,11 @@ class StatefulOperator:
         with the partition of each row (``routing_keys`` None)."""
         from pyspark.sql import functions as F
 
-        prepare = getattr(self.fn, "prepare", None)
-        if callable(prepare):
-            df = prepare(df, self.key_columns)
-            missing = [c for c in self.key_columns if c not in df.columns]
-            if missing:
-                raise ValueError(f"fn.prepare returned a DataFrame without the key column '{missing[0]}' "
-                                 f"(columns: {df.columns})")
+        df = self.contract.prepare(df, self.key_columns)
+        missing = [c for c in self.key_columns if c not in df.columns]
+        if missing:
+            raise ValueError(f"fn.prepare returned a DataFrame without the key column '{missing[0]}' "
+                             f"(columns: {df.columns})")
         routed = df.repartition(self.num_partitions, *self.key_columns)
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields}
         key_types = tuple(types[c] for c in self.key_columns)
@@ -735,26 +691,25 @@ class StatefulOperator:
 
     def _record_progress(self, batch_id, run_id, statuses, re_execution, seconds, watermarks):
         metrics = StateStoreMetrics.combine(
-            StateStoreMetrics(s["num_keys"], s["memory_used_bytes"], json.loads(s["custom_metrics"]))
-            for s in statuses)
-        loaded = sum(1 for s in statuses if s["already_loaded"])
+            StateStoreMetrics(s.num_keys, s.memory_used_bytes, s.custom_metrics) for s in statuses)
+        loaded = sum(1 for s in statuses if s.already_loaded)
         self.last_progress = {
             "batch_id": batch_id, "query_run_id": str(run_id), "committed_version": batch_id + 1,
             "num_partitions": self.num_partitions,
-            "rows_in": sum(s["rows_in"] for s in statuses), "rows_out": sum(s["rows_out"] for s in statuses),
+            "rows_in": sum(s.rows_in for s in statuses), "rows_out": sum(s.rows_out for s in statuses),
             "state_keys": metrics.num_keys, "memory_used_bytes": metrics.memory_used_bytes,
             "custom_metrics": metrics.custom_metrics, "stores_already_loaded": loaded,
             "stores_loaded_from_files": len(statuses) - loaded, "re_execution": re_execution,
-            "seconds": seconds, "partitions": statuses,
-            "fn_counts": _summed_counts(s["fn_counts"] for s in statuses),
+            "seconds": seconds, "partitions": [dataclasses.asdict(s) for s in statuses],
+            "fn_counts": _summed_counts(s.fn_counts for s in statuses),
         }
         if watermarks is not None:
-            maxima = [s["max_event_time_us"] for s in statuses if s["max_event_time_us"] is not None]
+            maxima = [s.max_event_time_us for s in statuses if s.max_event_time_us is not None]
             self.last_progress.update({
                 "watermark_for_late_events_ms": watermarks.for_late_events,
                 "watermark_for_eviction_ms": watermarks.for_eviction,
                 "max_event_time_ms": max(maxima) // 1000 if maxima else None,
-                "late_rows": sum(s["late_rows"] for s in statuses)})
+                "late_rows": sum(s.late_rows for s in statuses)})
 
 
 def _streaming_query_id(df):
@@ -770,10 +725,10 @@ def _kind_class(dtype):
         dtype.kind, str(dtype))
 
 
-def _summed_counts(encoded):
-    """The partitions' ``fn_counts`` (JSON objects of ints), summed by name."""
+def _summed_counts(counts):
+    """The partitions' ``fn_counts`` (dicts of ints), summed by name."""
     total = {}
-    for text in encoded:
-        for name, value in json.loads(text or "{}").items():
+    for partition in counts:
+        for name, value in partition.items():
             total[name] = total.get(name, 0) + value
     return total

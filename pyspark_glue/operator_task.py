@@ -1,12 +1,13 @@
 """The task of a :class:`~pyspark_glue.StatefulOperator` micro-batch: one per state partition.
 
 It checks that its rows were routed to it, opens the partition's stores (the default one and
-any ``fn.state_stores``) at the attempts the driver recorded, runs ``fn`` (``open``, each Arrow
-batch, ``finish``), writes the output, commits every store, and returns one status row. What
-the steps are and why is in ``docs/operator.md``; the event-time part in ``docs/event-time.md``.
+any ``fn.state_stores``) at the attempts the driver recorded, runs ``fn`` through its contract
+(``fn.open(context)``, the handler's ``process`` for each Arrow batch, its ``finish``), writes
+the output, commits every store, and returns one status row (a
+:class:`~pyspark_glue.task_status.TaskStatus`). What the steps are and why is in
+``docs/operator.md``; the event-time part in ``docs/event-time.md``.
 """
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -25,9 +26,11 @@ from statecore.checkpoint import CheckpointFiles
 from pyspark_glue import executor
 from pyspark_glue.arrow import conform_output, joined_batches
 from pyspark_glue.event_time import Watermarks, event_times_us
+from pyspark_glue.operator_fn import PartitionContext, open_task
 from pyspark_glue.rdd import StatefulOperatorStateInfo
+from pyspark_glue.task_status import TaskStatus
 
-__all__ = ["PARTITION_COLUMN", "INITIAL_STATE_COLUMN", "PartitionContext", "partition_function", "STATUS_DDL"]
+__all__ = ["PARTITION_COLUMN", "INITIAL_STATE_COLUMN", "PartitionContext", "partition_function"]
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +45,6 @@ INITIAL_STATE_COLUMN = "__statecore_initial_state"
 # write its keys once per task instead of once per Spark batch.
 FN_BATCH_ROWS = 1 << 20
 FN_BATCH_BYTES = 128 << 20
-
-STATUS_DDL = ("partition_id int, rows_in long, batches_in int, rows_out long, num_keys long, "
-              "memory_used_bytes long, already_loaded boolean, worker string, open_s double, fn_s double, "
-              "write_s double, commit_s double, custom_metrics string, commit_id string, base_commit_id string, "
-              "store_commit_ids string, max_event_time_us long, late_rows long, fn_counts string")
-_STATUS_SCHEMA = pa.schema([
-    ("partition_id", pa.int32()), ("rows_in", pa.int64()), ("batches_in", pa.int32()), ("rows_out", pa.int64()),
-    ("num_keys", pa.int64()), ("memory_used_bytes", pa.int64()), ("already_loaded", pa.bool_()),
-    ("worker", pa.string()), ("open_s", pa.float64()), ("fn_s", pa.float64()), ("write_s", pa.float64()),
-    ("commit_s", pa.float64()), ("custom_metrics", pa.string()), ("commit_id", pa.string()),
-    ("base_commit_id", pa.string()), ("store_commit_ids", pa.string()), ("max_event_time_us", pa.int64()),
-    ("late_rows", pa.int64()), ("fn_counts", pa.string()),
-])
-
 
 @dataclasses.dataclass(frozen=True)
 class StoreSpec:
@@ -81,7 +70,7 @@ class PartitionTask:
     value_dtype: np.dtype
     extra_stores: tuple  # StoreSpec
     conf: StateStoreConf
-    fn: object
+    fn: object  # the fn's contract (pyspark_glue.operator_fn.OperatorFunction)
     arrow_schema: object  # pyarrow.Schema of the output, or None
     output_dir: str  # where part-<p>.parquet goes, or None
     coordinator_address: tuple
@@ -96,44 +85,6 @@ class PartitionTask:
     # fn gets the partition's Arrow batches joined up to this many rows (and FN_BATCH_BYTES);
     # None: as Spark sends them (spark.sql.execution.arrow.maxRecordsPerBatch rows)
     fn_batch_rows: int = None
-
-
-class PartitionContext:
-    """What ``fn.open(context)`` is given: the partition, its stores, the batch's watermarks.
-
-    Attributes
-    ----------
-    partition_id, batch_id : int
-    store : StateStore
-        The default store (the one ``fn`` is called with).
-    stores : dict
-        Every store of the partition by name: the default one (under the operator's
-        ``store_name``) and those ``fn.state_stores`` declares.
-    watermarks : Watermarks or None
-        The batch's two watermarks (None without an event-time column).
-    batch_timestamp_ms : int
-        The batch's processing time (the driver's clock when the batch began).
-    late_rows : int
-        Rows ``fn`` dropped as late; ``fn`` adds to it (it is summed into ``last_progress``).
-    counts : dict
-        Counters of ``fn``'s own (name -> int), summed over the partitions into
-        ``last_progress["fn_counts"]`` (what an ``fn.observe`` may adapt to).
-    new_stores : frozenset
-        The names of the stores that start empty in this batch: every store in batch 0, and
-        later a store the previous batch's record does not name (new to the operator), which
-        ``fn`` may fill from the others once.
-    """
-
-    def __init__(self, partition_id, batch_id, stores, store_name, watermarks, batch_timestamp_ms=0,
-                 new_stores=frozenset()):
-        self.partition_id, self.batch_id = partition_id, batch_id
-        self.stores = stores
-        self.new_stores = frozenset(new_stores)
-        self.store = stores[store_name]
-        self.watermarks = watermarks
-        self.batch_timestamp_ms = batch_timestamp_ms
-        self.late_rows = 0
-        self.counts = {}
 
 
 _generations = {}  # provider id -> generation of the last task that used it in this process
@@ -258,17 +209,15 @@ def _open_stores(task, partition_id):
     return stores, already_loaded, new_stores
 
 
-def run_fn(fn, context, batches, arrow_schema, event_time=None, check=None):
+def run_fn(contract, context, batches, arrow_schema, event_time=None, check=None):
     """``fn`` over one partition's batches, as every runner of an operator's ``fn`` runs it
-    (the operator's task, :class:`pyspark_glue.testing.Harness`): ``fn.open(context)``,
-    ``fn(store, batch)`` for each batch (after ``check(batch)``, which may drop columns),
-    ``fn.finish(store)``. Returns ``(outputs, rows_in, batches_in, max_event_time_us)``, the
-    outputs conformed to ``arrow_schema``. The stores are left to the caller to commit."""
-    store = context.store
+    (the operator's task, :class:`pyspark_glue.testing.Harness`): ``contract.open(context)``
+    (the task's handler), ``handler.process(batch)`` for each batch (after ``check(batch)``,
+    which may drop columns), ``handler.finish()``. Returns ``(outputs, rows_in, batches_in,
+    max_event_time_us)``, the outputs conformed to ``arrow_schema``. The stores are left to
+    the caller to commit."""
     outputs, rows_in, batches_in, max_event_time = [], 0, 0, None
-    open_ = getattr(fn, "open", None)
-    if callable(open_):
-        open_(context)
+    handler = open_task(contract, context)
     for batch in batches:
         if check is not None:
             batch = check(batch)
@@ -278,14 +227,12 @@ def run_fn(fn, context, batches, arrow_schema, event_time=None, check=None):
             batch_max = _max_event_time(batch, event_time)
             if batch_max is not None:
                 max_event_time = batch_max if max_event_time is None else max(max_event_time, batch_max)
-        out = fn(store, batch)
+        out = handler.process(batch)
         if out is not None:
             outputs += conform_output(out, arrow_schema, "fn")
-    finish = getattr(fn, "finish", None)
-    if callable(finish):
-        out = finish(store)
-        if out is not None:
-            outputs += conform_output(out, arrow_schema, "fn.finish")
+    out = handler.finish()
+    if out is not None:
+        outputs += conform_output(out, arrow_schema, "fn.finish")
     return outputs, rows_in, batches_in, max_event_time
 
 
@@ -336,20 +283,17 @@ def _run_partition(task, batches):
         raise
     committed = time.perf_counter()
     metrics = store.metrics
-    status = {
-        "partition_id": [partition_id], "rows_in": [rows_in], "batches_in": [batches_in],
-        "rows_out": [sum(b.num_rows for b in outputs)], "num_keys": [metrics.num_keys],
-        "memory_used_bytes": [metrics.memory_used_bytes], "already_loaded": [already_loaded],
-        "worker": [executor.worker_executor_id()], "open_s": [opened - started], "fn_s": [ran - opened],
-        "write_s": [written - ran], "commit_s": [committed - written],
-        "custom_metrics": [json.dumps(metrics.custom_metrics)], "commit_id": [store.commit_id],
-        "base_commit_id": [store.base_commit_id],
-        "store_commit_ids": [json.dumps({name: [s.base_commit_id, s.commit_id] for name, s in stores.items()
-                                         if name != task.store_name})],
-        "max_event_time_us": [max_event_time], "late_rows": [int(context.late_rows)],
-        "fn_counts": [json.dumps({k: int(v) for k, v in context.counts.items()})],
-    }
-    yield pa.RecordBatch.from_pydict(status, schema=_STATUS_SCHEMA)
+    status = TaskStatus(
+        partition_id=partition_id, rows_in=rows_in, batches_in=batches_in, rows_out=sum(b.num_rows for b in outputs),
+        num_keys=metrics.num_keys, memory_used_bytes=metrics.memory_used_bytes, already_loaded=already_loaded,
+        worker=executor.worker_executor_id(), open_s=opened - started, fn_s=ran - opened, write_s=written - ran,
+        commit_s=committed - written, custom_metrics={k: int(v) for k, v in metrics.custom_metrics.items()},
+        commit_id=store.commit_id, base_commit_id=store.base_commit_id,
+        store_commit_ids={name: {"base_commit_id": s.base_commit_id, "commit_id": s.commit_id}
+                          for name, s in stores.items() if name != task.store_name},
+        max_event_time_us=max_event_time, late_rows=int(context.late_rows),
+        fn_counts={k: int(v) for k, v in context.counts.items()})
+    yield status.to_record_batch()
 
 
 def partition_function(task):

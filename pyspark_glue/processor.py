@@ -4,9 +4,10 @@ Subclass it, declare state variables in :meth:`~StatefulProcessor.init`, and han
 micro-batch's rows of all keys at once in :meth:`~StatefulProcessor.handle_input` (a
 :class:`Groups`: the rows grouped by key once, the distinct keys, where each key's rows
 start); due timers come to :meth:`~StatefulProcessor.handle_expired_timers` as arrays of keys
-and times. An instance is an ``fn`` for :class:`~pyspark_glue.StatefulOperator`: this module
-adapts the handlers to the operator's ``open`` / call / ``finish`` protocol. The order within
-a batch, the clocks and an example are in ``docs/processor.md``.
+and times. An instance is an :class:`~pyspark_glue.OperatorFunction`: its ``open(context)``
+returns a :class:`ProcessorTask`, which runs the handlers on the task's own copy of the
+processor (its variables bound to the task's stores). The order within a batch, the clocks
+and an example are in ``docs/processor.md``.
 """
 import copy
 
@@ -17,14 +18,15 @@ from statecore.grouping import group_rows
 
 from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, dtype_of_columns
 from pyspark_glue.event_time import event_times_us, parse_duration_us
+from pyspark_glue.operator_fn import OperatorFunction, TaskHandler
 from pyspark_glue.operator_task import INITIAL_STATE_COLUMN
 from pyspark_glue.state_vars import StateHandle
 
-__all__ = ["StatefulProcessor", "Groups", "TIME_MODES"]
+__all__ = ["StatefulProcessor", "ProcessorTask", "Groups", "TIME_MODES"]
 
 TIME_MODES = ("none", "event_time", "processing_time")
-_PROTOCOL = frozenset(["init", "handle_input", "handle_expired_timers", "handle_initial_state", "open", "finish",
-                       "resolve_schemas", "state_stores", "value_schema", "key_schema", "key_columns"])
+_PROTOCOL = frozenset(["init", "handle_input", "handle_expired_timers", "handle_initial_state", "open", "prepare",
+                       "observe", "resolve_schemas", "state_stores", "value_schema", "key_schema", "key_columns"])
 
 
 class Groups:
@@ -62,7 +64,7 @@ class Groups:
         return arr.to_numpy(zero_copy_only=False)
 
 
-class StatefulProcessor:
+class StatefulProcessor(OperatorFunction):
     """Base class of a vectorized stateful processor.
 
     Class attributes (or instance attributes set in ``__init__``) the operator takes:
@@ -75,20 +77,17 @@ class StatefulProcessor:
     :meth:`handle_expired_timers`, :meth:`handle_initial_state`.
     """
 
-    key_columns = None
-    key_schema = None
     key_widths = None
-    output_schema = None
     time_mode = "none"
-    event_time = None
-    delay = None
+    takes_initial_state = True
 
     # -- what a processor defines ------------------------------------------------------------
 
     def init(self, state):
         """Declare the state variables: ``self.x = state.value(name, schema, ttl=None)``,
         ``state.list(...)``, ``state.map(name, user_key_schema, schema, ttl=None)``. Called on
-        the driver (to learn the stores) and at the start of each task."""
+        a copy of the processor: on the driver (to learn the stores) and at the start of each
+        task (the task's own copy, bound to its stores)."""
 
     def handle_input(self, groups, timers):
         """The batch's rows (:class:`Groups`); return a RecordBatch or Table of
@@ -106,7 +105,7 @@ class StatefulProcessor:
         raise NotImplementedError(f"{type(self).__name__} was given an initial state but does not define "
                                   f"handle_initial_state(groups, timers)")
 
-    # -- the operator's fn protocol -----------------------------------------------------------
+    # -- the operator's fn contract -----------------------------------------------------------
 
     value_schema = np.dtype([])  # the default store stays empty: the variables have their own
 
@@ -138,59 +137,69 @@ class StatefulProcessor:
                              f"protocol: name the state variable otherwise")
         return handle.stores()
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.pop("_task", None)
-        return state
+    def open(self, context):
+        """In each task: a :class:`ProcessorTask` over a copy of the processor whose ``init``
+        bound the variables to the task's stores (this instance stays unbound)."""
+        return ProcessorTask(self, context)
 
-    def _clock_us(self, context):
-        if self.time_mode == "event_time":
-            return context.watermarks.for_eviction_us
-        if self.time_mode == "processing_time":
-            return context.batch_timestamp_ms * 1000
+
+
+class ProcessorTask(TaskHandler):
+    """One task of a :class:`StatefulProcessor`: the task's copy of the processor (``processor``,
+    its variables bound to the task's stores through ``handle``, a
+    :class:`~pyspark_glue.state_vars.StateHandle`), and the batch's rows kept until
+    :meth:`finish` hands them to the handlers at once."""
+
+    def __init__(self, fn, context):
+        super().__init__(fn, context)
+        watermarks = context.watermarks
+        self.handle = StateHandle(fn.key_schema, context.stores, self._clock_us(),
+                                  processing_time_us=context.batch_timestamp_ms * 1000,
+                                  watermark_us=None if watermarks is None else watermarks.for_eviction_us)
+        self.processor = copy.copy(fn)
+        self.processor.init(self.handle)
+        self.batches, self.initial = [], []
+
+    def _clock_us(self):
+        """What the timers and TTLs compare with: the eviction watermark, the batch's
+        processing time, or None (``time_mode``)."""
+        if self.fn.time_mode == "event_time":
+            return self.context.watermarks.for_eviction_us
+        if self.fn.time_mode == "processing_time":
+            return self.context.batch_timestamp_ms * 1000
         return None
 
-    def open(self, context):
-        watermarks = context.watermarks
-        handle = StateHandle(self.key_schema, context.stores, self._clock_us(context),
-                             processing_time_us=context.batch_timestamp_ms * 1000,
-                             watermark_us=None if watermarks is None else watermarks.for_eviction_us)
-        self.init(handle)
-        self._task = {"context": context, "handle": handle, "batches": [], "initial": []}
+    def _groups(self, batches):
+        rows = pa.Table.from_batches(batches).combine_chunks().to_batches()[0] if len(batches) > 1 else batches[0]
+        keys = columns_from_arrow(rows, self.fn.key_schema, self.fn.key_columns)
+        order, starts = group_rows(keys)
+        return Groups(keys[order[starts]], rows.take(pa.array(order)), starts)
 
-    def __call__(self, store, batch):
-        task = self._task
+    def process(self, batch):
         i = batch.schema.get_field_index(INITIAL_STATE_COLUMN)
         if i >= 0:  # the operator's first batch carries the initial state, marked
             marked = np.asarray(batch.column(i).to_numpy(zero_copy_only=False), dtype=bool)
             batch = batch.remove_column(i)
             if marked.any():
-                task["initial"].append(batch.filter(pa.array(marked)))
+                self.initial.append(batch.filter(pa.array(marked)))
             batch = batch.filter(pa.array(~marked))
-        if self.time_mode == "event_time" and batch.num_rows:
-            on_time = event_times_us(batch, self.event_time) > task["context"].watermarks.for_late_events_us
-            task["context"].late_rows += int(batch.num_rows - on_time.sum())
+        if self.fn.time_mode == "event_time" and batch.num_rows:
+            on_time = event_times_us(batch, self.fn.event_time) > self.context.watermarks.for_late_events_us
+            self.context.late_rows += int(batch.num_rows - on_time.sum())
             batch = batch.filter(pa.array(on_time))
         if batch.num_rows:
-            task["batches"].append(batch)
+            self.batches.append(batch)
         return None
 
-    def _groups(self, batches):
-        rows = pa.Table.from_batches(batches).combine_chunks().to_batches()[0] if len(batches) > 1 else batches[0]
-        keys = columns_from_arrow(rows, self.key_schema, self.key_columns)
-        order, starts = group_rows(keys)
-        return Groups(keys[order[starts]], rows.take(pa.array(order)), starts)
-
-    def finish(self, store):
+    def finish(self):
         """Initial state (first batch), the input, then due timers, then TTL cleanup."""
-        task = self._task
-        handle = task["handle"]
+        processor, handle = self.processor, self.handle
         timers = handle.timers
         out = []
-        if task["initial"]:
-            out.append(self.handle_initial_state(self._groups(task["initial"]), timers))
-        if task["batches"]:
-            out.append(self.handle_input(self._groups(task["batches"]), timers))
+        if self.initial:
+            out.append(processor.handle_initial_state(self._groups(self.initial), timers))
+        if self.batches:
+            out.append(processor.handle_input(self._groups(self.batches), timers))
         clock = handle.now_us
         if clock is not None:
             # the timers due now fire once, registered until their handler returns (then
@@ -199,9 +208,8 @@ class StatefulProcessor:
             # transformWithStateInPandas: docs/processor.md)
             keys, times = timers.pop_due(clock)
             if len(keys):
-                out.append(self.handle_expired_timers(keys, times, timers))
+                out.append(processor.handle_expired_timers(keys, times, timers))
                 timers.delete(keys, times)
             handle.expire()
-        del self._task
         out = [o for o in out if o is not None]
         return out or None

@@ -20,6 +20,7 @@ from pyspark_glue.aggregate_specs import Aggregates
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
 from pyspark_glue.event_time import event_times_us, parse_duration_us
 from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
+from pyspark_glue.operator_fn import TaskHandler
 from pyspark_glue.windows import window_spark_type, window_struct
 
 __all__ = ["SessionWindow", "segmented_running_max"]
@@ -98,43 +99,25 @@ class SessionWindow(KeyedEventTimeFn):
         sessions = KeyedLists.schemas(self.key_schema, self.session_dtype)
         return {_SESSIONS: sessions["entries"], **super().state_stores}
 
-    def _lists(self, context):
+    def lists(self, context):
         return KeyedLists(context.store, context.stores[_SESSIONS], self.key_schema, self.session_dtype)
 
-    def task_record(self, context):
-        return [context, []]  # and the batch's on-time rows as (keys, one session each)
-
-    def __call__(self, store, batch):
-        context, pending = self._tasks[id(store)]
-        times = event_times_us(batch, self.event_time)
-        on_time = times + self.gap_us > context.watermarks.for_late_events_us
-        context.late_rows += int(len(times) - on_time.sum())
-        rows = np.flatnonzero(on_time)
-        if len(rows):
-            fresh = np.zeros(len(rows), dtype=self.session_dtype)  # each row its own session
-            fresh[_START] = times[rows]
-            fresh[_END] = times[rows] + self.gap_us
-            per_row = np.arange(len(rows))
-            self.aggregates.aggregate(self.aggregates.inputs(batch, rows), per_row, per_row, fresh)
-            pending.append((columns_from_arrow(batch, self.key_schema, self.key_columns)[rows], fresh))
-        return None
-
-    def _add_rows(self, context, keys, fresh):
+    def add_rows(self, context, keys, fresh):
         """Merge the batch's sessions (all its Arrow batches at once) into each key's held ones;
         file in the expiry index only the sessions that are new or whose end moved."""
         order, starts = group_rows(keys)
         distinct = keys[order[starts]]
         row_owner = np.empty(len(keys), dtype=np.int64)
         row_owner[order] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(keys))))
-        lists = self._lists(context)
+        lists = self.lists(context)
         counts = lists.counts(distinct)
         held_owner, held = lists.read(distinct, counts)
-        merged_owner, merged = self._merge(np.concatenate([held_owner, row_owner]), np.concatenate([held, fresh]))
+        merged_owner, merged = self.merge(np.concatenate([held_owner, row_owner]), np.concatenate([held, fresh]))
         lists.replace(distinct, merged_owner, merged, counts)
         moved = ~np.isin(_spans(merged_owner, merged), _spans(held_owner, held))
         self.index(context).add(merged[_END][moved], distinct[merged_owner[moved]])
 
-    def _merge(self, owner, sessions):
+    def merge(self, owner, sessions):
         """The sessions of each owner merged where they overlap or touch: ``(owner, session)``
         sorted by owner, then start."""
         order = np.lexsort((sessions[_START], owner))
@@ -150,18 +133,45 @@ class SessionWindow(KeyedEventTimeFn):
         merged[_END] = np.maximum.reduceat(sessions[_END], runs)
         return owner[runs], merged
 
-    def finish(self, store):
+    def open(self, context):
+        return _SessionTask(self, context)
+
+
+class _SessionTask(TaskHandler):
+    """One task of a :class:`SessionWindow`: each batch's on-time rows kept as sessions; at the
+    end, merged into the held sessions at once, and the closed sessions emitted and forgotten."""
+
+    def __init__(self, fn, context):
+        super().__init__(fn, context)
+        self.pending = []  # the batch's on-time rows as (keys, one session each)
+
+    def process(self, batch):
+        fn, context, pending = self.fn, self.context, self.pending
+        times = event_times_us(batch, fn.event_time)
+        on_time = times + fn.gap_us > context.watermarks.for_late_events_us
+        context.late_rows += int(len(times) - on_time.sum())
+        rows = np.flatnonzero(on_time)
+        if len(rows):
+            fresh = np.zeros(len(rows), dtype=fn.session_dtype)  # each row its own session
+            fresh[_START] = times[rows]
+            fresh[_END] = times[rows] + fn.gap_us
+            per_row = np.arange(len(rows))
+            fn.aggregates.aggregate(fn.aggregates.inputs(batch, rows), per_row, per_row, fresh)
+            pending.append((columns_from_arrow(batch, fn.key_schema, fn.key_columns)[rows], fresh))
+        return None
+
+    def finish(self):
         """Merge the batch's rows, then emit and forget the sessions the eviction watermark closes."""
-        context, pending = self._tasks.pop(id(store))
+        fn, store, context, pending = self.fn, self.store, self.context, self.pending
         if pending:
-            self._add_rows(context, np.concatenate([k for k, _ in pending]), np.concatenate([f for _, f in pending]))
+            fn.add_rows(context, np.concatenate([k for k, _ in pending]), np.concatenate([f for _, f in pending]))
         limit = context.watermarks.for_eviction_us
-        _, due = self.index(context).pop_until(limit)
+        _, due = fn.index(context).pop_until(limit)
         if not len(due):
             return None
         order, starts = group_rows(due)
         keys = due[order[starts]]
-        lists = self._lists(context)
+        lists = fn.lists(context)
         counts = lists.counts(keys)
         owner, sessions = lists.read(keys, counts)
         closed = sessions[_END] <= limit
@@ -169,8 +179,8 @@ class SessionWindow(KeyedEventTimeFn):
             return None
         lists.replace(keys, owner[~closed], sessions[~closed], counts)
         out_keys, out = keys[owner[closed]], sessions[closed]
-        columns = [numpy_to_arrow(out_keys[name]) for name in self.key_schema.names]
-        columns.append(window_struct(out[_START], out[_END], self.timestamp_type))
-        aggregates = self.aggregates.output_columns(out)
+        columns = [numpy_to_arrow(out_keys[name]) for name in fn.key_schema.names]
+        columns.append(window_struct(out[_START], out[_END], fn.timestamp_type))
+        aggregates = fn.aggregates.output_columns(out)
         return pa.RecordBatch.from_arrays(columns + list(aggregates.values()),
-                                          names=self.key_columns + ["session_window"] + list(aggregates))
+                                          names=fn.key_columns + ["session_window"] + list(aggregates))

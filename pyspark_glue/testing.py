@@ -19,30 +19,18 @@ import numpy as np
 import pyarrow as pa
 
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
-from statecore.schema import key_value_schemas
 from statecore.snapshot_at import start_store_empty
 from statecore.spark_hash import FIXED_WIDTH_TYPES
 
-from pyspark_glue.arrow import output_schemas, to_record_batch
+from pyspark_glue.arrow import to_record_batch
 from pyspark_glue.clocks import ManualClock, as_millis
-from pyspark_glue.event_time import batch_watermarks, check_event_time_column, parse_duration_us
-from pyspark_glue.operator_task import (INITIAL_STATE_COLUMN, PartitionContext, abort_uncommitted, commit_stores,
-                                        routed_partitions, run_fn)
+from pyspark_glue.event_time import batch_watermarks
+from pyspark_glue.operator_fn import FROM_FN, FunctionSettings, PartitionContext, contract_of
+from pyspark_glue.operator_task import (INITIAL_STATE_COLUMN, abort_uncommitted, commit_stores, routed_partitions,
+                                        run_fn)
 from pyspark_glue.state_vars import StateHandle
 
 __all__ = ["Harness"]
-
-_FROM_FN = object()
-
-
-class _Input:
-    """What the operator's set-up reads of a DataFrame: its columns and Spark schema."""
-
-    def __init__(self, arrow_schema):
-        from pyspark.sql.pandas.types import from_arrow_schema
-
-        self.schema = from_arrow_schema(arrow_schema)
-        self.columns = [f.name for f in self.schema.fields]
 
 
 def as_table(rows, schema=None, what="rows"):
@@ -98,27 +86,16 @@ class Harness:
         ``late_rows``, the watermarks (with event time) and ``fn_counts``.
     """
 
-    def __init__(self, fn, num_partitions=1, *, key_columns=_FROM_FN, key_schema=_FROM_FN, value_schema=_FROM_FN,
-                 output_schema=_FROM_FN, event_time=_FROM_FN, delay=_FROM_FN, initial_state=None, clock=None,
+    def __init__(self, fn, num_partitions=1, *, key_columns=FROM_FN, key_schema=FROM_FN, value_schema=FROM_FN,
+                 output_schema=FROM_FN, event_time=FROM_FN, delay=FROM_FN, initial_state=None, clock=None,
                  checkpoint_location=None, conf=None, store_name="default"):
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
             raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
         self.fn, self.num_partitions, self.store_name = fn, num_partitions, store_name
-        key_columns = _attr(fn, "key_columns", key_columns)
-        self.key_columns = [key_columns] if isinstance(key_columns, str) else list(key_columns or ())
-        if not self.key_columns:
-            raise ValueError("no key_columns: pass them, or give fn an attribute of that name")
-        self._schema_args = (key_schema, value_schema)
-        self._output_schema = output_schema  # resolved with the first batch (a built-in's follows its columns)
-        self.event_time = _attr(fn, "event_time", event_time)
-        delay = _attr(fn, "delay", delay)
-        if self.event_time is not None and delay is None:
-            raise ValueError(f"an event-time column ('{self.event_time}') needs a watermark delay")
-        self.delay_us = None if delay is None else parse_duration_us(delay, "the watermark delay")
-        if initial_state is not None and not callable(getattr(fn, "handle_initial_state", None)):
-            raise TypeError("an initial_state needs an fn with handle_initial_state (a StatefulProcessor)")
+        # the operator's own reading of fn and the arguments (pyspark_glue.operator_fn)
+        self._settings = settings = FunctionSettings(fn, key_columns, key_schema, value_schema, output_schema,
+                                                     event_time, delay, initial_state is not None)
+        self.key_columns, self.event_time, self.delay_us = settings.key_columns, settings.event_time, settings.delay_us
         self._initial_state = None if initial_state is None else as_table(initial_state, what="initial_state")
         self.clock = ManualClock(0) if clock is None else clock
         self.conf = conf if isinstance(conf, StateStoreConf) else StateStoreConf.from_spark_conf(conf or {})
@@ -135,28 +112,20 @@ class Harness:
 
     # -- set-up -------------------------------------------------------------------------------
 
+    # The schemas: given, fn's attributes, or resolved from the first batch's columns.
+    key_schema = property(lambda self: self._settings.key_schema)
+    value_schema = property(lambda self: self._settings.value_schema)
+    output_schema = property(lambda self: self._settings.output_schema)
+    _arrow_schema = property(lambda self: self._settings.arrow_schema)
+
     def _resolve(self, schema):
-        """The schemas, from ``fn`` or the first batch's columns (as the operator does)."""
-        df = _Input(schema)
-        missing = [c for c in self.key_columns if c not in df.columns]
-        if missing:
-            raise ValueError(f"key column '{missing[0]}' is not in the rows (columns: {df.columns})")
-        if self.event_time is not None:
-            check_event_time_column(df.schema, self.event_time)
-        key, value = (_attr(self.fn, name, given) for name, given in zip(("key_schema", "value_schema"),
-                                                                          self._schema_args))
-        if (key is None or value is None) and callable(getattr(self.fn, "resolve_schemas", None)):
-            self.fn.resolve_schemas(df.schema)
-            key, value = (_attr(self.fn, name, given) for name, given in zip(("key_schema", "value_schema"),
-                                                                              self._schema_args))
-        if key is None or value is None:
-            raise ValueError(f"no {'key_schema' if key is None else 'value_schema'}: pass it, or give fn an "
-                             f"attribute of that name")
-        self.key_schema, self.value_schema = key_value_schemas(key, value)
-        self.output_schema, self._arrow_schema = output_schemas(_attr(self.fn, "output_schema",
-                                                                      self._output_schema))
-        self._key_types = tuple(next(f.dataType.simpleString() for f in df.schema.fields if f.name == c)
-                                for c in self.key_columns)
+        """The schemas, from ``fn`` or the first batch's columns, as the operator resolves them."""
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        spark_schema = from_arrow_schema(schema)
+        self._settings.resolve_input(spark_schema, "the rows")
+        types = {f.name: f.dataType.simpleString() for f in spark_schema.fields}
+        self._key_types = tuple(types[c] for c in self.key_columns)
         if self.num_partitions > 1 and not all(t in FIXED_WIDTH_TYPES for t in self._key_types):
             raise ValueError(f"routing rows to {self.num_partitions} partitions here needs key columns of fixed-width "
                              f"types ({', '.join(FIXED_WIDTH_TYPES)}); these are {self._key_types}: use "
@@ -164,11 +133,9 @@ class Harness:
         self._input_schema = schema
 
     def _store_schemas(self):
-        declared = getattr(self.fn, "state_stores", None) or {}
-        if self.store_name in declared:
-            raise ValueError(f"fn.state_stores names the operator's own store {self.store_name!r}")
+        extra = self._settings.extra_stores(self.store_name)
         return {self.store_name: (self.key_schema.dtype, self.value_schema.dtype),
-                **{name: tuple(s.dtype for s in key_value_schemas(k, v)) for name, (k, v) in declared.items()}}
+                **{name: (key.dtype, value.dtype) for name, (key, value) in extra.items()}}
 
     def _provider(self, partition, name, key, value):
         provider = self._providers.get((partition, name))
@@ -233,7 +200,8 @@ class Harness:
                 context = PartitionContext(partition, self.batch_id, stores, self.store_name, watermarks,
                                            timestamp_ms, new)
                 fn = shipped.copy()  # each task gets its own copy, as Spark ships it
-                out, n, _, max_event = run_fn(fn, context, parts[partition], self._arrow_schema, self.event_time)
+                out, n, _, max_event = run_fn(contract_of(fn), context, parts[partition], self._arrow_schema,
+                                              self.event_time)
                 outputs += out
                 rows_in += n
                 late_rows += context.late_rows
@@ -255,9 +223,7 @@ class Harness:
         if watermarks is not None:
             self.last_progress.update(watermark_for_late_events_ms=watermarks.for_late_events,
                                       watermark_for_eviction_ms=watermarks.for_eviction)
-        observe = getattr(self.fn, "observe", None)
-        if callable(observe):
-            observe(self.last_progress)
+        self._settings.contract.observe(self.last_progress)
         if self._arrow_schema is None:
             return None
         return pa.Table.from_batches(outputs, schema=self._arrow_schema)
@@ -401,6 +367,7 @@ class Harness:
         self._providers = {}
         if fn is not None:
             self.fn = fn
+            self._settings.contract = contract_of(fn)  # the schemas and columns stay as resolved
 
     def close(self):
         """Close the stores; remove the directory if the harness made it."""
@@ -413,10 +380,6 @@ class Harness:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _attr(fn, name, given):
-    return getattr(fn, name, None) if given is _FROM_FN else given
 
 
 class _pickled:

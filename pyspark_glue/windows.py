@@ -19,6 +19,7 @@ from pyspark_glue.aggregate_specs import Aggregates
 from pyspark_glue.arrow import columns_from_arrow, dtype_of_columns, numpy_to_arrow
 from pyspark_glue.event_time import event_times_us, parse_duration_us
 from pyspark_glue.keyed_event_fn import KeyedEventTimeFn
+from pyspark_glue.operator_fn import TaskHandler
 
 __all__ = ["WindowedAggregate", "WINDOW_START"]
 
@@ -92,9 +93,6 @@ class WindowedAggregate(KeyedEventTimeFn):
             + [StructField("window", window_spark_type(self.timestamp_type), True)]
             + [StructField(name, t, True) for name, t in self.aggregates.output_fields()])
 
-    def task_record(self, context):
-        return [context, []]  # and the batch's partial aggregates, per Arrow batch
-
     def windows_of(self, times):
         """``(row, start)`` of every window each event time falls in."""
         overlapping = -(-self.window_us // self.slide_us)
@@ -104,30 +102,7 @@ class WindowedAggregate(KeyedEventTimeFn):
         rows = np.broadcast_to(np.arange(len(times))[:, None], starts.shape)
         return rows[inside], starts[inside]
 
-    def __call__(self, store, batch):
-        context, pending = self._tasks[id(store)]
-        times = event_times_us(batch, self.event_time)
-        rows, starts = self.windows_of(times)
-        on_time = starts + self.window_us > context.watermarks.for_late_events_us
-        context.late_rows += int(len(rows) - on_time.sum())
-        rows, starts = rows[on_time], starts[on_time]
-        if not len(rows):
-            return None
-        user_keys = columns_from_arrow(batch, self.user_keys, self.key_columns)
-        keys = np.empty(len(rows), dtype=self.key_schema)
-        keys[WINDOW_START] = starts
-        for name in self.user_keys.names:
-            keys[name] = user_keys[name][rows]
-        order, group_starts = group_rows(keys)
-        distinct = keys[order[group_starts]]
-        inputs = {c: (None if v is None else v[rows], nn[rows])
-                  for c, (v, nn) in self.aggregates.inputs(batch).items()}
-        partial = np.zeros(len(distinct), dtype=self.value_schema)
-        self.aggregates.aggregate(inputs, order, group_starts, partial)
-        pending.append((distinct, partial))
-        return None
-
-    def _add_partials(self, store, context, pending):
+    def add_partials(self, store, context, pending):
         """Merge the batch's partial aggregates (all its Arrow batches at once) into the state;
         returns the windows changed and their new values."""
         keys = np.concatenate([k for k, _ in pending])
@@ -142,28 +117,63 @@ class WindowedAggregate(KeyedEventTimeFn):
             self.index(context).add(keys[WINDOW_START][~found] + self.window_us, keys[~found])
         return keys, values
 
-    def _output(self, keys, values):
+    def output(self, keys, values):
         columns = [numpy_to_arrow(keys[name]) for name in self.user_keys.names]
         columns.append(window_struct(keys[WINDOW_START], keys[WINDOW_START] + self.window_us, self.timestamp_type))
         aggregates = self.aggregates.output_columns(values)
         names = self.key_columns + ["window"] + list(aggregates)
         return pa.RecordBatch.from_arrays(columns + list(aggregates.values()), names=names)
 
-    def finish(self, store):
+    def open(self, context):
+        return _WindowTask(self, context)
+
+
+class _WindowTask(TaskHandler):
+    """One task of a :class:`WindowedAggregate`: each batch's partial aggregates kept; at the
+    end, merged into the state at once, emitted, and the closed windows forgotten."""
+
+    def __init__(self, fn, context):
+        super().__init__(fn, context)
+        self.pending = []  # the batch's partial aggregates, per Arrow batch
+
+    def process(self, batch):
+        fn, context, pending = self.fn, self.context, self.pending
+        times = event_times_us(batch, fn.event_time)
+        rows, starts = fn.windows_of(times)
+        on_time = starts + fn.window_us > context.watermarks.for_late_events_us
+        context.late_rows += int(len(rows) - on_time.sum())
+        rows, starts = rows[on_time], starts[on_time]
+        if not len(rows):
+            return None
+        user_keys = columns_from_arrow(batch, fn.user_keys, fn.key_columns)
+        keys = np.empty(len(rows), dtype=fn.key_schema)
+        keys[WINDOW_START] = starts
+        for name in fn.user_keys.names:
+            keys[name] = user_keys[name][rows]
+        order, group_starts = group_rows(keys)
+        distinct = keys[order[group_starts]]
+        inputs = {c: (None if v is None else v[rows], nn[rows])
+                  for c, (v, nn) in fn.aggregates.inputs(batch).items()}
+        partial = np.zeros(len(distinct), dtype=fn.value_schema)
+        fn.aggregates.aggregate(inputs, order, group_starts, partial)
+        pending.append((distinct, partial))
+        return None
+
+    def finish(self):
         """Merge the batch's rows; emit (append mode: the windows the eviction watermark
         closes; update mode: the windows this batch changed) and forget the closed windows."""
-        context, pending = self._tasks.pop(id(store))
+        fn, store, context, pending = self.fn, self.store, self.context, self.pending
         out = []
         if pending:
-            keys, values = self._add_partials(store, context, pending)
-            if self.output_mode == "update":
-                out.append(self._output(keys, values))
-        _, closed = self.index(context).pop_until(context.watermarks.for_eviction_us)
+            keys, values = fn.add_partials(store, context, pending)
+            if fn.output_mode == "update":
+                out.append(fn.output(keys, values))
+        _, closed = fn.index(context).pop_until(context.watermarks.for_eviction_us)
         if len(closed):
             values, found = store.get_batch(closed)
             closed, values = closed[found], values[found]
-            if self.output_mode == "append" and len(closed):
-                out.append(self._output(closed, values))
+            if fn.output_mode == "append" and len(closed):
+                out.append(fn.output(closed, values))
             store.remove_batch(closed)
         if not out:
             return None

@@ -663,8 +663,11 @@ class HoldingAggregate:
         self.inner = RunningAggregate(KEY, "amount")
         self.markers, self.hold_file = markers, hold_file
 
+    def open(self, context):
+        self.task = self.inner.open(context)
+
     def __call__(self, store, batch):
-        return self.inner(store, batch)
+        return self.task.process(batch)
 
     def finish(self, store):
         from pyspark import TaskContext
@@ -685,7 +688,7 @@ class HoldingAggregate:
             deadline = time.monotonic() + HOLD_MAX_S
             while os.path.exists(self.hold_file) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        return self.inner.finish(store)
+        return self.task.finish()
 
 
 def _probe(_):

@@ -144,9 +144,12 @@ class EchoAggregate:
             open(self.marker, "w").close()
             raise RuntimeError("forced failure in partition 1")
 
+    def open(self, context):  # each epoch: the aggregate's handler of the epoch's task
+        self.task = self.agg.open(context)
+
     def __call__(self, store, batch):
         self._fail_once(batch)
-        self.agg(store, batch)
+        self.task.process(batch)
         return batch.select(["partition", "offset", "key"])
 
 

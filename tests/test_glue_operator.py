@@ -13,7 +13,9 @@ import pytest
 from statecore import StateStoreConf, StateStoreId, StateStoreProviderId, create_and_init_provider
 from statecore.errors import SchemaMismatchError
 
-from tests.glue_support import (INPUT_DDL, KEY, events, expected_state, make_operator, state_dict,
+from pyspark_glue.operator_fn import OperatorFunction, PartitionContext, TaskHandler
+
+from tests.glue_support import (INPUT_DDL, KEY, VALUE, events, expected_state, make_operator, state_dict,
                                  write_parquet)
 from tests.state_files import version_names
 
@@ -68,9 +70,10 @@ def test_running_aggregate_groups_within_and_across_batches(tmp_path):
     first = events(1, 500)
     second = events(2, 300)
     store = provider.get_store(0)
-    assert agg(store, first.to_batches()[0]) is None
-    assert agg(store, second.to_batches()[0]) is None
-    out = agg.finish(store)
+    task = agg.open(PartitionContext(0, 0, {"default": store}, "default", None))
+    assert task.process(first.to_batches()[0]) is None
+    assert task.process(second.to_batches()[0]) is None
+    out = task.finish()
     store.commit()
     emitted = {(u, r): (c, s) for u, r, c, s in zip(*(out.column(i).to_pylist() for i in range(4)))}
     assert emitted == expected_state([first, second])  # each key once, with its final totals
@@ -95,14 +98,16 @@ def test_running_aggregate_merges_partial_aggregates_like_raw_rows(tmp_path):
     agg = RunningAggregate(KEY, "amount")
     provider = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), KEY, agg.value_schema, StateStoreConf())
     store = provider.get_store(0)
-    agg(store, events(1, 500).to_batches()[0])  # an earlier batch, as raw rows
+    agg.open(PartitionContext(0, 0, {"default": store}, "default", None)).process(
+        events(1, 500).to_batches()[0])  # an earlier batch, as raw rows
     store.commit()
     store = provider.get_store(1)
     second, third = events(2, 300, users=20), events(3, 200, users=30)  # disjoint users: each key in one batch
     third = third.set_column(0, "user", pa.compute.add(third.column("user"), 1000))
-    agg(store, partial_batch(second))
-    agg(store, partial_batch(third))
-    out = agg.finish(store)
+    task = agg.open(PartitionContext(0, 1, {"default": store}, "default", None))
+    task.process(partial_batch(second))
+    task.process(partial_batch(third))
+    out = task.finish()
     store.commit()
     emitted = {(u, r): (c, s) for u, r, c, s in zip(*(out.column(i).to_pylist() for i in range(4)))}
     everything = expected_state([events(1, 500), second, third])
@@ -447,13 +452,16 @@ class CountingAggregate:
         with open(os.path.join(self.directory, what), "a") as f:
             f.write("x\n")
 
+    def open(self, context):  # a plain fn's open: the inner aggregate's handler of this task
+        self.task = self.inner.open(context)
+
     def __call__(self, store, batch):
         self._count("calls")
-        return self.inner(store, batch)
+        return self.task.process(batch)
 
     def finish(self, store):
         self._count("finishes")
-        return self.inner.finish(store)
+        return self.task.finish()
 
 
 def count_lines(path):
@@ -505,6 +513,65 @@ def test_fn_gets_a_partition_s_arrow_batches_joined(spark, tmp_path):
         spark.conf.set(key, before)
     assert calls["joined"] == 4, f"fn was called {calls['joined']} times for 4 partitions"
     assert calls["as_sent"] >= 2000 // 100, calls
+
+
+class NaturalTotals(OperatorFunction):
+    """A running count and sum of ``amount`` per key written as docs/operator.md teaches a new
+    fn: each batch reads its keys' values, adds the batch's rows, writes them back and emits
+    the keys it updated. Defined here on purpose: the operator must ship it by value."""
+
+    def open(self, context):
+        return NaturalTotalsTask(self, context)
+
+
+class NaturalTotalsTask(TaskHandler):
+    def process(self, batch):
+        from pyspark_glue import column_to_numpy, keys_from_arrow
+        from pyspark_glue.aggregates import group_rows
+        from pyspark_glue.arrow import column
+
+        keys = keys_from_arrow(batch, KEY)
+        if not len(keys):
+            return None
+        amounts = column_to_numpy(column(batch, "amount"), np.int64, "amount")
+        order, starts = group_rows(keys)
+        distinct = keys[order[starts]]
+        old, found = self.store.get_batch(distinct)
+        new = np.zeros(len(distinct), VALUE)
+        new["count"] = np.where(found, old["count"], 0) + np.diff(np.append(starts, len(keys)))
+        new["sum"] = np.where(found, old["sum"], 0) + np.add.reduceat(amounts[order], starts)
+        self.store.put_batch(distinct, new)
+        self.emit_latest(distinct, new)
+        return None
+
+
+@pytest.mark.spark
+def test_a_natural_fn_emits_each_key_once_however_its_rows_are_batched(spark, tmp_path):
+    """A new user's fn (read, add, write back, emit what it updated) with ``fn_batch_rows=None``
+    and Spark sending 100-row Arrow batches, so each key's rows reach it in several batches:
+    every updated key is emitted once per micro-batch, with its final totals, as with the
+    batches joined."""
+    tables = [events(41, 4000), events(42, 2000)]
+    dfs = [spark.createDataFrame(t.to_pandas(), INPUT_DDL) for t in tables]
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "100")
+    try:
+        for rows in (1 << 20, None):
+            op = make_operator(str(tmp_path / f"state-{rows}"), fn=NaturalTotals(), coordinator=False,
+                               fn_batch_rows=rows)
+            for b, df in enumerate(dfs):
+                emitted = [(r["user"], bytes(r["region"])) for r in op.process(df, b).collect()]
+                assert len(emitted) == len(set(emitted)), \
+                    f"fn_batch_rows={rows}, batch {b}: {len(emitted) - len(set(emitted))} keys emitted twice or more"
+                everything = expected_state(tables[:b + 1])
+                assert state_dict(op.output(b)) == {k: everything[k] for k in expected_state([tables[b]])}
+            if rows is None:
+                assert min(p["batches_in"] for p in op.last_progress["partitions"]) > 1, \
+                    "each partition's rows must come in several batches for the test to mean anything"
+            op.close()
+    finally:
+        spark.conf.set(key, before)
 
 
 def test_output_left_unread_is_read_later_from_its_files(spark, tmp_path):

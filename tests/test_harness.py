@@ -97,8 +97,8 @@ def test_a_failing_batch_leaves_nothing_and_runs_again():
         fail_in = None
 
         def open(self, context):
-            super().open(context)
-            self.partition = context.partition_id
+            self.partition = context.partition_id  # before the task's copy is made
+            return super().open(context)
 
         def handle_input(self, groups, timers):
             super().handle_input(groups, timers)
@@ -233,8 +233,8 @@ def test_a_processor_upgraded_with_a_new_variable_goes_on_in_the_harness(tmp_pat
             self.first_seen = state.value("first_seen", [("batch", "<i8")])
 
         def open(self, context):
-            super().open(context)
             Upgraded.new_stores = set(context.new_stores)
+            return super().open(context)
 
         def handle_input(self, groups, timers):
             super().handle_input(groups, timers)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from pyspark_glue.event_time import Watermarks
-from pyspark_glue.operator_task import PartitionContext
+from pyspark_glue.operator_fn import PartitionContext
 from pyspark_glue.processor import StatefulProcessor
 from tests.store_support import Partition
 
@@ -140,12 +140,12 @@ def test_processor_with_timers_and_ttl_matches_the_model(tmp_path, seed):
         max_event = max([max_event] + [t for _, t, _ in rows])
         stores = partition.open()
         context = PartitionContext(0, b, stores, "default", Watermarks(late_ms, watermark))
-        processor.open(context)
+        task = processor.open(context)
         half = len(rows) // 2
         for chunk in (rows[:half], rows[half:]):  # the rows come in two Arrow batches
             if chunk:
-                processor(stores["default"], arrow_rows(chunk))
-        out = processor.finish(stores["default"])
+                task.process(arrow_rows(chunk))
+        out = task.finish()
         partition.commit(stores)
         got = output_rows(out)
         expected = model.batch(rows, late_ms * 1000, watermark * 1000)
@@ -156,8 +156,9 @@ def test_processor_with_timers_and_ttl_matches_the_model(tmp_path, seed):
             partition.reload()
         # the state itself, read back through the variables, matches the model's
         stores = partition.open()
-        check = Inactivity()
-        check.open(PartitionContext(0, b + 1, stores, "default", Watermarks(watermark, watermark)))
+        # a task's copy of the processor, its variables bound to the stores
+        check = Inactivity().open(PartitionContext(0, b + 1, stores, "default", Watermarks(watermark, watermark)))
+        check = check.processor
         users = np.array([(u,) for u in range(30)], dtype=KEY)
         values, found = check.count.get(users)
         assert {int(u["user"]): (int(v["n"]), int(v["last"])) for u, v, f in zip(users, values, found) if f} \
@@ -223,8 +224,8 @@ class Reminder(StatefulProcessor):
         return pa.RecordBatch.from_pydict({"user": keys["user"], "page": np.where(found, values["page"], -1)})
 
     def open(self, context):
-        self.now_us = context.batch_timestamp_ms * 1000
-        super().open(context)
+        self.now_us = context.batch_timestamp_ms * 1000  # before the task's copy is made
+        return super().open(context)
 
 
 def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
@@ -235,10 +236,10 @@ def test_processing_time_timers_and_ttl_follow_the_batch_timestamp(tmp_path):
     for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7), (2, 0, 8)]), (10_500, [(3, 0, 9)]),
                                         (11_000, []), (11_600, []), (12_400, []), (13_100, [])]):
         stores = partition.open()
-        processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
+        task = processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
         if rows:
-            processor(stores["default"], arrow_rows(rows))
-        out = processor.finish(stores["default"])
+            task.process(arrow_rows(rows))
+        out = task.finish()
         partition.commit(stores)
         fired.append(output_rows(out))
     # 11.0 s: users 1 and 2 (due 11.0); 11.6 s: user 3 (due 11.5); their values (written at
@@ -280,9 +281,9 @@ def test_a_map_entry_whose_ttl_ended_is_listed_once_when_put_again(tmp_path):
     listed = []
     for b, (now_ms, rows) in enumerate([(10_000, [(1, 0, 7)]), (20_000, [(2, 0, 8)]), (30_000, [(1, 0, 7)])]):
         stores = partition.open()
-        processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
-        processor(stores["default"], arrow_rows(rows))
-        out = processor.finish(stores["default"])
+        task = processor.open(PartitionContext(0, b, stores, "default", None, now_ms))
+        task.process(arrow_rows(rows))
+        out = task.finish()
         partition.commit(stores)
         listed.append(output_rows(out))
     # user 1's page 7 expired at 11 s and left the store at the end of batch 1 (20 s)
@@ -322,10 +323,10 @@ def fired_over_batches(tmp_path, processor):
     fired = []
     for b, (watermark_ms, rows) in enumerate([(0, [(1, 5_000_000, 0)]), (10_000, []), (10_000, []), (10_000, [])]):
         stores = partition.open()
-        processor.open(PartitionContext(0, b, stores, "default", Watermarks(watermark_ms, watermark_ms)))
+        task = processor.open(PartitionContext(0, b, stores, "default", Watermarks(watermark_ms, watermark_ms)))
         if rows:
-            processor(stores["default"], arrow_rows(rows))
-        out = processor.finish(stores["default"])
+            task.process(arrow_rows(rows))
+        out = task.finish()
         partition.commit(stores)
         fired.append(output_rows(out))
     return fired

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from statecore import StateStoreId
 from statecore.cli import main as cli_main
 from statecore.expiry import ExpiryIndex
-from pyspark_glue.operator_task import PartitionContext
+from pyspark_glue.operator_fn import PartitionContext
 from pyspark_glue.processor import StatefulProcessor
 from pyspark_glue.state_vars import LISTING_BOUND, StateHandle
 from tests.store_support import Partition
@@ -158,9 +158,9 @@ def test_a_checkpoint_written_before_the_listing_lists_its_timers_after_the_upgr
         partition.start_empty(name, *schemas[name])
     stores = partition.open()
     processor = TimersOnly()
-    processor.open(PartitionContext(0, partition.version, stores, "default", None, new_stores=set(LISTING)))
+    task = processor.open(PartitionContext(0, partition.version, stores, "default", None, new_stores=set(LISTING)))
     expected = {u: sorted(t for v, t in registered if v == u) for u in range(6)}
-    assert listed(processor._task["handle"].timers, range(8)) == expected
+    assert listed(task.handle.timers, range(8)) == expected
     partition.commit(stores)
     partition.reload()
     stores = partition.open()
@@ -199,9 +199,13 @@ def upgraded_processors():
             self.n.put(groups.keys, new)
             return new["n"], groups.column("ts")[groups.starts]
 
+        def open(self, context):
+            self.stores = context.stores  # for the task's copy, which the handlers run on
+            return super().open(context)
+
         def handle_input(self, groups, timers):
             n, times = self.count(groups)
-            register_as_before(self._task["handle"]._stores, self.key_schema, groups.keys, times)
+            register_as_before(self.stores, self.key_schema, groups.keys, times)
             return pa.RecordBatch.from_pydict({"id": groups.keys["id"], "n": n, "last": [None] * len(n),
                                                "timers": [-1] * len(n)})
 

@@ -24,6 +24,7 @@ from pyspark_glue.continuous.log import STATE_DIR, QueryLogs
 from pyspark_glue.continuous.sink import EpochSink
 from pyspark_glue.continuous.sources import ContinuousSource, positive_int
 from pyspark_glue.continuous.task import TaskSpec, task_function
+from pyspark_glue.operator_fn import contract_of
 from pyspark_glue.rdd import ship_function_module
 
 __all__ = ["ContinuousQuery", "ContinuousQueryException", "start_continuous", "task_slots"]
@@ -122,9 +123,7 @@ class ContinuousQuery:
             raise TypeError(f"source must implement ContinuousSource (num_partitions, initial_offset, reader), got "
                             f"{type(source).__name__}")
         self.num_partitions = positive_int("source.num_partitions", source.num_partitions)
-        if not callable(fn):
-            raise TypeError(f"fn must be callable (store, pyarrow.RecordBatch) -> RecordBatch | None, got "
-                            f"{type(fn).__name__}")
+        contract_of(fn)  # TypeError unless an OperatorFunction or a callable fn(store, batch)
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         self.epoch_interval_s = positive_int("epoch_interval_ms", epoch_interval_ms) / 1e3
@@ -501,10 +500,10 @@ def start_continuous(spark, source, fn, checkpoint_location, key_schema, value_s
     spark : SparkSession
     source : ContinuousSource
         :class:`GeneratorSource`, :class:`FileSource`, or your own.
-    fn : callable ``(StateStore, pyarrow.RecordBatch) -> RecordBatch | None``
-        As in :class:`~pyspark_glue.StatefulOperator`; ``fn.finish(store)``, if present, runs
-        at the end of every epoch (:class:`~pyspark_glue.RunningAggregate` then emits each key
-        updated in the epoch once).
+    fn : OperatorFunction or callable ``(StateStore, pyarrow.RecordBatch) -> RecordBatch | None``
+        As in :class:`~pyspark_glue.StatefulOperator`: each epoch of a partition is a task of
+        ``fn`` (``fn.open(context)``, its batches, ``finish``, with no watermarks), so
+        :class:`~pyspark_glue.RunningAggregate` emits each key updated in the epoch once.
     checkpoint_location : str
         Holds ``metadata``, ``offsets/``, ``commits/``, ``state/`` (and ``output/`` by
         default); must be reachable from the executors.

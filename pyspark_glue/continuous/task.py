@@ -18,6 +18,7 @@ from pyspark_glue import executor
 from pyspark_glue.arrow import conform_output
 from pyspark_glue.continuous.log import OPERATOR_ID
 from pyspark_glue.continuous.sink import EpochSink
+from pyspark_glue.operator_fn import PartitionContext, contract_of, open_task
 
 __all__ = ["ContinuousTaskRetryError", "TaskSpec", "task_function"]
 
@@ -56,6 +57,7 @@ class _PartitionTask:
 
     def __init__(self, spec, partition_id):
         self.spec, self.partition_id = spec, partition_id
+        self.contract = contract_of(spec.fn)  # each epoch gets its own handler (open_task)
         self.epochs = EpochCoordinatorRef.connect(spec.address, spec.coordinator_id, spec.authkey)
         executor.ensure_worker_registry(spec.address, spec.authkey)
         self.provider_id = StateStoreProviderId(
@@ -65,17 +67,20 @@ class _PartitionTask:
         self.rows_in = self.epochs_closed = 0
 
     def _open(self, version, commit_id):
+        """``(store, handler)``: the store at ``version`` and ``fn``'s handler of the epoch."""
         store, _ = executor.open_store(self.provider_id, self.spec.key_dtype, self.spec.value_dtype, version,
                                        self.spec.conf, commit_id=commit_id)
-        return store
+        context = PartitionContext(self.partition_id, version, {self.spec.store_name: store}, self.spec.store_name,
+                                   None)
+        return store, open_task(self.contract, context)
 
     def run(self):
-        spec, p, fn = self.spec, self.partition_id, self.spec.fn
+        spec, p = self.spec, self.partition_id
         reader = spec.source.reader(p, spec.start_offsets[p])
         epoch = spec.start_epoch
         store = None
         try:
-            store = self._open(epoch - 1, None if spec.start_commit_ids is None else spec.start_commit_ids[p])
+            store, handler = self._open(epoch - 1, None if spec.start_commit_ids is None else spec.start_commit_ids[p])
             outputs, rows, fn_s = [], 0, 0.0
             next_poll = 0.0
             while True:
@@ -88,9 +93,9 @@ class _PartitionTask:
                         return {"partition": p, "ended": f"epoch coordinator gone: {e}", "epoch": epoch,
                                 "rows_in": self.rows_in, "epochs_closed": self.epochs_closed}
                     while epoch < current:
-                        self._close_epoch(store, epoch, reader.offset(), outputs, rows, fn_s)
+                        self._close_epoch(store, handler, epoch, reader.offset(), outputs, rows, fn_s)
                         epoch += 1
-                        store = self._open(epoch - 1, store.commit_id)  # the attempt just committed
+                        store, handler = self._open(epoch - 1, store.commit_id)  # the attempt just committed
                         outputs, rows, fn_s = [], 0, 0.0
                 batch = reader.next_batch()
                 if batch is None:
@@ -98,7 +103,7 @@ class _PartitionTask:
                     continue
                 started = time.perf_counter()
                 rows += batch.num_rows
-                out = fn(store, batch)
+                out = handler.process(batch)
                 if out is not None:
                     outputs += conform_output(out, spec.arrow_schema, "fn")
                 fn_s += time.perf_counter() - started
@@ -107,14 +112,12 @@ class _PartitionTask:
             if store is not None and not store.has_committed:
                 store.abort()
 
-    def _close_epoch(self, store, epoch, offset, outputs, rows, fn_s):
+    def _close_epoch(self, store, handler, epoch, offset, outputs, rows, fn_s):
         spec, p = self.spec, self.partition_id
         started = time.perf_counter()
-        finish = getattr(spec.fn, "finish", None)
-        if callable(finish):
-            out = finish(store)
-            if out is not None:
-                outputs = outputs + conform_output(out, spec.arrow_schema, "fn.finish")
+        out = handler.finish()
+        if out is not None:
+            outputs = outputs + conform_output(out, spec.arrow_schema, "fn.finish")
         if self.sink is not None:
             message = self.sink.write(epoch, p, outputs, spec.arrow_schema)
         elif outputs:
