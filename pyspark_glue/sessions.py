@@ -162,7 +162,7 @@ class _SessionTask(TaskHandler):
 
     def finish(self):
         """Merge the batch's rows, then emit and forget the sessions the eviction watermark closes."""
-        fn, store, context, pending = self.fn, self.store, self.context, self.pending
+        fn, context, pending = self.fn, self.context, self.pending
         if pending:
             fn.add_rows(context, np.concatenate([k for k, _ in pending]), np.concatenate([f for _, f in pending]))
         limit = context.watermarks.for_eviction_us
