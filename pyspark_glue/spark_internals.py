@@ -12,6 +12,7 @@ venv); ``tests/test_spark_internals.py`` runs each on a local session, and its f
 on a stand-in that lacks the attribute. A failure is caught only as the exceptions it can
 really raise (``AttributeError`` when PySpark moved a name, py4j's ``Py4JError``, which covers
 a Java exception and a lost gateway) and logged with what is lost; anything else propagates.
+The rule, for users on other PySpark versions: docs/cluster.md, "PySpark versions".
 """
 import logging
 

@@ -9,7 +9,7 @@ Every path that writes key rows or hashes float keys (RowSchema's per-row and ba
 conversions, RowCodec, spark_hash) reads the constants below, through ``_float_keys.pyx``
 from Python.
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t
 
 cdef extern from *:
     # Per width: the sign bit alone (-0.0), the bits of +inf (a magnitude above them is a
@@ -46,3 +46,17 @@ cdef inline uint64_t key_bits64(uint64_t bits) noexcept nogil:
     if (bits & ~SC_F64_SIGN) > SC_F64_INF:
         return SC_F64_NAN
     return bits
+
+
+
+cdef inline bint may_change32(uint32_t bits) noexcept nogil:
+    """False when ``key_bits32`` keeps these bits (anything but -0.0, an infinity or a NaN):
+    without branches, in 32-bit integer operations, so that a loop over a column vectorizes."""
+    return (bits == SC_F32_SIGN) | (<int32_t>(bits & ~SC_F32_SIGN) > <int32_t>SC_F32_INF)
+
+
+cdef inline bint may_change64(uint32_t high) noexcept nogil:
+    """False when ``key_bits64`` keeps a float64 whose upper 32 bits are ``high`` (anything but
+    a value with -0.0's upper half, an infinity or a NaN): as :func:`may_change32`, vectorizes."""
+    return ((high == <uint32_t>(SC_F64_SIGN >> 32))
+            | (<int32_t>(high & ~<uint32_t>(SC_F64_SIGN >> 32)) >= <int32_t>(SC_F64_INF >> 32)))

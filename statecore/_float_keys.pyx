@@ -2,15 +2,15 @@
 """Python access to float key normalization (the table and the rule live in ``_float_keys.pxd``).
 
 ``FLOAT_KEY_BITS`` is the table for Python code; ``key_bits`` is the rule for one value's
-bits (RowSchema's per-row path), ``count_to_normalize`` and ``normalize_bits`` for a whole
+bits (RowSchema's per-row path), ``needs_normalizing`` and ``normalize_bits`` for a whole
 column of bits, strided or not (RowSchema's batch path, spark_hash).
 """
 cimport cython
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t
 
 import numpy as np
 
-__all__ = ["FLOAT_KEY_BITS", "key_bits", "count_to_normalize", "normalize_bits"]
+__all__ = ["FLOAT_KEY_BITS", "key_bits", "needs_normalizing", "normalize_bits"]
 
 ctypedef fused word:
     uint32_t
@@ -36,17 +36,34 @@ def key_bits(uint64_t bits, int width):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def count_to_normalize(const word[:] bits not None):
-    """How many of these float bits (a uint32 or uint64 view of a float column, any stride)
-    a key holds otherwise: 0 means the column is already as keys hold it."""
-    cdef Py_ssize_t i, n = bits.shape[0], count = 0
+def needs_normalizing(const word[:] bits not None):
+    """Whether a key holds any of these float bits (a uint32 or uint64 view of a float column,
+    any stride) otherwise: False means the column is already as keys hold it."""
+    cdef Py_ssize_t i, n = bits.shape[0]
+    cdef const uint32_t* words
+    cdef int maybe = 0
+    cdef bint found = False
+    if n == 0:
+        return False
+    if bits.strides[0] == sizeof(word):  # a column alone: a vectorized look for candidates first
+        words = <const uint32_t*>&bits[0]  # little-endian: a float64's upper half is its second word
+        with nogil:
+            for i in range(n):
+                if word is uint32_t:
+                    maybe |= may_change32(words[i])
+                else:
+                    maybe |= may_change64(words[2 * i + 1])
+        if not maybe:
+            return False
     with nogil:
         for i in range(n):
             if word is uint32_t:
-                count += key_bits32(bits[i]) != bits[i]
+                found = key_bits32(bits[i]) != bits[i]
             else:
-                count += key_bits64(bits[i]) != bits[i]
-    return count
+                found = key_bits64(bits[i]) != bits[i]
+            if found:
+                break
+    return found
 
 
 @cython.boundscheck(False)

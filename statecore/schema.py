@@ -16,7 +16,7 @@ import struct
 
 import numpy as np
 
-from statecore._float_keys import FLOAT_KEY_BITS, count_to_normalize, key_bits, normalize_bits
+from statecore._float_keys import FLOAT_KEY_BITS, key_bits, needs_normalizing, normalize_bits
 from statecore._hash import xxh64_digest
 from statecore._rowcodec import RowCodec
 
@@ -326,7 +326,7 @@ class RowSchema:
                     arr, owned = arr.copy(), True
                 arr[name].view(np.uint8)[raised] = 1
         for name, _, _, _, bits_dtype in self._key_floats:
-            if not count_to_normalize(arr[name].view(bits_dtype)):  # one compiled pass, no copy
+            if not needs_normalizing(arr[name].view(bits_dtype)):  # compiled, no copy
                 continue
             if not owned:
                 arr, owned = arr.copy(), True

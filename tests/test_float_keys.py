@@ -114,6 +114,8 @@ def test_a_negative_zero_or_a_nan_of_any_payload_is_one_key_by_every_path(width,
     batch_rows = schema.rows(batch)
     assert field_bits(schema, width, batch_rows) == want
     assert np.array_equal(batch_rows, expected_rows)
+    for b, w in zip(bits, want):  # each alone: no other value in the batch to give it away
+        assert field_bits(schema, width, schema.rows(key_batch(schema, width, [b] * 3))) == [w] * 3, hex(b)
 
     per_row = [schema.encode(record) for record in batch]          # numpy records: exact bits
     per_row_bytes = [schema.encode(record.tobytes()) for record in batch] if layout == "among others" else per_row
