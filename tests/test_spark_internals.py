@@ -48,8 +48,12 @@ def test_context_is_active_and_a_pyspark_without_the_active_context(spark, monke
 
 
 def test_session_settings_and_a_session_whose_settings_cannot_be_read(spark, caplog):
-    settings = spark_internals.session_settings(spark)
-    assert settings["spark.sql.shuffle.partitions"] == "4"  # the fixture's
+    spark.conf.set("spark.sql.streaming.stateStore.minDeltasForSnapshot", "7")
+    try:
+        settings = spark_internals.session_settings(spark)
+    finally:
+        spark.conf.unset("spark.sql.streaming.stateStore.minDeltasForSnapshot")
+    assert settings["spark.sql.streaming.stateStore.minDeltasForSnapshot"] == "7"
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert spark_internals.session_settings(types.SimpleNamespace(conf=object())) == {}
         assert spark_internals.session_settings(types.SimpleNamespace(conf=_Raises())) == {}
