@@ -311,6 +311,23 @@ def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
         "run or close()): the gateway is gone"]
 
 
+def test_a_session_whose_settings_cannot_be_read_is_logged_not_dropped_silently(tmp_path, caplog):
+    """The operator takes its store settings from the session; when PySpark cannot hand them
+    over (a version without ``conf.getAll``), the operator says so and runs on the defaults."""
+    import types
+
+    from pyspark_glue import RunningAggregate, StatefulOperator
+
+    agg = RunningAggregate(KEY, "amount")
+    op = StatefulOperator(str(tmp_path), 0, 1, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
+                          coordinator=False)
+    with caplog.at_level("WARNING"):
+        op._resolve(types.SimpleNamespace(conf=object()))  # a session whose conf has no getAll
+    assert op.conf == StateStoreConf()
+    assert any("cannot read the session's SQL settings" in r.getMessage()
+               and "statecore's defaults are" in r.getMessage() for r in caplog.records), caplog.records
+
+
 # -- on Spark --------------------------------------------------------------------------------------
 
 def test_hashing_keys_in_the_task_agrees_with_spark(spark):
