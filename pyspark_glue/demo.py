@@ -61,6 +61,8 @@ def start_spark(partitions):
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
     from pyspark.sql import SparkSession
 
+    from pyspark_glue import spark_internals
+
     spark = (SparkSession.builder.master("local[2]").appName("statecore-demo")
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")
@@ -69,7 +71,7 @@ def start_spark(partitions):
              .config("spark.driver.host", "127.0.0.1")
              .config("spark.driver.bindAddress", "127.0.0.1")
              .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark_internals.spark_context(spark).setLogLevel("ERROR")
     return spark
 
 

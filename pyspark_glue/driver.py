@@ -29,6 +29,8 @@ import threading
 from statecore.coordinator import StateStoreCoordinatorRef
 from statecore.rpc import RpcEnv
 
+from pyspark_glue import spark_internals
+
 __all__ = ["CoordinatorService", "coordinator_for", "active_coordinator", "rpc_env_for", "deactivate", "stop"]
 
 log = logging.getLogger(__name__)
@@ -42,15 +44,11 @@ _services = {}  # id(SparkContext) -> CoordinatorService
 
 def _context(spark):
     """The SparkContext of a SparkSession or SparkContext."""
-    sc = getattr(spark, "sparkContext", spark)
-    if not hasattr(sc, "_jsc"):
-        raise TypeError(f"expected a SparkSession or SparkContext, got {type(spark).__name__}")
-    return sc
+    return spark_internals.spark_context(spark)
 
 
 def _is_active(sc):
-    from pyspark import SparkContext
-    return SparkContext._active_spark_context is sc and sc._jsc is not None
+    return spark_internals.context_is_active(sc)
 
 
 class CoordinatorService:

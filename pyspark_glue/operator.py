@@ -23,7 +23,7 @@ from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 
-from pyspark_glue import query_runs
+from pyspark_glue import query_runs, spark_internals
 from pyspark_glue.clocks import WallClock, as_millis
 from pyspark_glue.arrow import dtype_of_columns
 from pyspark_glue.event_time import batch_watermarks
@@ -208,11 +208,7 @@ class StatefulOperator:
             return
         conf = self._conf_arg
         if conf is None:
-            try:
-                settings = spark.conf.getAll
-                settings = dict(settings() if callable(settings) else settings)
-            except Exception:
-                settings = {}
+            settings = spark_internals.session_settings(spark)
             # A session's provider class configures Spark's own stateful operators (RocksDB,
             # say); it is statecore's business only when it names a statecore provider.
             provider = settings.get(_PROVIDER_CLASS_KEY, "")
@@ -473,7 +469,7 @@ class StatefulOperator:
             event_time=self.event_time, watermarks=watermarks, batch_timestamp_ms=batch_timestamp_ms,
             fn_batch_rows=self.fn_batch_rows)
         started = time.perf_counter()
-        sc = spark.sparkContext
+        sc = spark_internals.spark_context(spark)
         description = sc.getLocalProperty("spark.job.description")  # streaming sets one per batch
         sc.setJobDescription(f"statecore operator {self.operator_id} batch {batch_id}")
         try:
@@ -716,7 +712,7 @@ def _streaming_query_id(df):
     """The persistent id of the streaming query whose ``foreachBatch`` runs (the local
     property :mod:`pyspark_glue.query_runs` reads too; it survives restarts from the
     query's checkpoint), or None outside one."""
-    return df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId") or None
+    return spark_internals.streaming_query_id(df.sparkSession)
 
 
 def _kind_class(dtype):

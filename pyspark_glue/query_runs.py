@@ -7,6 +7,8 @@ import logging
 import re
 import uuid
 
+from pyspark_glue import spark_internals
+
 __all__ = ["streaming_query_run", "termination_listener"]
 
 log = logging.getLogger(__name__)
@@ -21,12 +23,12 @@ def streaming_query_run(df):
     from pyspark.sql import SparkSession
 
     spark = df.sparkSession
-    query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+    query_id = spark_internals.streaming_query_id(spark)
     if not query_id:
         return None, None
     # foreachBatch runs in a clone of the session that started the query; the original
     # session (usually the first one created) knows the query.
-    candidates = [SparkSession.getActiveSession(), getattr(SparkSession, "_instantiatedSession", None), spark]
+    candidates = [SparkSession.getActiveSession(), spark_internals.first_session(), spark]
     for session in candidates:
         if session is None:
             continue
@@ -36,13 +38,9 @@ def streaming_query_run(df):
             continue
         if query is not None:
             return uuid.UUID(query.runId), session
-    # Spark names the stream execution thread "... [id = <id>, runId = <runId>]", and py4j
-    # calls from foreachBatch run on that thread.
-    try:
-        name = spark.sparkContext._jvm.java.lang.Thread.currentThread().getName()
-    except Exception:
-        name = ""
-    match = _THREAD_RUN_ID.search(name or "")
+    # Spark names the stream execution thread "... [id = <id>, runId = <runId>]", and the
+    # JVM calls of foreachBatch run on that thread.
+    match = _THREAD_RUN_ID.search(spark_internals.jvm_thread_name(spark))
     return (uuid.UUID(match.group(1)), None) if match else (None, None)
 
 
@@ -54,60 +52,9 @@ def _report_termination(on_terminated, run_id):
         log.warning("handling the termination of query run %s failed: %s", run_id, e)
 
 
-class _TerminationCallback:
-    """The Python side of Spark's ``PythonStreamingQueryListener`` interface that reads a
-    terminated query's run id and nothing else. PySpark's own side first copies every event
-    into Python objects: a progress event, one per micro-batch, costs dozens of py4j round
-    trips on the driver's cores while the next batch runs, which a listener waiting for the
-    end need not pay."""
-
-    def __init__(self, on_terminated):
-        self._on_terminated = on_terminated
-
-    def onQueryStarted(self, jevent):
-        pass
-
-    def onQueryProgress(self, jevent):
-        pass
-
-    def onQueryIdle(self, jevent):
-        pass
-
-    def onQueryTerminated(self, jevent):
-        try:
-            run_id = jevent.runId().toString()
-        except Exception as e:
-            log.warning("could not read the run id of a terminated query: %s", e)
-            return
-        _report_termination(self._on_terminated, run_id)
-
-    class Java:
-        implements = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
-
-
 def termination_listener(on_terminated):
     """A ``StreamingQueryListener`` calling ``on_terminated(run_id)`` (a ``uuid.UUID``) when a
     query terminates; an error there is logged, never raised into Spark's listener bus.
-    Registered with ``session.streams.addListener``, it hands Spark a
-    :class:`_TerminationCallback`: the other events cost one empty call each."""
-    from pyspark import SparkContext
-    from pyspark.sql.streaming import StreamingQueryListener
-
-    class _OnTermination(StreamingQueryListener):  # the methods PySpark's class requires
-        def onQueryStarted(self, event):
-            pass
-
-        def onQueryProgress(self, event):
-            pass
-
-        def onQueryTerminated(self, event):
-            _report_termination(on_terminated, event.runId)
-
-        @property
-        def _jlistener(self):  # what ``addListener`` and ``removeListener`` give the JVM
-            if getattr(self, "_jlistenerobj", None) is None:
-                self._jlistenerobj = SparkContext._jvm.org.apache.spark.sql.streaming \
-                    .PythonStreamingQueryListenerWrapper(_TerminationCallback(on_terminated))
-            return self._jlistenerobj
-
-    return _OnTermination()
+    Registered with ``session.streams.addListener``, it reads no other event
+    (:func:`pyspark_glue.spark_internals.termination_listener`)."""
+    return spark_internals.termination_listener(lambda run_id: _report_termination(on_terminated, run_id))

@@ -22,7 +22,7 @@ from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId, StateStoreProviderId
 from statecore.checkpoint import checked_commit_ids
 
-from pyspark_glue import executor
+from pyspark_glue import executor, spark_internals
 
 __all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
            "preferred_locations", "load_count_accumulator", "ship_function_module"]
@@ -206,66 +206,6 @@ def preferred_locations(state_info, coordinator):
     return [[] if loc is None else [loc] for loc in locations]
 
 
-def _pilot_jrdd(sc, locations):
-    """A JVM RDD of one marker string per partition, partition ``p`` preferring
-    ``locations[p]``: ``SparkContext.makeRDD`` of ``(marker, locations)`` pairs, the one RDD
-    constructor that takes per-partition preferences, called through py4j. Every py4j call
-    is a round trip, so class handles are looked up once and partitions with the same
-    locations share one Scala list: about two calls per partition."""
-    jvm = sc._jvm
-    converters = jvm.scala.jdk.javaapi.CollectionConverters
-    array_list, tuple2 = jvm.java.util.ArrayList, jvm.scala.Tuple2
-    scala_lists = {}
-    pairs = array_list(len(locations))
-    for p, locs in enumerate(locations):
-        key = tuple(locs)
-        scala_list = scala_lists.get(key)
-        if scala_list is None:
-            jlocs = array_list(len(key))
-            for loc in key:
-                jlocs.add(loc)
-            scala_list = scala_lists[key] = converters.asScala(jlocs).toList()
-        pairs.add(tuple2(f"p{p}", scala_list))
-    class_tag = jvm.scala.reflect.ClassTag.apply(jvm.java.lang.Class.forName("java.lang.String"))
-    return sc._jsc.sc().makeRDD(converters.asScala(pairs).toList(), class_tag).toJavaRDD()
-
-
-def _is_pickle_frames(deserializer):
-    from pyspark.serializers import BatchedSerializer, CPickleSerializer
-
-    inner = deserializer.serializer if isinstance(deserializer, BatchedSerializer) else deserializer
-    return isinstance(inner, CPickleSerializer)  # CloudPickleSerializer is one too
-
-
-def _with_pilot(rdd, locations):
-    """``(base, deserializer, parent_func)``: ``base`` has one element per partition, the list
-    of the parent's serialized frames, with a narrow dependency chain whose first parent is
-    the pilot (so the scheduler finds its preferences).
-
-    All on the JVM, so that a task still runs one Python worker: ``pilot.zip(frames.glom())
-    .values()`` pickled for Python by ``SerDeUtil.javaToPython``. ``frames`` is the JVM RDD
-    under ``rdd``'s pipelined Python function, if it has one (that function then runs in our
-    task, as PySpark would have pipelined it), else ``rdd``'s own. (Zipping Python RDDs,
-    ``pilot.zip(rdd.glom())``, would run the pilot, the parent and ``fn`` in three Python
-    workers per task, and which of them runs ``fn`` would change from task to task: the
-    store would rarely be found loaded.)"""
-    from pyspark.core.rdd import RDD, PipelinedRDD
-    from pyspark.serializers import AutoBatchedSerializer, CPickleSerializer
-
-    sc = rdd.context
-    if (isinstance(rdd, PipelinedRDD) and rdd._is_pipelinable() and not rdd._is_barrier()
-            and _is_pickle_frames(rdd._prev_jrdd_deserializer)):
-        jrdd, deserializer, parent_func = rdd._prev_jrdd, rdd._prev_jrdd_deserializer, rdd.func
-    else:
-        if not _is_pickle_frames(rdd._jrdd_deserializer):
-            rdd = rdd._reserialize(AutoBatchedSerializer(CPickleSerializer()))  # a text file, say
-        jrdd, deserializer, parent_func = rdd._jrdd, rdd._jrdd_deserializer, None
-    frames = _pilot_jrdd(sc, locations).zip(jrdd.glom()).values()
-    base = RDD(sc._jvm.org.apache.spark.api.python.SerDeUtil.javaToPython(frames), sc,
-               AutoBatchedSerializer(CPickleSerializer()))
-    return base, deserializer, parent_func
-
-
 def load_count_accumulator(sc):
     """A Spark accumulator of ``(already_loaded, loaded_from_files)`` task counts, to pass as
     ``load_accumulator=``; ``.value`` on the driver after the job."""
@@ -343,7 +283,7 @@ def _map(rdd, fn, state_info, key_schema, value_schema, conf, coordinator, read_
     if locations is None:
         data, piloted = rdd, None
     else:
-        data, deserializer, parent_func = _with_pilot(rdd, locations)
+        data, deserializer, parent_func = spark_internals.rdd_with_preferred_locations(rdd, locations)
         piloted = (deserializer, parent_func)
     run = _partition_function(fn, state_info, key_schema, value_schema, conf, address, authkey, read_only, piloted,
                               load_accumulator)

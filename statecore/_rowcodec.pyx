@@ -25,6 +25,8 @@ from libc.math cimport isinf
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
+from statecore._float_keys cimport key_bits32, key_bits64
+
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void* op)
     # The conversions the fast path tries, declared without an exception check: a failure
@@ -114,23 +116,18 @@ cdef inline void _store_int(uint8_t* p, long long x, Py_ssize_t size) noexcept:
 
 
 cdef inline void _normalize64(uint8_t* p) noexcept:
-    """A float64 key field as Spark groups it: -0.0 as 0.0, any NaN as the canonical NaN."""
+    """A float64 key field as Spark groups it (``_float_keys.pxd``)."""
     cdef uint64_t bits
     memcpy(&bits, p, 8)
-    if bits == 0x8000000000000000ULL:
-        bits = 0
-    elif (bits & 0x7FFFFFFFFFFFFFFFULL) > 0x7FF0000000000000ULL:
-        bits = 0x7FF8000000000000ULL
+    bits = key_bits64(bits)
     memcpy(p, &bits, 8)
 
 
 cdef inline void _normalize32(uint8_t* p) noexcept:
+    """A float32 key field as Spark groups it (``_float_keys.pxd``)."""
     cdef uint32_t bits
     memcpy(&bits, p, 4)
-    if bits == 0x80000000U:
-        bits = 0
-    elif (bits & 0x7FFFFFFFU) > 0x7F800000U:
-        bits = 0x7FC00000U
+    bits = key_bits32(bits)
     memcpy(p, &bits, 4)
 
 

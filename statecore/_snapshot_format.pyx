@@ -133,11 +133,6 @@ cdef class PackedHeader:
     it holds is ``image_size`` bytes: its header page, stored as it is after this header,
     then ``n_blocks`` blocks of ``block_size`` image bytes (the last one short)."""
 
-    @property
-    def blocks_offset(self):
-        """Where the first stored block starts in the file."""
-        return SNAPSHOT_HEADER_SIZE
-
     def __repr__(self):
         return (f"PackedHeader(image_size={self.image_size}, block_size={self.block_size}, "
                 f"n_blocks={self.n_blocks})")

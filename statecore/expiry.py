@@ -112,11 +112,6 @@ class ExpiryIndex:
         """The number of entries (stale ones included)."""
         return self._count
 
-    @property
-    def low_bucket(self):
-        """The lowest bucket that may hold entries (None: the index is empty)."""
-        return self._low if self._non_empty else None
-
     # -- chunks --------------------------------------------------------------------------------
 
     def _unpack(self, chunks):

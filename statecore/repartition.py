@@ -23,7 +23,6 @@ point leaves the checkpoint at the old partitioning, and what is deleted when) i
 """
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -528,9 +527,3 @@ def summary(plan, written):
             "stores": {s.name: {"rows": sum(n for (name, _), n in written.items() if name == s.name),
                                 "commit_ids": list(s.new_ids)} for s in plan.stores}}
 
-
-def plan_json(plan):
-    """The plan as JSON-able data (for messages and tests)."""
-    return json.loads(json.dumps({"batch_id": plan.batch_id, "version": plan.version,
-                                  "from": plan.from_partitions, "to": plan.to_partitions,
-                                  "stores": [s.name for s in plan.stores]}))

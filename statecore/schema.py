@@ -16,6 +16,7 @@ import struct
 
 import numpy as np
 
+from statecore._float_keys import FLOAT_KEY_BITS, key_bits, needs_normalizing, normalize_bits
 from statecore._hash import xxh64_digest
 from statecore._rowcodec import RowCodec
 
@@ -43,14 +44,8 @@ _ROW_VALUE_NAMES = {"b": "a bool", "i": "an int", "u": "an int", "f": "a float o
 _NUMBER_TYPES = frozenset([int, float] + [np.dtype(c).type
                                            for c in np.typecodes["AllInteger"] + np.typecodes["Float"]])
 
-# Float key normalization, per float dtype: its struct code, the unsigned view of its bits,
-# the sign bit (alone: -0.0), the bits of +inf (above them, sign aside: a NaN) and of the
-# canonical NaN (np.nan's bits, the quiet NaN with no payload).
-_FLOAT_BITS = {
-    np.dtype("<f4"): ("<f", np.dtype("<u4"), 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
-    np.dtype("<f8"): ("<d", np.dtype("<u8"),
-                      0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
-}
+# The struct code of each float dtype a key normalizes (the bits: statecore._float_keys).
+_FLOAT_CODES = {np.dtype("<f4"): "<f", np.dtype("<f8"): "<d"}
 
 # Bumped if the way fingerprints are computed ever changes; part of the hashed text.
 _FINGERPRINT_VERSION = "statecore-schema-1"
@@ -71,10 +66,9 @@ def _canonical_field(name, dt):
 
 
 def _key_float(name, dt, offset):
-    """``(name, byte offset, byte end, unpack_from, bits dtype, sign bit, +inf bits, canonical
-    NaN bits)`` of a float field a key normalizes."""
-    code, bits_dtype, sign, inf, nan = _FLOAT_BITS[dt]
-    return name, offset, offset + dt.itemsize, struct.Struct(code).unpack_from, bits_dtype, sign, inf, nan
+    """``(name, byte offset, byte end, unpack_from, bits dtype)`` of a float field a key
+    normalizes."""
+    return name, offset, offset + dt.itemsize, struct.Struct(_FLOAT_CODES[dt]).unpack_from, FLOAT_KEY_BITS[dt][0]
 
 
 class RowSchema:
@@ -249,20 +243,18 @@ class RowSchema:
         return AssertionError("unreachable: struct refused the row but every field packed")
 
     def _normalize_row(self, row):
-        """``row`` with its key fields normalized: floats -0.0 as 0.0 and any NaN as the
-        canonical NaN (the bits decide, so that no float mode, denormals read as zero,
-        changes others), bools any non-zero byte as 1."""
+        """``row`` with its key fields normalized: floats as ``statecore._float_keys`` rules
+        (-0.0 as 0.0, any NaN as the canonical NaN), bools any non-zero byte as 1."""
         for _, offset in self._key_bools:
             if row[offset] > 1:
                 row = row[:offset] + b"\x01" + row[offset + 1:]
-        for _, start, end, unpack_from, _, sign, inf, nan in self._key_floats:
+        for _, start, end, unpack_from, _ in self._key_floats:
             x = unpack_from(row, start)[0]
             if x == 0 or x != x:  # a cheap filter: only zeros and NaNs may need a rewrite
                 bits = int.from_bytes(row[start:end], "little")
-                if bits == sign:
-                    row = row[:start] + bytes(end - start) + row[end:]
-                elif bits & ~sign > inf and bits != nan:
-                    row = row[:start] + nan.to_bytes(end - start, "little") + row[end:]
+                canon = key_bits(bits, end - start)
+                if canon != bits:
+                    row = row[:start] + canon.to_bytes(end - start, "little") + row[end:]
         return row
 
     def decode(self, row):
@@ -333,20 +325,12 @@ class RowSchema:
                 if not owned:
                     arr, owned = arr.copy(), True
                 arr[name].view(np.uint8)[raised] = 1
-        for name, _, _, _, bits_dtype, sign, _, nan in self._key_floats:
-            x = np.ascontiguousarray(arr[name])  # a field among others: one copy, then fast passes
-            bits = x.view(bits_dtype)
-            zeros = np.flatnonzero(bits == sign)
-            nans = np.flatnonzero(np.isnan(x))
-            if nans.size:
-                nans = nans[bits[nans] != nan]
-            if not (zeros.size or nans.size):
+        for name, _, _, _, bits_dtype in self._key_floats:
+            if not needs_normalizing(arr[name].view(bits_dtype)):  # compiled, no copy
                 continue
             if not owned:
                 arr, owned = arr.copy(), True
-            out = arr[name].view(bits_dtype)
-            out[zeros] = 0
-            out[nans] = nan
+            normalize_bits(arr[name].view(bits_dtype))
         return arr
 
     def _as_structured(self, batch):

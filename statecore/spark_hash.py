@@ -10,7 +10,8 @@ per-type rules (``org.apache.spark.unsafe.hash.Murmur3_x86_32`` and the SQL hash
 - boolean (as 1/0), tinyint, smallint, int, date: ``hashInt`` of the value as a 32-bit int;
 - bigint, timestamp, timestamp_ntz (microseconds): ``hashLong``;
 - float, double: -0.0 hashed as 0.0, then the IEEE bits with every NaN as Java's canonical
-  NaN (``floatToIntBits`` / ``doubleToLongBits``), through ``hashInt`` / ``hashLong``;
+  NaN (``floatToIntBits`` / ``doubleToLongBits``), through ``hashInt`` / ``hashLong``: the
+  bits a float key field holds (``statecore._float_keys``);
 - string (UTF-8 bytes), binary: ``hashUnsafeBytes``: the 4-byte little-endian words first,
   then each remaining byte on its own, sign-extended, as a whole round (Spark's variant,
   not standard murmur3's tail), finished with the byte length.
@@ -23,6 +24,7 @@ the GIL (``statecore/_spark_hash.pyx``).
 """
 import numpy as np
 
+from statecore._float_keys import FLOAT_KEY_BITS, normalize_bits
 from statecore._spark_hash import hash_bytes, hash_words32, hash_words64, pmod
 
 __all__ = ["SEED", "HASHABLE_TYPES", "FIXED_WIDTH_TYPES", "spark_hash", "spark_partition"]
@@ -34,6 +36,14 @@ FIXED_WIDTH_TYPES = (*_INT_TYPES, *_LONG_TYPES, "float", "double")  # hashed fro
 HASHABLE_TYPES = (*FIXED_WIDTH_TYPES, "string", "binary")
 
 
+def _key_bits(values, float_type):
+    """The bits of ``values`` as ``float_type`` as a float key holds them (a new array):
+    Spark hashes exactly those (``statecore._float_keys``)."""
+    bits = np.array(values, dtype=float_type).view(FLOAT_KEY_BITS[np.dtype(float_type)][0])
+    normalize_bits(bits)
+    return bits
+
+
 def _column_hash(values, spark_type, seed):
     """The running hashes ``seed`` (uint32 per row) continued by one column, as a new array."""
     h = np.array(seed, dtype=np.uint32)
@@ -41,14 +51,10 @@ def _column_hash(values, spark_type, seed):
         hash_words32(np.ascontiguousarray(values.astype(np.int32, copy=False)).view(np.uint32), h)
     elif spark_type in _LONG_TYPES:
         hash_words64(np.ascontiguousarray(values.astype(np.int64, copy=False)).view(np.uint64), h)
-    elif spark_type == "float":
-        v = values.astype(np.float32, copy=False)
-        bits = np.where(v == 0, np.float32(0), v).view(np.uint32)  # -0.0 as 0.0
-        hash_words32(np.where(np.isnan(v), np.uint32(0x7FC00000), bits), h)  # floatToIntBits' NaN
-    elif spark_type == "double":
-        v = values.astype(np.float64, copy=False)
-        bits = np.where(v == 0, np.float64(0), v).view(np.uint64)
-        hash_words64(np.where(np.isnan(v), np.uint64(0x7FF8000000000000), bits), h)  # doubleToLongBits' NaN
+    elif spark_type == "float":  # floatToIntBits of the value, -0.0 as 0.0: a float key's bits
+        hash_words32(_key_bits(values, np.float32), h)
+    elif spark_type == "double":  # doubleToLongBits, -0.0 as 0.0
+        hash_words64(_key_bits(values, np.float64), h)
     elif spark_type in ("string", "binary"):
         if values.dtype.kind != "S":
             raise TypeError(f"a {spark_type} key column is held in an S<n> field, not {values.dtype}")

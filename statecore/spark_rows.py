@@ -2,8 +2,8 @@
 block stream a delta or snapshot is compressed in, the records inside it, and the UnsafeRow
 columns of their keys and values. :mod:`statecore.spark_import` builds the import on these.
 
-What the formats are (checked against files Spark 4.3 wrote; summarised in
-``docs/operating.md``, "import-spark"):
+What the formats are (checked against files Spark 4.3 wrote; described in
+``docs/spark-state-store.md``, "The bytes of Spark's files"):
 
 - the stream is a run of blocks, each ``b"LZ4Block"``, a token (method ``0x10`` stored or
   ``0x20`` lz4, ored with a level), the compressed and original lengths and an XXH32

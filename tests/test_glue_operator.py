@@ -278,7 +278,10 @@ _DROP = object()  # a record field left out
 
 
 def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
-    from pyspark_glue.query_runs import _TerminationCallback
+    from py4j.protocol import Py4JError
+
+    from pyspark_glue.query_runs import _report_termination
+    from pyspark_glue.spark_internals import _TerminationCallback
 
     class Event:  # the JVM's QueryTerminatedEvent, as py4j shows it
         def __init__(self, run_id):
@@ -286,12 +289,16 @@ def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
 
         def runId(self):  # a java.util.UUID
             if self._run_id is None:
-                raise RuntimeError("the gateway is gone")
+                raise Py4JError("the gateway is gone")
             return type("JavaUUID", (), {"toString": lambda _: str(self._run_id)})()
 
     run = uuid.uuid4()
     ended = []
-    callback = _TerminationCallback(ended.append)
+
+    def reporting(on_terminated):
+        return lambda run_id: _report_termination(on_terminated, run_id)
+
+    callback = _TerminationCallback(reporting(ended.append))
     callback.onQueryProgress(object())  # other events are not read at all
     callback.onQueryTerminated(Event(run))
     assert ended == [run]
@@ -299,13 +306,31 @@ def test_the_termination_callback_reports_the_run_id_and_never_raises(caplog):
     def failing(run_id):
         raise ValueError("coordinator unreachable")
 
-    with caplog.at_level("WARNING", logger="pyspark_glue.query_runs"):
-        _TerminationCallback(failing).onQueryTerminated(Event(run))
-        _TerminationCallback(ended.append).onQueryTerminated(Event(None))
+    with caplog.at_level("WARNING"):
+        _TerminationCallback(reporting(failing)).onQueryTerminated(Event(run))
+        _TerminationCallback(reporting(ended.append)).onQueryTerminated(Event(None))
     assert ended == [run]
     assert [r.getMessage() for r in caplog.records] == [
         f"handling the termination of query run {run} failed: coordinator unreachable",
-        "could not read the run id of a terminated query: the gateway is gone"]
+        "could not read the run id of a terminated query (its state store instances stay active until the next "
+        "run or close()): the gateway is gone"]
+
+
+def test_a_session_whose_settings_cannot_be_read_is_logged_not_dropped_silently(tmp_path, caplog):
+    """The operator takes its store settings from the session; when PySpark cannot hand them
+    over (a version without ``conf.getAll``), the operator says so and runs on the defaults."""
+    import types
+
+    from pyspark_glue import RunningAggregate, StatefulOperator
+
+    agg = RunningAggregate(KEY, "amount")
+    op = StatefulOperator(str(tmp_path), 0, 1, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
+                          coordinator=False)
+    with caplog.at_level("WARNING"):
+        op._resolve(types.SimpleNamespace(conf=object()))  # a session whose conf has no getAll
+    assert op.conf == StateStoreConf()
+    assert any("cannot read the session's SQL settings" in r.getMessage()
+               and "statecore's defaults are" in r.getMessage() for r in caplog.records), caplog.records
 
 
 # -- on Spark --------------------------------------------------------------------------------------

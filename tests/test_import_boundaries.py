@@ -171,3 +171,37 @@ def test_the_wheel_lists_every_package():
             if "__init__.py" in files and "__pycache__" not in folder:
                 found.add(os.path.relpath(folder, ROOT).replace(os.sep, "."))
     assert found == listed
+
+
+# PySpark internals (the py4j gateway, SparkSession.sparkContext, private attributes) the
+# glue reaches only through pyspark_glue/spark_internals.py.
+SPARK_INTERNAL_NAMES = {"_jvm", "_jsc", "_jdf", "sparkContext", "py4j", "Py4JError", "_active_spark_context",
+                        "_instantiatedSession", "_jlistener", "_jrdd", "_prev_jrdd", "_jrdd_deserializer",
+                        "_prev_jrdd_deserializer", "_reserialize", "_is_pipelinable", "_gateway"}
+
+
+def _names_in_code(path):
+    """``(name, line)`` of every identifier in the code of ``path`` (comments and strings,
+    docstrings among them, are not code)."""
+    import tokenize
+    with open(path, "rb") as f:
+        for token in tokenize.tokenize(f.readline):
+            if token.type == tokenize.NAME:
+                yield token.string, token.start[0]
+
+
+def test_only_spark_internals_names_pyspark_internals():
+    """A glue module that reaches into PySpark (``spark.sparkContext._jvm...``) breaks on the
+    next PySpark, or under Spark Connect, without anything saying so: those uses live in one
+    module, each with the versions it was checked on and its failure logged."""
+    home = os.path.join(ROOT, "pyspark_glue", "spark_internals.py")
+    found, at_home = [], set()
+    for path in _sources("pyspark_glue"):
+        for name, line in _names_in_code(path):
+            if name in SPARK_INTERNAL_NAMES:
+                if path == home:
+                    at_home.add(name)
+                else:
+                    found.append(f"{os.path.relpath(path, ROOT)}:{line}: {name}")
+    assert not found, "PySpark internals outside pyspark_glue/spark_internals.py:\n" + "\n".join(found)
+    assert {"_jvm", "_jsc", "sparkContext"} <= at_home  # the scan reads the code

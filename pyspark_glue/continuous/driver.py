@@ -19,6 +19,7 @@ from statecore.rpc import RpcError
 from statecore.schema import key_value_schemas
 
 from pyspark_glue import driver as glue_driver
+from pyspark_glue import spark_internals
 from pyspark_glue.arrow import output_schemas
 from pyspark_glue.continuous.log import STATE_DIR, QueryLogs
 from pyspark_glue.continuous.sink import EpochSink
@@ -41,11 +42,8 @@ def task_slots(sc):
     """``(slots, cores, task_cpus)``: how many tasks ``sc``'s cluster runs at once (cores of
     the registered executors, the driver's in local mode, divided by ``spark.task.cpus``)."""
     cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-    try:
-        executors = sc._jsc.sc().statusStore().executorList(True)
-        per_executor = [executors.apply(i).totalCores() for i in range(executors.size())]
-    except Exception as e:  # py4j internals moved: fall back to Spark's own figure
-        log.debug("executor cores unavailable (%s); using defaultParallelism", e)
+    per_executor = spark_internals.executor_cores(sc)
+    if per_executor is None:  # not readable (logged): Spark's own figure
         per_executor = [sc.defaultParallelism]
     return sum(c // cpus for c in per_executor), sum(per_executor), cpus
 
@@ -168,7 +166,7 @@ class ContinuousQuery:
     # -- starting ----------------------------------------------------------------------------------
 
     def _check_slots(self):
-        slots, cores, cpus = task_slots(self.spark.sparkContext)
+        slots, cores, cpus = task_slots(spark_internals.spark_context(self.spark))
         if slots < self.num_partitions:
             raise ValueError(
                 f"continuous query {self.name}: the source has {self.num_partitions} partitions, and continuous "
@@ -265,7 +263,7 @@ class ContinuousQuery:
             run_id=run.run_id, coordinator_id=run.coordinator_id, address=tuple(self._env.address),
             authkey=self._env.authkey, start_epoch=run.start_epoch, start_offsets=run.start_offsets,
             start_commit_ids=run.start_commit_ids, poll_interval_s=self.poll_interval_s)
-        sc = self.spark.sparkContext
+        sc = spark_internals.spark_context(self.spark)
         sc.setJobGroup(run.group, f"statecore continuous query {self.name} run {run.run_id}", interruptOnCancel=True)
         run.timer = threading.Thread(target=self._advance_epochs, args=(run,), daemon=True,
                                      name=f"statecore-epoch-timer-{run.run_id}")
@@ -321,7 +319,7 @@ class ContinuousQuery:
         """Wait until no task of ``run`` is running (a failed job's other tasks are killed, but
         Python may still be running them): a new run must never share a partition's files
         with a task of the old one. Cancels the job group if the tasks do not end."""
-        sc = self.spark.sparkContext
+        sc = spark_internals.spark_context(self.spark)
         tracker = sc.statusTracker()
         deadline = time.monotonic() + timeout_s
         cancelled = False
@@ -474,7 +472,7 @@ class ContinuousQuery:
         self._thread.join(timeout)
         if self._thread.is_alive() and run is not None:
             log.warning("continuous query %s: tasks did not end within %g s: cancelling the job", self.name, timeout)
-            self.spark.sparkContext.cancelJobGroup(run.group)
+            spark_internals.spark_context(self.spark).cancelJobGroup(run.group)
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError(f"continuous query {self.name} did not stop within {2 * timeout:g} s")

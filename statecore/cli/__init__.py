@@ -10,7 +10,7 @@ from statecore.cli.output import main
 __all__ = ["main", "run"]
 
 # The subcommands register themselves on ``main`` when imported.
-from statecore.cli import commands  # noqa: E402,F401
+from statecore.cli import dump, import_spark, inspect, repartition, verify  # noqa: E402,F401
 
 
 def run(argv=None):
