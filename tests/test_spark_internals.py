@@ -3,7 +3,6 @@ what each does when PySpark no longer has what it reads (a stand-in object witho
 attribute): a logged loss and a stated fallback, or a clear error."""
 import logging
 import threading
-import time
 import types
 
 import pytest
