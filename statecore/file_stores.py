@@ -11,7 +11,6 @@ call goes straight into C; the methods of the classes below say what they do.
 """
 import weakref
 
-import numpy as np
 
 from statecore._rowcalls import RowCalls
 from statecore.contracts import ReadStateStore, StateStore
@@ -45,10 +44,6 @@ class View:
         with self.provider._lock:
             return self.state.lookup(self.version, key_rows, extra_layers)
 
-    def get_row(self, key, extra_layers=()):
-        with self.provider._lock:
-            return self.state.get_row(self.version, key, extra_layers)
-
     def iter_rows(self, extra_layers=()):
         """Row chunks of the version. Rows are copied out without the provider lock: while
         the iteration is registered, no commit merges into this state (it freezes it and
@@ -56,8 +51,9 @@ class View:
         lock = self.provider._lock
         with lock:
             self.state.iterating += 1
+            chunks = self.state.iter_rows(self.version, extra_layers)  # flattened here, under the lock
         try:
-            yield from self.state.iter_rows(self.version, extra_layers)
+            yield from chunks
         finally:
             with lock:
                 self.state.iterating -= 1
@@ -100,11 +96,6 @@ class FileReadStore(ReadStateStore):
     def get(self, key):
         """The value tuple of ``key``, or None (bound on the instance: the compiled call)."""
         return self._calls.get(key)
-
-    def get_rows(self, key_rows, values_out, found_out):
-        values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
-        values_out[...] = values
-        found_out[...] = found
 
     def get_batch(self, keys):
         key_rows = self._key_schema.rows(keys)
