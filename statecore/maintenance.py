@@ -13,6 +13,7 @@ import time
 
 from statecore._delta import DeltaReader
 from statecore._keyfilter import KeyFilter
+from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
 from statecore._versions import (bottom_snapshot, changed_since_bottom, is_view_of, replace_in_chain, snapshot_version,
                                  spilled_base, stands_on_frozen)
@@ -159,6 +160,7 @@ def _filter_bottom(p):
             raise
 
 
+@requires_lock
 def _newest_published(p, wanted):
     """The newest State if ``wanted(state)``, once no merge into it is pending (a commit in
     flight is waited for, up to PUBLISH_WAIT_S, only if the state is wanted already), or

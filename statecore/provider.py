@@ -19,7 +19,7 @@ import numpy as np
 
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
-from statecore._lock import ProviderLock
+from statecore._lock import ProviderLock, requires_lock
 from statecore._snapshot import SnapshotReader
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
@@ -315,12 +315,14 @@ class FileStateStoreProvider(StateStoreProvider):
             self._maintenance_hint()
         return view
 
+    @requires_lock
     def _unread(self, state):
         """Whether nothing reads ``state`` but through this provider's lock: no open store
         pins a version of it, nothing iterates it, maintenance has not frozen it and no
         commit is pending on it. Then it may be changed in place. REQUIRES: self._lock held."""
         return not state.frozen and not state.iterating and state.pending is None and not state.pins
 
+    @requires_lock
     def _merge_delta(self, state, commit_id, blocks):
         """Merge one checked delta's blocks as the next version of ``state``. REQUIRES:
         self._lock held. The prior values are looked up first: a lookup that raises leaves
@@ -343,6 +345,7 @@ class FileStateStoreProvider(StateStoreProvider):
         with self._lock:
             state.unpin(version)
 
+    @requires_lock
     def _retain(self, state):
         """Keep the newest ``max_versions_to_retain_in_memory`` versions (and pinned ones:
         State.retain keeps them). REQUIRES: self._lock held."""
@@ -453,6 +456,7 @@ class FileStateStoreProvider(StateStoreProvider):
             del_keys, values = take_rows(del_keys, found), take_rows(values, found)
         return del_keys, values
 
+    @requires_lock
     def _state_to_merge_into(self, source, version, commit_id):
         """The State a commit on ``version`` (attempt ``commit_id``) of ``source`` merges into.
         REQUIRES: self._lock held.
@@ -469,6 +473,7 @@ class FileStateStoreProvider(StateStoreProvider):
         # Same lineage, frozen only for its iterators: older versions stay readable.
         return source.freeze_into_successor(version, keep_versions=source is previous and previous.version == version)
 
+    @requires_lock
     def _undo_merge(self, state):
         """After a failed commit: the merge must leave no trace. REQUIRES: self._lock held."""
         if state is self._latest and not state.iterating:
@@ -567,6 +572,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise OSError(f"could not delete {self._files.path(f.name)} of the abandoned run of {self}: "
                               f"version {new_version} would not be the default lineage")
 
+    @requires_lock
     def _spill_due(self, state, ratio=None):
         """Whether the head holds more changed keys than ``ratio`` (SPILL_RATIO by default) of
         the state, and at least SPILL_MIN_ROWS: then it is spilled. REQUIRES: self._lock held."""
@@ -828,6 +834,23 @@ class FileStateStoreProvider(StateStoreProvider):
         self._schema_written = True
 
     # -- metrics ---------------------------------------------------------------------------
+    def describe(self):
+        """What this provider holds in memory, as a dict (for tests and debugging, as LevelDB's
+        DebugString): ``latest``, the newest State's ``State.describe()`` (None: none held),
+        and its counters (loads from memory and from files, roll-forwards, changes to what
+        lookups walk, heap bytes)."""
+        with self._lock:
+            latest = self._latest
+            return {
+                "latest": latest.describe() if latest is not None else None,
+                "closed": self._closed,
+                "hits": self._hits,
+                "misses": self._misses,
+                "rolled_forward": self._rolled_forward,
+                "changes": int(self._changes[0]),
+                "memory_bytes": self._memory_bytes(),
+            }
+
     def _memory_bytes(self):
         with self._lock:
             state = self._latest
