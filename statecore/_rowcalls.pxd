@@ -9,7 +9,6 @@ from statecore._rowtable cimport RowTable
 from statecore._versions cimport Sources
 
 
-@cython.final
 cdef class RowCalls:
     cdef RowCodec key_codec
     cdef RowCodec value_codec
@@ -24,7 +23,12 @@ cdef class RowCalls:
     cdef Sources sources              # the version's flattened sources (None: not taken yet)
     cdef RowTable puts                # the store's update layer, or None (a read store)
     cdef RowTable dels
-    cdef readonly bint updating
+    cdef readonly int status           # READING, UPDATING, COMMITTED or ABORTED (_rowcalls.pyx)
 
+    cdef int _follow(self, view) except -1
+    @cython.final
     cdef int _take_sources(self) except -1
+    @cython.final
+    cdef int _require_updating(self, verb) except -1
+    @cython.final
     cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1

@@ -32,6 +32,13 @@ from statecore._versions cimport Sources, table_find_value
 from statecore.errors import IllegalStateError
 
 cdef enum:
+    # RowCalls.status: a read store, or a store's lifecycle.
+    READING = 0
+    UPDATING = 1
+    COMMITTED = 2
+    ABORTED = 3
+
+cdef enum:
     # Rows up to this many bytes are encoded in a buffer on the C stack; wider ones on the heap.
     STACK_ROW = 256
 
@@ -54,41 +61,70 @@ cdef inline void _free(uint8_t* heap) noexcept:
         PyMem_Free(heap)
 
 
-@cython.final
 cdef class RowCalls:
-    """The per-row calls of one store over one pinned ``view``; ``update`` is the store's
-    update Layer, or None for a read store. The store binds ``get`` (and ``put``, ``remove``)
-    on itself, so that ``store.get(key)`` calls straight into C."""
+    """The per-row calls of one store over one pinned ``view`` (its ``state`` and
+    ``version``), and the store's lifecycle: ``update`` is the store's update Layer (None
+    for a read store), written by ``put``/``remove`` while the store is updating. The
+    stores are subclasses (statecore/file_stores.py): ``store.get(key)`` calls straight
+    into C. ``status``, one field, is the lifecycle: ``check_updating`` is the one check."""
 
-    def __cinit__(self, view, ProviderLock lock not None, key_schema, value_schema, update=None):
+    def __init__(self, view, ProviderLock lock not None, key_schema, value_schema, update=None):
         self.key_codec = key_schema.codec
         self.value_codec = value_schema.codec
         self.key_width = key_schema.width
         self.value_width = value_schema.width
+        self.lock = lock
+        self._follow(view)
+        if update is None:
+            self.puts = self.dels = None
+            self.status = READING
+        else:
+            self.puts = update.puts
+            self.dels = update.dels
+            self.status = UPDATING
+
+    cdef int _follow(self, view) except -1:
+        """Read ``view`` from now on (its flattened sources taken on the next lookup)."""
         cdef const uint64_t[::1] changes
         self.state = view.state
         self.version = view.version
-        self.lock = lock
         self.changes = self.state.changes
         changes = self.changes
         if changes.shape[0] != 1:
             raise ValueError(f"State.changes must hold one count, got {changes.shape[0]}")
         self.changes_at = &changes[0]
-        self.set_update(update)
+        self.sources = None
+        return 0
 
-    def set_update(self, update):
-        """Read (and write) ``update`` from now on (a store that aborts starts a new one)."""
-        if update is None:
+    @property
+    def updating(self):
+        """Whether puts and removes are taken (the store neither committed nor aborted)."""
+        return self.status == UPDATING
+
+    @property
+    def has_committed(self):
+        return self.status == COMMITTED
+
+    def check_updating(self, verb):
+        """IllegalStateError (Spark's wording) unless puts and removes are taken."""
+        self._require_updating(verb)
+
+    cdef int _require_updating(self, verb) except -1:
+        """The one lifecycle check: of the per-row writes, and (through check_updating) the
+        batch writes and commit."""
+        if self.status != UPDATING:
+            raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
+        return 0
+
+    def _end_updates(self, committed, view=None):
+        """The store committed (``committed``) or aborted: puts and removes are refused from
+        now on. Reads follow ``view`` (the committed version) if given, without the update
+        layer (merged there); an abort's reads drop the update layer too."""
+        self.status = COMMITTED if committed else ABORTED
+        if view is not None or not committed:
             self.puts = self.dels = None
-            self.updating = False
-        else:
-            self.puts = update.puts
-            self.dels = update.dels
-            self.updating = True
-
-    def close_updates(self):
-        """The store committed or aborted: puts and removes are refused from now on."""
-        self.updating = False
+        if view is not None:
+            self._follow(view)
 
     cdef int _take_sources(self) except -1:
         """Keep the flattened sources of the pinned version (see the module docstring).
@@ -145,8 +181,7 @@ cdef class RowCalls:
         cdef int rc
         if value is None:
             raise ValueError("Cannot put a null value")
-        if not self.updating:
-            raise IllegalStateError("Cannot put after already committed or aborted")
+        self._require_updating("put")
         try:
             k = _scratch(key_stack, self.key_width, &key_heap)
             v = _scratch(value_stack, self.value_width, &value_heap)
@@ -171,8 +206,7 @@ cdef class RowCalls:
         cdef uint8_t* k
         cdef uint32_t tag
         cdef int rc
-        if not self.updating:
-            raise IllegalStateError("Cannot remove after already committed or aborted")
+        self._require_updating("remove")
         try:
             k = _scratch(key_stack, self.key_width, &key_heap)
             self.key_codec.encode_into(key, k)
