@@ -244,6 +244,8 @@ cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* botto
 
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
 cdef int _images_lookup(list levels, SnapshotReader bottom_reader, const uint8_t[:, ::1] keys,
                         uint8_t[:, ::1] values, uint8_t[::1] found) except -1:
     """Look ``keys`` (n, key_width) up through ``levels`` (Spills, newest first, each standing
@@ -441,15 +443,15 @@ cdef class Sources:
         Each table is probed with the keys no newer one decided; the rest go through the
         images in one walk."""
         n = key_rows.shape[0]
-        values = np.zeros((n, vw), dtype=np.uint8)
-        found = np.zeros(n, dtype=np.bool_)
+        values = found = None  # made by the first table that holds anything
         pending = None  # indices still undecided; None: all of them (no gather needed)
         for layer in (*extra_layers, *self.layers):
             if not len(layer):
                 continue
-            if pending is None:
+            if values is None:
+                values = np.zeros((n, vw), dtype=np.uint8)
                 put_found, decided = layer.probe(key_rows, values)  # nothing found yet: write in place
-                found |= put_found
+                found = put_found.copy()
                 pending = np.flatnonzero(~decided)
                 continue
             if pending.size == 0:
@@ -460,19 +462,21 @@ cdef class Sources:
             put_rows_at(values, hit, take_rows(sub_values, put_found))
             found[hit] = True
             pending = pending[~decided]
-        if (self.levels or self.bottom is not None) and (pending is None or pending.size):
-            sub = key_rows if pending is None else take_rows(key_rows, pending)
-            image_values, image_found = self._image_lookup(sub, vw)
-            if pending is None:
-                return image_values, image_found
+        has_images = bool(self.levels) or self.bottom is not None
+        if values is None:  # no table holds anything: the images decide every key
+            if has_images:
+                return self._image_lookup(key_rows, vw)
+            return np.zeros((n, vw), dtype=np.uint8), np.zeros(n, dtype=np.bool_)
+        if has_images and pending.size:
+            image_values, image_found = self._image_lookup(take_rows(key_rows, pending), vw)
             put_rows_at(values, pending, image_values)
             found[pending] = image_found
         return values, found
 
     def _image_lookup(self, key_rows, Py_ssize_t vw):
         n = key_rows.shape[0]
-        values = np.zeros((n, vw), dtype=np.uint8)
-        found = np.zeros(n, dtype=np.uint8)
+        values = np.empty((n, vw), dtype=np.uint8)  # every row written: zeros where not found
+        found = np.empty(n, dtype=np.uint8)
         if self.levels:
             _images_lookup(list(self.levels), self.bottom, key_rows, values, found)
         else:

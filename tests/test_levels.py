@@ -1,4 +1,4 @@
-"""Lookups through spilled levels (statecore._levels) and their key filters
+"""Lookups through spilled levels (statecore._versions) and their key filters
 (statecore._keyfilter): the filter never forgets a key and rarely claims an absent one, and
 a snapshot writer fills one with the keys it writes;
 the compiled walk through deep stacks of levels with removes equals the model, with real
