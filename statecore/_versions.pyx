@@ -30,7 +30,9 @@ level (the filters and the slot indexes use the same hash). The walk runs withou
 two passes: the first hashes each key and finds the first level whose filters may hold it;
 the second probes from there, prefetching the home slot of a key some lookups ahead in the
 index it will start in. A filter's false "maybe" costs one probe and the walk goes on down.
-Rules: ``docs/provider-rules.md``, "The read model".
+Rules: ``docs/provider-rules.md``, "The read model". (About 700 lines: the types, the rule's
+three entry points and the compiled image walk they share are one unit; split, each part
+would read the others' internals.)
 """
 cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
