@@ -1,4 +1,4 @@
-"""Batch lookups through spilled levels (``Spill.lookup``, compiled in statecore/_levels.pyx)
+"""Batch lookups through spilled levels (``Spill.lookup``, compiled in statecore/_versions.pyx)
 against the mapped snapshot alone and a Python dict, in the same run.
 
     python -m bench.bench_levels --rows 1000000 --batch-rows 100000 --repeat 7 [--json PATH]
@@ -62,7 +62,7 @@ def stacked(root, rows, batch_rows, n_levels, rng):
 
 
 def level_by_level(spill, key_rows):
-    """``(values, found)`` as Spill.lookup had them before statecore/_levels.pyx: each level's
+    """``(values, found)`` as Spill.lookup had them before the compiled walk: each level's
     puts, then its removes, for the keys no newer level decided, then the snapshot."""
     n = key_rows.shape[0]
     values = np.zeros((n, spill.puts.value_width), dtype=np.uint8)

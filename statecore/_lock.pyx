@@ -26,6 +26,8 @@ from cpython.pythread cimport (
     PyThread_free_lock, PyThread_type_lock,
 )
 
+import functools
+import os
 import sys
 import time
 
@@ -35,6 +37,10 @@ cdef extern from "pythread.h":
 
 if not getattr(sys, "_is_gil_enabled", lambda: True)():
     raise ImportError("statecore._lock relies on the GIL, which this interpreter runs without")
+
+# Whether the functions marked ``requires_lock`` check that their caller holds the lock (a
+# debugging aid: set STATECORE_DEBUG_LOCKS=1 before statecore is imported).
+LOCK_CHECKS = os.environ.get("STATECORE_DEBUG_LOCKS", "") not in ("", "0")
 
 # The longest single blocking wait, in microseconds (a longer timeout waits again).
 cdef long long MAX_WAIT_US = 1_000_000_000
@@ -111,9 +117,19 @@ cdef class ProviderLock:
             raise RuntimeError("cannot release un-acquired lock")
         lock_exit(self)
 
+    def owned(self):
+        """Whether this thread holds the lock."""
+        return self.depth > 0 and self.owner == PyThread_get_thread_ident()
+
+    def require_held(self, what):
+        """Raise AssertionError naming ``what`` unless this thread holds the lock: the check
+        of a "REQUIRES: the provider's lock held", made where ``LOCK_CHECKS`` is true."""
+        if not (self.depth > 0 and self.owner == PyThread_get_thread_ident()):
+            raise AssertionError(f"statecore bug: {what} needs the provider's lock, which this thread does not hold")
+
     # -- what threading.Condition uses when its lock has it (as with RLock) ----------------
     def _is_owned(self):
-        return self.depth > 0 and self.owner == PyThread_get_thread_ident()
+        return self.owned()
 
     def _release_save(self):
         """Release every acquisition of the holder (a Condition's wait): its depth, to
@@ -141,3 +157,17 @@ cdef class ProviderLock:
         if self.depth == 0:
             return "<ProviderLock unlocked>"
         return f"<ProviderLock held by thread {self.owner}, depth {self.depth}>"
+
+
+def requires_lock(fn):
+    """Mark ``fn`` (a provider method, or a function of a provider first) as "REQUIRES: the
+    provider's lock held" (``provider._lock``): with LOCK_CHECKS, each call checks it
+    (``ProviderLock.require_held``); without, ``fn`` is returned as it is, at no cost."""
+    if not LOCK_CHECKS:
+        return fn
+
+    @functools.wraps(fn)
+    def checked(provider, *args, **kwargs):
+        provider._lock.require_held(fn.__qualname__)
+        return fn(provider, *args, **kwargs)
+    return checked

@@ -6,9 +6,9 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from statecore._lock cimport ProviderLock
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable
+from statecore._versions cimport Sources
 
 
-@cython.final
 cdef class RowCalls:
     cdef RowCodec key_codec
     cdef RowCodec value_codec
@@ -19,12 +19,16 @@ cdef class RowCalls:
     cdef ProviderLock lock            # the provider's lock, taken from C per lookup
     cdef object changes               # state.changes, and its count when the walk was taken
     cdef const uint64_t* changes_at
-    cdef uint64_t walked_at
-    cdef list walk                    # the version's non-empty layers: puts, dels, ... (None: not taken yet)
-    cdef object base                  # and the State's base
+    cdef uint64_t sources_at
+    cdef Sources sources              # the version's flattened sources (None: not taken yet)
     cdef RowTable puts                # the store's update layer, or None (a read store)
     cdef RowTable dels
-    cdef readonly bint updating
+    cdef readonly int status           # READING, UPDATING, COMMITTED or ABORTED (_rowcalls.pyx)
 
-    cdef int _take_walk(self) except -1
+    cdef int _follow(self, view) except -1
+    @cython.final
+    cdef int _take_sources(self) except -1
+    @cython.final
+    cdef int _require_updating(self, verb) except -1
+    @cython.final
     cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1

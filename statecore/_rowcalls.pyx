@@ -3,24 +3,20 @@
 compiled, so that a call is one C function: the key (and value) encoded by the schemas'
 RowCodecs into buffers on the C stack, one key hash, the probes, the value decoded.
 
-It reads what ``State.get_row`` reads, in the same order: the store's update layer (its
-puts, then its deletions), then, under the provider's lock (a ProviderLock, taken from C:
-``statecore/_lock.pyx``), the pinned version's layers (undo layers of newer versions, the
-head) and the base (a SnapshotReader, a Spill, or a frozen State seen at a version, walked
-the same way). The update layer is the store's own (a
-store is used by one thread), so a key the store itself put or removed is answered without
-the lock. Puts and removes change the update layer exactly as ``Layer.put_row`` and
-``Layer.delete_row`` do. A found value is copied out of the table while the lock is held
-and decoded after, from the copy: decoding allocates, and nothing that allocation may run
-(a finalizer) can then change what is being read.
+It reads the store's update layer (its puts, then its deletions), then, under the
+provider's lock (a ProviderLock, taken from C: ``statecore/_lock.pyx``), the pinned
+version's flattened sources by the one rule (``Sources.find``, ``statecore/_versions.pyx``).
+The update layer is the store's own (a store is used by one thread), so a key the store
+itself put or removed is answered without the lock. Puts and removes change the update
+layer exactly as ``Layer.put_row`` and ``Layer.delete_row`` do. A found value is copied out
+of the table while the lock is held and decoded after, from the copy: decoding allocates,
+and nothing that allocation may run (a finalizer) can then change what is being read.
 
-The walk of the pinned version's own State (the tables of its non-empty layers, newest
-first, and the base) is kept between calls: it is taken, under the lock, on the first
-lookup and again whenever ``State.changes`` moved, which every change to what the walk
-holds counts before it is made (layers.py), also under the lock. The tables kept are the
-layers' own objects, so rows merged into the head later are seen; they are probed under
-the lock, as before. A frozen State under the base is walked afresh on each call
-(``_state_find``), and a Spill base follows its levels on each call (``spill_find``).
+The flattened sources are kept between calls: taken, under the lock, on the first lookup
+and again whenever the provider's change counter (``State.changes``) moved, which every
+change to what they hold counts before it is made (layers.py), also under the lock. The
+tables kept are the layers' own objects, so rows merged into the head later are seen; they
+are probed under the lock, as before.
 """
 cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -28,14 +24,19 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from statecore._hash cimport key_hash, slot_tag
-from statecore._levels cimport spill_find
 from statecore._lock cimport ProviderLock, lock_enter, lock_exit
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable, table_may_hold
-from statecore._snapshot_reader cimport SnapshotReader
+from statecore._versions cimport Sources, table_find_value
 
 from statecore.errors import IllegalStateError
-from statecore.spill import Spill
+
+cdef enum:
+    # RowCalls.status: a read store, or a store's lifecycle.
+    READING = 0
+    UPDATING = 1
+    COMMITTED = 2
+    ABORTED = 3
 
 cdef enum:
     # Rows up to this many bytes are encoded in a buffer on the C stack; wider ones on the heap.
@@ -60,156 +61,92 @@ cdef inline void _free(uint8_t* heap) noexcept:
         PyMem_Free(heap)
 
 
-cdef inline int _table_find(RowTable t, const uint8_t* key, uint32_t tag, uint8_t* value_out) noexcept:
-    """1 if ``t`` holds the key, else 0; its value is copied to ``value_out`` unless NULL."""
-    cdef uint64_t pos
-    cdef uint32_t row
-    if not table_may_hold(t, tag):  # empty, or the filter rules the key out
-        return 0
-    row = t.table_find(key, tag, &pos)
-    if row == 0:
-        return 0
-    if value_out != NULL:
-        memcpy(value_out, t.rows + <uint64_t>(row - 1) * t.row_width + t.key_width, t.value_width)
-    return 1
-
-
-cdef int _layer_find(layer, const uint8_t* key, uint32_t tag, uint8_t* value_out) except -2:
-    """1 (value copied out) if ``layer`` puts the key, 0 if it deletes it, -1 if it does not
-    decide it."""
-    puts = layer._puts
-    if puts is None:
-        if layer._pending is None:
-            return -1  # nothing in it
-        puts = layer.puts  # an undo layer kept as arrays: its tables are built once
-    if _table_find(<RowTable>puts, key, tag, value_out if (<RowTable>puts).value_width else NULL):
-        return 1
-    if _table_find(<RowTable>layer._dels, key, tag, NULL):
-        return 0
-    return -1
-
-
-cdef int _state_find(state, int64_t version, head, const uint8_t* key, uint64_t h,
-                     uint8_t* value_out) except -1:
-    """``State.get_row(version, key)`` for a key of hash ``h``: 1 (value copied out) or 0.
-    REQUIRES: the provider's lock held, or ``state`` frozen."""
-    cdef int r
-    cdef int64_t newest = state.version, u
-    cdef uint32_t tag = slot_tag(h)
-    if newest != version:  # State.layers_for: the undo layers of versions + 1 .. newest first
-        undo = state.undo
-        for u in range(version + 1, newest + 1):
-            r = _layer_find(undo[u], key, tag, value_out)
-            if r >= 0:
-                return r
-    r = _layer_find(head, key, tag, value_out)
-    if r >= 0:
-        return r
-    return _base_find(state.base, key, h, value_out)
-
-
-cdef int _base_find(base, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
-    """The lookup in a State's base: 1 (value copied out) or 0. REQUIRES: as _state_find."""
-    if base is None:
-        return 0
-    if type(base) is SnapshotReader:
-        return (<SnapshotReader>base).find_into(key, h, value_out)
-    if type(base) is Spill:
-        return spill_find(base, key, h, value_out)
-    inner = base.state  # a FrozenView: a frozen State at a version
-    return _state_find(inner, base.version, inner.head, key, h, value_out)
-
-
-cdef int _walk_layer(layer, list walk) except -1:
-    """Append the tables of ``layer`` to ``walk`` if it holds anything (an undo layer kept
-    as arrays is turned into tables here, once, as ``_layer_find`` would)."""
-    if layer._puts is None and layer._pending is None:
-        return 0  # nothing in it
-    puts = layer.puts
-    dels = layer.dels
-    if (<RowTable>puts).count or (<RowTable>dels).count:
-        walk.append(puts)
-        walk.append(dels)
-    return 0
-
-
-@cython.final
 cdef class RowCalls:
-    """The per-row calls of one store over one pinned ``view``; ``update`` is the store's
-    update Layer, or None for a read store. The store binds ``get`` (and ``put``, ``remove``)
-    on itself, so that ``store.get(key)`` calls straight into C."""
+    """The per-row calls of one store over one pinned ``view`` (its ``state`` and
+    ``version``), and the store's lifecycle: ``update`` is the store's update Layer (None
+    for a read store), written by ``put``/``remove`` while the store is updating. The
+    stores are subclasses (statecore/file_stores.py): ``store.get(key)`` calls straight
+    into C. ``status``, one field, is the lifecycle: ``check_updating`` is the one check."""
 
-    def __cinit__(self, view, ProviderLock lock not None, key_schema, value_schema, update=None):
+    def __init__(self, view, ProviderLock lock not None, key_schema, value_schema, update=None):
         self.key_codec = key_schema.codec
         self.value_codec = value_schema.codec
         self.key_width = key_schema.width
         self.value_width = value_schema.width
+        self.lock = lock
+        self._follow(view)
+        if update is None:
+            self.puts = self.dels = None
+            self.status = READING
+        else:
+            self.puts = update.puts
+            self.dels = update.dels
+            self.status = UPDATING
+
+    cdef int _follow(self, view) except -1:
+        """Read ``view`` from now on (its flattened sources taken on the next lookup)."""
         cdef const uint64_t[::1] changes
         self.state = view.state
         self.version = view.version
-        self.lock = lock
         self.changes = self.state.changes
         changes = self.changes
         if changes.shape[0] != 1:
             raise ValueError(f"State.changes must hold one count, got {changes.shape[0]}")
         self.changes_at = &changes[0]
-        self.set_update(update)
-
-    def set_update(self, update):
-        """Read (and write) ``update`` from now on (a store that aborts starts a new one)."""
-        if update is None:
-            self.puts = self.dels = None
-            self.updating = False
-        else:
-            self.puts = update.puts
-            self.dels = update.dels
-            self.updating = True
-
-    def close_updates(self):
-        """The store committed or aborted: puts and removes are refused from now on."""
-        self.updating = False
-
-    cdef int _take_walk(self) except -1:
-        """Keep the walk of the pinned version (see the module docstring). REQUIRES: the
-        provider's lock held."""
-        cdef int64_t u
-        cdef uint64_t at = self.changes_at[0]
-        state = self.state
-        undo = state.undo
-        walk = []
-        for u in range(self.version + 1, <int64_t>state.version + 1):  # State.layers_for
-            _walk_layer(undo[u], walk)
-        _walk_layer(state.head, walk)
-        self.walk = walk
-        self.base = state.base
-        self.walked_at = at
+        self.sources = None
         return 0
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @property
+    def updating(self):
+        """Whether puts and removes are taken (the store neither committed nor aborted)."""
+        return self.status == UPDATING
+
+    @property
+    def has_committed(self):
+        return self.status == COMMITTED
+
+    def check_updating(self, verb):
+        """IllegalStateError (Spark's wording) unless puts and removes are taken."""
+        self._require_updating(verb)
+
+    cdef int _require_updating(self, verb) except -1:
+        """The one lifecycle check: of the per-row writes, and (through check_updating) the
+        batch writes and commit."""
+        if self.status != UPDATING:
+            raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
+        return 0
+
+    def _end_updates(self, committed, view=None):
+        """The store committed (``committed``) or aborted: puts and removes are refused from
+        now on. Reads follow ``view`` (the committed version) if given, without the update
+        layer (merged there); an abort's reads drop the update layer too."""
+        self.status = COMMITTED if committed else ABORTED
+        if view is not None or not committed:
+            self.puts = self.dels = None
+        if view is not None:
+            self._follow(view)
+
+    cdef int _take_sources(self) except -1:
+        """Keep the flattened sources of the pinned version (see the module docstring).
+        REQUIRES: the provider's lock held."""
+        cdef uint64_t at = self.changes_at[0]
+        self.sources = self.state.sources(self.version)
+        self.sources_at = at
+        return 0
+
     cdef int _find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
-        cdef uint32_t tag = slot_tag(h)
-        cdef Py_ssize_t i, n
-        cdef RowTable puts
-        cdef list walk
+        cdef uint32_t tag
         if self.puts is not None:
-            if _table_find(self.puts, key, tag, value_out if self.value_width else NULL):
+            tag = slot_tag(h)
+            if table_find_value(self.puts, key, tag, value_out if self.value_width else NULL):
                 return 1
-            if _table_find(self.dels, key, tag, NULL):
+            if table_find_value(self.dels, key, tag, NULL):
                 return 0
         lock_enter(self.lock)
         try:
-            if self.walk is None or self.walked_at != self.changes_at[0]:
-                self._take_walk()
-            walk = self.walk
-            n = len(walk)
-            for i in range(0, n, 2):
-                puts = <RowTable>walk[i]
-                if _table_find(puts, key, tag, value_out if puts.value_width else NULL):
-                    return 1
-                if _table_find(<RowTable>walk[i + 1], key, tag, NULL):
-                    return 0
-            return _base_find(self.base, key, h, value_out)
+            if self.sources is None or self.sources_at != self.changes_at[0]:
+                self._take_sources()
+            return self.sources.find(key, h, value_out)
         finally:
             lock_exit(self.lock)
 
@@ -244,8 +181,7 @@ cdef class RowCalls:
         cdef int rc
         if value is None:
             raise ValueError("Cannot put a null value")
-        if not self.updating:
-            raise IllegalStateError("Cannot put after already committed or aborted")
+        self._require_updating("put")
         try:
             k = _scratch(key_stack, self.key_width, &key_heap)
             v = _scratch(value_stack, self.value_width, &value_heap)
@@ -270,8 +206,7 @@ cdef class RowCalls:
         cdef uint8_t* k
         cdef uint32_t tag
         cdef int rc
-        if not self.updating:
-            raise IllegalStateError("Cannot remove after already committed or aborted")
+        self._require_updating("remove")
         try:
             k = _scratch(key_stack, self.key_width, &key_heap)
             self.key_codec.encode_into(key, k)

@@ -31,6 +31,12 @@ cdef class SnapshotReader(RowSource):
     cdef int find_into(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1
 
 
+cdef inline KeyFilter reader_key_filter(SnapshotReader reader):
+    """The reader's key filter, or None: set once and never changed, so a caller that holds
+    the reader may keep a pointer into its bits."""
+    return reader._filter
+
+
 @cython.final
 cdef class SnapshotCursor:
     cdef SnapshotReader reader

@@ -5,17 +5,16 @@ A :class:`View` pins a version while its store is open. :class:`FileReadStore` r
 (under the provider's lock; iteration without it, see :meth:`View.iter_rows`);
 :class:`FileStore` adds a private layer of updates, invisible to everyone else until
 ``commit()`` hands it to the provider, which writes and merges it. Lifecycle errors use
-Spark's wording. The per-row ``get``, ``put`` and ``remove`` are compiled
-(:class:`~statecore._rowcalls.RowCalls`) and bound on each store when it opens, so that a
-call goes straight into C; the methods of the classes below say what they do.
+Spark's wording. The stores are subclasses of the compiled
+:class:`~statecore._rowcalls.RowCalls`: their per-row ``get``, ``put`` and ``remove`` are
+its methods (a call goes straight into C), and its ``status`` is the store's lifecycle (one
+field, checked by ``check_updating``, the one check the per-row and batch writes make).
 """
 import weakref
 
-import numpy as np
 
 from statecore._rowcalls import RowCalls
 from statecore.contracts import ReadStateStore, StateStore
-from statecore.errors import IllegalStateError
 from statecore.layers import Layer, OpenedValues, no_values
 from statecore.rowsource import iter_batches, iter_items
 
@@ -45,10 +44,6 @@ class View:
         with self.provider._lock:
             return self.state.lookup(self.version, key_rows, extra_layers)
 
-    def get_row(self, key, extra_layers=()):
-        with self.provider._lock:
-            return self.state.get_row(self.version, key, extra_layers)
-
     def iter_rows(self, extra_layers=()):
         """Row chunks of the version. Rows are copied out without the provider lock: while
         the iteration is registered, no commit merges into this state (it freezes it and
@@ -56,26 +51,25 @@ class View:
         lock = self.provider._lock
         with lock:
             self.state.iterating += 1
+            chunks = self.state.iter_rows(self.version, extra_layers)  # flattened here, under the lock
         try:
-            yield from self.state.iter_rows(self.version, extra_layers)
+            yield from chunks
         finally:
             with lock:
                 self.state.iterating -= 1
 
 
-class FileReadStore(ReadStateStore):
+class FileReadStore(RowCalls, ReadStateStore):
+    """A read store over ``view``; ``get`` is RowCalls'. ``update``: a FileStore's layer."""
+
     _kind = "FileReadStateStore"
 
-    def __init__(self, provider, view):
+    def __init__(self, provider, view, update=None):
         self._provider = provider
         self._view = view
         self._key_schema = provider._key_schema
         self._value_schema = provider._value_schema
-        self._calls = RowCalls(view, provider._lock, self._key_schema, self._value_schema, self._update_layer())
-        self.get = self._calls.get
-
-    def _update_layer(self):
-        return None
+        RowCalls.__init__(self, view, provider._lock, self._key_schema, self._value_schema, update)
 
     def __repr__(self):
         sid = self._provider.state_store_id
@@ -96,15 +90,6 @@ class FileReadStore(ReadStateStore):
 
     def _layers(self):
         return ()
-
-    def get(self, key):
-        """The value tuple of ``key``, or None (bound on the instance: the compiled call)."""
-        return self._calls.get(key)
-
-    def get_rows(self, key_rows, values_out, found_out):
-        values, found = self._view.lookup(np.ascontiguousarray(key_rows), self._layers())
-        values_out[...] = values
-        found_out[...] = found
 
     def get_batch(self, keys):
         key_rows = self._key_schema.rows(keys)
@@ -158,24 +143,18 @@ class _ChunkCursor:
         self._chunks.close()
 
 
-_UPDATING, _COMMITTED, _ABORTED = "UPDATING", "COMMITTED", "ABORTED"
-
-
 class FileStore(FileReadStore, StateStore):
+    """A store that writes ``put``/``remove`` (RowCalls') and the batch writes into its
+    update layer while ``updating``; ``commit`` hands the layer to the provider."""
+
     _kind = "FileStateStore"
 
     def __init__(self, provider, view):
         self._update = Layer(provider._key_schema, provider._value_schema)
-        super().__init__(provider, view)
-        self._state = _UPDATING
+        super().__init__(provider, view, self._update)
         self._commit_id = None
         self._opened = None  # (version, commit id) opened, once the view moved to the commit's
         self._read_before_writes = None  # OpenedValues of the one get_batch made before any write
-        self.put = self._calls.put
-        self.remove = self._calls.remove
-
-    def _update_layer(self):
-        return self._update
 
     def _layers(self):
         return (self._update,)
@@ -185,29 +164,17 @@ class FileStore(FileReadStore, StateStore):
         # (eviction loops) then cannot hide a key that is still to be visited.
         return (self._update.copy(),)
 
-    def _check_updating(self, verb):
-        if self._state != _UPDATING:
-            raise IllegalStateError(f"Cannot {verb} after already committed or aborted")
-
-    def put(self, key, value):
-        """Put ``key`` -> ``value`` in the update layer (bound on the instance: the compiled call)."""
-        self._calls.put(key, value)
-
-    def remove(self, key):
-        """Remove ``key`` (bound on the instance: the compiled call)."""
-        self._calls.remove(key)
-
     def _batch_read(self, key_rows, values, found):
         """The values a batch read finds before this store wrote anything are the opened
         version's, which the commit needs of the keys it puts: kept (the last such read
         only) for a commit that puts exactly those keys, in that order."""
-        if self._state == _UPDATING and not len(self._update):
+        if self.updating and not len(self._update):
             self._read_before_writes = OpenedValues(key_rows.copy(), values, found.copy())
 
     def put_batch(self, keys, values):
         if values is None and self._value_schema.width:
             raise ValueError("Cannot put a null value")
-        self._check_updating("put")
+        self.check_updating("put")
         key_rows = self._key_schema.rows(keys)
         value_rows = self._value_schema.rows(values) if values is not None else no_values(key_rows.shape[0])
         if value_rows.shape[0] != key_rows.shape[0]:
@@ -215,29 +182,25 @@ class FileStore(FileReadStore, StateStore):
         self._update.put_rows(key_rows, value_rows)
 
     def remove_batch(self, keys):
-        self._check_updating("remove")
+        self.check_updating("remove")
         self._update.delete_rows(self._key_schema.rows(keys))
 
     def commit(self):
-        self._check_updating("commit")
+        self.check_updating("commit")
         opened_values, self._read_before_writes = self._read_before_writes, None
         new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(
             self._view, self._update, opened_values)
         # The update layer may be the provider's head now: no per-row call may write to it
-        # again (the calls made below for the committed version only read).
-        self._calls.close_updates()
+        # again. Reads after the commit see the version it made, from the provider's State:
+        # the update layer, merged there, is let go (no longer a copy held beside the head).
+        # ``version`` and ``base_commit_id`` still name the version the store opened.
+        self._end_updates(True, committed)
         self._commit_id = commit_id
-        self._state = _COMMITTED
         if committed is not None:
-            # Reads after the commit see the version it made, from the provider's State: the
-            # update layer, merged there, is let go (no longer a copy held beside the head).
-            # ``version`` and ``base_commit_id`` still name the version the store opened.
             self._opened = (self._view.version, self._view.commit_id)
             self._view.release()
             self._view = committed
             self._update = Layer(self._key_schema, self._value_schema)
-            self._calls = RowCalls(committed, self._provider._lock, self._key_schema, self._value_schema)
-            self.get, self.put, self.remove = self._calls.get, self._calls.put, self._calls.remove
         return new_version
 
     @property
@@ -253,19 +216,13 @@ class FileStore(FileReadStore, StateStore):
         return (self._opened[1] if self._opened else self._view.commit_id).hex()
 
     def abort(self):
-        self._state = _ABORTED
+        self._end_updates(False)
         self._read_before_writes = None
         self._update = Layer(self._key_schema, self._value_schema)
-        self._calls.set_update(self._update)
-        self._calls.close_updates()
         self._view.release()
 
-    @property
-    def has_committed(self):
-        return self._state == _COMMITTED
-
     def _num_keys(self):
-        if self._state == _COMMITTED:
+        if self.has_committed:
             return self._committed_num_keys
         base = super()._num_keys()
         put_keys, _ = self._update.puts.export_rows()

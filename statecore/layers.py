@@ -1,59 +1,43 @@
 """The in-memory versions of one store: layers of changes over a mapped snapshot.
 
 A version is never copied. The newest version a provider holds is a :class:`State`: a
-*base* (a mapped :class:`~statecore.SnapshotReader`, a :class:`~statecore.spill.Spill` of
-changes mapped over one, another state frozen at a version, or nothing) under a *head*
+*base* (a mapped :class:`~statecore.SnapshotReader`, a :class:`~statecore._versions.Spill`
+of changes mapped over one, another state frozen at a version, or nothing) under a *head*
 layer holding every change since that base. Each commit merges its updates into the head
 in place and keeps an *undo* layer (the previous value, or absence, of every key it
 changed), so the versions just before the newest stay readable while they are retained or
 pinned by an open store. A :class:`Layer` is a RowTable of puts and a RowTable set of
-deletions; the first layer that holds a key decides its value.
+deletions.
 
-Lookups go, for version ``v``: undo layers ``v+1 .. newest`` (oldest first: the undo of
-``v+1`` holds the value at ``v``), the head, then the base. Everything is batch-shaped
+What a version reads, and the rule that reads it (the first source that decides a key
+wins), are in one place: ``statecore/_versions.pyx`` flattens a version's layers, frozen
+States and images into a ``Sources`` and answers per row, in batches and whole from it.
+This module changes States; it does not read them row by row. Everything is batch-shaped
 (numpy row arrays in, row arrays out); nothing loops in Python per row.
 
 Thread-safety: a State's owner (the provider) serializes merges and base swaps with its
 lock; lookups read a consistent state as long as they hold the same lock or the state is
 frozen. A frozen State never changes again (but for its base: a swap maps the same rows).
 
-What a lookup walks (the version, the undo layers, the base, and which layers hold
-anything) changes only through State's methods and its ``base`` setter (and the provider's
-set-up of a new State before anyone reads it), and each of them counts the change in
-``State.changes`` before it changes anything: a compiled reader (RowCalls) keeps the walk
-of its version and takes it again when that count moved.
+What a lookup walks (the version, the undo layers, the base, a spill's ``lower``, and which
+layers hold anything) changes only through State's methods, its ``base`` setter and
+``_versions.replace_in_chain``, and each of them counts the change in ``State.changes``
+before it changes anything. That counter is one per provider, shared by every State of it
+(a change to a frozen State low in the chain moves it too): a compiled reader (RowCalls)
+keeps the flattened sources of its version and flattens again when it moved.
 """
 import threading
 
 import numpy as np
 
 from statecore._rowtable import RowTable
-from statecore._snapshot import SnapshotReader
+from statecore._versions import (FrozenView, base_count, below_sources, describe_base, no_values, put_rows_at,
+                                 snapshot_version, sources_of, take_rows)
 
 __all__ = ["Layer", "State", "FrozenView", "take_rows", "no_values"]
 
 EMPTY = np.dtype([])
 _MATERIALIZING = threading.Lock()
-
-
-def take_rows(rows, index):
-    """``rows[index]`` for an (n, w) uint8 row array, as one memcpy per row (a void view)."""
-    w = rows.shape[1]
-    if w == 0:
-        index = np.asarray(index)
-        return no_values(int(index.sum()) if index.dtype == np.bool_ else index.size)
-    return rows.view(f"V{w}").ravel()[index].view(np.uint8).reshape(-1, w)
-
-
-def put_rows_at(dst, index, src):
-    """``dst[index] = src`` for (n, w) uint8 row arrays, one memcpy per row."""
-    w = dst.shape[1]
-    if w:
-        dst.view(f"V{w}").ravel()[index] = src.view(f"V{w}").ravel()
-
-
-def no_values(n):
-    return np.empty((n, 0), dtype=np.uint8)
 
 
 class Layer:
@@ -181,41 +165,30 @@ class Layer:
         return put_found, decided
 
 
-class FrozenView:
-    """A frozen State seen at one of its versions: the base of a newer State."""
-
-    __slots__ = ("state", "version")
-
-    def __init__(self, state, version):
-        self.state = state
-        self.version = version
-
-    @property
-    def num_keys(self):
-        return self.state.count(self.version)
-
-
 class State:
     """The versions one provider holds in memory for one lineage (see the module docstring).
 
     ``commit_ids[v]`` identifies version v (8 bytes; all zeros for version 0); ``num_keys[v]``
-    is its key count; both, and ``undo``, cover exactly the versions held.
-    """
+    is its key count; both, and ``undo``, cover exactly the versions held. ``changes``: the
+    provider's change counter (one uint64 array shared by its States; a new one if None).
+    ``pins[v]``: how many open stores read version v (``pin``/``unpin``); ``retain`` keeps
+    those versions."""
 
-    def __init__(self, key_schema, value_schema, base, version, commit_id, num_keys):
+    def __init__(self, key_schema, value_schema, base, version, commit_id, num_keys, changes=None):
         self.key_schema = key_schema
         self.value_schema = value_schema
         # One uint64: changes to what a lookup walks (see the module docstring); an array,
         # so that compiled readers compare it through a pointer.
-        self.changes = np.zeros(1, dtype=np.uint64)
+        self.changes = np.zeros(1, dtype=np.uint64) if changes is None else changes
+        self._base = None
         self.base = base
         self.head = Layer(key_schema, value_schema)
         self.version = version
         self.undo = {}
         self.commit_ids = {version: commit_id}
         self.num_keys = {version: num_keys}
+        self.pins = {}
         self.frozen = False
-        self.merges = 0
         self.pending = None  # a merged version whose delta is not durable yet
         self.iterating = 0  # open iterations: while any, nothing merges into this state
         self.spill_asked_at = None  # the version whose commit first asked for the head to be spilled
@@ -228,13 +201,26 @@ class State:
 
     @base.setter
     def base(self, base):
-        self._changed()
+        self.count_base_change()
         self._base = base
 
-    def _changed(self):
-        """Count a change to what lookups walk. REQUIRES: the owner's lock held (or nobody
-        reads this State yet); called before the change."""
+    def count_base_change(self):
+        """Count a change to what lies under this State (its base, or a spill's ``lower``
+        under it), the one change a frozen State may see. REQUIRES: the owner's lock held (or
+        nobody reads this State yet); called before the change."""
         self.changes[0] += 1
+
+    def _changed(self):
+        """Count a change to this State's versions or layers. REQUIRES: as count_base_change."""
+        self._refuse_if_frozen()
+        self.changes[0] += 1
+
+    def _refuse_if_frozen(self):
+        """The one place that refuses a change to a frozen State."""
+        if self.frozen:
+            # Someone may be reading this state without a lock (a snapshot being written, a
+            # newer state built over it): changing it now would be a bug, never a wrong value.
+            raise AssertionError("statecore bug: a change to a frozen in-memory state")
 
     def holds(self, version):
         return version in self.commit_ids and version != self.pending
@@ -243,74 +229,36 @@ class State:
         # REQUIRES: self.holds(version)
         return [self.undo[u] for u in range(version + 1, self.version + 1)] + [self.head]
 
+    # -- pins -----------------------------------------------------------------------------
+    def pin(self, version):
+        """An open store reads ``version``: ``retain`` keeps it. REQUIRES: the owner's lock held."""
+        self.pins[version] = self.pins.get(version, 0) + 1
+
+    def unpin(self, version):
+        """A store that read ``version`` closed. REQUIRES: the owner's lock held."""
+        left = self.pins.get(version, 0) - 1
+        if left > 0:
+            self.pins[version] = left
+        else:
+            self.pins.pop(version, None)
+
+    def pinned(self):
+        """The versions open stores read, oldest first."""
+        return sorted(self.pins)
+
     # -- lookups --------------------------------------------------------------------------
-    def get_row(self, version, key, extra_layers=()):
-        """Value bytes of one key (bytes) at ``version``, or None: the per-row path, without
-        the batch machinery."""
-        for layer in (*extra_layers, *self.layers_for(version)):
-            if not len(layer):
-                continue
-            value = layer.puts.get_row(key)
-            if value is not None:
-                return value
-            if len(layer.dels) and layer.dels.get_row(key) is not None:
-                return None
-        base = self.base
-        if base is None:
-            return None
-        if isinstance(base, FrozenView):
-            return base.state.get_row(base.version, key)
-        return base.get_row(key)  # a SnapshotReader or a Spill
+    def sources(self, version):
+        """The flattened sources of ``version`` (``statecore._versions.Sources``)."""
+        return sources_of(self, version)
 
     def lookup(self, version, key_rows, extra_layers=()):
         """``(value_rows, found)`` of ``key_rows`` at ``version`` (under ``extra_layers``)."""
-        n = key_rows.shape[0]
-        vw = self.value_schema.width
-        values = np.zeros((n, vw), dtype=np.uint8)
-        found = np.zeros(n, dtype=np.bool_)
-        pending = None  # indices still undecided; None: all of them (no gather needed)
-        for layer in (*extra_layers, *self.layers_for(version)):
-            if not len(layer):
-                continue
-            if pending is None:
-                put_found, decided = layer.probe(key_rows, values)  # nothing found yet: write in place
-                found |= put_found
-                pending = np.flatnonzero(~decided)
-                continue
-            if pending.size == 0:
-                break
-            sub_values = np.empty((pending.size, vw), dtype=np.uint8)
-            put_found, decided = layer.probe(take_rows(key_rows, pending), sub_values)
-            hit = pending[put_found]
-            put_rows_at(values, hit, take_rows(sub_values, put_found))
-            found[hit] = True
-            pending = pending[~decided]
-        if self.base is not None and (pending is None or pending.size):
-            sub = key_rows if pending is None else take_rows(key_rows, pending)
-            base_values, base_found = base_lookup(self.base, sub)
-            if pending is None:
-                return base_values, base_found
-            put_rows_at(values, pending, base_values)
-            found[pending] = base_found
-        return values, found
+        return sources_of(self, version).lookup(key_rows, self.value_schema.width, extra_layers)
 
     def iter_rows(self, version, extra_layers=(), chunk_rows=1 << 16):
         """Yield ``(n, row_width)`` uint8 chunks of every row at ``version`` (under
-        ``extra_layers``), each key once: each layer's puts that no earlier layer decides,
-        then the base's rows that no layer decides."""
-        layers = [layer for layer in (*extra_layers, *self.layers_for(version)) if len(layer)]
-        kw = self.key_schema.width
-        for i, layer in enumerate(layers):
-            cursor = layer.puts.cursor()
-            while (chunk := cursor.next_rows(chunk_rows)) is not None:
-                keep = ~_decided_by(layers[:i], np.ascontiguousarray(chunk[:, :kw]))
-                if keep.any():
-                    yield chunk[keep]
-        if self.base is not None:
-            for chunk in base_rows(self.base, chunk_rows):
-                keep = ~_decided_by(layers, np.ascontiguousarray(chunk[:, :kw]))
-                if keep.any():
-                    yield chunk[keep]
+        ``extra_layers``), each key once."""
+        return sources_of(self, version).rows(chunk_rows, extra_layers)
 
     # -- changes --------------------------------------------------------------------------
     def count(self, version):
@@ -324,16 +272,16 @@ class State:
             if self.base is None:
                 n = put_keys.shape[0]
             else:
-                n = (base_count(self.base) + int((~base_lookup(self.base, put_keys)[1]).sum())
-                     - int(base_lookup(self.base, del_keys)[1].sum()))
+                n = (base_count(self.base) + int((~base_lookup(self, put_keys)[1]).sum())
+                     - int(base_lookup(self, del_keys)[1].sum()))
             self.num_keys[version] = n
         return n
 
     def replay(self, kind_is_put, keys, values):
         """Apply one block of a delta to the head (loading from files: no undo, no lookups;
-        the key count becomes unknown until asked for). REQUIRES: not frozen."""
-        self._check_not_frozen()
+        the key count becomes unknown until asked for)."""
         if keys.shape[0] == 0:
+            self._refuse_if_frozen()
             return
         self._changed()
         self.num_keys[self.version] = None
@@ -362,9 +310,8 @@ class State:
         ``update``: the store's update Layer those rows came from, which no one writes to
         again. Over an empty head, an update that only puts becomes the head itself (its
         table is already the head's contents: no second insert of every key)."""
-        self._check_not_frozen()
-        before = self.count(self.version)
         self._changed()
+        before = self.count(self.version)
         # Every lookup that can fail (a damaged snapshot block) comes before the head changes,
         # or is undone: readers of this state's versions never see half a merge.
         if del_prior is None:
@@ -390,7 +337,6 @@ class State:
             _cat(prior_put_found, prior_del_found))
         self.commit_ids[self.version] = commit_id
         self.num_keys[self.version] = (before + int((~prior_put_found).sum()) - int(prior_del_found.sum()))
-        self.merges += 1
         self.adopted_head = self.version if adopted else None
         if pending:
             self.pending = self.version
@@ -399,7 +345,6 @@ class State:
         """Undo the newest merge (its delta could not be written): the head returns to the
         previous version, exactly, from the undo layer (or, when the merge made the store's
         update layer the head, to the empty head it replaced, leaving that layer as it was)."""
-        self._check_not_frozen()
         self._changed()
         undo = self.undo.pop(self.version)
         if self.adopted_head == self.version:
@@ -415,14 +360,13 @@ class State:
         del self.num_keys[self.version]
         self.version -= 1
         self.pending = None
-        self.merges += 1
 
     def _base_prior(self, keys):
         """Each key's value and presence in the base alone (the head holds none of them)."""
         if self.base is None or keys.shape[0] == 0:
             return (np.zeros((keys.shape[0], self.value_schema.width), dtype=np.uint8),
                     np.zeros(keys.shape[0], dtype=np.bool_))
-        return base_lookup(self.base, keys)
+        return base_lookup(self, keys)
 
     def _put_and_get_prior(self, keys, values):
         """Write puts into the head; return each key's value and presence before the write.
@@ -443,7 +387,7 @@ class State:
             rest, rest_keys = rest[keep], take_rows(rest_keys, keep)
         if self.base is not None and rest.size:
             try:
-                base_values, base_found = base_lookup(self.base, rest_keys)
+                base_values, base_found = base_lookup(self, rest_keys)
             except BaseException:
                 self.head.puts.put_rows(take_rows(keys, found), take_rows(prior, found))
                 self.head.puts.remove_rows(all_rest_keys)
@@ -454,20 +398,49 @@ class State:
             self.head.dels.remove_rows(all_rest_keys)
         return prior, found
 
-    def _check_not_frozen(self):
-        # Someone may be reading this state without a lock (a snapshot being written, a
-        # newer state built over it): changing it now would be a bug, never a wrong value.
-        if self.frozen:
-            raise AssertionError("statecore bug: a change to a frozen in-memory state")
-
     def retain(self, keep_from):
-        """Forget versions older than ``keep_from`` (and the undo layers only they need)."""
+        """Forget versions older than ``keep_from`` (and the undo layers only they need), but
+        for pinned ones (and what they need)."""
+        if self.pins:
+            keep_from = min(keep_from, min(self.pins))
         self._changed()
         for v in [v for v in self.commit_ids if v < keep_from]:
             del self.commit_ids[v]
             del self.num_keys[v]
         for u in [u for u in self.undo if u <= keep_from]:
             del self.undo[u]
+
+    def freeze_into_successor(self, version, keep_versions):
+        """Freeze this State and return a new one over it at ``version`` (a FrozenView of this
+        one, sharing its change counter), where commits go on while the frozen one is read
+        without the lock. ``keep_versions`` (``version`` is the newest here): the new State
+        holds every version this one does, through the same undo layers. REQUIRES: the
+        owner's lock held."""
+        self.frozen = True
+        successor = State(self.key_schema, self.value_schema, FrozenView(self, version), version,
+                          self.commit_ids[version], self.count(version), changes=self.changes)
+        if keep_versions:
+            successor.undo = dict(self.undo)
+            successor.commit_ids = dict(self.commit_ids)
+            successor.num_keys = dict(self.num_keys)
+        return successor
+
+    def describe(self):
+        """What this State holds, as a dict (for tests and debugging; LevelDB's DebugString):
+        its version, the versions held and pinned, whether it is frozen, pending or iterated,
+        the rows of its head and undo layers, and its base (down any frozen States)."""
+        return {
+            "version": self.version,
+            "versions": sorted(self.commit_ids),
+            "pins": dict(sorted(self.pins.items())),
+            "frozen": self.frozen,
+            "pending": self.pending,
+            "iterating": self.iterating,
+            "head_rows": len(self.head),
+            "undo_layers": {u: len(layer) for u, layer in sorted(self.undo.items())},
+            "base": describe_base(self.base),
+            "snapshot_version": snapshot_version(self.base),
+        }
 
 
 class OpenedValues:
@@ -487,46 +460,11 @@ class OpenedValues:
         return self.values, self.found
 
 
-def _decided_by(layers, key_rows):
-    n = key_rows.shape[0]
-    decided = np.zeros(n, dtype=np.bool_)
-    for layer in layers:
-        scratch = np.empty((n, layer.puts.value_width), dtype=np.uint8)
-        decided |= layer.probe(key_rows, scratch)[1]
-    return decided
-
-
-def base_lookup(base, key_rows):
-    """``(value_rows, found)`` from a base: a SnapshotReader, a Spill or a FrozenView."""
-    if isinstance(base, SnapshotReader):
-        n = key_rows.shape[0]
-        values = np.zeros((n, base.value_width), dtype=np.uint8)
-        found = np.zeros(n, dtype=np.uint8)
-        base.get_rows(key_rows, values, found)
-        return values, found.view(np.bool_)
-    if isinstance(base, FrozenView):
-        return base.state.lookup(base.version, key_rows)
-    return base.lookup(key_rows)
+def base_lookup(state, key_rows):
+    """``(value_rows, found)`` of ``key_rows`` in what ``state``'s head stands on: its base
+    alone (the prior values a merge needs of keys the head does not hold)."""
+    return below_sources(state).lookup(key_rows, state.value_schema.width)
 
 
 def _cat(a, b):
     return a if b.shape[0] == 0 else np.concatenate([a, b])
-
-
-def base_count(base):
-    if isinstance(base, SnapshotReader):
-        return base.row_count
-    if isinstance(base, FrozenView):
-        return base.state.count(base.version)
-    return base.num_keys
-
-
-def base_rows(base, chunk_rows):
-    if isinstance(base, SnapshotReader):
-        cursor = base.cursor()
-        while (chunk := cursor.next_rows(chunk_rows)) is not None:
-            yield chunk
-    elif isinstance(base, FrozenView):
-        yield from base.state.iter_rows(base.version, chunk_rows=chunk_rows)
-    else:
-        yield from base.rows(chunk_rows)

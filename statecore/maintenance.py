@@ -13,12 +13,14 @@ import time
 
 from statecore._delta import DeltaReader
 from statecore._keyfilter import KeyFilter
+from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
+from statecore._versions import (bottom_snapshot, changed_since_bottom, is_view_of, replace_in_chain, snapshot_version,
+                                 spilled_base, stands_on_frozen)
 from statecore.errors import StateCorruptionError, UnsafeFileError, VersionNotFoundError
-from statecore.layers import FrozenView, State
 from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
-from statecore.spill import KEY_FILTER_MAX_ROWS, Spill, bottom_snapshot, spill_head, spill_rows
+from statecore.spill import KEY_FILTER_MAX_ROWS, spill_head, spill_rows
 
 __all__ = ["run_maintenance", "spill_if_outgrown", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -78,10 +80,10 @@ def _snapshot_if_due(p):
     min_deltas = p._conf.min_deltas_for_snapshot
 
     def changes_outgrown(base, head_rows, num_keys):
-        return p._changes_outgrown(head_rows + (base.changed if isinstance(base, Spill) else 0), num_keys)
+        return p._changes_outgrown(head_rows + changed_since_bottom(base), num_keys)
 
     def due(state):
-        since = max(_snapshot_version(state.base), p._snapshot_on_files)
+        since = max(snapshot_version(state.base), p._snapshot_on_files)
         return state.version > 0 and (state.version - since > min_deltas or changes_outgrown(
             state.base, len(state.head), state.count(state.version)))
 
@@ -158,6 +160,7 @@ def _filter_bottom(p):
             raise
 
 
+@requires_lock
 def _newest_published(p, wanted):
     """The newest State if ``wanted(state)``, once no merge into it is pending (a commit in
     flight is waited for, up to PUBLISH_WAIT_S, only if the state is wanted already), or
@@ -175,30 +178,6 @@ def _newest_published(p, wanted):
     return p._latest
 
 
-def _snapshot_version(base):
-    """The version of the snapshot a State's base stands on (0: none)."""
-    while base is not None:
-        if isinstance(base, FrozenView):
-            base = base.state.base
-        elif isinstance(base, Spill):
-            base = base.lower
-        else:
-            return base.store_version
-    return 0
-
-
-def _freeze(p, state, version, commit_id):
-    """Freeze ``state`` at ``version``: commits go on in a new State over it, while the
-    frozen one is read without the lock. REQUIRES: p._lock held."""
-    state.frozen = True
-    successor = State(p._key_schema, p._value_schema, FrozenView(state, version), version, commit_id,
-                      state.count(version))
-    successor.undo = dict(state.undo)
-    successor.commit_ids = dict(state.commit_ids)
-    successor.num_keys = dict(state.num_keys)
-    p._latest = successor
-
-
 def _spill(p, state, written):
     """Write frozen ``state`` out as a Spill of its version (its head, and the newer levels of
     its base's spills, but not ``written``, the spill a snapshot is being written from) and
@@ -207,12 +186,12 @@ def _spill(p, state, written):
     new_file = _spill_file_maker(p, version)
     commit_id, num_keys = state.commit_ids[version], state.count(version)
     publish = _publisher(p, version, commit_id)
-    if isinstance(state.base, FrozenView):  # no mapped base to tell changes from: every row
+    if stands_on_frozen(state.base):  # no mapped base to tell changes from: every row
         spill = spill_rows(new_file, p._key_schema, p._value_schema, version, commit_id,
                            state.iter_rows(version), num_keys, publish)
     else:
         spill = spill_head(new_file, state.head, state.base, version, commit_id, num_keys, written, publish)
-    _replace_base(p, lambda b: isinstance(b, FrozenView) and b.state is state and b.version == version, spill)
+    _replace_base(p, lambda b: is_view_of(b, state, version), spill)
     log.debug("spilled version %d of %s: %r", version, p, spill)
     return spill
 
@@ -265,7 +244,7 @@ def spill_if_outgrown(p, ratio=None, after_failure_wait=False):
     if after_failure_wait and failed_at is not None and time.monotonic() - failed_at < SPILL_RETRY_S:
         return
     try:
-        _spill_newest(p, lambda state: isinstance(state.base, FrozenView) or p._spill_due(state, ratio))
+        _spill_newest(p, lambda state: stands_on_frozen(state.base) or p._spill_due(state, ratio))
     except Exception:
         p._spill_failed_at = time.monotonic()
         raise
@@ -281,9 +260,10 @@ def _spill_newest(p, wanted):
             state = _newest_published(p, wanted)
             if state is None:
                 return None
-            if isinstance(state.base, Spill) and not len(state.head):
-                return state.base
-            _freeze(p, state, state.version, state.commit_ids[state.version])
+            spilled = spilled_base(state.base)
+            if spilled is not None and not len(state.head):
+                return spilled
+            p._latest = state.freeze_into_successor(state.version, keep_versions=True)
             written = p._snapshot_source
         return _spill(p, state, written)
 
@@ -293,20 +273,7 @@ def _replace_base(p, is_old, new):
     base ``is_old``, or the lower of the level of its spills that stands on it: the same
     version, now mapped. Whether one was found."""
     with p._lock:
-        node = p._latest
-        while node is not None:
-            base = node.base
-            if is_old(base):
-                node.base = new
-                return True
-            level = base
-            while isinstance(level, Spill):  # the levels of spills, newest first
-                if is_old(level.lower):
-                    level.lower = new
-                    return True
-                level = level.lower
-            node = base.state if isinstance(base, FrozenView) else None
-    return False
+        return p._latest is not None and replace_in_chain(p._latest, is_old, new)
 
 
 def _cleanup(p):

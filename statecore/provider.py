@@ -19,7 +19,7 @@ import numpy as np
 
 from statecore import files as files_module
 from statecore._delta import BLOCK_PUTS, HEADER_SIZE as DELTA_HEADER_SIZE, DeltaReader, DeltaWriter, read_delta_header
-from statecore._lock import ProviderLock
+from statecore._lock import ProviderLock, requires_lock
 from statecore._snapshot import SnapshotReader
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
@@ -27,11 +27,11 @@ from statecore.errors import (CommitConflictError, IllegalStateError, SchemaMism
                               StateCorruptionError, UnsafeFileError, VersionNotFoundError)
 from statecore.file_stores import FileReadStore, FileStore, View
 from statecore.ids import StateStoreId
-from statecore.layers import FrozenView, State, take_rows
+from statecore._versions import Spill, filter_bytes, frozen_below
+from statecore.layers import State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import RowSchema, key_value_schemas
-from statecore.spill import Spill, filter_bytes as spill_filter_bytes
 from statecore.snapshot_files import open_snapshot, read_header as read_snapshot_file_header
 
 __all__ = ["FileStateStoreProvider", "read_store_schemas", "schema_file_bytes", "read_version_header", "SCHEMA_FILE"]
@@ -81,7 +81,7 @@ class FileStateStoreProvider(StateStoreProvider):
     ``_pin``/``_unpin``, ``_commit``, ``_metrics``)."""
 
     def __init__(self):
-        self._lock = ProviderLock()  # guards _latest, _pins, every State's contents (re-entrant)
+        self._lock = ProviderLock()  # guards _latest, every State's contents and pins (re-entrant)
         self._published = threading.Condition(self._lock)  # notified when no merge is pending
         self._spilling = threading.Lock()  # one spill at a time (maintenance, or a commit)
         self._snapshot_source = None  # the Spill a snapshot is being written from (guarded by _lock)
@@ -92,7 +92,8 @@ class FileStateStoreProvider(StateStoreProvider):
         self._committing = threading.Lock()  # commits of one provider run one at a time
         self._headers_lock = threading.Lock()  # guards _headers
         self._latest = None
-        self._pins = {}
+        # What lookups walk changed (layers.py): one counter shared by every State of this provider.
+        self._changes = np.zeros(1, dtype=np.uint64)
         self._headers = {}  # file name -> (commit_id, parent_id): names with ids never change
         self._verified_files = set()  # names maintenance checked whole before deleting on their account
         self._maintenance_hint = None  # called when the head is due to be spilled
@@ -314,13 +315,14 @@ class FileStateStoreProvider(StateStoreProvider):
             self._maintenance_hint()
         return view
 
+    @requires_lock
     def _unread(self, state):
         """Whether nothing reads ``state`` but through this provider's lock: no open store
         pins a version of it, nothing iterates it, maintenance has not frozen it and no
         commit is pending on it. Then it may be changed in place. REQUIRES: self._lock held."""
-        return (not state.frozen and not state.iterating and state.pending is None
-                and not any(sid == id(state) for sid, _ in self._pins))
+        return not state.frozen and not state.iterating and state.pending is None and not state.pins
 
+    @requires_lock
     def _merge_delta(self, state, commit_id, blocks):
         """Merge one checked delta's blocks as the next version of ``state``. REQUIRES:
         self._lock held. The prior values are looked up first: a lookup that raises leaves
@@ -337,27 +339,18 @@ class FileStateStoreProvider(StateStoreProvider):
 
     def _pin(self, state, version):
         with self._lock:
-            key = (id(state), version)
-            self._pins[key] = self._pins.get(key, 0) + 1
+            state.pin(version)
 
     def _unpin(self, state, version):
         with self._lock:
-            key = (id(state), version)
-            left = self._pins.get(key, 0) - 1
-            if left > 0:
-                self._pins[key] = left
-            else:
-                self._pins.pop(key, None)
+            state.unpin(version)
 
+    @requires_lock
     def _retain(self, state):
-        """Keep the newest ``max_versions_to_retain_in_memory`` versions, and pinned ones."""
-        # REQUIRES: self._lock held
+        """Keep the newest ``max_versions_to_retain_in_memory`` versions (and pinned ones:
+        State.retain keeps them). REQUIRES: self._lock held."""
         k = self._conf.max_versions_to_retain_in_memory
-        keep_from = state.version - max(k - 1, 0)
-        pinned = [v for (sid, v) in self._pins if sid == id(state)]
-        if pinned:
-            keep_from = min(keep_from, min(pinned))
-        state.retain(keep_from)
+        state.retain(state.version - max(k - 1, 0))
 
     # -- commit ----------------------------------------------------------------------------
     def _commit(self, view, update, opened_values=None):
@@ -463,6 +456,7 @@ class FileStateStoreProvider(StateStoreProvider):
             del_keys, values = take_rows(del_keys, found), take_rows(values, found)
         return del_keys, values
 
+    @requires_lock
     def _state_to_merge_into(self, source, version, commit_id):
         """The State a commit on ``version`` (attempt ``commit_id``) of ``source`` merges into.
         REQUIRES: self._lock held.
@@ -476,16 +470,10 @@ class FileStateStoreProvider(StateStoreProvider):
         if (previous is not None and previous.version == version and not previous.frozen
                 and not previous.iterating and previous.commit_ids.get(version) == commit_id):
             return previous
-        source.frozen = True
-        state = State(self._key_schema, self._value_schema, FrozenView(source, version),
-                      version, commit_id, source.count(version))
-        if source is previous and previous.version == version:
-            # Same lineage, frozen only for its iterators: older versions stay readable.
-            state.undo = dict(source.undo)
-            state.commit_ids = dict(source.commit_ids)
-            state.num_keys = dict(source.num_keys)
-        return state
+        # Same lineage, frozen only for its iterators: older versions stay readable.
+        return source.freeze_into_successor(version, keep_versions=source is previous and previous.version == version)
 
+    @requires_lock
     def _undo_merge(self, state):
         """After a failed commit: the merge must leave no trace. REQUIRES: self._lock held."""
         if state is self._latest and not state.iterating:
@@ -591,6 +579,7 @@ class FileStateStoreProvider(StateStoreProvider):
                 raise OSError(f"could not delete {self._files.path(f.name)} of the abandoned run of {self}: "
                               f"version {new_version} would not be the default lineage")
 
+    @requires_lock
     def _spill_due(self, state, ratio=None):
         """Whether the head holds more changed keys than ``ratio`` (SPILL_RATIO by default) of
         the state, and at least SPILL_MIN_ROWS: then it is spilled. REQUIRES: self._lock held."""
@@ -607,7 +596,7 @@ class FileStateStoreProvider(StateStoreProvider):
 
     # -- loading ---------------------------------------------------------------------------
     def _empty_state(self):
-        return State(self._key_schema, self._value_schema, None, 0, ROOT_COMMIT_ID, 0)
+        return State(self._key_schema, self._value_schema, None, 0, ROOT_COMMIT_ID, 0, self._changes)
 
     def _load(self, version, commit_id, listing):
         """Version ``version`` (attempt ``commit_id``) from files, listing again if another
@@ -705,7 +694,7 @@ class FileStateStoreProvider(StateStoreProvider):
         # A whole spill, as it was where it was written: the next spill takes it in (and is
         # whole, and published in turn) as it would take in this provider's own.
         whole = Spill(reader, None, None, version, commit_id, reader.row_count)
-        return State(self._key_schema, self._value_schema, whole, version, commit_id, reader.row_count)
+        return State(self._key_schema, self._value_schema, whole, version, commit_id, reader.row_count, self._changes)
 
     def _open_snapshot(self, f, commit_id):
         path = self._files.path(f.name)
@@ -718,7 +707,8 @@ class FileStateStoreProvider(StateStoreProvider):
         except BaseException:
             reader.close()
             raise
-        return State(self._key_schema, self._value_schema, reader, f.version, commit_id, reader.row_count)
+        return State(self._key_schema, self._value_schema, reader, f.version, commit_id, reader.row_count,
+                     self._changes)
 
     def _checked_delta(self, f, parent_id=None):
         """``(commit id, blocks, key count)`` of the delta file ``f``, read whole and verified
@@ -851,6 +841,23 @@ class FileStateStoreProvider(StateStoreProvider):
         self._schema_written = True
 
     # -- metrics ---------------------------------------------------------------------------
+    def describe(self):
+        """What this provider holds in memory, as a dict (for tests and debugging, as LevelDB's
+        DebugString): ``latest``, the newest State's ``State.describe()`` (None: none held),
+        and its counters (loads from memory and from files, roll-forwards, changes to what
+        lookups walk, heap bytes)."""
+        with self._lock:
+            latest = self._latest
+            return {
+                "latest": latest.describe() if latest is not None else None,
+                "closed": self._closed,
+                "hits": self._hits,
+                "misses": self._misses,
+                "rolled_forward": self._rolled_forward,
+                "changes": int(self._changes[0]),
+                "memory_bytes": self._memory_bytes(),
+            }
+
     def _memory_bytes(self):
         with self._lock:
             state = self._latest
@@ -859,8 +866,8 @@ class FileStateStoreProvider(StateStoreProvider):
             while state is not None:
                 for layer in (state.head, *state.undo.values()):
                     layers[id(layer)] = layer
-                filters += spill_filter_bytes(state.base)
-                state = state.base.state if isinstance(state.base, FrozenView) else None
+                filters += filter_bytes(state.base)
+                state = frozen_below(state)
             return filters + sum(layer.sizeof() for layer in layers.values())
 
     def _metrics(self, num_keys, update_bytes=0):

@@ -1,4 +1,4 @@
-"""Lookups through spilled levels (statecore._levels) and their key filters
+"""Lookups through spilled levels (statecore._versions) and their key filters
 (statecore._keyfilter): the filter never forgets a key and rarely claims an absent one, and
 a snapshot writer fills one with the keys it writes;
 the compiled walk through deep stacks of levels with removes equals the model, with real
@@ -77,10 +77,20 @@ def levels_of(spill):
 
 
 def python_walk(spill, keys):
-    """The reference: each key's newest level that puts or removes it, per row, no filters."""
+    """The reference: each key's newest level that puts or removes it, per row, through each
+    image's own get_row (written here, apart from the compiled rule it checks)."""
     out = []
     for row in keys:
-        value = spill.get_row(bytes(row))
+        key, node, value = bytes(row), spill, None
+        while isinstance(node, Spill):
+            value = node.puts.get_row(key)
+            if value is not None or node.lower is None:
+                break
+            if node.dels is not None and node.dels.get_row(key) is not None:
+                break  # removed here: absent
+            node = node.lower
+        else:
+            value = node.get_row(key) if node is not None else None
         out.append(value)
     return out
 

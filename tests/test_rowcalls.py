@@ -364,3 +364,35 @@ def test_a_kept_walk_follows_the_merges_and_base_swaps_of_the_state_it_reads():
     below.frozen = True
     state.base = FrozenView(below, 1)  # keys the head does not decide now come from it
     assert (r2.get(K1), r2.get(K3)) == (val(10), val(3))
+
+
+def test_a_stores_lifecycle_is_one_field_and_its_calls_are_its_class(tmp_path):
+    """A store's get/put/remove are the compiled calls of its class (nothing bound on the
+    instance, nothing to keep in step) and its lifecycle is one field: after a commit, and
+    after an abort, the per-row and the batch writes are refused alike, with Spark's
+    wording; reads after a commit see the committed version, after an abort the opened one."""
+    from statecore._rowcalls import RowCalls
+
+    provider = open_provider(tmp_path, KEY, VALUE)
+    store = provider.get_store(0)
+    assert not {"get", "put", "remove"} & set(vars(store)), "per-row calls bound on the instance"
+    assert type(store).put is RowCalls.put and type(provider.get_read_store(0)).get is RowCalls.get
+    store.put(K1, val(1))
+    assert store.updating and not store.has_committed
+    assert store.commit() == 1
+    assert store.has_committed and not store.updating and store.get(K1) == val(1)
+    aborted = provider.get_store(1)
+    aborted.put(K2, val(2))
+    aborted.abort()
+    assert not aborted.updating and not aborted.has_committed and aborted.get(K2) is None
+    assert aborted.get(K1) == val(1)
+    key_rows = np.zeros(1, KEY)
+    for ended, verb in ((store, "committed"), (aborted, "aborted")):
+        writes = [lambda: ended.put(K3, val(3)), lambda: ended.remove(K1),
+                  lambda: ended.put_batch(key_rows, np.zeros(1, VALUE)), lambda: ended.remove_batch(key_rows),
+                  ended.commit]
+        for write in writes:
+            with pytest.raises(IllegalStateError, match="after already committed or aborted"):
+                write()
+    assert provider.get_read_store(1).get(K3) is None
+    provider.close()

@@ -10,6 +10,7 @@ import pytest
 
 import statecore.maintenance
 import statecore.provider
+import statecore._versions
 import statecore.spill
 from tests.store_support import applied, contents, open_provider, snapshot_now, write_batch
 from statecore.layers import FrozenView
@@ -366,7 +367,7 @@ def test_the_head_spills_over_the_spill_a_snapshot_is_written_from(tmp_path, mon
     assert during == [4, 5]
     base = p._latest.base
     assert isinstance(base, Spill) and base.version == 5, base
-    levels, bottom = statecore.spill._levels(base)
+    levels, bottom = statecore._versions.spill_chain(base)
     assert [level.version for level in levels] in ([5], [5, 4]), levels
     assert type(bottom).__name__ == "SnapshotReader" and bottom.store_version == 3, \
         "the snapshot did not replace the spill it was written from"
