@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench import bench_event_time, plots, race
+from tests.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 def run_bench(module, args, out, timeout=600):

@@ -56,7 +56,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# three folders up, not tests.paths: this file also runs as the driver's script, where tests/ is not importable
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("statecore", "pyspark_glue")  # [tool.setuptools] packages in pyproject.toml
 COMPILED = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "statecore")) if n.endswith(".pyx"))
 PXD = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "statecore")) if n.endswith(".pxd"))

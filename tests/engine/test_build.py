@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 import statecore
+from tests.paths import REPO_ROOT
 
 
 def _built_modules():
     """setup.py's MODULES: every module the build compiles."""
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    tree = ast.parse((REPO_ROOT / "setup.py").read_text())
     return next(ast.literal_eval(node.value) for node in tree.body
                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MODULES")
 

@@ -42,10 +42,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.paths import TESTS_DIR
 from tests.store_support import commit_changes
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 
-WORKER = str(Path(__file__).resolve().parent / "flip_worker.py")
+WORKER = str(TESTS_DIR / "flip_worker.py")
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])
 KEY_SPACE = 16

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 
 
 def test_engine_tour_runs_and_agrees_with_itself(tmp_path):

@@ -15,6 +15,7 @@ import statecore.files
 from statecore.faults import FaultInjectingFiles
 from statecore.files import PendingFile, StoreFiles, open_store_files
 from statecore.lineage import Listing, VersionFile, parse_name
+from tests.paths import REPO_ROOT
 from tests.store_support import inject_faulty_files
 
 LOGGER = "statecore.files"
@@ -695,7 +696,7 @@ def test_a_generous_bound_costs_the_file_not_the_bound(tmp_path):
     few bytes: memory for the file's size, not for the bound (a child limited to 1 GiB of
     address space more than it starts with reads it under a 2 GiB bound)."""
     (tmp_path / "1.delta").write_bytes(b"z" * 100)
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = str(REPO_ROOT)
     code = (f"import resource, sys; sys.path.insert(0, {checkout!r})\n"
             "from statecore.files import StoreFiles\n"
             "files = StoreFiles(sys.argv[1])\n"

@@ -12,7 +12,9 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 SPARK_SIDE = ("pyspark_glue", "pyspark", "py4j")
 
 # Internals of statecore the glue may use ("module.name" or "module"), each with why.

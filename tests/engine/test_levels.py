@@ -16,7 +16,7 @@ from statecore._snapshot import SnapshotWriter
 from statecore.errors import StateCorruptionError
 from statecore.spill import Spill
 from tests.store_support import open_provider, snapshot_now
-from tests.test_spill import KEY, VALUE, NO_VALUE, check, commit, random_changes, spill_always
+from tests.engine.test_spill import KEY, VALUE, NO_VALUE, check, commit, random_changes, spill_always
 
 
 def key_rows(values):

@@ -29,8 +29,9 @@ from statecore.operator_files import (COMMITS_DIR, METADATA_FORMAT, OPERATOR_MET
                                       commit_log, commit_record, read_commit_record, read_metadata)
 from statecore.provider import SCHEMA_FILE
 from statecore.schema import as_schema
+from tests.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("n", "<i8")])
 TIMER_KEY = np.dtype([("k", "<i8"), ("__timer", "<i8")])

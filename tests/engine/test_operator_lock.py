@@ -21,9 +21,10 @@ from statecore.cli.output import BAD_INPUT
 from statecore.files import StoreFiles
 from statecore.operator_lock import LOCK_FILE, OperatorLock, OperatorLockedError
 
-from tests.test_repartition import check_routed, make_checkpoint, read_at_record
+from tests.paths import REPO_ROOT
+from tests.engine.test_repartition import check_routed, make_checkpoint, read_at_record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 DEADLINE_S = 120
 
 # A child process running ``statecore <args>`` that, the first time it renames a new snapshot

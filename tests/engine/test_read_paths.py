@@ -16,7 +16,7 @@ from statecore.cli import main
 from statecore.lineage import ROOT_COMMIT_ID
 from statecore.state_reads import plan_read
 from tests.state_files import version_path
-from tests.test_repartition import make_checkpoint
+from tests.engine.test_repartition import make_checkpoint
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("n", "<i8")])

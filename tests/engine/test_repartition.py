@@ -21,9 +21,10 @@ from statecore.spark_hash import spark_hash, spark_partition
 from statecore import repartition as engine
 
 from tests.glue_support import KEY, VALUE
+from tests.paths import REPO_ROOT
 from tests.state_files import tree
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 KEY_TYPES = ["bigint", "string"]
 
 # A child process that runs the command and SIGKILLs itself at the n-th time a chosen file

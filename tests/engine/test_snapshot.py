@@ -36,8 +36,9 @@ from statecore._snapshot import (
 )
 from statecore.errors import SchemaMismatchError, StateCorruptionError
 from statecore.schema import RowSchema
+from tests.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 
 LAYOUTS = {
     "int64->int64,float64": ([("k", "<i8")], [("a", "<i8"), ("b", "<f8")]),

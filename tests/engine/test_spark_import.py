@@ -21,6 +21,7 @@ from statecore.cli import main
 from statecore.cli.output import BAD_INPUT
 
 from glue_support import write_parquet
+from tests.paths import REPO_ROOT
 from tests.state_files import put_in_place
 
 HDFS = "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider"
@@ -325,7 +326,7 @@ def import_bounded(checkpoint, out, timeout_s=60, address_space=2 << 30):
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO_ROOT)
     try:
         return subprocess.run([sys.executable, "-m", "statecore", "import-spark", str(checkpoint), str(out),
                                "--operator", "0"], cwd=root, capture_output=True, text=True, timeout=timeout_s,

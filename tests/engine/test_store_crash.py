@@ -45,6 +45,7 @@ import crash_worker as cw
 import statecore.files
 import statecore.layers
 from state_files import version_names, version_path
+from tests.paths import REPO_ROOT, TESTS_DIR
 from tests.store_support import commit_batch, contents, inject_faulty_files, store_dir
 from statecore import (DeltaReader, SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        StateStoreProviderId, VersionNotFoundError, create_and_init_provider, registry)
@@ -53,8 +54,8 @@ from statecore.files import StoreFiles
 from statecore.lineage import parse_name
 from statecore.snapshot_files import check_snapshot, open_snapshot
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = str(REPO / "tests" / "crash_worker.py")
+REPO = REPO_ROOT
+WORKER = str(TESTS_DIR / "crash_worker.py")
 KEY, VALUE = cw.KEY, cw.VALUE
 ID = r"[0-9a-f]{16}"
 

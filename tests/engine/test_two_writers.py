@@ -23,13 +23,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-
 
 import two_writers_worker as ww
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+from tests.paths import TESTS_DIR
 
-WORKER = str(Path(__file__).resolve().parent / "two_writers_worker.py")
+WORKER = str(TESTS_DIR / "two_writers_worker.py")
 ROUNDS = int(os.environ.get("STATECORE_TWO_WRITER_ROUNDS", "200"))
 JITTER_US = 1000
 TIME_LIMIT_S = 300
