@@ -6,7 +6,8 @@ partitions hold its default store and the processor's timer stores (``__timers``
 ``__timers.heads``, ``__timers.entries``), its ``_operator.json`` and batch records naming
 every store's attempt. Hostile metadata (a directory, a link to /dev/zero, a FIFO, deep
 nesting, huge partition counts) must give a one-line reason, never a traceback or a hang;
-commands that could hang on the old code run in a subprocess with a deadline.
+commands that could hang on the old code run in a subprocess with a deadline. A processor's
+checkpoint written on Spark: tests/spark/test_metadata_files_spark.py.
 """
 import json
 import os
@@ -126,27 +127,6 @@ def test_an_untouched_processor_checkpoint_with_timer_stores_verifies_sound_and_
     listed = {(s["partition_id"], s["store_name"]): s["newest_version"] for s in data["stores"]}
     assert listed == {(p, name): BATCHES for p in range(PARTITIONS) for name in ["default", *TIMER_STORES]}
     assert data["operators"][0]["store_names"] == sorted(["default", *TIMER_STORES])
-
-
-def test_a_stateful_processor_checkpoint_written_on_spark_verifies_sound(spark, tmp_path):
-    """The issue's case: the sessions example's processor (state variables with TTL, event-time
-    timers) run for two batches by a StatefulOperator; the old verify found 54 problems."""
-    import datetime
-
-    from examples.custom_sessions import T0, make_events, processor_class
-    from pyspark_glue import StatefulOperator
-
-    state = tmp_path / "state"
-    op = StatefulOperator(str(state), 0, 2, fn=processor_class()())
-    try:
-        for b, batch in enumerate(make_events(20, 2)):
-            rows = [(u, T0 + datetime.timedelta(seconds=s), page) for u, s, page in batch]
-            op.process(spark.createDataFrame(rows, "user long, ts timestamp, page string"), b, read_output=False)
-    finally:
-        op.close()
-    assert verify_problems(state) == []
-    names = {s["store_name"] for s in json.loads(run("inspect", state, "--json").output)["stores"]}
-    assert set(TIMER_STORES) <= names
 
 
 def test_verify_finds_a_flipped_byte_in_a_timer_store(root):
