@@ -16,7 +16,7 @@ from tests.engine.test_operator_lock import cli, lock_path
 def test_import_spark_under_a_held_lock_is_refused_and_writes_nothing(spark, tmp_path):
     """``statecore import-spark`` into an operator another command holds: exit code 3 naming the
     holder, nothing but the lock in the target; once released, the import runs."""
-    from tests.engine.test_spark_import import batch_table, import_cli, run_aggregation
+    from tests.spark.test_spark_import import batch_table, import_cli, run_aggregation
 
     checkpoint, _ = run_aggregation(spark, str(tmp_path / "spark"), [batch_table(0), batch_table(1)])
     target = tmp_path / "statecore"
