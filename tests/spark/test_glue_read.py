@@ -219,7 +219,7 @@ def test_read_state_and_the_change_feed_of_a_processor_store_skip_a_zombie_attem
     attempt the batch record's store_commit_ids name, so the zombie's key -1 never shows."""
     from pyspark_glue import read_state
 
-    from tests.test_read_paths import PARTITIONS, write_operator
+    from tests.engine.test_read_paths import PARTITIONS, write_operator
 
     root = str(tmp_path / "state")
     write_operator(root, zombie=True)
