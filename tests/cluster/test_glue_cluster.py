@@ -460,7 +460,6 @@ def _pairs(rows):
     return {(u, r.encode("latin-1")): (c, s) for u, r, c, s in rows}
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_worker_killed_mid_stream(wheel, tmp_path):
     t0 = time.monotonic()

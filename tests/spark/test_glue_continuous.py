@@ -157,7 +157,6 @@ def all_rows_committed(rows):
     return lambda q: q.committed_offsets == [rows, rows]
 
 
-@pytest.mark.spark
 def test_failure_restart_stop_resume_is_exactly_once(spark, tmp_path):
     rows = 20000
     checkpoint, marker = str(tmp_path / "checkpoint"), str(tmp_path / "failed-once")
@@ -207,7 +206,6 @@ def test_failure_restart_stop_resume_is_exactly_once(spark, tmp_path):
         source, [rows, rows])
 
 
-@pytest.mark.spark
 def test_max_restarts_restarts_the_query_from_its_checkpoint(spark, tmp_path):
     rows = 10000
     checkpoint, marker = str(tmp_path / "checkpoint"), str(tmp_path / "failed-once")
@@ -222,7 +220,6 @@ def test_max_restarts_restarts_the_query_from_its_checkpoint(spark, tmp_path):
     check_exactly_once(query, source)
 
 
-@pytest.mark.spark
 def test_refuses_more_partitions_than_task_slots(spark, tmp_path):
     checkpoint = str(tmp_path / "checkpoint")
     with pytest.raises(ValueError, match=r"3 partitions.*only 2 task\(s\) at once \(2 cores, spark.task.cpus=1\)"):
@@ -230,7 +227,6 @@ def test_refuses_more_partitions_than_task_slots(spark, tmp_path):
     assert not os.path.exists(checkpoint)  # refused before anything was written
 
 
-@pytest.mark.spark
 def test_backlog_limit_stops_the_query_with_sparks_message(spark, tmp_path):
     checkpoint = str(tmp_path / "checkpoint")
     # One (epoch, partition) entry allowed: two partitions reporting one epoch exceed it.

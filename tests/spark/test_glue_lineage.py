@@ -53,7 +53,6 @@ def check_output(out, expected, df):
     assert emitted == {k: expected[k] for k in emitted}
 
 
-@pytest.mark.spark
 def test_a_late_zombie_changes_nothing(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -78,7 +77,6 @@ def test_a_late_zombie_changes_nothing(spark, tmp_path):
     op.close()
 
 
-@pytest.mark.spark
 def test_a_zombie_that_wins_the_default_still_changes_nothing(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -108,7 +106,6 @@ def test_a_zombie_that_wins_the_default_still_changes_nothing(spark, tmp_path):
     op.close()
 
 
-@pytest.mark.spark
 def test_a_re_executed_batch_equals_spark_group_by(spark, tmp_path):
     from pyspark_glue import read_state
 

@@ -78,7 +78,6 @@ def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivatio
     return run_id, seen, op
 
 
-@pytest.mark.spark
 def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path, monkeypatch):
     from pyspark.sql import functions as F
     from pyspark.sql.streaming.listener import QueryProgressEvent
@@ -119,7 +118,6 @@ def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path, monkeypatch)
                                        include_groups=False).all()
 
 
-@pytest.mark.spark
 def test_same_batch_twice_gives_same_state_and_output(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -179,7 +177,6 @@ def count_lines(path):
         return len(f.readlines())
 
 
-@pytest.mark.spark
 def test_output_is_computed_once(spark, tmp_path):
     counters = tmp_path / "counters"
     counters.mkdir()
@@ -196,7 +193,6 @@ def test_output_is_computed_once(spark, tmp_path):
     op.close()
 
 
-@pytest.mark.spark
 def test_fn_gets_a_partition_s_arrow_batches_joined(spark, tmp_path):
     """With Spark sending 100-row Arrow batches, fn is called once per partition (its rows
     joined, under fn_batch_rows) by default, and once per Spark batch with None; the state
@@ -254,7 +250,6 @@ class Exploding:
         raise RuntimeError("boom in finish")
 
 
-@pytest.mark.spark
 def test_failing_fn_aborts_the_store(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -274,7 +269,6 @@ def test_failing_fn_aborts_the_store(spark, tmp_path):
     good.close()
 
 
-@pytest.mark.spark
 def test_an_output_write_that_fails_aborts_the_store_and_the_rerun_counts_once(spark, tmp_path):
     """The output is written before the store commits: a write that fails (here the output's
     name is taken by a directory) fails the task and aborts its store, the batch gets no
@@ -298,7 +292,6 @@ def test_an_output_write_that_fails_aborts_the_store_and_the_rerun_counts_once(s
     op.close()
 
 
-@pytest.mark.spark
 def test_empty_partitions_and_empty_batches_commit(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -316,7 +309,6 @@ def test_empty_partitions_and_empty_batches_commit(spark, tmp_path):
     op.close()
 
 
-@pytest.mark.spark
 def test_num_partitions_and_schemas_are_fixed_for_a_checkpoint(spark, tmp_path):
     from pyspark_glue import RunningAggregate, StatefulOperator
 
@@ -340,7 +332,6 @@ def test_num_partitions_and_schemas_are_fixed_for_a_checkpoint(spark, tmp_path):
                          agg.output_schema, coordinator=False).process(df, 0)
 
 
-@pytest.mark.spark
 def test_batches_are_aggregated_in_spark_and_session_settings_restored(spark, tmp_path):
     """RunningAggregate.prepare: one row per key reaches Python; the job's shuffle partitions
     and adaptive execution are the operator's during the job only, also when it fails."""
@@ -369,7 +360,6 @@ def test_batches_are_aggregated_in_spark_and_session_settings_restored(spark, tm
             conf.set(key, value)
 
 
-@pytest.mark.spark
 @pytest.mark.parametrize("pre_aggregate", [True, False])
 def test_float_keys_group_as_spark_groups_them(spark, tmp_path, pre_aggregate):
     """-0.0 and 0.0 are one key, and every NaN one key, as in Spark's groupBy: with Spark's
@@ -402,7 +392,6 @@ def test_float_keys_group_as_spark_groups_them(spark, tmp_path, pre_aggregate):
     assert got == expected
 
 
-@pytest.mark.spark
 def test_auto_pre_aggregation_follows_the_batches_and_keeps_the_state_exact(spark, tmp_path):
     """RunningAggregate's default, on Spark: the tasks count the batch's rows and keys into
     ``fn_counts``; after a batch of distinct keys the next is shuffled raw, after a batch of

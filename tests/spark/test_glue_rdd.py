@@ -110,7 +110,6 @@ def expected_counts(*batches):
 BATCHES = [list(range(0, 40)) + [3, 3, 17], list(range(20, 60)) + [3], list(range(50, 70)) * 2]
 
 
-@pytest.mark.spark
 def test_versions_advance_and_earlier_ones_stay_unchanged(spark, tmp_path):
     sc = spark.sparkContext
     run = uuid.uuid4()
@@ -128,7 +127,6 @@ def test_versions_advance_and_earlier_ones_stay_unchanged(spark, tmp_path):
         assert {"1.delta", "2.delta", "3.delta"} <= set(version_names(tmp_path / "0" / str(p)))
 
 
-@pytest.mark.spark
 def test_recomputing_a_partition_gives_the_same_result(spark, tmp_path):
     sc = spark.sparkContext
     run = uuid.uuid4()
@@ -141,7 +139,6 @@ def test_recomputing_a_partition_gives_the_same_result(spark, tmp_path):
     assert state_at(sc, tmp_path, run, 1) == expected_counts(BATCHES[0])
 
 
-@pytest.mark.spark
 def test_workers_survive_tasks_that_ignore_or_stop_reading_their_rows(spark, tmp_path):
     """PySpark reuses a worker only if its task read all its input; the output wrapper reads
     the rest, so the stores loaded in a worker stay there."""
@@ -155,7 +152,6 @@ def test_workers_survive_tasks_that_ignore_or_stop_reading_their_rows(spark, tmp
     assert len(pids) <= 2  # local[2]: the two workers of the pool, never a replacement
 
 
-@pytest.mark.spark
 def test_gets_only_tasks_abort_and_write_nothing(spark, tmp_path):
     sc = spark.sparkContext
     run = uuid.uuid4()
@@ -171,7 +167,6 @@ def test_gets_only_tasks_abort_and_write_nothing(spark, tmp_path):
     assert [(k, n) for k, n, _ in out] == [(3, 4)]
 
 
-@pytest.mark.spark
 def test_recovery_in_new_worker_processes_loads_from_files(spark, tmp_path):
     """A new session, for statecore, is new Python workers: the registry lives in them, not in
     the JVM. PySpark keys its worker pools by the tasks' environment variables, so a job
@@ -198,7 +193,6 @@ def test_recovery_in_new_worker_processes_loads_from_files(spark, tmp_path):
     assert recovered == want
 
 
-@pytest.mark.spark
 def test_locations_reach_the_coordinator_and_become_preferences(spark, tmp_path):
     sc = spark.sparkContext
     coordinator = driver.coordinator_for(spark)
@@ -242,7 +236,6 @@ def test_locations_reach_the_coordinator_and_become_preferences(spark, tmp_path)
     assert all(wid == f"driver.{pid}" for pid, _, wid in identities)
 
 
-@pytest.mark.spark
 def test_a_coordinator_that_went_away_is_not_fatal(spark, tmp_path):
     sc = spark.sparkContext
     env = RpcEnv()
@@ -257,7 +250,6 @@ def test_a_coordinator_that_went_away_is_not_fatal(spark, tmp_path):
     assert sorted((k, n) for k, n, _ in out) == sorted((k, want[k]) for k in set(BATCHES[1]))
 
 
-@pytest.mark.spark
 def test_the_partition_count_is_checked(spark, tmp_path):
     with pytest.raises(ValueError, match="partitions"):
         map_partitions_with_state_store(spark.sparkContext.parallelize([1], 2), bump_counts,

@@ -75,7 +75,6 @@ def normalize(expected_rows):
     return out
 
 
-@pytest.mark.spark
 def test_read_state_columns_types_and_values(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -94,7 +93,6 @@ def test_read_state_columns_types_and_values(spark, tmp_path):
     assert df.rdd.getNumPartitions() == 2  # one task per partition
 
 
-@pytest.mark.spark
 def test_read_state_versions(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -123,7 +121,6 @@ def test_read_state_versions(spark, tmp_path):
         read_state(spark, three, 3, version=1, commit_ids=ids)
 
 
-@pytest.mark.spark
 def test_read_state_errors(spark, tmp_path):
     from pyspark_glue import read_state
 
@@ -212,7 +209,6 @@ def test_change_feed_is_the_difference_of_consecutive_versions(spark, tmp_path):
         read_state(spark, root, 0, change_feed=True, start_version=6)
 
 
-@pytest.mark.spark
 def test_read_state_and_the_change_feed_of_a_processor_store_skip_a_zombie_attempt(spark, tmp_path):
     """A StatefulProcessor-like extra store whose last batch ran twice in partition 0, the
     losing attempt writing last (the default lineage): read_state and its change feed read the

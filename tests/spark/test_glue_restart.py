@@ -18,8 +18,6 @@ from glue_support import INPUT_DDL as EVENTS_DDL, KEY, events, expected_state, m
 from test_spark_import import INPUT_DDL, PARTITIONS, batch_table, import_cli, run_aggregation, statecore_rows
 from tests.state_files import tree
 
-pytestmark = pytest.mark.spark
-
 
 def stream(spark, inputs, checkpoint, handle):
     """One run of a streaming query over the parquet files in ``inputs`` (one per batch) with
