@@ -2,7 +2,7 @@
 Spark, with a clock set by hand. The README's processor example, its processing-time TTL
 ending exactly at its boundary; timers firing exactly at their time; several partitions; a
 failing batch run again; a restart; the clocks; bad input. (That a harness run and a real
-StatefulOperator run agree is tests/test_harness_vs_operator.py, with Spark.)"""
+StatefulOperator run agree is tests/spark/test_harness_vs_operator.py, with Spark.)"""
 import datetime
 
 import numpy as np

@@ -334,7 +334,7 @@ def fired_over_batches(tmp_path, processor):
 def test_a_timer_the_timer_handler_registers_fires_in_a_later_batch_even_when_due(tmp_path):
     """A snooze registered by handle_expired_timers, already at or before the watermark: it
     fires in the next batch, not in the same one (Spark's transformWithStateInPandas fires the
-    timers due when its timer step begins, once; tests/test_processor_vs_spark.py)."""
+    timers due when its timer step begins, once; tests/spark/test_processor_vs_spark.py)."""
     assert fired_over_batches(tmp_path, Snooze()) == [[], [(1, 5_000_000)], [(1, 6_000_000)], [(1, 7_000_000)]]
 
 

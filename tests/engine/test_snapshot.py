@@ -829,7 +829,7 @@ def test_writer_needs_only_write_and_survives_partial_writes(tmp_path):
 
 # -- keys with equal 64-bit hashes ------------------------------------------------------------
 # XXH64 of a 16-byte input (seed 0) is two invertible lane steps and an invertible finish
-# (tests/test_hash.py pins our XXH64 to the xxhash package), so for any first lanes a, a' and
+# (tests/engine/test_hash.py pins our XXH64 to the xxhash package), so for any first lanes a, a' and
 # second lane b there is exactly one b' with xxh64(a + b) == xxh64(a' + b'): real collisions
 # of full 64-bit key hashes, found in microseconds instead of a 2**32 birthday search. Any
 # user-chosen 16-byte key (two int64 columns, an S16 string) can be collided this way.

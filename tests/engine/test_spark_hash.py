@@ -1,7 +1,7 @@
 """statecore.spark_hash's compiled mixing against a plain-Python Murmur3_x86_32 written from
 Spark's rules (the module docstring): every fixed-width type, strings with trailing NULs and
 bytes past 0x7f, chained columns, nulls, and pmod of negative hashes. The Spark test in
-tests/test_repartition.py pins the same function against Spark itself."""
+tests/spark/test_repartition_spark.py pins the same function against Spark itself."""
 import struct
 
 import numpy as np
