@@ -1,5 +1,5 @@
 """The examples run as a reader would run them, and check what they say they check (the one
-on Spark: tests/spark/test_examples_spark.py)."""
+on Spark: tests/spark/test_examples.py)."""
 import os
 import subprocess
 import sys

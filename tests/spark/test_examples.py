@@ -1,5 +1,6 @@
 """The processor example (examples/custom_sessions.py) run as a reader would run it, on local
-Spark, checking what it says it checks. The engine's example: tests/engine/test_examples.py."""
+Spark, checking what it says it checks. The engine's example:
+tests/engine/test_examples_engine.py."""
 import os
 import subprocess
 import sys
