@@ -1,7 +1,9 @@
 """Shared fixtures (seeded random generators whose seed shows in the test id and repr; the
-directories statecore.files fsyncs; one Spark session per run) and the suite's layers: every test that uses the ``spark`` fixture is
-marked ``spark``, the standalone-cluster tests also ``cluster``, the benchmark harness tests
-``bench``, so that ``pytest -m "not spark"`` runs the engine's tests alone."""
+directories statecore.files fsyncs; one Spark session per run) and the suite's layers, declared
+here and nowhere else: the folder a test file is in decides its markers (``LAYERS``), so that
+``pytest tests/engine`` or ``pytest -m "not spark"`` runs the engine's tests alone. A test in
+tests/engine that starts Spark, one in tests/spark that does not, or a test file outside the
+layer folders stops the collection with the test's name."""
 import os
 import shutil
 import tempfile
@@ -9,20 +11,58 @@ import tempfile
 import numpy as np
 import pytest
 
-_LAYERS = {"test_glue_cluster.py": ("spark", "cluster"), "test_bench.py": ("bench",)}
+from tests.paths import REPO_ROOT, TESTS_DIR
+
+# The folder under tests/ -> the markers every test in it gets. A test in tests/spark starts Spark:
+# it takes the ``spark`` fixture, or says with @pytest.mark.spark that it starts a Spark of its own
+# (a subprocess); tests/bench marks only the tests that do so ``spark``.
+LAYERS = {"engine": (), "spark": ("spark",), "cluster": ("spark", "cluster"), "bench": ("bench",)}
+MARKERS = {
+    "spark": "starts a real Spark (tests/spark, tests/cluster, and the tests of tests/bench marked so)",
+    "cluster": "starts a standalone Spark cluster (tests/cluster; also marked spark)",
+    "bench": "runs the benchmark harness (tests/bench)",
+    "slow": "long-running; still part of the default run",
+}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cluster: starts a standalone Spark cluster (also marked spark)")
-    config.addinivalue_line("markers", "bench: runs the benchmark harness")
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def layer_of(item):
+    """The layer folder (a key of LAYERS) a collected test's file is in, or None."""
+    parts = os.path.relpath(str(item.path), TESTS_DIR).split(os.sep)
+    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
+
+
+def misplacement(item, layer):
+    """Why a test is in the wrong layer folder, or None."""
+    starts_spark = "spark" in item.fixturenames or item.get_closest_marker("spark") is not None
+    if layer is None:
+        return f"its file is not in a layer folder of tests/ ({', '.join(LAYERS)})"
+    if layer == "engine" and starts_spark:
+        return ("it starts Spark (the spark fixture or @pytest.mark.spark) "
+                "but is in tests/engine: move it to tests/spark")
+    if layer == "spark" and not starts_spark:
+        return ("it is in tests/spark but starts no Spark (neither the spark fixture nor @pytest.mark.spark "
+                "for a Spark of its own): move it to tests/engine")
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
+    misplaced = []
     for item in items:
-        for name in _LAYERS.get(os.path.basename(str(item.fspath)), ()):
+        layer = layer_of(item)
+        reason = misplacement(item, layer)
+        if reason:
+            misplaced.append(f"{item.nodeid}: {reason}")
+        for name in LAYERS.get(layer, ()):
             item.add_marker(name)
-        if "spark" in getattr(item, "fixturenames", ()):
+        if "spark" in item.fixturenames:
             item.add_marker("spark")
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong layer (see tests/conftest.py):\n  " + "\n  ".join(misplaced))
 
 
 class Rand(np.random.Generator):
@@ -86,7 +126,7 @@ def spark():
     import os
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO_ROOT)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"

@@ -1,4 +1,4 @@
-"""A writer process for the crash tests (tests/test_store_crash.py), killed at random instants.
+"""A writer process for the crash tests (tests/engine/test_store_crash.py), killed at random instants.
 
     python tests/crash_worker.py ROOT SEED START SIDE_FILE MODE [--die STEP:PATTERN:NTH[:BYTES]]
 

@@ -1,6 +1,6 @@
 """Running the same input files as micro-batches through one of Spark's own stateful queries
 and through a statecore operator, for the event-time tests (and the processor's,
-tests/test_processor_vs_spark.py, which reads parquet files: ``fmt``).
+tests/spark/test_processor_vs_spark.py, which reads parquet files: ``fmt``).
 
 Files are JSON lines, one per micro-batch (``maxFilesPerTrigger=1``), their modification
 times in order. Each phase adds files and runs both queries with ``availableNow`` from their

@@ -1,4 +1,4 @@
-"""A worker of the byte-flip sweep (tests/test_byte_flips.py): flips bytes of a checkpoint,
+"""A worker of the byte-flip sweep (tests/engine/test_byte_flips.py): flips bytes of a checkpoint,
 one at a time, and reports what the store made of each.
 
     python tests/flip_worker.py SPEC_JSON

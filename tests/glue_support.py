@@ -1,6 +1,6 @@
 """What the glue tests share: the events of a running count and sum per (user, region), the
 operator that keeps it, the state expected from the events, and reading a store's state
-straight from its files. (tests/test_glue_cluster.py keeps its own copies: its driver runs
+straight from its files. (tests/cluster/test_glue_cluster.py keeps its own copies: its driver runs
 as a script from a venv that sees only the wheel.)"""
 import functools
 import os

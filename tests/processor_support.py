@@ -1,5 +1,5 @@
-"""Processors and inputs shared by the harness's tests (tests/test_harness.py, and with Spark
-tests/test_harness_vs_operator.py): the README's processor example loaded from the README
+"""Processors and inputs shared by the harness's tests (tests/engine/test_harness.py, and with Spark
+tests/spark/test_harness_vs_operator.py): the README's processor example loaded from the README
 itself, an event-time processor with value, list and timers, and its input."""
 import contextlib
 import importlib.util

@@ -1,4 +1,4 @@
-"""One of the two writers of tests/test_two_writers.py: commits versions of one store on
+"""One of the two writers of tests/engine/test_two_writers.py: commits versions of one store on
 command, so that the parent can make two processes commit the same version at once.
 
     python tests/two_writers_worker.py ROOT WRITER SEED [MIN_VERSIONS_TO_RETAIN]

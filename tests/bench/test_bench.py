@@ -1,0 +1,305 @@
+"""The benchmark harness: the race's figures and ratios, the plots, ``python -m bench`` end to
+end on two micro benchmarks, and one contender of the race and of the event-time race on real
+Spark."""
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench import bench_event_time, plots, race
+from tests.paths import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
+
+
+def run_bench(module, args, out, timeout=600):
+    """Run ``python -m <module> <args> --json <out>`` from the project root; its JSON payload."""
+    done = subprocess.run([sys.executable, "-m", module, *args, "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def fake_result(seconds, commit=0.0):
+    return {"batches": [{"seconds": s, "commit_s": commit} for s in seconds], "jvm_peak_bytes": 2**30,
+            "python_workers_peak_bytes": 2**29}
+
+
+def test_summary_takes_the_median_of_the_measured_batches():
+    s = race.summarize(fake_result([9.0, 5.0, 1.0, 3.0, 2.0], commit=0.25), rows=1_000_000, first_measured=2)
+    assert s["batch_s"] == 2.0  # median of 1, 3, 2: the first two batches are warm-up
+    assert s["rows_per_s"] == 500_000
+    assert s["commit_s"] == 0.25 and s["jvm_peak_mib"] == 1024 and s["python_workers_peak_mib"] == 512
+    assert s["batch_seconds"] == [9.0, 5.0, 1.0, 3.0, 2.0]
+
+
+def test_ratios_compare_contenders_of_the_same_run():
+    table = {
+        "floor": {"batch_s": 1.0, "rows_per_s": 1e6},
+        "hop_floor": {"batch_s": 1.0 / 1.1, "rows_per_s": 1.1e6},
+        "hdfs": {"batch_s": 2.0, "rows_per_s": 5e5, "state_bytes": 400},
+        "pandas_state": {"batch_s": 10.0, "rows_per_s": 1e4, "state_bytes": 900},
+        "statecore": {"batch_s": 1.1, "rows_per_s": 1e6 / 1.1, "state_bytes": 300},
+    }
+    restart = {"hdfs": {"restart_cost_s": 20.0}, "statecore": {"restart_cost_s": 0.5}}
+    out = race.add_ratios({"race": {"100": table}, "restart": {"1000": restart}})["ratios"]
+    assert out["100"]["statecore_batch_over_floor"] == pytest.approx(1.1)
+    assert out["100"]["statecore_batch_over_hop_floor"] == pytest.approx(1.21)
+    assert "speedup_vs_hop_floor" not in out["100"] and "speedup_vs_floor" not in out["100"]
+    assert out["100"]["speedup_vs_hdfs"] == pytest.approx(2 / 1.1)
+    assert out["100"]["speedup_vs_pandas_state"] == pytest.approx(100 / 1.1)
+    assert out["100"]["state_bytes_vs_hdfs"] == pytest.approx(0.75)
+    assert out["restart_1000"] == {"restart_speedup_vs_hdfs": pytest.approx(40.0)}
+
+
+def test_runs_rotate_the_order_and_keep_each_contender_s_median_run(tmp_path, monkeypatch):
+    from bench import race
+
+    calls = []
+    times = {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0]}
+
+    def fake_run(args, keys, contender, files, slow_files, root, suffix=""):
+        calls.append((contender, suffix))
+        return {"batch_s": times[contender][sum(1 for c, _ in calls if c == contender) - 1], "run": len(calls)}
+
+    monkeypatch.setattr(race, "run_contender", fake_run)
+    monkeypatch.setattr(race, "write_batches", lambda *a, **k: [])
+    args = race.parser().parse_args(["--keys", "10", "--contenders", "a,b", "--runs", "3", "--data", str(tmp_path)])
+    table = race.race(args, str(tmp_path), {})["race"]["10"]
+    assert [c for c, _ in calls] == ["a", "b", "b", "a", "a", "b"]
+    assert [s for _, s in calls] == ["-run0", "-run0", "-run1", "-run1", "", ""]
+    assert table["a"]["batch_s"] == 2.0 and table["a"]["run_batch_s"] == [3.0, 1.0, 2.0]
+    assert table["b"]["batch_s"] == 5.0
+
+
+def test_a_failed_contender_s_error_names_the_cause_before_its_plan():
+    """A failed streaming query's log ends with its plan: the error raised names the
+    exceptions logged before it, then the last lines."""
+    log = "\n".join([
+        "26/11/27 INFO starting", "org.apache.spark.SparkException: the Python worker crashed",
+        "\tat org.apache.spark.util.SparkErrorUtils.tryWithSafeFinally(SparkErrorUtils.scala:86)",
+        "Caused by: org.apache.spark.SomeInitializationException: initialization failed. Cause:",
+        "ImportError: cannot import name 'descriptor' from 'google.protobuf'",
+        "ImportError: cannot import name 'descriptor' from 'google.protobuf'",
+        *[f"plan line {i}" for i in range(20)]])
+    summary = race.failure_summary(log).splitlines()
+    assert summary[:5] == ["errors in the log:", "org.apache.spark.SparkException: the Python worker crashed",
+                           "Caused by: org.apache.spark.SomeInitializationException: initialization failed. Cause:",
+                           "ImportError: cannot import name 'descriptor' from 'google.protobuf'", "its last lines:"]
+    assert summary[5:] == [f"plan line {i}" for i in range(5, 20)]
+    assert race.failure_summary("a\nb") == "a\nb"
+
+
+def test_unix_socket_reaches_every_contender_process(tmp_path, monkeypatch):
+    from bench import race
+
+    started = []
+
+    def fake_run_in_process(name, contender, source, work, driver_memory, timeout, reuse=False, extra_args=()):
+        started.append(list(extra_args))
+        return {"batches": [{"seconds": 1.0, "rows": 10}] * 3, "jvm_peak_bytes": 0,
+                "python_workers_peak_bytes": 0, "process_s": 1.0}
+
+    monkeypatch.setattr(race, "run_in_process", fake_run_in_process)
+    for flags, expected in (([], []), (["--unix-socket"], ["--unix-socket"])):
+        args = race.parser().parse_args(["--keys", "10", "--rows", "10", *flags])
+        race.run_contender(args, 10, "hop_floor", [], [], str(tmp_path))
+        assert started.pop() == expected
+
+
+def test_input_batches_are_written_once(tmp_path):
+    files = race.write_batches(str(tmp_path / "data"), 2, 1000, 50, seed=3)
+    table = pq.read_table(files[1])
+    assert table.num_rows == 1000 and table.column_names == ["key", "amount"]
+    assert 0 <= min(table.column("key").to_pylist()) and max(table.column("key").to_pylist()) < 50
+    assert pq.ParquetFile(files[0]).metadata.num_row_groups == 4  # both cores read every file
+    before = os.path.getmtime(files[0])
+    assert race.write_batches(str(tmp_path / "data"), 2, 1000, 50, seed=3) == files
+    assert os.path.getmtime(files[0]) == before
+    distinct = race.write_batches(str(tmp_path / "distinct"), 2, 100, None, distinct=True)
+    keys = [k for f in distinct for k in pq.read_table(f).column("key").to_pylist()]
+    assert sorted(keys) == list(range(200))
+
+
+def test_plots_are_written(tmp_path):
+    payload = {"machine": {"cpu": "test", "cores": 2},
+               "race": {"100": {"floor": {"rows_per_s": 1e6, "batch_seconds": [2, 1, 1], "rows_per_batch": 10},
+                                "statecore": {"rows_per_s": 9e5, "batch_seconds": [3, 1.1, 1.1],
+                                              "rows_per_batch": 10}}},
+               "restart": {"1000": {"hdfs": {"restart_cost_s": 5.0}, "statecore": {"restart_cost_s": 0.2}}}}
+    path = tmp_path / "race.json"
+    path.write_text(json.dumps(payload))
+    made = plots.plot("race", str(path), str(tmp_path))
+    assert sorted(os.path.basename(p) for p in made) == ["race_batches.png", "race_restart.png",
+                                                          "race_rows_per_s.png"]
+    for p in made:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_harness_runs_micro_benchmarks_and_writes_results(tmp_path):
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only", "rowtable,delta", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in summary["runs"]] == ["rowtable", "delta"]
+    assert all(r["exit_code"] == 0 for r in summary["runs"])
+    tables = json.loads((out / "rowtable.json").read_text())["tables"]
+    assert any(t.startswith("put 100,000 new keys") for t in tables)
+    assert (out / "rowtable.png").exists() and (out / "delta.png").exists()
+    assert "RowTable.put_batch" in (out / "rowtable.txt").read_text()
+
+
+def test_verify_benchmark_runs_its_quick_setting(tmp_path):
+    """bench_verify on a tiny checkpoint: both rows timed, verify sound, the ratio recorded."""
+    from bench.__main__ import MICRO
+
+    result = run_bench("bench.bench_verify", MICRO["verify"][1], tmp_path / "verify.json", timeout=300)
+    (rows,) = result["tables"].values()
+    assert [r["name"] for r in rows] == ["read the files' bytes", "statecore verify", "statecore verify --deep"]
+    assert result["keys"] == 20000 and result["files"] == 4 * 6 and result["verify_over_read"] > 0
+
+
+@pytest.mark.spark
+def test_race_contender_runs_in_its_own_process(tmp_path):
+    """The statecore contender end to end on tiny batches: per-batch figures, the operator's
+    commit time, state files, and state that adds up."""
+    files = race.write_batches(str(tmp_path / "data"), 3, 2000, 300, seed=5)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("t", "statecore", os.path.join(work, "input"), work, "1g", timeout=600)
+    assert len(result["batches"]) == 3
+    assert all(b["rows"] == 2000 and b["seconds"] > 0 and b["commit_s"] > 0 for b in result["batches"])
+    assert result["jvm_peak_bytes"] > 0 and result["python_workers_peak_bytes"] > 0
+    assert race.tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) > 0
+    from statecore import StateStoreConf, StateStoreId, create_and_init_provider
+    import numpy as np
+    key = np.dtype([("key", "<i8")])
+    value = np.dtype([("count", "<i8"), ("sum", "<i8")])
+    total_count = total_sum = 0
+    for partition in range(2):
+        provider = create_and_init_provider(StateStoreId(os.path.join(work, "statecore"), 0, partition), key, value,
+                                            StateStoreConf())
+        for _keys, values in provider.get_read_store(3).iter_batches():
+            total_count += int(values["count"].sum())
+            total_sum += int(values["sum"].sum())
+        provider.close()
+    amounts = sum(pq.read_table(f).column("amount").to_numpy().sum() for f in files)
+    assert (total_count, total_sum) == (6000, int(amounts))
+
+
+@pytest.mark.spark
+def test_hop_floor_contender_runs_in_its_own_process(tmp_path):
+    """The hop_floor diagnostic runs its batches (each routed by key into Python, no state)."""
+    files = race.write_batches(str(tmp_path / "data"), 2, 1500, 300, seed=6)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("h", "hop_floor", os.path.join(work, "input"), work, "1g", timeout=600)
+    assert [b["rows"] for b in result["batches"]] == [1500, 1500]
+    assert all(b["seconds"] > 0 for b in result["batches"])
+
+
+@pytest.mark.spark
+def test_event_time_contender_runs_in_its_own_process(tmp_path):
+    """The statecore contender of the event-time race end to end on tiny batches, on session
+    windows: per-batch figures, the operator's commit time, state files, and every lagging row
+    dropped as late from the third batch on (before that the watermark is still 0)."""
+    files = bench_event_time.write_event_batches(str(tmp_path / "data"), 4, 2000, 300, slice_s=60,
+                                                 late_fraction=0.05, seed=5)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("t", "statecore", os.path.join(work, "input"), work, "1g", timeout=600,
+                                 module=bench_event_time.MODULE,
+                                 extra_args=bench_event_time.worker_args("session", 10, 30, 10))
+    assert len(result["batches"]) == 4
+    assert all(b["rows"] == 2000 and b["seconds"] > 0 and b["commit_s"] > 0 for b in result["batches"])
+    assert result["jvm_peak_bytes"] > 0 and result["python_workers_peak_bytes"] > 0
+    assert result["state_bytes"] > 0 and 0 < result["batches"][-1]["state_keys"] <= 300
+    lagging = [int((pq.read_table(f).column("ts").cast("int64").to_numpy()
+                    < bench_event_time.T0_US + i * 60_000_000).sum()) for i, f in enumerate(files)]
+    assert all(n > 0 for n in lagging)
+    assert [b["late_rows"] for b in result["batches"]] == [0, 0] + lagging[2:]
+
+
+def test_repartition_benchmark_runs_small(tmp_path):
+    payload = run_bench("bench.bench_repartition", ["--keys", "20000", "--repeat", "1"],
+                        tmp_path / "repartition.json")
+    assert payload["keys"] == 20000 and payload["ratio_to_anchor"] > 0
+    tables = list(payload["tables"].values())
+    assert [r["name"] for r in tables[0]][1].startswith("statecore.repartition")
+    assert [r["name"] for r in tables[1]] == ["numpy keys % n (no hash)", "spark_partition (Spark's hash, pmod)"]
+
+
+def test_levels_benchmark_runs_small(tmp_path):
+    """bench_levels on a small state: every row timed, the two walks agreed (it asserts so)."""
+    payload = run_bench("bench.bench_levels", ["--rows", "20000", "--batch-rows", "2000", "--repeat", "1"],
+                        tmp_path / "levels.json")
+    rows = [r["name"] for r in next(iter(payload["tables"].values()))]
+    assert rows[0] == "the snapshot alone (no level)" and "6 levels: the compiled walk" in rows
+    assert rows[-1].startswith("dict.get")
+
+
+def test_rowcalls_benchmark_runs_small(tmp_path):
+    """bench_rowcalls on a small state: every reader agreed with the dict (it asserts so), the
+    reopened ones over the snapshot file, not the image the writing provider published."""
+    payload = run_bench("bench.bench_rowcalls", ["--rows", "5000", "--repeat", "1"], tmp_path / "rowcalls.json")
+    tables = payload["tables"]
+    assert len(tables) == 6  # put, hits and misses, for numeric and bytes rows
+    misses = [r["name"] for r in tables["numeric: get 5,000 misses, random order"]]
+    assert misses == ["dict: d.get(k)", "store.get(k), update layer (this store's puts)",
+                      "store.get(k), empty base (committed, in memory)", "store.get(k), snapshot base (reopened)",
+                      "store.get(k), snapshot base with its key filter"]
+
+
+def test_grouping_benchmark_runs_small(tmp_path):
+    """bench_grouping on small batches: the three groupings agreed (it asserts so), and the
+    aggregate's task is timed phase by phase (its output by the task's parquet writer and
+    pyarrow's default beside it), over Spark's batches and joined."""
+    payload = run_bench("bench.bench_grouping", ["--rows", "20000", "--batch-rows", "2000", "--repeat", "2"],
+                        tmp_path / "grouping.json")
+    tables = list(payload["tables"].values())
+    assert [r["name"] for r in tables[0]] == ["group_rows (hash)", "numpy argsort + boundaries", "dict of row lists"]
+    assert [r["name"] for r in tables[2]] == ["batches", "finish", "output (parquet_writer)",
+                                              "output (pyarrow's default ParquetWriter)", "commit", "maintenance"]
+    assert len(tables) == 4 and [r["name"] for r in tables[3]] == [r["name"] for r in tables[2]]  # joined
+
+
+def test_workers_benchmark_runs_small(tmp_path):
+    """bench_workers: the four ways of opening a store's next version end with the same
+    state (it asserts so), each timed."""
+    payload = run_bench("bench.bench_workers", ["--keys", "4000", "--batch-rows", "3000", "--batches", "4"],
+                        tmp_path / "workers.json")
+    tables = list(payload["tables"].values())
+    assert [r["name"] for r in tables[0]] == ["one worker", "two workers, published images",
+                                              "two workers, roll forward", "load from files"]
+
+
+def test_scale_benchmark_runs_small(tmp_path):
+    """bench_scale end to end on a tiny state: the built checkpoint opens cold, the store and
+    the dict anchor end with the same keys, one row per batch, the page cache was dropped."""
+    from bench import bench_scale
+    payload = run_bench("bench.bench_scale", ["--keys", "20000", "--batches", "3", "--batch-rows", "2000",
+                                              "--tmp", str(tmp_path)], tmp_path / "scale.json")
+    new_keys = {int(k) for keys, _ in bench_scale.batches(0, 20000, 3, 2000) for k in keys if k % 2}
+    run = payload["raw"]["20000"]["run"]
+    assert run["num_keys"] == payload["raw"]["dict"]["num_keys"] == 20000 + len(new_keys)
+    assert [b["version"] for b in run["batches"]] == [2, 3, 4]
+    assert run["cached_after_evict"] in (0, None)
+    row = payload["rows"][0]
+    assert row["open_s"] > 0 and row["state_mib"] > row["raw_mib"] and row["probe_present_ns"] > 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("statecore-scale-")]
+
+
+def test_snapshot_benchmark_runs_small(tmp_path):
+    """bench_snapshot on a small state: its batch lookups with a tenth of the keys absent
+    found exactly the others, with and without the key filter (it asserts so)."""
+    payload = run_bench("bench.bench_snapshot", ["--rows", "20000", "--repeat", "1", "--big-rows", "20000"],
+                        tmp_path / "snapshot.json")
+    rows = [r["name"] for r in list(payload["tables"].values())[-1]]
+    assert rows == ["dict.get per key (Python loop)", "snapshot get_batch, no key filter",
+                    "snapshot get_batch, its key filter asked first"]
