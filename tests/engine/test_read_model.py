@@ -16,10 +16,11 @@ import pytest
 
 from statecore._lock import ProviderLock
 from statecore._rowcalls import RowCalls
-from statecore._versions import FrozenView, Spill, replace_in_chain
+from statecore._versions import Spill, replace_in_chain
 from statecore.layers import State
 from statecore.schema import key_value_schemas
 from statecore.spill import spill_rows
+from tests.paths import REPO_ROOT
 from tests.store_support import applied, commit_batch, open_provider, write_batch
 
 KEY = np.dtype([("k", "<i8")])
@@ -164,6 +165,6 @@ def test_lock_requirements_are_checked_with_statecore_debug_locks(tmp_path):
     """
     env = dict(os.environ, STATECORE_DEBUG_LOCKS="1")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          env=env, timeout=300, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FileStateStoreProvider._retain needs the provider's lock" in done.stdout, done.stdout
