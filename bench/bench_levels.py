@@ -21,7 +21,7 @@ import numpy as np
 
 import statecore.spill
 from bench._common import Table, arg_parser, measure, print_header, write_json
-from statecore import StateStoreConf, StateStoreId, create_and_init_provider, provider as provider_module
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider, held_versions
 from statecore.spill import Spill
 
 KEY = np.dtype([("k", "<i8")])
@@ -40,7 +40,7 @@ def stacked(root, rows, batch_rows, n_levels, rng):
     with mock.patch.object(p, "_conf", dataclasses.replace(p._conf, min_deltas_for_snapshot=0)):
         p.do_maintenance()  # the snapshot of version 1
     with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0), \
-            mock.patch.multiple(provider_module, SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
+            mock.patch.multiple(held_versions, SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
         for v in range(1, n_levels + 1):
             changed = rng.choice(2 * rows, batch_rows, replace=False)
             puts, removes = changed[: batch_rows * 9 // 10], changed[batch_rows * 9 // 10:]
@@ -53,7 +53,7 @@ def stacked(root, rows, batch_rows, n_levels, rng):
             s.remove_batch(r)
             s.commit()
             p.do_maintenance()
-    base = p._latest.base
+    base = p.held.newest.base
     depth, node = 0, base
     while isinstance(node, Spill):
         depth, node = depth + 1, node.lower

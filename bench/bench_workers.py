@@ -98,7 +98,7 @@ def main():
     try:
         for i, mode in enumerate(["one worker", "two workers, published images", "two workers, roll forward",
                                   "load from files"]):
-            unpublished = mock.patch.object(FileStateStoreProvider, "_publish_image", lambda *args: None)
+            unpublished = mock.patch.object(FileStateStoreProvider, "publish_image", lambda *args: None)
             with unpublished if mode in ("two workers, roll forward", "load from files") else nullcontext():
                 times, total = run(mode, f"{scratch}/{i}", first, work)
             results[mode] = times

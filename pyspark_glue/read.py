@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId
-from statecore.store import create_and_init_provider
+from statecore.contracts import create_and_init_provider
 from statecore.state_reads import PARTITION_ID_COLUMN, plan_changes, plan_read, state_partitions
 
 from pyspark_glue.arrow import arrow_type_of, spark_schema_of, to_record_batch

@@ -19,8 +19,8 @@ from statecore._delta import DeltaReader, DeltaWriter, apply_delta, encode_delta
 from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId, StateStoreProviderId
 from statecore.metrics import StateStoreCustomMetric, StateStoreMetrics
-from statecore.store import (FileStateStoreProvider, ReadStateStore, StateStore, StateStoreProvider,
-                             create_and_init_provider)
+from statecore.contracts import ReadStateStore, StateStore, StateStoreProvider, create_and_init_provider
+from statecore.provider import FileStateStoreProvider
 
 __version__ = "0.1.0"
 

@@ -160,14 +160,15 @@ cdef class ProviderLock:
 
 
 def requires_lock(fn):
-    """Mark ``fn`` (a provider method, or a function of a provider first) as "REQUIRES: the
-    provider's lock held" (``provider._lock``): with LOCK_CHECKS, each call checks it
-    (``ProviderLock.require_held``); without, ``fn`` is returned as it is, at no cost."""
+    """Mark ``fn`` (a method of an object with a ``lock``, such as a provider's
+    ``statecore.held_versions.HeldVersions``, or a function taking one first) as "REQUIRES:
+    its lock held": with LOCK_CHECKS, each call checks it (``ProviderLock.require_held``);
+    without, ``fn`` is returned as it is, at no cost."""
     if not LOCK_CHECKS:
         return fn
 
     @functools.wraps(fn)
-    def checked(provider, *args, **kwargs):
-        provider._lock.require_held(fn.__qualname__)
-        return fn(provider, *args, **kwargs)
+    def checked(owner, *args, **kwargs):
+        owner.lock.require_held(fn.__qualname__)
+        return fn(owner, *args, **kwargs)
     return checked

@@ -65,7 +65,7 @@ cdef class RowCalls:
     """The per-row calls of one store over one pinned ``view`` (its ``state`` and
     ``version``), and the store's lifecycle: ``update`` is the store's update Layer (None
     for a read store), written by ``put``/``remove`` while the store is updating. The
-    stores are subclasses (statecore/file_stores.py): ``store.get(key)`` calls straight
+    stores are subclasses (statecore/stores.py): ``store.get(key)`` calls straight
     into C. ``status``, one field, is the lifecycle: ``check_updating`` is the one check."""
 
     def __init__(self, view, ProviderLock lock not None, key_schema, value_schema, update=None):

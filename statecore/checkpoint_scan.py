@@ -19,7 +19,7 @@ from statecore.ids import StateStoreId
 from statecore.lineage import parse_name
 from statecore import operator_files
 from statecore.operator_files import COMMITS_DIR, OPERATOR_METADATA_FILE, operator_dir
-from statecore.provider import SCHEMA_FILE
+from statecore.schema_file import SCHEMA_FILE
 
 __all__ = ["NotACheckpointError", "StoreRef", "OperatorRef", "Checkpoint", "scan_checkpoint", "is_store_dir"]
 

@@ -6,7 +6,7 @@ Files are checked by the readers the store loads them with: a delta by
 trailer's counts and blocks checksum, the end of the file; ``deep`` also decompresses every
 block, as a load does), a snapshot by :meth:`statecore.SnapshotReader.verify` (header,
 footer, every data block: rows and slots; ``deep`` also looks every row's key up in the slot
-index), the schema file by :func:`statecore.store.read_store_schemas`; every version file's
+index), the schema file by :func:`statecore.schema_file.read_store_schemas`; every version file's
 header must name the version and attempt its name does. ``_operator.json`` and the batch
 records are read by the one metadata reader (:func:`statecore.checkpoint.parse_json`: bounded
 size and nesting, the checksum their last member carries) and then checked for their shape
@@ -36,7 +36,8 @@ from statecore._delta import DeltaReader
 from statecore.checkpoint import CheckpointFiles, parse_json
 from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name
-from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas, read_version_header
+from statecore.provider import read_version_header
+from statecore.schema_file import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
 from statecore.repartition import JOURNAL_DIR
 from statecore.schema import RowSchema
 from statecore.snapshot_files import check_snapshot

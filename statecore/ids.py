@@ -11,7 +11,7 @@ from statecore.lineage import parse_name
 
 __all__ = ["StateStoreId", "StateStoreProviderId", "check_store_name"]
 
-# A store directory's own files (provider.SCHEMA_FILE and whatever statecore adds beside it)
+# A store directory's own files (schema_file.SCHEMA_FILE and whatever statecore adds beside it)
 # start with this; a store of that name would be a directory among them.
 _RESERVED_PREFIX = "_statecore"
 

@@ -13,16 +13,15 @@ import time
 
 from statecore._delta import DeltaReader
 from statecore._keyfilter import KeyFilter
-from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
-from statecore._versions import (bottom_snapshot, changed_since_bottom, is_view_of, replace_in_chain, snapshot_version,
-                                 spilled_base, stands_on_frozen)
+from statecore._versions import (bottom_snapshot, changed_since_bottom, is_view_of, snapshot_version, spilled_base,
+                                 stands_on_frozen)
 from statecore.errors import StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
 from statecore.spill import KEY_FILTER_MAX_ROWS, spill_head, spill_rows
 
-__all__ = ["run_maintenance", "spill_if_outgrown", "TEMPORARY_FILE_MAX_AGE_S"]
+__all__ = ["run_maintenance", "spill_if_outgrown", "MaintenanceRecord", "TEMPORARY_FILE_MAX_AGE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,15 @@ PUBLISH_WAIT_S = 1.0
 # this long before they are tried again: each try after a failure writes the whole state
 # (the State stands on a frozen one), and a commit or a hint would otherwise try at once.
 SPILL_RETRY_S = 10.0
+
+
+class MaintenanceRecord:
+    """What maintenance remembers of one provider between passes."""
+
+    def __init__(self):
+        self.spill_failed_at = None  # time.monotonic() of the last failed spill (SPILL_RETRY_S)
+        self.snapshot_on_files = 0  # the newest snapshot seen on the files of the default lineage
+        self.verified_files = set()  # names checked whole before deleting on their account
 
 
 def run_maintenance(provider):
@@ -54,7 +62,7 @@ def run_maintenance(provider):
 def _default_chain_down(provider, listing, stop_below):
     """``[(u, id, delta, snapshot)]`` of the default lineage from the newest version down to
     the first snapshot at or below ``stop_below`` (or version 0, or a missing delta)."""
-    chain = provider._chain(listing)
+    chain = provider.chain(listing)
     top, commit_id = chain.default_top()
     steps = []
     for step in chain.walk(top, commit_id):
@@ -77,22 +85,22 @@ def _snapshot_if_due(p):
     after the spill, to check that its version is of the default lineage, has no snapshot
     yet, and is due by the files too (another worker of the store may have written one)."""
     spill_if_outgrown(p)
-    min_deltas = p._conf.min_deltas_for_snapshot
+    min_deltas = p.conf.min_deltas_for_snapshot
 
     def changes_outgrown(base, head_rows, num_keys):
-        return p._changes_outgrown(head_rows + changed_since_bottom(base), num_keys)
+        return p.held.changes_outgrown(head_rows + changed_since_bottom(base), num_keys)
 
     def due(state):
-        since = max(snapshot_version(state.base), p._snapshot_on_files)
+        since = max(snapshot_version(state.base), p.maintenance_record.snapshot_on_files)
         return state.version > 0 and (state.version - since > min_deltas or changes_outgrown(
             state.base, len(state.head), state.count(state.version)))
 
     spill = _spill_newest(p, due)
     if spill is None:
         return
-    steps = _default_chain_down(p, p._files.list_versions(), spill.version)
+    steps = _default_chain_down(p, p.files.list_versions(), spill.version)
     on_files = next((u for u, _, _, snapshot in steps if u <= spill.version and snapshot is not None), 0)
-    p._snapshot_on_files = max(p._snapshot_on_files, on_files)
+    p.maintenance_record.snapshot_on_files = max(p.maintenance_record.snapshot_on_files, on_files)
     of_default_lineage = any(step[:2] == (spill.version, spill.commit_id) for step in steps)
     if of_default_lineage and spill.version > on_files and spill.version - on_files > min_deltas:
         _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
@@ -105,9 +113,9 @@ def _compact(p, spill):
     ``spill`` stood: its levels are let go (lookups probe one image where they walked
     several, and later spills take it in or stack over it as over a snapshot)."""
     with _rewriting(p, spill) as rows:
-        whole = spill_rows(_spill_file_maker(p, spill.version), p._key_schema, p._value_schema, spill.version,
+        whole = spill_rows(_spill_file_maker(p, spill.version), p.key_schema, p.value_schema, spill.version,
                            spill.commit_id, rows, spill.num_keys, _publisher(p, spill.version, spill.commit_id))
-        if not _replace_base(p, lambda b: b is spill, whole):
+        if not p.held.replace_base(lambda b: b is spill, whole):
             whole.puts.close()
     log.debug("compacted version %d of %s: %r", spill.version, p, whole)
 
@@ -115,7 +123,7 @@ def _compact(p, spill):
 @contextlib.contextmanager
 def _rewriting(p, spill):
     """While ``spill``'s version is written whole (a snapshot, or a compaction) it is the
-    provider's ``_snapshot_source``: spills made meanwhile stand over it, never taking it in.
+    held versions' ``snapshot_source``: spills made meanwhile stand over it, never taking it in.
     Yields its rows, chunk by chunk; between chunks, a head that outgrew its share is spilled
     at once, over ``spill`` (which the version written replaces when done)."""
     def rows_spilling_meanwhile():
@@ -123,24 +131,24 @@ def _rewriting(p, spill):
             yield chunk
             spill_if_outgrown(p)
 
-    with p._lock:
-        p._snapshot_source = spill
+    with p.held.lock:
+        p.held.snapshot_source = spill
     try:
         yield rows_spilling_meanwhile()
     finally:
-        with p._lock:
-            p._snapshot_source = None
+        with p.held.lock:
+            p.held.snapshot_source = None
 
 
 def _spill_file_maker(p, version):
     """``new_file()`` for a spill of ``version``: a new local image file, open for writing."""
-    return lambda: p._files.new_image_file(f"spill-{version}")
+    return lambda: p.files.new_image_file(f"spill-{version}")
 
 
 def _publisher(p, version, commit_id):
     """``publish(path)`` for a whole spill of ``version``: the provider shares its image with
-    the machine's other processes (``FileStateStoreProvider._publish_image``)."""
-    return lambda path: p._publish_image(version, commit_id, path)
+    the machine's other processes (``FileStateStoreProvider.publish_image``)."""
+    return lambda path: p.publish_image(version, commit_id, path)
 
 
 def _filter_bottom(p):
@@ -148,8 +156,8 @@ def _filter_bottom(p):
     KEY_FILTER_MAX_ROWS rows. The scan reads the mapped rows without the provider's lock (the
     reader keeps its mapping for each call); a snapshot closed meanwhile (swapped for a newer
     one) is left without one."""
-    with p._lock:
-        state = p._latest
+    with p.held.lock:
+        state = p.held.newest
         reader = bottom_snapshot(state.base) if state is not None else None
     if reader is None or reader.key_filter is not None or reader.row_count > KEY_FILTER_MAX_ROWS:
         return
@@ -158,24 +166,6 @@ def _filter_bottom(p):
     except ValueError:
         if not reader.closed:
             raise
-
-
-@requires_lock
-def _newest_published(p, wanted):
-    """The newest State if ``wanted(state)``, once no merge into it is pending (a commit in
-    flight is waited for, up to PUBLISH_WAIT_S, only if the state is wanted already), or
-    None. REQUIRES: p._lock held (released while waiting)."""
-    def ready():
-        state = p._latest
-        return state is not None and not state.frozen and wanted(state)
-
-    if not ready():
-        return None
-    if p._latest.pending is not None:
-        p._published.wait_for(lambda: p._latest is None or p._latest.pending is None, timeout=PUBLISH_WAIT_S)
-        if not ready() or p._latest.pending is not None:
-            return None
-    return p._latest
 
 
 def _spill(p, state, written):
@@ -187,11 +177,11 @@ def _spill(p, state, written):
     commit_id, num_keys = state.commit_ids[version], state.count(version)
     publish = _publisher(p, version, commit_id)
     if stands_on_frozen(state.base):  # no mapped base to tell changes from: every row
-        spill = spill_rows(new_file, p._key_schema, p._value_schema, version, commit_id,
+        spill = spill_rows(new_file, p.key_schema, p.value_schema, version, commit_id,
                            state.iter_rows(version), num_keys, publish)
     else:
         spill = spill_head(new_file, state.head, state.base, version, commit_id, num_keys, written, publish)
-    _replace_base(p, lambda b: is_view_of(b, state, version), spill)
+    p.held.replace_base(lambda b: is_view_of(b, state, version), spill)
     log.debug("spilled version %d of %s: %r", version, p, spill)
     return spill
 
@@ -201,7 +191,7 @@ def _write_snapshot(p, spill, name):
     the spill as the base of the State built over it, with the key filter its writer filled
     (up to KEY_FILTER_MAX_ROWS rows: no scan of it later)."""
     mapped = []
-    key_filter = (KeyFilter(p._key_schema.width, spill.num_keys)
+    key_filter = (KeyFilter(p.key_schema.width, spill.num_keys)
                   if 0 < spill.num_keys <= KEY_FILTER_MAX_ROWS else None)
 
     def map_and_verify(reader):
@@ -214,21 +204,21 @@ def _write_snapshot(p, spill, name):
         try:
             # An image on the local filesystem is mapped before its rename, while it is made
             # durable; a packed one (or one elsewhere) is opened once it is in place.
-            write_snapshot_file(p._files, name, p._key_schema, p._value_schema, spill.num_keys, spill.version,
-                                image_lineage(spill.commit_id), rows, p._conf.compression, keep_image=True,
+            write_snapshot_file(p.files, name, p.key_schema, p.value_schema, spill.num_keys, spill.version,
+                                image_lineage(spill.commit_id), rows, p.conf.compression, keep_image=True,
                                 key_filter=key_filter, on_flushed=lambda path: map_and_verify(
-                                    SnapshotReader(path, p._key_schema, p._value_schema)))
+                                    SnapshotReader(path, p.key_schema, p.value_schema)))
             if not mapped:
-                map_and_verify(open_snapshot(p._files, name, p._key_schema, p._value_schema))
+                map_and_verify(open_snapshot(p.files, name, p.key_schema, p.value_schema))
             if key_filter is not None:
                 mapped[-1].set_key_filter(key_filter)
         except BaseException:
             for reader in mapped:
                 reader.close()
             raise
-        if not _replace_base(p, lambda b: b is spill, mapped[-1]):
+        if not p.held.replace_base(lambda b: b is spill, mapped[-1]):
             mapped[-1].close()
-    log.info("wrote snapshot %s for %s", p._files.path(name), p)
+    log.info("wrote snapshot %s for %s", p.files.path(name), p)
 
 
 def spill_if_outgrown(p, ratio=None, after_failure_wait=False):
@@ -240,53 +230,46 @@ def spill_if_outgrown(p, ratio=None, after_failure_wait=False):
     ``after_failure_wait`` (a commit, or a commit's hint to the registry's thread), does
     nothing within SPILL_RETRY_S of a failed spill: the head stays over its share meanwhile,
     and a maintenance pass tries again."""
-    failed_at = p._spill_failed_at
+    failed_at = p.maintenance_record.spill_failed_at
     if after_failure_wait and failed_at is not None and time.monotonic() - failed_at < SPILL_RETRY_S:
         return
     try:
-        _spill_newest(p, lambda state: stands_on_frozen(state.base) or p._spill_due(state, ratio))
+        _spill_newest(p, lambda state: stands_on_frozen(state.base) or p.held.spill_due(state, ratio))
     except Exception:
-        p._spill_failed_at = time.monotonic()
+        p.maintenance_record.spill_failed_at = time.monotonic()
         raise
-    p._spill_failed_at = None
+    p.maintenance_record.spill_failed_at = None
 
 
 def _spill_newest(p, wanted):
     """The Spill the newest State stands on once spilled, if ``wanted(state)``: its base
     already when that is a spill and its head is empty; else None. One spill at a time, and
     never taking in the spill a snapshot is being written from."""
-    with p._spilling:
-        with p._lock:
-            state = _newest_published(p, wanted)
+    held = p.held
+    with held.spilling:
+        with held.lock:
+            state = held.newest_published(wanted, PUBLISH_WAIT_S)
             if state is None:
                 return None
             spilled = spilled_base(state.base)
             if spilled is not None and not len(state.head):
                 return spilled
-            p._latest = state.freeze_into_successor(state.version, keep_versions=True)
-            written = p._snapshot_source
+            held.freeze_newest()
+            written = held.snapshot_source
         return _spill(p, state, written)
 
 
-def _replace_base(p, is_old, new):
-    """Make ``new`` the base of the State (newest first, down the chain of frozen ones) whose
-    base ``is_old``, or the lower of the level of its spills that stands on it: the same
-    version, now mapped. Whether one was found."""
-    with p._lock:
-        return p._latest is not None and replace_in_chain(p._latest, is_old, new)
-
-
 def _cleanup(p):
-    leftovers = p._files.temporary_files(TEMPORARY_FILE_MAX_AGE_S)
+    leftovers = p.files.temporary_files(TEMPORARY_FILE_MAX_AGE_S)
     if leftovers:
         log.info("Deleting temporary files a killed writer left in %s: %s", p, leftovers)
-        p._files.delete(leftovers)
-    listing = p._files.list_versions()
-    p._verified_files &= listing.names  # forget files that are gone
+        p.files.delete(leftovers)
+    listing = p.files.list_versions()
+    p.maintenance_record.verified_files &= listing.names  # forget files that are gone
     top = listing.top
     if top == 0:
         return
-    earliest = top - p._conf.min_versions_to_retain
+    earliest = top - p.conf.min_versions_to_retain
     steps = _default_chain_down(p, listing, max(earliest, 0))
     first_needed = 0  # every version from `earliest` on loads from here (0: the empty state)
     last_u, _, last_delta, last_snapshot = steps[-1]
@@ -298,7 +281,7 @@ def _cleanup(p):
             return
         doomed = [f.name for f in listing if f.version < first_needed]
         if doomed:
-            deleted = p._files.delete(doomed)
+            deleted = p.files.delete(doomed)
             log.info("Deleted files older than %d for %s: %s", first_needed, p, sorted(deleted))
     _thin_snapshots(p, first_needed, steps)
 
@@ -308,23 +291,23 @@ def _verified(p, f):
     name does, and every checksum holds (checked once per file). Files
     are deleted only on the strength of what will load instead. Damage is logged and keeps
     everything."""
-    if f.name in p._verified_files:
+    if f.name in p.maintenance_record.verified_files:
         return True
-    path = p._files.path(f.name)
+    path = p.files.path(f.name)
     try:
         if f.kind == "snapshot":
-            header = check_snapshot(p._files, f.name, p._key_schema, p._value_schema, deep=True)
+            header = check_snapshot(p.files, f.name, p.key_schema, p.value_schema, deep=True)
             check_names_agree(f, path, header.store_version, header.commit_id)  # as a load would
         else:
-            with p._files.open_read(f.name) as source:
-                reader = DeltaReader(source, p._key_schema, p._value_schema, path=path)
+            with p.files.open_read(f.name) as source:
+                reader = DeltaReader(source, p.key_schema, p.value_schema, path=path)
                 check_names_agree(f, path, reader.store_version, reader.commit_id)
                 for _ in reader:
                     pass
     except (StateCorruptionError, UnsafeFileError) as e:  # UnsafeFileError: a FIFO, a device, a directory
         log.error("%s of %s is damaged; keeping the files that can stand in for it: %s", f.name, p, e)
         return False
-    p._verified_files.add(f.name)
+    p.maintenance_record.verified_files.add(f.name)
     return True
 
 
@@ -340,7 +323,7 @@ def _thin_snapshots(p, first_needed, steps):
     if any(delta is None for _, _, delta, _ in above):
         return
     snapshots = sorted((u, snapshot) for u, _, _, snapshot in above if snapshot is not None)
-    spacing = max(1, p._conf.min_deltas_for_snapshot)
+    spacing = max(1, p.conf.min_deltas_for_snapshot)
     kept, doomed, last_doomed = first_needed, [], 0
     for u, snapshot in snapshots[:-1]:  # the newest is always kept
         if u - kept >= spacing:
@@ -353,7 +336,7 @@ def _thin_snapshots(p, first_needed, steps):
     needed_up_to = min((u for u, _ in snapshots if u > last_doomed), default=0)
     deltas = [delta for u, _, delta, _ in above if u <= needed_up_to]
     if doomed and all(_verified(p, d) for d in deltas):
-        p._files.delete(doomed)
+        p.files.delete(doomed)
         log.info("Deleted snapshots %s of %s: those versions load from an older snapshot (or the empty "
                  "state) and the deltas", doomed, p)
 

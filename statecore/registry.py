@@ -26,7 +26,7 @@ import time
 from statecore.conf import StateStoreConf
 from statecore.coordinator import parse_executor_location, same_executor
 from statecore.errors import IllegalStateError
-from statecore.store import create_and_init_provider
+from statecore.contracts import create_and_init_provider
 
 __all__ = ["get", "get_read_only", "unload", "is_loaded", "is_maintenance_running", "set_coordinator",
            "stop", "loaded_provider_ids", "run_maintenance_now", "run_spills_now", "wait_for_maintenance_passes"]

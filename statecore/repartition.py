@@ -39,7 +39,7 @@ from statecore.errors import StateCorruptionError, UnsafeFileError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name
-from statecore.provider import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
+from statecore.schema_file import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
 from statecore.schema import key_value_schemas
 from statecore.snapshot_at import write_snapshot_at
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition

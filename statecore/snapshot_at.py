@@ -11,7 +11,7 @@ import os
 from statecore.errors import StateCorruptionError, UnrecordedStateError
 from statecore.files import open_store_files
 from statecore.lineage import file_name, image_lineage
-from statecore.provider import SCHEMA_FILE, read_store_schemas, schema_file_bytes
+from statecore.schema_file import SCHEMA_FILE, read_store_schemas, schema_file_bytes
 from statecore.schema import key_value_schemas
 from statecore.snapshot_files import open_snapshot, write_snapshot_file
 

@@ -27,7 +27,7 @@ from statecore.lineage import ROOT_COMMIT_ID
 from statecore.schema import key_value_schemas
 from statecore.spark_rows import (MAX_SPARK_FILE_BYTES, SparkFileError, check_hadoop_crc, field_type, lz4_stream,
                                   max_crc_bytes, records, row_columns)
-from statecore.store import create_and_init_provider
+from statecore.contracts import create_and_init_provider
 
 __all__ = ["SparkImportError", "SparkOperator", "find_spark_operator", "import_spark_state"]
 

@@ -21,7 +21,7 @@ from statecore.conf import StateStoreConf
 from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.files import open_store_files
 from statecore.ids import StateStoreId
-from statecore.provider import SCHEMA_FILE, read_store_schemas
+from statecore.schema_file import SCHEMA_FILE, read_store_schemas
 
 __all__ = ["PARTITION_ID_COLUMN", "ReadPlan", "partition_ids", "state_partitions", "recorded_attempts", "plan_read",
            "plan_changes"]

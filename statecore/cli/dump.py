@@ -19,9 +19,10 @@ from statecore.errors import StateCorruptionError, VersionNotFoundError
 from statecore.export_files import FORMATS, NotTextError, open_writer
 from statecore.ids import StateStoreId
 from statecore.lineage import Chain
-from statecore.provider import read_store_schemas, read_version_header
+from statecore.provider import read_version_header
+from statecore.schema_file import read_store_schemas
 from statecore.state_reads import PARTITION_ID_COLUMN, plan_read
-from statecore.store import create_and_init_provider
+from statecore.contracts import create_and_init_provider
 
 
 def _operator_reads(checkpoint, operator_id, partition, version, store_name):

@@ -14,8 +14,9 @@ from statecore.cli.output import bad_input, emit, main, print_table
 from statecore.conf import StateStoreConf
 from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import Chain
-from statecore.provider import SCHEMA_FILE, read_store_schemas, read_version_header
-from statecore.store import create_and_init_provider
+from statecore.provider import read_version_header
+from statecore.schema_file import SCHEMA_FILE, read_store_schemas
+from statecore.contracts import create_and_init_provider
 
 __all__ = ["inspect_checkpoint"]
 

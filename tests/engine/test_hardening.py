@@ -158,7 +158,7 @@ def load_outcome(provider, version, expected, commit_id=None):
 def snapshot_bases(provider):
     """Every SnapshotReader the provider's in-memory states stand on."""
     out = []
-    state = provider._latest
+    state = provider.held.newest
     while state is not None:
         if isinstance(state.base, SnapshotReader):
             out.append(state.base)
@@ -426,7 +426,7 @@ def loaded_over_a_snapshot(tmp_path, monkeypatch=None):
     made = inject_faulty_files(monkeypatch) if monkeypatch is not None else None
     q = make(tmp_path)
     assert_reads(q, 3, model[3])
-    assert len(q._latest.head) == 0, "loaded from the snapshot alone, the head should be empty"
+    assert q.describe()["latest"]["head_rows"] == 0, "loaded from the snapshot alone, the head should be empty"
     return q, model, (made[-1] if made else None)
 
 
@@ -447,7 +447,7 @@ def test_an_update_that_only_puts_becomes_the_empty_head(tmp_path):
     layer = store._update
     store.commit()
     model[4] = applied(model[3], puts, [])
-    state = q._latest
+    state = q.held.newest
     assert state.head is layer and state.adopted_head == 4, "the update layer did not become the head"
     with pytest.raises(statecore.errors.IllegalStateError):
         put(np.array([(7,)], dtype=KEY)[0], np.array([(99, 9.0)], dtype=VALUE)[0])
@@ -481,7 +481,7 @@ def test_a_failed_delta_write_after_the_update_became_the_head_leaves_both_as_th
         store.commit()
     assert adopted == [True], "the failed commit's merge did not adopt the update layer"
     assert files.raised["fsync"] == 1
-    state = q._latest
+    state = q.held.newest
     assert state is not None and state.version == 3 and len(state.head) == 0 and state.head is not layer
     after = layer.puts.export_rows()
     assert all(np.array_equal(a, b) for a, b in zip(before, after)) and len(layer.dels) == 0, \
@@ -538,7 +538,7 @@ def test_a_commit_of_the_keys_its_store_read_looks_none_of_them_up(tmp_path, mon
     q, model, _ = loaded_over_a_snapshot(tmp_path)
     if head == "not_empty":
         commit_next(q, model)
-        assert len(q._latest.head), "the head should hold version 4's changes"
+        assert q.describe()["latest"]["head_rows"], "the head should hold version 4's changes"
     v = max(model)
     store = q.get_store(v)
     keys = keys_of(range(1, KEY_SPACE + 8, 2))  # keys of the state and new ones, distinct

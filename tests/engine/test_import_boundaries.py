@@ -207,3 +207,44 @@ def test_only_spark_internals_names_pyspark_internals():
                     found.append(f"{os.path.relpath(path, ROOT)}:{line}: {name}")
     assert not found, "PySpark internals outside pyspark_glue/spark_internals.py:\n" + "\n".join(found)
     assert {"_jvm", "_jsc", "sparkContext"} <= at_home  # the scan reads the code
+
+
+# The modules the provider's jobs are split into (docs/provider-rules.md, "The provider by job"):
+# each uses the provider, its held versions and the States through their public surface.
+PROVIDER_JOB_MODULES = ("maintenance.py", "commit.py", "loading.py", "version_reads.py", "stores.py",
+                        "held_versions.py", "provider.py")
+
+
+def _private_reads_of_others(path):
+    """``(line, "owner._name")`` of each private attribute (one leading underscore, not a dunder)
+    a module reads or writes on anything but ``self`` and modules."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            owner = ast.unparse(node.value)
+            if not owner.startswith("self.") and owner != "super()":
+                found.append((node.lineno, f"{owner}.{node.attr}"))
+    return found
+
+
+def test_the_provider_jobs_touch_no_private_state_of_one_another():
+    """Maintenance took the provider's lock, its newest State and its snapshot source by their
+    private names (``p._lock``, ``p._snapshot_source``, ...): each job module, and the provider itself,
+    now goes through the public surface of the held versions and the provider."""
+    found = {name: _private_reads_of_others(os.path.join(ROOT, "statecore", name)) for name in PROVIDER_JOB_MODULES}
+    assert not {name: reads for name, reads in found.items() if reads}, found
+
+
+def test_the_tests_read_no_private_newest_state():
+    """Tests read what a provider holds through ``describe()`` or ``provider.held``, not the
+    provider's private ``_latest``."""
+    pattern = re.compile(r"\._" + r"latest\b")  # split: this file does not match itself
+    readers = []
+    for path in [*_sources("tests"), *_sources("bench")]:
+        with open(path) as f:
+            if pattern.search(f.read()):
+                readers.append(path)
+    assert not readers, readers

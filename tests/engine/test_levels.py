@@ -115,7 +115,7 @@ def test_the_walk_through_deep_levels_equals_the_model(tmp_path, monkeypatch, va
             commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 20, value), value)
             with spill_always():
                 p.do_maintenance()
-    top = p._latest.base
+    top = p.held.newest.base
     levels, bottom = levels_of(top)
     assert len(levels) == 10 and type(bottom).__name__ == "SnapshotReader"
     assert (bottom.key_filter is not None) == filters
@@ -144,7 +144,7 @@ def test_the_walk_reports_damage_in_the_snapshot_below_the_levels(tmp_path):
     commit(reopened, model, {k: (k, 1.0) for k in range(10)}, [], VALUE)
     with spill_always():
         reopened.do_maintenance()
-    top = reopened._latest.base
+    top = reopened.held.newest.base
     _, bottom = levels_of(top)
     assert isinstance(top, Spill) and type(bottom).__name__ == "SnapshotReader"
     n_blocks = bottom.n_blocks
@@ -177,7 +177,7 @@ def test_levels_that_only_remove_or_only_put(tmp_path):
         commit(p, model, {k: (k, 2.0) for k in range(40, 60)}, [], VALUE)
         with spill_always():
             p.do_maintenance()
-    levels, _ = levels_of(p._latest.base)
+    levels, _ = levels_of(p.held.newest.base)
     assert [(level.puts.row_count, level.dels.row_count) for level in levels] == [(20, 0), (0, 50)]
     check(p, model, [max(model)], 250, VALUE)
 
@@ -199,7 +199,7 @@ def test_the_walk_asks_the_snapshot_s_filter_only_while_it_pays(tmp_path, monkey
     commit(reopened, model, {k: (k, 1.0) for k in range(0, n, 1000)}, [], VALUE)
     with spill_always():
         reopened.do_maintenance()
-    top = reopened._latest.base
+    top = reopened.held.newest.base
     levels, bottom = levels_of(top)
     assert len(levels) == 1 and type(bottom).__name__ == "SnapshotReader" and bottom.key_filter is None
     keys = key_rows(np.arange(n))

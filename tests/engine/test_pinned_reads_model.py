@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-import statecore.provider
+import statecore.held_versions
 import statecore.spill
 from statecore import (CommitConflictError, IllegalStateError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -73,7 +73,7 @@ def small_spills(spill=True, ratio=0, hard_ratio=None, compact=False, stack=Fals
         patches["HEAD_SNAPSHOT_MIN_ROWS"] = 0
     with contextlib.ExitStack() as stack_:
         if patches:
-            stack_.enter_context(mock.patch.multiple(statecore.provider, **patches))
+            stack_.enter_context(mock.patch.multiple(statecore.held_versions, **patches))
         if stack:
             stack_.enter_context(mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0))
         yield

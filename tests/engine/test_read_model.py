@@ -149,7 +149,7 @@ def test_lock_requirements_are_checked_with_statecore_debug_locks(tmp_path):
         from tests.store_support import commit_batch, open_provider
         p = open_provider({str(tmp_path)!r}, np.dtype([("k", "<i8")]), np.dtype([("n", "<i8")]),
                           min_deltas_for_snapshot=2)
-        with mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
+        with mock.patch.multiple("statecore.held_versions", SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
             for v in range(6):
                 commit_batch(p, v, puts=[((k,), (v,)) for k in range(v, v + 20)], removes=[(v - 1,)])
                 p.do_maintenance()
@@ -157,14 +157,14 @@ def test_lock_requirements_are_checked_with_statecore_debug_locks(tmp_path):
         assert store.get((10,)) == (5,) and sum(1 for _ in store.iterator()) == 20
         store.abort()
         try:
-            p._retain(p._latest)
+            p.held.retain(p.held.newest)
         except AssertionError as e:
             print(e)
-        with p._lock:
-            p._retain(p._latest)
+        with p.held.lock:
+            p.held.retain(p.held.newest)
     """
     env = dict(os.environ, STATECORE_DEBUG_LOCKS="1")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True,
                           env=env, timeout=300, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "FileStateStoreProvider._retain needs the provider's lock" in done.stdout, done.stdout
+    assert "HeldVersions.retain needs the provider's lock" in done.stdout, done.stdout

@@ -201,9 +201,8 @@ def test_a_store_unloaded_between_its_lookup_and_its_open_is_loaded_again(tmp_pa
 def test_a_commit_asking_for_a_spill_wakes_the_thread_to_spill_only(tmp_path, monkeypatch):
     """Between passes (a one-hour period), a commit whose head outgrew its share wakes the
     maintenance thread, which spills that head and nothing else: no pass, no snapshot."""
-    from statecore.spill import Spill
-    monkeypatch.setattr("statecore.provider.SPILL_MIN_ROWS", 8)
-    monkeypatch.setattr("statecore.provider.SPILL_HARD_RATIO", float("inf"))  # only the thread spills
+    monkeypatch.setattr("statecore.held_versions.SPILL_MIN_ROWS", 8)
+    monkeypatch.setattr("statecore.held_versions.SPILL_HARD_RATIO", float("inf"))  # only the thread spills
     conf = StateStoreConf(maintenance_interval_s=3600, min_deltas_for_snapshot=1)
     p = pid(tmp_path)
     store = registry.get(p, KEY, VALUE, 0, conf)
@@ -214,7 +213,7 @@ def test_a_commit_asking_for_a_spill_wakes_the_thread_to_spill_only(tmp_path, mo
     assert store.commit() == 1
     provider = registry._providers[p]
     deadline = time.monotonic() + DEADLINE_S
-    while not isinstance(provider._latest.base, Spill):
+    while provider.describe()["latest"]["base"]["kind"] != "spill":
         assert time.monotonic() < deadline, "the thread never spilled the head"
         time.sleep(0.01)
     assert registry.maintenance_passes() == passes

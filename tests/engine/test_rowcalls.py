@@ -295,15 +295,15 @@ def test_a_get_waits_for_a_merge_holding_the_lock_then_reads_its_version(tmp_pat
     reader = provider.get_read_store(1)
     assert reader.get(K1) == val(1)
     results = []
-    provider._lock.acquire()  # as a merge does
+    provider.held.lock.acquire()  # as a merge does
     try:
         t = threading.Thread(target=lambda: results.append(reader.get(K1)))
         t.start()
-        wait_until(lambda: provider._lock.handoff, "the get blocks on the provider's lock")
+        wait_until(lambda: provider.held.lock.handoff, "the get blocks on the provider's lock")
         assert not results
         commit_batch(provider, 1, puts=[(K1, val(10))])  # takes the lock again (re-entrant)
     finally:
-        provider._lock.release()
+        provider.held.lock.release()
     t.join()
     assert results == [val(1)]
     reader.abort()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import statecore.maintenance
-import statecore.provider
+import statecore.held_versions
+import statecore.loading
 import statecore._versions
 import statecore.spill
 from tests.store_support import applied, contents, open_provider, snapshot_now, write_batch
@@ -24,7 +25,7 @@ ROW_BYTES = KEY.itemsize + VALUE.itemsize
 
 def spill_always():
     """Maintenance spills any non-empty head."""
-    return mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0)
+    return mock.patch.multiple("statecore.held_versions", SPILL_MIN_ROWS=-1, SPILL_RATIO=0)
 
 
 def random_changes(rng, version, key_space, n_puts, n_removes, value):
@@ -67,7 +68,7 @@ def check(provider, model, versions, key_space, value):
 
 
 def bases(provider):
-    out, state = [], provider._latest
+    out, state = [], provider.held.newest
     while state is not None:
         out.append(state.base)
         state = state.base.state if isinstance(state.base, FrozenView) else None
@@ -85,7 +86,7 @@ def test_reads_through_spills_equal_the_model(tmp_path, value):
         commit(p, model, *random_changes(rng, max(model) + 1, key_space, 40, 15, value), value)
         with spill_always():
             p.do_maintenance()
-        base = p._latest.base
+        base = p.held.newest.base
         spills += isinstance(base, Spill)
         snapshots += type(base).__name__ == "SnapshotReader"
         top = max(model)
@@ -104,23 +105,23 @@ def test_spills_stack_and_take_in_the_levels_no_bigger_than_them(tmp_path):
     model = {0: {}}
     commit(p, model, {k: (k, 0.0) for k in range(100)}, [], VALUE)
     snapshot_now(p)  # a snapshot of 1
-    snapshot = p._latest.base
+    snapshot = p.held.newest.base
     assert type(snapshot).__name__ == "SnapshotReader"
     commit(p, model, {k: (k, 1.0) for k in range(100, 120)}, list(range(0, 10)), VALUE)
     with spill_always():
         p.do_maintenance()
-    first = p._latest.base
+    first = p.held.newest.base
     assert isinstance(first, Spill) and first.own_changed == 30 and first.lower is snapshot
     commit(p, model, {k: (k, 2.0) for k in range(0, 5)}, list(range(100, 109)), VALUE)
     with spill_always():
         p.do_maintenance()
-    second = p._latest.base
+    second = p.held.newest.base
     assert isinstance(second, Spill) and second.lower is first, "14 changes stack over a level of 30"
     check(p, model, [1, 2, 3], 130, VALUE)
     commit(p, model, {k: (k, 3.0) for k in range(200, 240)}, list(range(110, 115)), VALUE)
     with spill_always():
         p.do_maintenance()
-    third = p._latest.base
+    third = p.held.newest.base
     assert isinstance(third, Spill) and third.lower is snapshot, "45 changes take in 14, then 30"
     # puts: 200..239, 0..4 (second), 109 and 115..119 (first, less second's and the head's
     # removes); dels: 110..114, 100..108 (second), 5..9 (first, less second's puts)
@@ -129,10 +130,10 @@ def test_spills_stack_and_take_in_the_levels_no_bigger_than_them(tmp_path):
     commit(p, model, {k: (k, 4.0) for k in range(0, 3)}, [200], VALUE)
     with spill_always():
         p.do_maintenance()
-    assert p._latest.base.lower is third
+    assert p.held.newest.base.lower is third
     snapshot_now(p)  # a snapshot of 5, from two levels over the snapshot of 1
-    assert type(p._latest.base).__name__ == "SnapshotReader" and p._latest.base.store_version == 5
-    assert p._latest.base.row_count == len(model[5])
+    base = p.describe()["latest"]["base"]
+    assert base["kind"] == "snapshot" and base["version"] == 5 and base["rows"] == len(model[5])
     check(open_provider(tmp_path, KEY, VALUE), model, [5], 250, VALUE)
 
 
@@ -143,7 +144,7 @@ def snapshot_files(root):
 
 def outgrown_at_any_size():
     """Changes past half the state are due for compaction whatever the state's size."""
-    return mock.patch("statecore.provider.HEAD_SNAPSHOT_MIN_ROWS", 0)
+    return mock.patch("statecore.held_versions.HEAD_SNAPSHOT_MIN_ROWS", 0)
 
 
 def spilled_whole(root):
@@ -174,14 +175,14 @@ def test_changes_past_half_the_state_compact_the_levels_into_a_whole_spill(tmp_p
             commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 10, value), value)
             with spill_always():
                 p.do_maintenance()
-        top = p._latest.base
+        top = p.held.newest.base
         assert isinstance(top, Spill) and not top.whole
         assert top.lower.lower.lower is bottom_snapshot(top) is not None
         assert top.changed == top.own_changed + top.lower.own_changed + top.lower.lower.own_changed
         commit(p, model, *random_changes(rng, max(model) + 1, key_space, 30, 10, value), value)
         with spill_always(), outgrown_at_any_size():
             p.do_maintenance()
-    whole = p._latest.base
+    whole = p.held.newest.base
     assert isinstance(whole, Spill) and whole.whole and whole.dels is None, whole
     assert whole.version == max(model) and whole.changed == 0
     assert whole.puts.row_count == whole.num_keys == len(model[max(model)])
@@ -192,7 +193,7 @@ def test_changes_past_half_the_state_compact_the_levels_into_a_whole_spill(tmp_p
         commit(p, model, *random_changes(rng, max(model) + 1, key_space, 20, 5, value), value)
         with spill_always():
             p.do_maintenance()
-    assert p._latest.base.lower is whole and p._latest.base.changed == p._latest.base.own_changed > 0
+    assert p.held.newest.base.lower is whole and p.held.newest.base.changed == p.held.newest.base.own_changed > 0
     check(p, model, range(max(model) - 2, max(model) + 1), key_space, value)
     check(open_provider(tmp_path, KEY, value), model, [max(model)], key_space, value)
 
@@ -203,7 +204,7 @@ def test_a_head_as_big_as_half_the_whole_spill_takes_it_in(tmp_path, monkeypatch
     compaction follows; no snapshot file is written until the deltas rule asks."""
     rng = np.random.default_rng(29)
     p, model = spilled_whole(tmp_path)
-    first = p._latest.base
+    first = p.held.newest.base
     assert isinstance(first, Spill) and first.whole, "the first head spills over nothing: whole"
     compactions, compact = [], statecore.maintenance._compact
     monkeypatch.setattr(statecore.maintenance, "_compact", lambda *args: compactions.append(args) or compact(*args))
@@ -211,7 +212,7 @@ def test_a_head_as_big_as_half_the_whole_spill_takes_it_in(tmp_path, monkeypatch
         commit(p, model, *random_changes(rng, max(model) + 1, 500, 300, 20, VALUE), VALUE)
         with spill_always(), outgrown_at_any_size():
             p.do_maintenance()
-        base = p._latest.base
+        base = p.held.newest.base
         assert isinstance(base, Spill) and base.whole and base.version == max(model)
         assert base.puts.row_count == len(model[max(model)])
     assert snapshot_files(tmp_path) == [] and not compactions, compactions
@@ -228,12 +229,12 @@ def test_an_image_over_the_filter_cap_gets_no_filter_and_reads_the_same(tmp_path
     commit(p, model, {k: (k, 0.0) for k in range(300)}, [], VALUE)
     with spill_always():
         p.do_maintenance()
-    whole = p._latest.base
+    whole = p.held.newest.base
     assert isinstance(whole, Spill) and whole.whole and whole.puts.key_filter is None
     commit(p, model, {k: (k, 1.0) for k in range(290, 330)}, [1, 2, 3], VALUE)
     with spill_always():
         p.do_maintenance()
-    level = p._latest.base
+    level = p.held.newest.base
     assert level.lower is whole and level.puts.key_filter is not None
     check(p, model, [max(model) - 1, max(model)], 400, VALUE)
 
@@ -264,7 +265,7 @@ def test_a_head_spilled_while_the_levels_are_compacted_stands_over_the_whole_spi
         with spill_always(), outgrown_at_any_size():
             p.do_maintenance()
     assert compacting, "no commit happened during the compaction"
-    top = p._latest.base
+    top = p.held.newest.base
     assert isinstance(top, Spill) and top.version == max(model) and not top.whole
     assert top.lower.whole and top.lower.version == compacting[0].version, "the newer spill is not over the whole one"
     monkeypatch.setattr(Spill, "rows", original_rows)
@@ -282,7 +283,7 @@ def test_heap_stays_a_fraction_of_the_rows(tmp_path):
         key_space, batch = 50_000, 5_000
         p = open_provider(root, KEY, VALUE, min_deltas_for_snapshot=1000)
         model_version, ratios = 0, []
-        with mock.patch.multiple("statecore.provider", SPILL_RATIO=spill_ratio, SPILL_HARD_RATIO=2 * spill_ratio):
+        with mock.patch.multiple("statecore.held_versions", SPILL_RATIO=spill_ratio, SPILL_HARD_RATIO=2 * spill_ratio):
             for _ in range(30):
                 store = p.get_store(model_version)
                 keys = np.zeros(batch, KEY)
@@ -294,9 +295,9 @@ def test_heap_stays_a_fraction_of_the_rows(tmp_path):
                 p.do_maintenance()
         return ratios[10:], p
 
-    with_spills, p = run(tmp_path / "spill", statecore.provider.SPILL_RATIO)
+    with_spills, p = run(tmp_path / "spill", statecore.held_versions.SPILL_RATIO)
     assert max(with_spills) < 0.8, with_spills
-    assert isinstance(p._latest.base, Spill)
+    assert p.describe()["latest"]["base"]["kind"] == "spill"
     without, _ = run(tmp_path / "none", float("inf"))
     assert max(without) > 1.5, without
 
@@ -365,7 +366,7 @@ def test_the_head_spills_over_the_spill_a_snapshot_is_written_from(tmp_path, mon
     with spill_always():
         p.do_maintenance()
     assert during == [4, 5]
-    base = p._latest.base
+    base = p.held.newest.base
     assert isinstance(base, Spill) and base.version == 5, base
     levels, bottom = statecore._versions.spill_chain(base)
     assert [level.version for level in levels] in ([5], [5, 4]), levels
@@ -388,7 +389,7 @@ def test_a_store_open_across_a_spill_commits_into_the_spilled_state(tmp_path):
     store = p.get_store(3)
     with spill_always():
         p.do_maintenance()
-    spill = p._latest.base
+    spill = p.held.newest.base
     assert isinstance(spill, Spill) and spill.version == 3
     puts, removes = random_changes(rng, 4, 300, 40, 5, VALUE)
     write_batch(store, KEY, VALUE, puts, removes)
@@ -406,14 +407,14 @@ def test_a_commit_spills_the_head_past_the_hard_limit(tmp_path, monkeypatch):
     p = open_provider(tmp_path, KEY, VALUE)
     model = {0: {}}
     heads = []
-    monkeypatch.setattr(statecore.provider, "SPILL_MIN_ROWS", 16)
+    monkeypatch.setattr(statecore.held_versions, "SPILL_MIN_ROWS", 16)
     for _ in range(12):
         commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
-        state = p._latest
+        state = p.held.newest
         heads.append(len(state.head) / state.count(state.version))
-    over = [h > statecore.provider.SPILL_HARD_RATIO for h in heads]
+    over = [h > statecore.held_versions.SPILL_HARD_RATIO for h in heads]
     assert not any(a and b for a, b in zip(over, over[1:])), heads
-    assert any(over) and isinstance(p._latest.base, Spill), heads
+    assert any(over) and p.describe()["latest"]["base"]["kind"] == "spill", heads
 
     attempts = []
 
@@ -422,8 +423,8 @@ def test_a_commit_spills_the_head_past_the_hard_limit(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(statecore.spill, "SnapshotWriter", failing)
-    monkeypatch.setattr(statecore.provider, "SPILL_HARD_RATIO", 0)
-    monkeypatch.setattr(statecore.provider, "SPILL_RATIO", 0)
+    monkeypatch.setattr(statecore.held_versions, "SPILL_HARD_RATIO", 0)
+    monkeypatch.setattr(statecore.held_versions, "SPILL_RATIO", 0)
     for _ in range(2):  # the first asks for a spill, the second tries one itself
         commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
     monkeypatch.undo()
@@ -447,14 +448,14 @@ def test_after_a_failed_spill_the_commits_wait_before_trying_again(tmp_path, mon
         attempts.append(args)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(statecore.provider, "SPILL_HARD_RATIO", 0)
-    monkeypatch.setattr(statecore.provider, "SPILL_RATIO", 0)
-    monkeypatch.setattr(statecore.provider, "SPILL_MIN_ROWS", 16)
+    monkeypatch.setattr(statecore.held_versions, "SPILL_HARD_RATIO", 0)
+    monkeypatch.setattr(statecore.held_versions, "SPILL_RATIO", 0)
+    monkeypatch.setattr(statecore.held_versions, "SPILL_MIN_ROWS", 16)
     monkeypatch.setattr(statecore.maintenance, "SPILL_RETRY_S", 3600.0)
     monkeypatch.setattr(statecore.spill, "SnapshotWriter", failing)
     for _ in range(2):  # the first asks for a spill, the second tries one itself, and fails
         commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
-    assert len(attempts) == 1 and p._spill_failed_at is not None
+    assert len(attempts) == 1 and p.maintenance_record.spill_failed_at is not None
     for _ in range(3):
         commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
         p.spill_if_outgrown()  # what the registry's thread does on a commit's hint
@@ -464,7 +465,7 @@ def test_after_a_failed_spill_the_commits_wait_before_trying_again(tmp_path, mon
     monkeypatch.setattr(statecore.spill, "SnapshotWriter", writer)
     monkeypatch.setattr(statecore.maintenance, "SPILL_RETRY_S", 0.0)
     commit(p, model, *random_changes(rng, max(model) + 1, 2000, 150, 10, VALUE), VALUE)
-    assert isinstance(p._latest.base, Spill) and p._spill_failed_at is None
+    assert p.describe()["latest"]["base"]["kind"] == "spill" and p.maintenance_record.spill_failed_at is None
     check(p, model, [max(model)], 2000, VALUE)
 
 
@@ -472,17 +473,17 @@ def test_after_a_failed_spill_the_commits_wait_before_trying_again(tmp_path, mon
 def delta_name(provider, version):
     from statecore.lineage import file_name
 
-    return file_name(version, provider._latest.commit_ids[version], "delta")
+    return file_name(version, provider.held.newest.commit_ids[version], "delta")
 
 
 def count_delta_reads(monkeypatch):
-    reads, original = [], statecore.provider.FileStateStoreProvider._checked_delta
+    reads, original = [], statecore.loading.read_checked_delta
 
-    def counted(self, f, *args, **kwargs):
+    def counted(p, f, *args, **kwargs):
         reads.append(f.name)
-        return original(self, f, *args, **kwargs)
+        return original(p, f, *args, **kwargs)
 
-    monkeypatch.setattr(statecore.provider.FileStateStoreProvider, "_checked_delta", counted)
+    monkeypatch.setattr(statecore.loading, "read_checked_delta", counted)
     return reads
 
 
@@ -506,7 +507,7 @@ def test_a_worker_maps_the_whole_image_another_published_instead_of_replaying_de
         with spill_always(), outgrown_at_any_size():
             writer.do_maintenance()
         v = max(model)
-        base = writer._latest.base
+        base = writer.held.newest.base
         assert isinstance(base, Spill) and base.whole and base.version == v
         name = delta_name(writer, v)
         published[v] = name
@@ -514,8 +515,8 @@ def test_a_worker_maps_the_whole_image_another_published_instead_of_replaying_de
         del reads[:]
         check(opener, model, [v], 500, VALUE)
         assert reads == [], f"version {v} was read from deltas {reads}, not mapped from the published image"
-        mapped = opener._latest.base
-        assert isinstance(mapped, Spill) and mapped.whole and mapped.version == opener._latest.version == v
+        mapped = opener.held.newest.base
+        assert isinstance(mapped, Spill) and mapped.whole and mapped.version == opener.held.newest.version == v
         if v - 2 in published:  # the writer published v - 2 too: it went when v was published
             assert writer._files.published_image(published[v - 2]) is None
         commit(opener, model, *random_changes(rng, v + 1, 500, 300, 20, VALUE), VALUE)

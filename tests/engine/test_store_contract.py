@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import statecore.loading
 from tests.state_files import version_names, version_path
 from tests.store_support import commit_batch, contents, inject_faulty_files, maintaining, snapshot_now, store_dir
-from statecore import (FileStateStoreProvider, IllegalStateError, SchemaMismatchError,
+from statecore import (IllegalStateError, SchemaMismatchError,
                        StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
 
@@ -129,7 +130,7 @@ def test_reads_after_a_commit_see_its_version_and_its_updates_are_let_go(root):
     store.put(2, (2, 2.0))
     store.commit()
     assert store.get(1) == (1, 0.0) and store.get(2) == (2, 2.0)
-    assert kept._latest is None  # nothing of it kept in memory
+    assert kept.describe()["latest"] is None  # nothing of it kept in memory
 
 
 def test_batch_api_matches_scalar_api(root, provider_class):
@@ -551,13 +552,13 @@ def test_deltas_that_record_no_key_count_are_merged(root, monkeypatch):
     """Deltas written before their trailer recorded the key count (format version 1) are
     merged as commits are, which finds the count: the versions passed over stay held."""
     a, _, version_3, version_4 = _two_workers_taking_turns(root)
-    checked = FileStateStoreProvider._checked_delta
+    checked = statecore.loading.read_checked_delta
 
-    def without_count(self, f, parent_id=None):
-        commit_id, blocks, _ = checked(self, f, parent_id)
+    def without_count(p, f, parent_id=None):
+        commit_id, blocks, _ = checked(p, f, parent_id)
         return commit_id, blocks, None
 
-    monkeypatch.setattr(FileStateStoreProvider, "_checked_delta", without_count)
+    monkeypatch.setattr(statecore.loading, "read_checked_delta", without_count)
     store = a.get_read_store(4)
     assert contents(store) == version_4 and store.metrics.num_keys == len(version_4)
     store.abort()
@@ -715,7 +716,7 @@ def test_maintenance_gives_the_snapshot_under_the_state_its_key_filter(root, mon
         bytes_before = reader.metrics.memory_used_bytes
         reader.abort()
         q.do_maintenance()
-        base = q._latest.base
+        base = q.held.newest.base
         assert type(base).__name__ == "SnapshotReader" and (base.key_filter is not None) == filtered
         store = q.get_read_store(2)
         assert contents(store) == expected
@@ -741,7 +742,7 @@ def test_a_snapshot_maintenance_writes_keeps_its_writers_key_filter(root, monkey
     commit_batch(p, 0, [(k, (k, 0.5)) for k in range(300)])
     commit_batch(p, 1, [(300, (300, 0.0))], removes=[0])
     p.do_maintenance()
-    reader = bottom_snapshot(p._latest.base)
+    reader = bottom_snapshot(p.held.newest.base)
     assert reader is not None and reader.store_version == 2 and reader.key_filter is not None
     keys = np.zeros(400, KEY)
     keys["k"] = np.arange(400)

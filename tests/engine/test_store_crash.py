@@ -903,8 +903,8 @@ def test_failed_re_execution_commit_keeps_the_version_it_builds_on(tmp_path, fau
 def snapshot_bases(provider):
     """The bases of the provider's States that are mapped snapshots (their paths)."""
     out = []
-    with provider._lock:
-        node = provider._latest
+    with provider.held.lock:
+        node = provider.held.newest
         while node is not None:
             base = node.base
             if isinstance(base, SnapshotReader):

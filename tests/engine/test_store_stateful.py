@@ -175,10 +175,10 @@ class StoreMachine(RuleBasedStateMachine):
     def commit(self, spilling):
         # spilling: the commit spills the head itself, whatever its size, as past the hard
         # limit when an earlier commit asked already and maintenance did not come
-        latest = self.p._latest
+        latest = self.p.held.newest
         if spilling and latest is not None and latest.spill_asked_at is None:
             latest.spill_asked_at = latest.version
-        with mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0,
+        with mock.patch.multiple("statecore.held_versions", SPILL_MIN_ROWS=-1, SPILL_RATIO=0,
                                  SPILL_HARD_RATIO=0) if spilling else contextlib.nullcontext():
             assert self.store.commit() == self.base + 1
         # A re-execution from `base` abandons the versions after it.
@@ -222,7 +222,7 @@ class StoreMachine(RuleBasedStateMachine):
         if which == "live":
             self.p.do_maintenance()
         elif which == "spill":
-            with mock.patch.multiple("statecore.provider", SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
+            with mock.patch.multiple("statecore.held_versions", SPILL_MIN_ROWS=-1, SPILL_RATIO=0):
                 self.p.do_maintenance()
         else:
             other = self.make(min_deltas_for_snapshot=0) if which == "eager" else self.make()

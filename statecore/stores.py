@@ -34,21 +34,21 @@ class View:
         self.version = version
         self.commit_id = state.commit_ids[version]
         self.listing = listing
-        provider._pin(state, version)
-        self._finalizer = weakref.finalize(self, provider._unpin, state, version)
+        provider.held.pin(state, version)
+        self._finalizer = weakref.finalize(self, provider.held.unpin, state, version)
 
     def release(self):
         self._finalizer()
 
     def lookup(self, key_rows, extra_layers=()):
-        with self.provider._lock:
+        with self.provider.held.lock:
             return self.state.lookup(self.version, key_rows, extra_layers)
 
     def iter_rows(self, extra_layers=()):
         """Row chunks of the version. Rows are copied out without the provider lock: while
         the iteration is registered, no commit merges into this state (it freezes it and
         goes on in a new one), so nothing it reads changes."""
-        lock = self.provider._lock
+        lock = self.provider.held.lock
         with lock:
             self.state.iterating += 1
             chunks = self.state.iter_rows(self.version, extra_layers)  # flattened here, under the lock
@@ -67,13 +67,13 @@ class FileReadStore(RowCalls, ReadStateStore):
     def __init__(self, provider, view, update=None):
         self._provider = provider
         self._view = view
-        self._key_schema = provider._key_schema
-        self._value_schema = provider._value_schema
-        RowCalls.__init__(self, view, provider._lock, self._key_schema, self._value_schema, update)
+        self._key_schema = provider.key_schema
+        self._value_schema = provider.value_schema
+        RowCalls.__init__(self, view, provider.held.lock, self._key_schema, self._value_schema, update)
 
     def __repr__(self):
         sid = self._provider.state_store_id
-        return f"{self._kind}[id=(op={sid.operator_id},part={sid.partition_id}),dir={self._provider._dir}]"
+        return f"{self._kind}[id=(op={sid.operator_id},part={sid.partition_id}),dir={self._provider.directory}]"
 
     @property
     def id(self):
@@ -116,12 +116,12 @@ class FileReadStore(RowCalls, ReadStateStore):
         self._view.release()
 
     def _num_keys(self):
-        with self._provider._lock:
+        with self._provider.held.lock:
             return self._view.state.count(self._view.version)
 
     @property
     def metrics(self):
-        return self._provider._metrics(self._num_keys())
+        return self._provider.metrics_of(self._num_keys())
 
 
 class _ChunkCursor:
@@ -150,7 +150,7 @@ class FileStore(FileReadStore, StateStore):
     _kind = "FileStateStore"
 
     def __init__(self, provider, view):
-        self._update = Layer(provider._key_schema, provider._value_schema)
+        self._update = Layer(provider.key_schema, provider.value_schema)
         super().__init__(provider, view, self._update)
         self._commit_id = None
         self._opened = None  # (version, commit id) opened, once the view moved to the commit's
@@ -188,7 +188,7 @@ class FileStore(FileReadStore, StateStore):
     def commit(self):
         self.check_updating("commit")
         opened_values, self._read_before_writes = self._read_before_writes, None
-        new_version, self._committed_num_keys, commit_id, committed = self._provider._commit(
+        new_version, self._committed_num_keys, commit_id, committed = self._provider.commit_update(
             self._view, self._update, opened_values)
         # The update layer may be the provider's head now: no per-row call may write to it
         # again. Reads after the commit see the version it made, from the provider's State:
@@ -233,4 +233,4 @@ class FileStore(FileReadStore, StateStore):
 
     @property
     def metrics(self):
-        return self._provider._metrics(self._num_keys(), update_bytes=self._update.sizeof())
+        return self._provider.metrics_of(self._num_keys(), update_bytes=self._update.sizeof())
