@@ -7,6 +7,7 @@ column of bits, strided or not (RowSchema's batch path, spark_hash).
 """
 cimport cython
 from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.string cimport memcpy
 
 import numpy as np
 
@@ -15,6 +16,20 @@ __all__ = ["FLOAT_KEY_BITS", "key_bits", "needs_normalizing", "normalize_bits"]
 ctypedef fused word:
     uint32_t
     uint64_t
+
+
+cdef inline word _load(const char* at, word kind) noexcept nogil:
+    """The word at ``at``: a column of a packed record may sit at any address (memcpy: no
+    misaligned load)."""
+    memcpy(&kind, at, sizeof(word))
+    return kind
+
+
+cdef inline uint32_t _load32(const char* at) noexcept nogil:
+    cdef uint32_t w
+    memcpy(&w, at, 4)
+    return w
+
 
 # float dtype -> (unsigned dtype of its bits, sign bit alone, +inf's bits, canonical NaN's bits)
 FLOAT_KEY_BITS = {
@@ -39,28 +54,30 @@ def key_bits(uint64_t bits, int width):
 def needs_normalizing(const word[:] bits not None):
     """Whether a key holds any of these float bits (a uint32 or uint64 view of a float column,
     any stride) otherwise: False means the column is already as keys hold it."""
-    cdef Py_ssize_t i, n = bits.shape[0]
-    cdef const uint32_t* words
+    cdef Py_ssize_t i, n = bits.shape[0], stride = bits.strides[0]
+    cdef const char* at
+    cdef word w = 0
     cdef int maybe = 0
     cdef bint found = False
     if n == 0:
         return False
-    if bits.strides[0] == sizeof(word):  # a column alone: a vectorized look for candidates first
-        words = <const uint32_t*>&bits[0]  # little-endian: a float64's upper half is its second word
+    at = <const char*>&bits[0]
+    if stride == sizeof(word):  # a column alone: a vectorized look for candidates first
         with nogil:
             for i in range(n):
                 if word is uint32_t:
-                    maybe |= may_change32(words[i])
-                else:
-                    maybe |= may_change64(words[2 * i + 1])
+                    maybe |= may_change32(_load32(at + 4 * i))
+                else:  # little-endian: a float64's upper half is its second word
+                    maybe |= may_change64(_load32(at + 8 * i + 4))
         if not maybe:
             return False
     with nogil:
         for i in range(n):
+            w = _load(at + i * stride, w)
             if word is uint32_t:
-                found = key_bits32(bits[i]) != bits[i]
+                found = key_bits32(w) != w
             else:
-                found = key_bits64(bits[i]) != bits[i]
+                found = key_bits64(w) != w
             if found:
                 break
     return found
@@ -71,15 +88,20 @@ def needs_normalizing(const word[:] bits not None):
 def normalize_bits(word[:] bits not None):
     """Rewrite these float bits (a writable uint32 or uint64 view, any stride) as a key holds
     them; returns how many changed."""
-    cdef Py_ssize_t i, n = bits.shape[0], count = 0
-    cdef word canon
+    cdef Py_ssize_t i, n = bits.shape[0], stride = bits.strides[0], count = 0
+    cdef char* at
+    cdef word w = 0, canon
+    if n == 0:
+        return 0
+    at = <char*>&bits[0]
     with nogil:
         for i in range(n):
+            w = _load(at + i * stride, w)
             if word is uint32_t:
-                canon = key_bits32(bits[i])
+                canon = key_bits32(w)
             else:
-                canon = key_bits64(bits[i])
-            if canon != bits[i]:
-                bits[i] = canon
+                canon = key_bits64(w)
+            if canon != w:
+                memcpy(at + i * stride, &canon, sizeof(word))
                 count += 1
     return count
