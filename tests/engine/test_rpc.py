@@ -1537,22 +1537,36 @@ def empty_lists(n):
     return b"\xdd" + struct.pack(">I", n) + b"\x90" * n
 
 
+def send_to_a_server_that_may_hang_up(sock, data):
+    """Sends ``data`` and returns the next frame, or None when the server hung up first: a
+    server that refuses a frame on its head closes the socket with the rest unread, which may
+    break the send (EPIPE) or reset the connection before its answer is read."""
+    try:
+        sock.sendall(data)
+        return read_frame(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        return None
+
+
 def test_a_megabyte_of_nested_values_to_an_untyped_endpoint_is_refused_before_decoding(make_env, logs):
     """A peer asks an untyped endpoint with a message of a million empty lists (decoding it
     would hold the interpreter for a good part of a second): it is dropped before the message
-    is decoded, its ask answered with the bound that was broken. A message at the bound is
-    taken, and an endpoint that declares a larger bound takes the larger one."""
+    is decoded, its ask answered with the bound that was broken (an answer the peer may miss
+    when the hang-up breaks its send; the server's log records the drop either way). A
+    message at the bound is taken, and an endpoint that declares a larger bound takes the
+    larger one."""
     env = make_env()
     tally = Tally()
     env.setup_endpoint("tally", tally)
     bound = rpc.DEFAULT_MAX_UNTYPED_MESSAGE_BYTES
     with raw_connect(env) as sock:
         raw_handshake(sock, env.authkey)
-        sock.sendall(raw_frame(ASK, 1, "tally", message=empty_lists(1 << 20)))
-        kind, request_id, error, remote_type, text, _ = msgspec.msgpack.decode(read_frame(sock))
-        assert (kind, request_id, error, remote_type) == (ERROR, 1, "RpcProtocol", "")
-        assert f"a message of {(1 << 20) + 5} bytes to 'tally' exceeds the {bound} bytes Tally takes" in text
-        assert_closed_by_server(sock)
+        reply = send_to_a_server_that_may_hang_up(sock, raw_frame(ASK, 1, "tally", message=empty_lists(1 << 20)))
+        if reply is not None:
+            kind, request_id, error, remote_type, text, _ = msgspec.msgpack.decode(reply)
+            assert (kind, request_id, error, remote_type) == (ERROR, 1, "RpcProtocol", "")
+            assert f"a message of {(1 << 20) + 5} bytes to 'tally' exceeds the {bound} bytes Tally takes" in text
+            assert_closed_by_server(sock)
     logs.wait_for("dropped", f"exceeds the {bound} bytes Tally takes")
     assert tally.asks == 0
     with raw_connect(env) as sock:  # exactly at the bound
