@@ -25,6 +25,15 @@ def version_path(directory, version, kind):
     return os.path.join(directory, found[0])
 
 
+def flip(path, offset):
+    """Flip every bit of the byte at ``offset`` of ``path``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def put_in_place(path, what):
     """Replace ``path`` (if it exists) by what a user or an attacker may leave where a file
     should be: ``"fifo"``, ``"dev_zero"`` (a link to /dev/zero), ``"loop"`` (a link to
