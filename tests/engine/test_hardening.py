@@ -200,55 +200,6 @@ def run_bounded(body, timeout_s=60, extra_address_space=1 << 30):
 
 
 # -- 1. reading while another store of the same provider commits -----------------------------
-@pytest.mark.parametrize("reader", ["read_store", "store"])
-@pytest.mark.parametrize("target", ["newest", "older"])
-def test_iteration_returns_its_version_while_other_stores_commit(tmp_path, monkeypatch, target, reader):
-    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
-    p.do_maintenance()  # version 3 on a mapped snapshot: the iteration crosses layers and base
-    commit_upto(p, model, 4)
-    v = 4 if target == "newest" else 3
-
-    reached, go = threading.Event(), threading.Event()
-    original = State.iter_rows
-    iterating_thread = []
-
-    def blocking_iter_rows(self, version, extra_layers=(), chunk_rows=1 << 16):
-        hooked = threading.current_thread() in iterating_thread and not reached.is_set()
-        for chunk in original(self, version, extra_layers, chunk_rows=3 if hooked else chunk_rows):
-            yield chunk
-            if hooked and not reached.is_set():
-                reached.set()  # one chunk out, the rest still to copy
-                assert go.wait(WAIT_S)
-
-    monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
-    result, errors = {}, []
-    opened = p.get_read_store(v) if reader == "read_store" else p.get_store(v)
-
-    def iterate():
-        try:
-            result.update(contents(opened))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=iterate)
-    iterating_thread.append(t)
-    t.start()
-    try:
-        assert reached.wait(WAIT_S), "the iteration never reached its hook"
-        for _ in range(3):  # versions 5, 6, 7 from other stores of the same provider
-            commit_next(p, model)
-        assert t.is_alive() and not go.is_set(), "the commits did not overlap the iteration"
-    finally:
-        go.set()
-        t.join(WAIT_S)
-    assert not t.is_alive()
-    assert not errors, f"the iteration raised {errors[0]!r}"
-    assert result == model[v], f"the iteration of version {v} did not return exactly version {v}'s rows"
-    opened.abort()
-    for u in (5, 6, 7):
-        assert_reads(p, u, model[u])
-    for u in range(1, 8):
-        assert_reads(make(tmp_path), u, model[u])
 
 
 # -- 2. a flipped byte in a delta no load replays again --------------------------------------

@@ -25,6 +25,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import threading
 from unittest import mock
 
 import pytest
@@ -36,7 +37,9 @@ import statecore.held_versions
 import statecore.spill
 from statecore import (CommitConflictError, IllegalStateError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
-from tests.store_support import applied, write_batch
+from statecore.layers import State
+from tests.store_support import (WAIT_S, applied, assert_reads, commit_numbered, commit_upto, committed, contents,
+                                 open_numbered, write_batch)
 from tests.engine.test_store_stateful import KEY, VALUE, keys_array, values_array  # key k, value (n: int64, x: float64)
 
 NEAR = list(range(12))  # a small key space: keys collide in a few buckets
@@ -592,3 +595,54 @@ def test_a_late_commit_on_an_attempt_a_re_execution_replaced_leaves_the_newest_v
     newest = max(int(n.split("_")[0]) for n in state_files(tmp_path) if n.endswith(".delta"))
     store = fresh.get_read_store(newest)
     store.abort()
+
+
+@pytest.mark.parametrize("reader", ["read_store", "store"])
+@pytest.mark.parametrize("target", ["newest", "older"])
+def test_iteration_returns_its_version_while_other_stores_commit(tmp_path, monkeypatch, target, reader):
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2, max_versions_to_retain_in_memory=3)
+    p.do_maintenance()  # version 3 on a mapped snapshot: the iteration crosses layers and base
+    commit_upto(p, model, 4)
+    v = 4 if target == "newest" else 3
+
+    reached, go = threading.Event(), threading.Event()
+    original = State.iter_rows
+    iterating_thread = []
+
+    def blocking_iter_rows(self, version, extra_layers=(), chunk_rows=1 << 16):
+        hooked = threading.current_thread() in iterating_thread and not reached.is_set()
+        for chunk in original(self, version, extra_layers, chunk_rows=3 if hooked else chunk_rows):
+            yield chunk
+            if hooked and not reached.is_set():
+                reached.set()  # one chunk out, the rest still to copy
+                assert go.wait(WAIT_S)
+
+    monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
+    result, errors = {}, []
+    opened = p.get_read_store(v) if reader == "read_store" else p.get_store(v)
+
+    def iterate():
+        try:
+            result.update(contents(opened))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=iterate)
+    iterating_thread.append(t)
+    t.start()
+    try:
+        assert reached.wait(WAIT_S), "the iteration never reached its hook"
+        for _ in range(3):  # versions 5, 6, 7 from other stores of the same provider
+            commit_numbered(p, model)
+        assert t.is_alive() and not go.is_set(), "the commits did not overlap the iteration"
+    finally:
+        go.set()
+        t.join(WAIT_S)
+    assert not t.is_alive()
+    assert not errors, f"the iteration raised {errors[0]!r}"
+    assert result == model[v], f"the iteration of version {v} did not return exactly version {v}'s rows"
+    opened.abort()
+    for u in (5, 6, 7):
+        assert_reads(p, u, model[u])
+    for u in range(1, 8):
+        assert_reads(open_numbered(tmp_path), u, model[u])
