@@ -16,7 +16,7 @@ from statecore.faults import FaultInjectingFiles
 from statecore.files import PendingFile, StoreFiles, open_store_files
 from statecore.lineage import Listing, VersionFile, parse_name
 from tests.paths import REPO_ROOT
-from tests.store_support import inject_faulty_files
+from tests.store_support import inject_faulty_files, open_numbered
 
 LOGGER = "statecore.files"
 
@@ -497,6 +497,12 @@ def test_a_provider_on_a_location_with_a_double_colon_creates_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("root", ["{tmp}/a::b", "file://{tmp}/a::b", "memory://x::y"])
+def test_root_with_double_colon_is_refused(tmp_path, root):
+    with pytest.raises(ValueError, match="::"):
+        open_numbered(root.format(tmp=tmp_path))
+
+
 # -- reads and deletes ------------------------------------------------------------------------
 
 def test_reads(location):
@@ -634,6 +640,23 @@ def test_threads_mapping_one_file_agree(memory_root, tmp_path):
     assert not errors and len(set(paths)) == 1
     assert content(paths[0]) == b"z" * 4096
     assert [n for n in os.listdir(tmp_path / "cache") if n.startswith(".")] == []
+
+
+def test_a_remote_directory_in_place_of_a_snapshot_is_refused_not_copied(tmp_path):
+    """On a filesystem that is not local (here fsspec's memory one), a directory named like a
+    snapshot that a caller asks to map: refused by the local cache (UnsafeFileError naming it),
+    nothing copied."""
+    location = f"memory://hardening-{os.getpid()}/{tmp_path.name}"
+    files = StoreFiles(location, local_cache_dir=str(tmp_path / "cache"))
+    name = f"3_{'ab' * 8}.snapshot"
+    files.fs.pipe_file(f"{files._full(name)}/inside", b"x")
+    try:
+        with pytest.raises(statecore.errors.UnsafeFileError) as e:
+            files.local_path_for_mapping(name)
+        assert e.value.path == files.path(name) and "directory" in e.value.reason
+        assert not [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")]
+    finally:
+        files.fs.rm(files._full(name), recursive=True)
 
 
 # -- reads refuse what is not a regular file, and sizes past the format's bound ------------

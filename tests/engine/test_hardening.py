@@ -457,10 +457,6 @@ def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which,
     assert os.path.lexists(path) and not os.path.isfile(path), "maintenance deleted the damaged file"
 
 
-@pytest.mark.parametrize("root", ["{tmp}/a::b", "file://{tmp}/a::b", "memory://x::y"])
-def test_root_with_double_colon_is_refused(tmp_path, root):
-    with pytest.raises(ValueError, match="::"):
-        create_and_init_provider(StateStoreId(root.format(tmp=tmp_path), 0, 0), KEY, VALUE, StateStoreConf())
 
 
 # -- beyond the findings: interleavings of maintenance, iterations and commits ---------------
@@ -506,36 +502,5 @@ def _call_with_deadline(fn, deadline_s=WAIT_S):
     return outcome[0]
 
 
-@pytest.mark.parametrize("what", ["fifo", "dev_zero", "directory"])
-def test_snapshot_reader_refuses_a_fifo_device_or_directory_without_waiting(tmp_path, what):
-    """Someone left a FIFO (or a link to /dev/zero, or a directory) where a snapshot should be:
-    the reader refuses it, naming the file, before it maps or waits on anything."""
-    path = str(tmp_path / f"3_{'ab' * 8}.snapshot")
-    put_in_place(path, what)
-    try:
-        kind, value = _call_with_deadline(lambda: SnapshotReader(path))
-    finally:
-        if what == "fifo":  # release a reader blocked in open() on the old code
-            try:
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass
-    assert kind == "raised" and isinstance(value, statecore.errors.UnsafeFileError), (kind, value)
-    assert value.path == path and "not a regular file" in str(value)
 
 
-def test_a_remote_directory_in_place_of_a_snapshot_is_refused_not_copied(tmp_path):
-    """On a filesystem that is not local (here fsspec's memory one), a directory named like a
-    snapshot that a caller asks to map: refused by the local cache (UnsafeFileError naming it),
-    nothing copied."""
-    location = f"memory://hardening-{os.getpid()}/{tmp_path.name}"
-    files = StoreFiles(location, local_cache_dir=str(tmp_path / "cache"))
-    name = f"3_{'ab' * 8}.snapshot"
-    files.fs.pipe_file(f"{files._full(name)}/inside", b"x")
-    try:
-        with pytest.raises(statecore.errors.UnsafeFileError) as e:
-            files.local_path_for_mapping(name)
-        assert e.value.path == files.path(name) and "directory" in e.value.reason
-        assert not [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")]
-    finally:
-        files.fs.rm(files._full(name), recursive=True)

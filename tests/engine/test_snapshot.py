@@ -34,9 +34,11 @@ from statecore._snapshot import (
     read_snapshot_header,
     write_snapshot,
 )
-from statecore.errors import SchemaMismatchError, StateCorruptionError
+from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError
 from statecore.schema import RowSchema
 from tests.paths import REPO_ROOT
+from tests.state_files import put_in_place
+from tests.store_support import call_with_deadline
 
 REPO = REPO_ROOT
 
@@ -660,6 +662,24 @@ def test_read_snapshot_header_refuses_what_the_reader_refuses(small_snapshot):
             path.write_bytes(case)
             from_reader = open_error(path)
             assert (from_header.value.offset, from_header.value.reason) == (from_reader.offset, from_reader.reason)
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev_zero", "directory"])
+def test_snapshot_reader_refuses_a_fifo_device_or_directory_without_waiting(tmp_path, what):
+    """Someone left a FIFO (or a link to /dev/zero, or a directory) where a snapshot should be:
+    the reader refuses it, naming the file, before it maps or waits on anything."""
+    path = str(tmp_path / f"3_{'ab' * 8}.snapshot")
+    put_in_place(path, what)
+    try:
+        kind, value = call_with_deadline(lambda: SnapshotReader(path))
+    finally:
+        if what == "fifo":  # release a reader blocked in open() on the old code
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    assert kind == "raised" and isinstance(value, UnsafeFileError), (kind, value)
+    assert value.path == path and "not a regular file" in str(value)
 
 
 # -- lazy verification --------------------------------------------------------------------------
