@@ -1,15 +1,25 @@
 """The store contract (docs/spark-state-store.md), for every provider class, the reference model included;
 then what only the file provider has: files, snapshots, cleanup, lineage, damage."""
+import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import statecore
 import statecore.loading
-from tests.state_files import version_names, version_path
-from tests.store_support import commit_batch, contents, inject_faulty_files, maintaining, snapshot_now, store_dir
+from statecore.provider import SCHEMA_FILE
+from tests.state_files import flip, put_in_place, version_names, version_path
+from tests.store_support import (DELTA_LINEAGE_OFFSET, VERSION_FILE, assert_reads, attempt_id, call_with_deadline,
+                                 commit_batch, commit_numbered, commit_upto, committed, contents, has_file,
+                                 inject_faulty_files, load_outcome, maintaining, open_numbered, snapshot_now,
+                                 snapshot_versions, store_dir, the_file)
 from statecore import (IllegalStateError, SchemaMismatchError,
                        StateCorruptionError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
@@ -339,6 +349,42 @@ def test_other_files_in_the_directory_are_ignored(root):
     assert make(root).get_read_store(1).get(1) == (1, 1.0)
 
 
+@pytest.mark.parametrize("layout", ["with_id", "previous"])
+def test_directory_with_a_version_file_name_is_ignored(tmp_path, layout):
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=1, min_versions_to_retain=2)
+    name = f"5_{'ab' * 8}.delta" if layout == "with_id" else "5.delta"
+    os.mkdir(os.path.join(store_dir(tmp_path), name))
+    fresh = open_numbered(tmp_path, min_deltas_for_snapshot=1, min_versions_to_retain=2)
+    for provider in (p, fresh):
+        with pytest.raises(VersionNotFoundError):
+            provider.get_store(5)
+        with pytest.raises(VersionNotFoundError):
+            provider.get_read_store(5, commit_id="ab" * 8)
+    assert_reads(fresh, 3, model[3])
+    for _ in range(4):  # 4, 5, 6, 7, with maintenance (snapshots, cleanup) between
+        commit_numbered(fresh, model)
+        fresh.do_maintenance()
+    for u in range(5, 8):
+        assert_reads(open_numbered(tmp_path), u, model[u])
+
+
+@pytest.mark.parametrize("name", ["05.delta", "5.DELTA", "5.Snapshot", "005.snapshot"])
+def test_a_foreign_old_layout_name_is_not_taken_for_a_version(tmp_path, name):
+    """A file someone copied in as "05.delta" or "5.DELTA" (no writer makes these: Spark writes the
+    version with Java's Long.toString, statecore a lower-case kind) is not version 5: it must not
+    become the default attempt and hide the store's newest version, nor be cleaned up as one."""
+    p, model = committed(tmp_path, 4, min_deltas_for_snapshot=100)
+    foreign = os.path.join(store_dir(tmp_path), name)
+    shutil.copyfile(the_file(tmp_path, 4, "delta"), foreign)
+    fresh = open_numbered(tmp_path, min_deltas_for_snapshot=100)
+    assert_reads(fresh, 4, model[4])
+    with pytest.raises(VersionNotFoundError):
+        fresh.get_store(5)
+    commit_numbered(fresh, model)  # version 5 is the store's own
+    assert_reads(open_numbered(tmp_path), 5, model[5])
+    assert os.path.exists(foreign)
+
+
 def test_snapshots_after_more_than_min_deltas_and_cleanup_like_spark(root):
     # Spark's example (docs/spark-state-store.md, Maintenance): minDeltasForSnapshot 5, maintenance after every commit ->
     # snapshots at 6, 12, 18; minBatchesToRetain 2 and commit 20 -> files < 18 deleted
@@ -427,6 +473,29 @@ def test_reopening_with_other_schemas_is_refused(root):
         make(root, key=np.dtype([("k", "<i4")]))
 
 
+@pytest.mark.parametrize("shape", ["lists", "dicts", "directory", "fifo", "dev_zero", "oversize"])
+def test_unreadable_schema_file_is_corruption(tmp_path, shape):
+    p = open_numbered(tmp_path)
+    commit_upto(p, {0: {}}, 2)
+    path = os.path.join(store_dir(tmp_path), SCHEMA_FILE)
+    os.unlink(path)
+    depth = 100_000
+    if shape == "lists":
+        with open(path, "w") as f:
+            f.write('{"format": "statecore-state-schema-1", "key": ' + "[" * depth + "]" * depth + ', "value": 1}')
+    elif shape == "dicts":
+        with open(path, "w") as f:
+            f.write('{"key": ' + '{"a": ' * depth + "1" + "}" * depth + "}")
+    elif shape == "oversize":  # sparse: its size is refused before a byte is read
+        with open(path, "wb") as f:
+            f.truncate(8 << 30)
+    else:
+        put_in_place(path, shape)
+    kind, value = call_with_deadline(lambda: open_numbered(tmp_path))
+    assert kind == "raised" and isinstance(value, StateCorruptionError), (kind, value)
+    assert value.path == path
+
+
 def test_memory_filesystem(tmp_path):
     bucket = f"memory://sctest-{uuid.uuid4().hex}"
     root = f"{bucket}/state"
@@ -503,6 +572,172 @@ def _two_workers_taking_turns(root):
     version_4 = {k: v for k, v in version_3.items() if k != 2}
     version_4[8] = (8, 0.0)
     return a, b, version_3, version_4
+
+
+def same_attempt_name(name_of_attempt, version, kind):
+    """The name of ``kind`` of ``version`` for the attempt that ``name_of_attempt`` names."""
+    cid = VERSION_FILE.match(name_of_attempt).group(2)
+    return f"{version}_{cid}.{kind}" if cid else f"{version}.{kind}"
+
+
+@pytest.mark.parametrize("deltas", ["present", "cleaned_up"])
+def test_copy_of_an_older_snapshot_is_never_served_as_a_newer_version(tmp_path, deltas):
+    p = open_numbered(tmp_path, min_deltas_for_snapshot=2)
+    model = {0: {}}
+    for top in (3, 6):
+        commit_upto(p, model, top)
+        p.do_maintenance()
+    commit_upto(p, model, 8)
+    three, six = the_file(tmp_path, 3, "snapshot"), the_file(tmp_path, 6, "snapshot")
+    # The copy takes the name version 6's attempt has (the id of version 6's delta).
+    six_delta = os.path.basename(the_file(tmp_path, 6, "delta"))
+    copy = os.path.join(store_dir(tmp_path), same_attempt_name(six_delta, 6, "snapshot"))
+    os.unlink(six)
+    shutil.copyfile(three, copy)
+    # and a copy renamed with 3's id too
+    shutil.copyfile(three, os.path.join(store_dir(tmp_path), f"6_{attempt_id(three)}.snapshot"))
+    if deltas == "cleaned_up":  # as if cleanup had deleted what the snapshot of 6 covered
+        for u in range(1, 7):
+            os.unlink(the_file(tmp_path, u, "delta"))
+    for attempt in ("before maintenance", "after maintenance"):
+        fresh = open_numbered(tmp_path, min_deltas_for_snapshot=2, min_versions_to_retain=2)
+        # before: every version with its files; after: the retained ones (8 - 2 = 6 on)
+        for u in range(1 if attempt.startswith("before") and deltas == "present" else 6, 9):
+            try:
+                assert_reads(fresh, u, model[u])
+            except StateCorruptionError as e:
+                assert deltas == "cleaned_up", (
+                    f"{attempt}: version {u} no longer loads though its deltas were there: {e}; "
+                    f"files: {sorted(os.listdir(store_dir(tmp_path)))}")
+        fresh.do_maintenance()
+
+
+@pytest.mark.parametrize("field", ["own_id", "parent_id"])
+# 4: a middle delta; 6: the newest; "snapshot's": the delta of version 6, whose snapshot is
+# what versions 6.. load from (the deltas below it are cleaned up)
+@pytest.mark.parametrize("damaged", [4, 6, "snapshot's"])
+def test_damaged_commit_id_in_a_delta_header_names_the_file(tmp_path, damaged, field):
+    conf = dict(min_deltas_for_snapshot=2, min_versions_to_retain=2)
+    p = open_numbered(tmp_path, **conf)
+    model = {0: {}}
+    if damaged == "snapshot's":
+        for top in (3, 6, 8):
+            commit_upto(p, model, top)
+            p.do_maintenance()
+        assert snapshot_versions(tmp_path) == [6] and not has_file(tmp_path, 5, "delta"), "setup"
+        damaged, first = 6, 6
+    else:
+        commit_upto(p, model, 6)
+        first = 1
+    path = the_file(tmp_path, damaged, "delta")
+    flip(path, DELTA_LINEAGE_OFFSET + (0 if field == "own_id" else 8))
+    for provider in (open_numbered(tmp_path, **conf), p):
+        for u in range(first, max(model) + 1):
+            outcome = load_outcome(provider, u, model[u])  # never VersionNotFoundError
+            if u >= damaged and provider is not p and not has_file(tmp_path, damaged, "snapshot"):
+                assert outcome == path, f"version {u}: {outcome}"  # from files, through it
+            else:  # in memory, from the snapshot of 6, or resolved through the damaged delta
+                assert outcome in ("correct", path), f"version {u}: {outcome}"
+        provider.do_maintenance()
+        assert os.path.exists(path)
+
+
+def run_bounded(body, timeout_s=60, extra_address_space=1 << 30):
+    """Run ``body`` (Python source) in a fresh interpreter that imports this checkout's
+    statecore, with its address space capped at what it has after the imports plus
+    ``extra_address_space``, killed after ``timeout_s``; returns its last stdout line as JSON."""
+    prelude = f"""
+        import json, os, resource, sys, time
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(statecore.__file__))!r})
+        import numpy as np
+        import statecore
+        from statecore import *
+        KEY = np.dtype([("k", "<i8")])
+        VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])
+        def vm_bytes():
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmSize:"):
+                        return int(line.split()[1]) * 1024
+        _limit = vm_bytes() + {extra_address_space}
+        resource.setrlimit(resource.RLIMIT_AS, (_limit, _limit))
+        def open_numbered(root, **conf):
+            return create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, StateStoreConf(**conf))
+        def contents(store):
+            return {{int(k[0]): list(v) for k, v in store.iterator()}}
+    """
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(prelude) + textwrap.dedent(body)],
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the subprocess did not finish within {timeout_s} s")
+    assert done.returncode == 0, f"subprocess exited with {done.returncode}:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("what", ["dev_zero", "fifo"])
+@pytest.mark.parametrize("which", ["newest_delta", "middle_delta", "snapshot"])
+def test_version_file_linked_to_dev_zero_is_corruption_promptly(tmp_path, which, what):
+    """A link to /dev/zero, or a FIFO someone left, where a version file should be: every load
+    that needs it is corruption naming it, at once; the others and maintenance go on."""
+    p, model = committed(tmp_path, 3, min_deltas_for_snapshot=2)
+    p.do_maintenance()
+    commit_upto(p, model, 6)
+    version, kind = {"newest_delta": (6, "delta"), "middle_delta": (5, "delta"), "snapshot": (3, "snapshot")}[which]
+    path = the_file(tmp_path, version, kind)
+    put_in_place(path, what)
+    result = run_bounded(f"""
+        p = open_numbered({str(tmp_path)!r}, min_deltas_for_snapshot=2)
+        out = {{}}
+        t0 = time.monotonic()
+        for v in range(1, 7):
+            try:
+                out[v] = ["data", contents(p.get_read_store(v))]
+            except StateCorruptionError as e:
+                out[v] = ["corrupt", e.path]
+            except BaseException as e:
+                out[v] = [type(e).__name__, str(e)]
+        try:
+            p.do_maintenance()
+            maintenance = "ok"
+        except BaseException as e:
+            maintenance = f"{{type(e).__name__}}: {{e}}"
+        print(json.dumps({{"loads": out, "maintenance": maintenance, "seconds": time.monotonic() - t0}}))
+    """, timeout_s=60)
+    assert result["seconds"] < 5, result
+    assert result["maintenance"] == "ok", result
+    for v in range(1, 7):
+        kind_, what = result["loads"][str(v)]
+        if kind_ == "data":
+            assert {int(k): tuple(x) for k, x in what.items()} == model[v], f"version {v}: wrong data"
+        else:
+            assert [kind_, what] == ["corrupt", path], f"version {v}: {kind_} {what}"
+    assert os.path.lexists(path) and not os.path.isfile(path), "maintenance deleted the damaged file"
+
+
+def test_huge_version_is_not_found_promptly_in_bounded_memory(tmp_path):
+    p = open_numbered(tmp_path)
+    commit_upto(p, {0: {}}, 3)
+    result = run_bounded(f"""
+        import resource
+        p = open_numbered({str(tmp_path)!r})
+        outcomes = []
+        t0 = time.monotonic()
+        for v in (2**63 - 1, 2**62, 10**12):
+            for open_ in (p.get_store, p.get_read_store):
+                try:
+                    open_(v)
+                    outcomes.append("opened")
+                except VersionNotFoundError:
+                    outcomes.append("not found")
+                except BaseException as e:
+                    outcomes.append(type(e).__name__)
+        print(json.dumps({{"outcomes": outcomes, "seconds": time.monotonic() - t0,
+                          "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
+    """, timeout_s=60)
+    assert result["outcomes"] == ["not found"] * 6, result
+    assert result["seconds"] < 5, result
 
 
 def test_a_version_committed_by_another_worker_is_reached_by_its_deltas(root):
