@@ -1,5 +1,8 @@
 """The store contract (docs/spark-state-store.md), for every provider class, the reference model included;
-then what only the file provider has: files, snapshots, cleanup, lineage, damage."""
+then what only the file provider has: files, snapshots, cleanup, lineage, damage. Damage must
+give StateCorruptionError naming the damaged file, or a refusal that leaves nothing behind;
+the cases that could hang or exhaust memory on a broken store (a huge version, a version file
+that is /dev/zero or a FIFO) run in a subprocess with a time and address-space limit."""
 import json
 import os
 import shutil
@@ -548,32 +551,6 @@ def test_damaged_snapshot_falls_back_to_deltas_and_damaged_delta_is_an_error(roo
         make(root).get_read_store(5)
 
 
-def _metric(p, version, name):
-    """A custom metric of ``p``, read through a store of ``version`` (one it holds)."""
-    store = p.get_read_store(version)
-    try:
-        return store.metrics.custom_metrics[name]
-    finally:
-        store.abort()
-
-
-def _two_workers_taking_turns(root):
-    """Providers ``a`` and ``b`` of one store (two workers of an executor): ``a`` commits
-    versions 1 and 2, ``b`` loads 2 and commits 3 and 4. Returns ``(a, b, version 3, version 4)``."""
-    a, b = make(root), make(root)
-    commit_batch(a, 0, [(k, (k, 0.0)) for k in range(6)])
-    commit_batch(a, 1, [(6, (6, 0.0))])
-    assert contents(b.get_read_store(2)) == {k: (k, 0.0) for k in range(7)}  # b loads: nothing held
-    assert _metric(b, 2, "rolledForwardCount") == 0
-    commit_batch(b, 2, [(0, (0, 9.5)), (7, (7, 0.0))], removes=[1, 99])
-    commit_batch(b, 3, [(8, (8, 0.0))], removes=[2])
-    version_3 = {k: (k, 0.0) for k in range(8) if k != 1}
-    version_3[0] = (0, 9.5)
-    version_4 = {k: v for k, v in version_3.items() if k != 2}
-    version_4[8] = (8, 0.0)
-    return a, b, version_3, version_4
-
-
 def same_attempt_name(name_of_attempt, version, kind):
     """The name of ``kind`` of ``version`` for the attempt that ``name_of_attempt`` names."""
     cid = VERSION_FILE.match(name_of_attempt).group(2)
@@ -738,6 +715,32 @@ def test_huge_version_is_not_found_promptly_in_bounded_memory(tmp_path):
     """, timeout_s=60)
     assert result["outcomes"] == ["not found"] * 6, result
     assert result["seconds"] < 5, result
+
+
+def _metric(p, version, name):
+    """A custom metric of ``p``, read through a store of ``version`` (one it holds)."""
+    store = p.get_read_store(version)
+    try:
+        return store.metrics.custom_metrics[name]
+    finally:
+        store.abort()
+
+
+def _two_workers_taking_turns(root):
+    """Providers ``a`` and ``b`` of one store (two workers of an executor): ``a`` commits
+    versions 1 and 2, ``b`` loads 2 and commits 3 and 4. Returns ``(a, b, version 3, version 4)``."""
+    a, b = make(root), make(root)
+    commit_batch(a, 0, [(k, (k, 0.0)) for k in range(6)])
+    commit_batch(a, 1, [(6, (6, 0.0))])
+    assert contents(b.get_read_store(2)) == {k: (k, 0.0) for k in range(7)}  # b loads: nothing held
+    assert _metric(b, 2, "rolledForwardCount") == 0
+    commit_batch(b, 2, [(0, (0, 9.5)), (7, (7, 0.0))], removes=[1, 99])
+    commit_batch(b, 3, [(8, (8, 0.0))], removes=[2])
+    version_3 = {k: (k, 0.0) for k in range(8) if k != 1}
+    version_3[0] = (0, 9.5)
+    version_4 = {k: v for k, v in version_3.items() if k != 2}
+    version_4[8] = (8, 0.0)
+    return a, b, version_3, version_4
 
 
 def test_a_version_committed_by_another_worker_is_reached_by_its_deltas(root):
