@@ -173,10 +173,10 @@ def build(store_dir, root, keys, compression, block_size):
         w.finish()
 
     t0 = time.perf_counter()
-    provider._files.write_atomic(file_name(1, commit_id, "delta"), write_delta)
+    provider.files.write_atomic(file_name(1, commit_id, "delta"), write_delta)
     t1 = time.perf_counter()
     delta_anon = peak.take()
-    provider._files.write_atomic(file_name(1, commit_id, "snapshot"), write_snapshot)
+    provider.files.write_atomic(file_name(1, commit_id, "snapshot"), write_snapshot)
     t2 = time.perf_counter()
     snapshot_anon = peak.take()
     peak.stop()
