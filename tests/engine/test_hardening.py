@@ -30,7 +30,7 @@ from tests.store_support import applied, commit_changes, contents, inject_faulty
 from statecore import (SnapshotReader, StateCorruptionError, StateStoreConf, StateStoreId,
                        VersionNotFoundError, create_and_init_provider)
 from statecore.files import StoreFiles
-from statecore.layers import FrozenView, State
+from statecore._versions import FrozenView, State
 from statecore.spill import Spill
 
 # The old code had no CommitConflictError: a stand-in that nothing raises.
@@ -229,7 +229,7 @@ def test_iteration_returns_its_version_while_other_stores_commit(tmp_path, monke
                 reached.set()  # one chunk out, the rest still to copy
                 assert go.wait(WAIT_S)
 
-    monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
+    monkeypatch.setattr(statecore.stores, "iter_state_rows", blocking_iter_rows)
     result, errors = {}, []
     opened = p.get_read_store(v) if reader == "read_store" else p.get_store(v)
 
@@ -393,13 +393,13 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
             original(self, put_keys[:half], put_values[:half], del_keys[:0], commit_id, pending)
         raise RuntimeError("injected: the merge failed")
 
-    monkeypatch.setattr(State, "merge", failing_merge)
+    monkeypatch.setattr(statecore.commit, "merge_update", failing_merge)
     monkeypatch.setattr(p._files, "write_pending", write_and_tell)
     store = p.get_store(v)
     write(store, *batch(v + 1))
     with pytest.raises(RuntimeError, match="injected"):
         store.commit()
-    monkeypatch.setattr(State, "merge", original)
+    monkeypatch.setattr(statecore.commit, "merge_update", original)
     assert saw and saw[0], "the delta was not being written when the merge raised"
 
     assert not has_file(tmp_path, v + 1, "delta") and not has_file(tmp_path, v + 1, "snapshot"), \
@@ -475,7 +475,7 @@ def test_a_failed_delta_write_after_the_update_became_the_head_leaves_both_as_th
         original(self, *args, **kwargs)
         adopted.append(self.head is kwargs.get("update"))
 
-    monkeypatch.setattr(State, "merge", watched_merge)
+    monkeypatch.setattr(statecore.commit, "merge_update", watched_merge)
     files.arm("fsync", "*.delta*")
     with pytest.raises(OSError, match="injected"):
         store.commit()
@@ -512,16 +512,16 @@ def read_then_put(store, keys, v):
 
 def count_base_lookups(monkeypatch):
     """A list that grows by the number of keys of each lookup of keys in a State's base."""
-    import statecore.layers as layers
+    import statecore._versions as versions
 
-    seen, original = [], layers.base_lookup
+    seen, original = [], versions.base_lookup
 
     def counted(base, key_rows):
         if key_rows.shape[0]:
             seen.append(key_rows.shape[0])
         return original(base, key_rows)
 
-    monkeypatch.setattr(layers, "base_lookup", counted)
+    monkeypatch.setattr(versions, "base_lookup", counted)
     return seen
 
 
@@ -972,8 +972,8 @@ def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_p
     if phase == "spill":
         monkeypatch.setattr(statecore.maintenance, "spill_head", blocking_spill_head)
     else:
-        monkeypatch.setattr(Spill, "rows", blocking_spill_rows)
-    monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
+        monkeypatch.setattr(statecore.maintenance, "rewritten_rows", blocking_spill_rows)
+    monkeypatch.setattr(statecore.stores, "iter_state_rows", blocking_iter_rows)
     errors, result = [], {}
 
     def run(fn):

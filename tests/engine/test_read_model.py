@@ -1,4 +1,4 @@
-"""The read model (statecore/_versions.pyx, statecore/layers.py): a version's sources are
+"""The read model (statecore/_versions.pyx): a version's sources are
 flattened once and kept by the per-row reader until the provider's change counter moves (a
 spill's ``lower`` swapped deep under frozen States included); pins are per-version counts on
 the State that ``retain`` keeps; a frozen State refuses every change; ``describe()`` says
@@ -16,8 +16,7 @@ import pytest
 
 from statecore._lock import ProviderLock
 from statecore._rowcalls import RowCalls
-from statecore._versions import Spill, replace_in_chain
-from statecore.layers import State
+from statecore._versions import Spill, State, replace_in_chain
 from statecore.schema import key_value_schemas
 from statecore.spill import spill_rows
 from tests.paths import REPO_ROOT
