@@ -20,7 +20,7 @@ from setuptools import Extension, setup
 
 MODULES = ["_hash", "_rowtable", "_snapshot", "_snapshot_format", "_snapshot_writer", "_snapshot_reader",
            "_snapshot_pack", "_snapshot_image", "_mapping", "_delta", "_delta_format", "_rowcodec", "_rowcalls",
-           "_keyfilter", "_versions", "_lock", "_grouping", "_spark_hash",
+           "_keyfilter", "_image_walk", "_versions", "_lock", "_grouping", "_spark_hash",
            "_float_keys"]
 
 # Warnings that Cython's generated code raises on its own; silenced by name so that

@@ -6,7 +6,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from statecore._lock cimport ProviderLock
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable
-from statecore._versions cimport Sources
+from statecore._versions cimport Sources, State
 
 
 cdef class RowCalls:
@@ -14,7 +14,7 @@ cdef class RowCalls:
     cdef RowCodec value_codec
     cdef Py_ssize_t key_width
     cdef Py_ssize_t value_width
-    cdef object state                 # the pinned version's State, and the version
+    cdef State state                  # the pinned version's State, and the version
     cdef int64_t version
     cdef ProviderLock lock            # the provider's lock, taken from C per lookup
     cdef object changes               # state.changes, and its count when the walk was taken

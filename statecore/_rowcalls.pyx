@@ -14,7 +14,7 @@ and nothing that allocation may run (a finalizer) can then change what is being 
 
 The flattened sources are kept between calls: taken, under the lock, on the first lookup
 and again whenever the provider's change counter (``State.changes``) moved, which every
-change to what they hold counts before it is made (layers.py), also under the lock. The
+change to what they hold counts before it is made (_versions.pyx), also under the lock. The
 tables kept are the layers' own objects, so rows merged into the head later are seen; they
 are probed under the lock, as before.
 """
@@ -27,7 +27,7 @@ from statecore._hash cimport key_hash, slot_tag
 from statecore._lock cimport ProviderLock, lock_enter, lock_exit
 from statecore._rowcodec cimport RowCodec
 from statecore._rowtable cimport RowTable, table_may_hold
-from statecore._versions cimport Sources, table_find_value
+from statecore._versions cimport Sources, State, state_sources, table_find_value
 
 from statecore.errors import IllegalStateError
 
@@ -130,7 +130,7 @@ cdef class RowCalls:
         """Keep the flattened sources of the pinned version (see the module docstring).
         REQUIRES: the provider's lock held."""
         cdef uint64_t at = self.changes_at[0]
-        self.sources = self.state.sources(self.version)
+        self.sources = state_sources(self.state, self.version)
         self.sources_at = at
         return 0
 

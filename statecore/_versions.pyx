@@ -1,15 +1,42 @@
 # cython: language_level=3
-"""The read model: what one version of a provider's in-memory state is made of, and the one
-rule that reads it (per row, in batches, and whole).
+"""The read model: the in-memory versions of one store as typed objects, what one version is
+made of, and the one rule that reads it (per row, in batches, and whole).
+
+The in-memory versions. A version is never copied. The newest version a provider holds is a
+:class:`State` (a version stack): a *base* (a mapped SnapshotReader, a :class:`Spill` of
+changes mapped over one, a :class:`FrozenView` of another State frozen at a version, or
+nothing) under a *head* :class:`Layer` holding every change since that base. Each commit
+merges its updates into the head in place and keeps an *undo* layer (the previous value, or
+absence, of every key it changed), so the versions just before the newest stay readable while
+they are retained or pinned by an open store. A Layer is a RowTable of puts and a RowTable set
+of deletions. Everything is batch-shaped (row arrays in, row arrays out); nothing loops in
+Python per row.
+
+The four are cdef classes declared in ``_versions.pxd`` with typed fields: the flattening
+below reads them as C attributes, and tells the kinds of base apart by type. None of their
+fields can be set from Python (read-only attributes, no ``__dict__``; a State's versions, undo
+layers and pins are read-only mappings): a State changes only through its methods. A frozen
+State (``freeze_into_successor``: a newer State goes on over it while it is read without the
+lock) refuses every change in one check, ``_refuse_if_frozen``, but a base swap (the same rows,
+mapped) and the bookkeeping of pins and open iterations.
+
+Thread-safety: a State's owner (the provider) serializes merges and base swaps with its lock;
+lookups read a consistent state as long as they hold the same lock or the state is frozen.
+What a lookup walks (the version, the undo layers, the base, a spill's ``lower``, and which
+layers hold anything) changes only through State's methods, its ``base`` setter and
+``replace_in_chain``, and each of them counts the change in ``State.changes`` before it changes
+anything. That counter is one per provider, shared by every State of it (a change to a frozen
+State low in the chain moves it too): a compiled reader (RowCalls) keeps the flattened sources
+of its version and flattens again when it moved.
 
 A version's *sources* are flattened once into a :class:`Sources`, newest first:
 
-- *tables*: the non-empty layers (statecore/layers.py) that decide keys at that version: the
-  undo layers of the newer versions (oldest first: the undo of v+1 holds the value at v),
-  the head, and, where the base is a :class:`FrozenView` (a frozen State seen at a version),
-  that State's own layers at that version, and so on down;
-- *levels*: the :class:`Spill`\ s at the bottom of that chain that stand on something (each
-  two mapped images: the rows it puts, the keys it removes);
+- *tables*: the non-empty layers that decide keys at that version: the undo layers of the
+  newer versions (oldest first: the undo of v+1 holds the value at v), the head, and, where
+  the base is a FrozenView (a frozen State seen at a version), that State's own layers at
+  that version, and so on down;
+- *levels*: the Spills at the bottom of that chain that stand on something (each two mapped
+  images: the rows it puts, the keys it removes);
 - the *bottom image*: the mapped snapshot under them, or a whole spill's image (every row
   of its version), or nothing.
 
@@ -17,44 +44,32 @@ Tables always come before images: a Spill never stands over a table. The rule is
 first source that decides a key wins** (a put gives its value; a removal, absence); a key no
 source decides is absent. It is written here once, with three entry points:
 ``Sources.find`` (the stores' per-row calls, statecore/_rowcalls.pyx), ``Sources.lookup``
-(batches: the tables narrowed to the keys still undecided, then the images in one nogil walk
-below) and ``Sources.rows`` (iteration: each source's rows that no newer source decides).
-Whatever tells the kinds of base apart (a SnapshotReader, a Spill, a FrozenView, or nothing)
-is in this module too, as the functions at its end.
+(batches: the tables narrowed to the keys still undecided, then the images in one nogil walk,
+statecore/_image_walk.pyx) and ``Sources.rows`` (iteration: each source's rows that no newer
+source decides). Whatever tells the kinds of base apart is in this module too, as the
+functions at its end.
 
-The image walk (``_walk``): each level's KeyFilters are asked first so that only the images
-that may decide a key are probed. The bottom image's filter, once it has one, is asked too,
-window by window while it pays (``filter_pays``): it rules out only absent keys, and a batch
-of keys that are nearly all present gains nothing from it. A key is hashed once for every
-level (the filters and the slot indexes use the same hash). The walk runs without the GIL in
-two passes: the first hashes each key and finds the first level whose filters may hold it;
-the second probes from there, prefetching the home slot of a key some lookups ahead in the
-index it will start in. A filter's false "maybe" costs one probe and the walk goes on down.
-Rules: ``docs/provider-rules.md``, "The read model". (About 700 lines: the types, the rule's
-three entry points and the compiled image walk they share are one unit; split, each part
-would read the others' internals.)
+Rules: ``docs/provider-rules.md``, "The read model". (The types and the flattening that reads
+their fields are one module: split, each part would cimport the other. The image walk, which
+reads images only, is a module of its own.)
 """
 cimport cython
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+import threading
+from types import MappingProxyType
 
 import numpy as np
 
-from statecore._hash cimport key_hash, slot_tag
-from statecore._keyfilter cimport (
-    FILTER_SAMPLE, FILTER_WINDOW, FilterBits, KeyFilter, filter_may_hold, filter_pays, filter_prefetch,
-)
-from statecore._mapping cimport Mapping
-from statecore._probe cimport SC_PREFETCH, SlotIndex, home_slot, prefetch_row
-from statecore._rowtable cimport RowTable, rows_ptr
-from statecore._snapshot_image cimport SNAP_OK, SnapError, SnapLayout, snapshot_announce_all, snapshot_find
-from statecore._snapshot_reader cimport SnapshotReader, reader_key_filter
+from statecore._hash cimport slot_tag
+from statecore._image_walk cimport images_lookup
+from statecore._rowtable cimport RowTable
+from statecore._snapshot_reader cimport SnapshotReader
 
-__all__ = ["Sources", "FrozenView", "Spill", "sources_of", "base_sources", "take_rows", "put_rows_at", "no_values",
-           "below_sources", "base_count", "bottom_snapshot", "snapshot_version", "filter_bytes", "spilled_base",
-           "changed_since_bottom", "stands_on_frozen", "is_view_of", "frozen_below", "spill_chain",
-           "replace_in_chain", "describe_base"]
+__all__ = ["Layer", "State", "Sources", "FrozenView", "Spill", "sources_of", "base_lookup", "base_sources",
+           "take_rows", "put_rows_at", "no_values", "below_sources", "base_count", "bottom_snapshot",
+           "snapshot_version", "filter_bytes", "spilled_base", "changed_since_bottom", "stands_on_frozen", "is_view_of",
+           "frozen_below", "spill_chain", "replace_in_chain", "describe_base"]
 
 CHUNK_ROWS = 1 << 16
 
@@ -79,269 +94,156 @@ def no_values(n):
     return np.empty((n, 0), dtype=np.uint8)
 
 
-cdef enum:
-    # While lookup i runs, the home slot of lookup i + SLOT_PREFETCH_AHEAD is prefetched in
-    # the index it starts in, and the row of lookup i + ROW_PREFETCH_AHEAD (found by tag in
-    # slots that arrived meanwhile), as the snapshot's own batch lookup does (_probe.pxd).
-    SLOT_PREFETCH_AHEAD = 16
-    ROW_PREFETCH_AHEAD = 8
-    # Each level's filter block of key i + FILTER_PREFETCH_AHEAD, while key i's are read.
-    FILTER_PREFETCH_AHEAD = 16
-
-cdef struct Level:
-    # One level as the nogil walk reads it; ``dels`` is used only when has_dels.
-    SnapLayout puts
-    SnapLayout dels
-    const FilterBits* puts_filter   # NULL: no filter, every key may be there
-    const FilterBits* dels_filter
-    bint has_dels
-
-
-cdef FilterBits NO_KEYS  # what an empty image holds (n_blocks 0: no key)
-
-
-cdef inline const FilterBits* _filter_of(SnapshotReader image):
-    """What the walk asks about ``image``: its key filter (which never changes once set, so
-    the reader held keeps it alive); none for an empty image; NULL (every key may be there)
-    for one without a filter."""
-    if image.row_count == 0:
-        return &NO_KEYS
-    cdef KeyFilter key_filter = reader_key_filter(image)
-    return NULL if key_filter is None else &key_filter.bits
-
-
-cdef inline bint _may_hold(const FilterBits* f, uint64_t h) noexcept nogil:
-    return f == NULL or filter_may_hold(f, h)
-
-
-cdef inline uint32_t _next_candidate(const Level* levels, Py_ssize_t j, Py_ssize_t n_levels,
-                                     const FilterBits* bottom_filter, uint64_t h) noexcept nogil:
-    """Where a key of hash ``h`` is looked for next, from level ``j`` on: ``level << 2``, plus
-    2 if that level's puts filter may hold it and 1 if its dels filter may; if no level's
-    may, ``n_levels << 2`` (the snapshot), plus 2 if the snapshot's filter may hold it."""
-    cdef bint puts, dels
-    while j < n_levels:
-        puts = _may_hold(levels[j].puts_filter, h)
-        dels = levels[j].has_dels and _may_hold(levels[j].dels_filter, h)
-        if puts or dels:
-            return <uint32_t>((j << 2) | (puts << 1) | dels)
-        j += 1
-    return <uint32_t>((n_levels << 2) | (_may_hold(bottom_filter, h) << 1))
-
-
-cdef inline const SlotIndex* _start_index(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
-                                          uint32_t where) noexcept nogil:
-    """The index a lookup at ``where`` (as _next_candidate gives it) probes first (NULL: none)."""
-    cdef Py_ssize_t j = where >> 2
-    if j < n_levels:
-        return &levels[j].puts.index if where & 2 else &levels[j].dels.index
-    return &bottom.index if bottom != NULL and where & 2 else NULL
-
-
-cdef inline void _prefetch_filters(const Level* levels, Py_ssize_t n_levels, uint64_t h) noexcept nogil:
-    cdef Py_ssize_t j
-    for j in range(n_levels):
-        if levels[j].puts_filter != NULL:
-            filter_prefetch(levels[j].puts_filter, h)
-        if levels[j].has_dels and levels[j].dels_filter != NULL:
-            filter_prefetch(levels[j].dels_filter, h)
-
-
-cdef inline int _find_value(const SnapLayout* image, const uint8_t* key, uint32_t tag, uint8_t* value_out,
-                            size_t vw, SnapError* err) noexcept nogil:
-    """1 if ``image`` holds ``key`` (its value copied to ``value_out`` when vw > 0), 0 if
-    not, or the code < 0 of the damage found (described in ``err``)."""
-    cdef uint64_t row
-    cdef int rc = snapshot_find(image, key, tag, &row, err)
-    if rc < 0:
-        return rc
-    if row == 0:
-        return 0
-    if vw:
-        memcpy(value_out, image.index.rows + (row - 1) * image.index.row_width + image.index.key_width, vw)
-    return 1
-
-
-# REQUIRES: keys n rows of kw bytes; values n rows of vw bytes (unused when vw is 0); found
-# n entries; hashes and start n entries of scratch (start: where each key is looked for
-# first, as _next_candidate gives it); levels n_levels entries. ``bottom`` NULL when nothing
-# lies under the levels; ``bottom_filter`` its filter (NULL: every key may be there). On a
-# code < 0, ``failed`` is the reader that raised: 2 * level (its puts), 2 * level + 1 (its
-# dels), or 2 * n_levels (the bottom). The bottom's filter is asked window by window as long
-# as it pays (``filter_pays``, on the keys no level's filter may hold); the levels' always are.
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef int _walk(const Level* levels, Py_ssize_t n_levels, const SnapLayout* bottom,
-               const FilterBits* bottom_filter, const uint8_t* keys, Py_ssize_t n, size_t kw, size_t vw,
-               uint8_t* values, uint8_t* found, uint64_t* hashes, uint32_t* start, SnapError* err,
-               Py_ssize_t* failed) noexcept nogil:
-    cdef Py_ssize_t i, j
-    cdef uint64_t h
-    cdef uint32_t tag, where
-    cdef const SlotIndex* ix
-    cdef const uint8_t* key
-    cdef uint8_t* value
-    cdef int rc, hit
-    cdef const FilterBits* asked_bottom = bottom_filter
-    cdef Py_ssize_t window_end = 0, reached = 0, ruled_out = 0
-    for i in range(n):
-        hashes[i] = key_hash(keys + <size_t>i * kw, kw)
-    for i in range(n):
-        if i == window_end:  # a new window: the bottom's filter is asked again, as long as it pays
-            asked_bottom, reached, ruled_out = bottom_filter, 0, 0
-            window_end = min(i + <Py_ssize_t>FILTER_WINDOW, n)
-        if i + FILTER_PREFETCH_AHEAD < n:
-            _prefetch_filters(levels, n_levels, hashes[i + FILTER_PREFETCH_AHEAD])
-            if asked_bottom != NULL:
-                filter_prefetch(asked_bottom, hashes[i + FILTER_PREFETCH_AHEAD])
-        where = _next_candidate(levels, 0, n_levels, asked_bottom, hashes[i])
-        if asked_bottom != NULL and (where >> 2) == <uint32_t>n_levels:
-            reached += 1
-            ruled_out += not (where & 2)
-            if reached == FILTER_SAMPLE and not filter_pays(reached, ruled_out):
-                asked_bottom = NULL  # the rest of the window is probed in the bottom unasked
-        start[i] = where
-    for i in range(n):
-        if i + SLOT_PREFETCH_AHEAD < n:
-            ix = _start_index(levels, n_levels, bottom, start[i + SLOT_PREFETCH_AHEAD])
-            if ix != NULL:
-                SC_PREFETCH(&ix.slots[home_slot(slot_tag(hashes[i + SLOT_PREFETCH_AHEAD]), ix.mask)])
-        if i + ROW_PREFETCH_AHEAD < n:
-            ix = _start_index(levels, n_levels, bottom, start[i + ROW_PREFETCH_AHEAD])
-            if ix != NULL:
-                prefetch_row(ix, slot_tag(hashes[i + ROW_PREFETCH_AHEAD]))
-        h = hashes[i]
-        tag = slot_tag(h)
-        key = keys + <size_t>i * kw
-        value = values + <size_t>i * vw if vw else NULL
-        hit = 0
-        where = start[i]
-        while (where >> 2) < <uint32_t>n_levels:
-            j = where >> 2
-            if where & 2:
-                rc = _find_value(&levels[j].puts, key, tag, value, vw, err)
-                if rc < 0:
-                    failed[0] = 2 * j
-                    return rc
-                if rc:
-                    hit = 1
-                    break
-            if where & 1:
-                rc = _find_value(&levels[j].dels, key, tag, NULL, 0, err)
-                if rc < 0:
-                    failed[0] = 2 * j + 1
-                    return rc
-                if rc:
-                    break  # removed here: absent, whatever lies below
-            where = _next_candidate(levels, j + 1, n_levels, bottom_filter, h)
-        if (where >> 2) == <uint32_t>n_levels and where & 2 and bottom != NULL:
-            hit = _find_value(bottom, key, tag, value, vw, err)
-            if hit < 0:
-                failed[0] = 2 * n_levels
-                return hit
-        found[i] = hit
-        if not hit and vw:
-            memset(value, 0, vw)
-    return SNAP_OK
-
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef int _images_lookup(list levels, SnapshotReader bottom_reader, const uint8_t[:, ::1] keys,
-                        uint8_t[:, ::1] values, uint8_t[::1] found) except -1:
-    """Look ``keys`` (n, key_width) up through ``levels`` (Spills, newest first, each standing
-    on something) and ``bottom_reader`` (or None) into ``values`` (zeros where not found) and
-    ``found``. Raises what a SnapshotReader raises for a damaged or truncated image; ``values``
-    and ``found`` then hold nothing to use. REQUIRES: at least one level."""
-    cdef SnapshotReader first = levels[0].puts
-    cdef Py_ssize_t n = first._lookup_size(keys, values, found)
-    cdef Py_ssize_t n_levels = len(levels), j, failed = -1
-    if n == 0:
-        return 0
-    cdef list readers = []   # (reader, mapping) in the order ``failed`` counts them
-    cdef Level* c_levels = <Level*>PyMem_Malloc(n_levels * sizeof(Level))
-    cdef uint64_t* hashes = <uint64_t*>PyMem_Malloc(n * sizeof(uint64_t))
-    cdef uint32_t* start = <uint32_t*>PyMem_Malloc(n * sizeof(uint32_t))
-    cdef SnapLayout bottom
-    cdef const FilterBits* bottom_filter = NULL
-    cdef SnapError err
-    cdef int rc
-    cdef SnapshotReader r
-    cdef Mapping m
-    cdef bint has_bottom = bottom_reader is not None
-    cdef uint8_t* value_ptr = <uint8_t*>rows_ptr(values)
-    cdef size_t kw = <size_t>first.key_width, vw = <size_t>first.value_width
-    try:
-        if c_levels == NULL or hashes == NULL or start == NULL:
-            raise MemoryError(f"cannot allocate the scratch of a lookup of {n} keys")
-        for j in range(n_levels):
-            level = levels[j]
-            r = level.puts
-            m = r._acquire()
-            readers.append((r, m))
-            c_levels[j].puts = r._layout_of(m)
-            c_levels[j].puts_filter = _filter_of(r)
-            r = level.dels
-            c_levels[j].has_dels = r is not None and r.row_count > 0
-            if c_levels[j].has_dels:
-                m = r._acquire()
-                c_levels[j].dels = r._layout_of(m)
-                c_levels[j].dels_filter = _filter_of(r)
-            else:
-                m = None
-            readers.append((r, m))
-        if has_bottom:
-            m = bottom_reader._acquire()
-            readers.append((bottom_reader, m))
-            bottom = bottom_reader._layout_of(m)
-            bottom_filter = _filter_of(bottom_reader)
-        with nogil:
-            if has_bottom and <uint64_t>n >= bottom.n_blocks:
-                snapshot_announce_all(&bottom)  # as SnapshotReader.get_rows does
-            rc = _walk(c_levels, n_levels, &bottom if has_bottom else NULL, bottom_filter,
-                       &keys[0, 0], n, kw, vw, value_ptr, &found[0], hashes, start, &err, &failed)
-        for r, m in readers:
-            if m is not None and not m.sound():
-                r._raise_truncated(m)
-        if rc < 0:
-            r = readers[failed][0]
-            r._raise_for(&err)
-    finally:
-        PyMem_Free(c_levels)
-        PyMem_Free(hashes)
-        PyMem_Free(start)
-    return 0
-
-
 # -- the typed parts of a version ---------------------------------------------------------------
-@cython.final
-cdef class FrozenView:
-    """A frozen State seen at one of its versions: the base of a newer State."""
+EMPTY = np.dtype([])
+_MATERIALIZING = threading.Lock()
 
-    def __init__(self, state, version):
-        self.state = state
-        self.version = version
+
+@cython.final
+cdef class Layer:
+    """Keys this layer decides: ``puts`` (key -> value) and ``dels`` (keys absent here).
+
+    An undo layer is kept as the arrays the merge already had (keys, prior values, prior
+    presence) and turned into tables only if an older version is ever read: most never are.
+    """
+
+    def __init__(self, key_schema, value_schema):
+        self.key_schema = key_schema
+        self.value_schema = value_schema
+
+    @staticmethod
+    def from_changes(key_schema, value_schema, keys, values, present):
+        cdef Layer layer = Layer(key_schema, value_schema)
+        layer._pending = (keys, values, present)
+        return layer
+
+    def changes(self):
+        """``(keys, values, present)`` of an undo layer: what each key was before its merge."""
+        if self._pending is not None:
+            return self._pending
+        put_keys, put_values = self.puts_table().export_rows()
+        del_keys, _ = self.dels_table().export_rows()
+        present = np.concatenate([np.ones(put_keys.shape[0], bool), np.zeros(del_keys.shape[0], bool)])
+        return (np.concatenate([put_keys, del_keys]),
+                np.concatenate([put_values, np.zeros((del_keys.shape[0], put_values.shape[1]), np.uint8)]),
+                present)
+
+    cdef int _materialize(self) except -1:
+        # Readers of an old version may come from several threads: build the tables once, and
+        # publish them only when they are complete.
+        with _MATERIALIZING:
+            if self._puts is not None:
+                return 0
+            puts = RowTable(self.key_schema, self.value_schema)
+            dels = RowTable(self.key_schema, EMPTY)
+            if self._pending is not None:
+                keys, values, present = self._pending
+                if present.any():
+                    puts.put_rows(take_rows(keys, present), take_rows(values, present))
+                if not present.all():
+                    absent = take_rows(keys, ~present)
+                    dels.put_rows(absent, no_values(absent.shape[0]))
+            self._dels = dels
+            self._puts = puts
+            self._pending = None
+        return 0
+
+    cdef RowTable puts_table(self):
+        if self._puts is None:
+            self._materialize()
+        return self._puts
+
+    cdef RowTable dels_table(self):
+        if self._puts is None:  # _puts is published last
+            self._materialize()
+        return self._dels
 
     @property
-    def num_keys(self):
-        return self.state.count(self.version)
+    def puts(self):
+        return self.puts_table()
 
-    def __repr__(self):
-        return f"FrozenView(version={self.version})"
+    @property
+    def dels(self):
+        return self.dels_table()
+
+    cdef Py_ssize_t size(self) except -1:
+        if self._pending is not None:
+            return self._pending[0].shape[0]
+        return (len(self._puts) if self._puts is not None else 0) + (len(self._dels) if self._dels is not None else 0)
+
+    def __len__(self):
+        return self.size()
+
+    def sizeof(self):
+        if self._pending is not None:
+            return sum(a.nbytes for a in self._pending)
+        return sum(t.sizeof() for t in (self._puts, self._dels) if t is not None)
+
+    # The one place that keeps a key out of puts and dels at once.
+    def put_rows(self, keys, values):
+        """These keys now have these values (row arrays)."""
+        self.puts_table().put_rows(keys, values)
+        if len(self._dels):
+            self._dels.remove_rows(keys)
+
+    def delete_rows(self, keys, tombstone=True):
+        """These keys are now absent. The tombstone hides them from whatever lies below the
+        layer; where nothing does, it is left out."""
+        if len(self.puts_table()):
+            self._puts.remove_rows(keys)
+        if tombstone and keys.shape[0]:
+            self._dels.put_rows(keys, no_values(keys.shape[0]))
+
+    def put_row(self, key, value):
+        """One key (bytes) now has this value (bytes)."""
+        self.puts_table().put_row(key, value)
+        if len(self._dels):
+            self._dels.remove_row(key)
+
+    def delete_row(self, key):
+        """One key (bytes) is now absent, hidden from the layers below."""
+        if len(self.puts_table()):
+            self._puts.remove_row(key)
+        self._dels.put_row(key, b"")
+
+    def copy(self):
+        """An independent Layer with the same contents."""
+        put_keys, put_values = self.puts_table().export_rows()
+        del_keys, _ = self.dels_table().export_rows()
+        cdef Layer other = Layer(self.key_schema, self.value_schema)
+        other.puts_table().put_rows(put_keys, put_values)
+        other.dels_table().put_rows(del_keys, no_values(del_keys.shape[0]))
+        return other
+
+    cpdef tuple probe(self, key_rows, values_out):
+        """Look ``key_rows`` up: values into ``values_out`` (zeros where absent); returns
+        ``(put_found, decided)`` bool arrays."""
+        cdef RowTable puts = self.puts_table(), dels = self._dels
+        n = key_rows.shape[0]
+        put_found = np.zeros(n, dtype=np.uint8)
+        if len(puts):
+            puts.get_rows(key_rows, values_out, put_found)
+        put_found = put_found.view(np.bool_)
+        decided = put_found.copy()
+        if len(dels):
+            del_found = np.zeros(n, dtype=np.uint8)
+            dels.get_rows(key_rows, no_values(n), del_found)
+            decided |= del_found.view(np.bool_)
+        return put_found, decided
 
 
-class Spill:
+@cython.final
+cdef class Spill:
     """Version ``version`` (attempt ``commit_id``, ``num_keys`` keys) as ``puts`` and ``dels``
     (SnapshotReaders, each with the KeyFilter of its keys its writer filled, which lookups
     ask to skip the level) over ``lower`` (a SnapshotReader, a Spill over one, or None);
-    ``dels`` is None when ``lower`` is. Written by statecore/spill.py. (A Python class, not
-    a cdef one: nothing reads it per row, its levels are flattened into Sources once, and
-    tests replace its ``rows`` to interleave work with a snapshot being written.)"""
+    ``dels`` is None when ``lower`` is. Written by statecore/spill.py. Only
+    ``replace_in_chain`` changes it: ``lower``, for the same rows mapped."""
 
-    __slots__ = ("puts", "dels", "lower", "version", "commit_id", "num_keys")
-
-    def __init__(self, puts, dels, lower, version, commit_id, num_keys):
+    def __init__(self, SnapshotReader puts not None, SnapshotReader dels, lower, int64_t version, bytes commit_id,
+                 int64_t num_keys):
+        if not (lower is None or type(lower) is SnapshotReader or type(lower) is Spill):
+            raise TypeError(f"a Spill stands on a SnapshotReader, a Spill or nothing, not {type(lower).__name__}")
         self.puts = puts
         self.dels = dels
         self.lower = lower
@@ -369,7 +271,7 @@ class Spill:
         """Keys this spill and the levels below it decide over their bottom image (a snapshot,
         or a whole spill): the changes since it (a key changed in two levels counts twice);
         none for a whole spill itself."""
-        return sum(level.own_changed for level in base_sources(self).levels)
+        return sum(level.own_changed for level in _over_images([], self).levels)
 
     @property
     def filter_bytes(self):
@@ -379,15 +281,375 @@ class Spill:
 
     def lookup(self, key_rows):
         """``(value_rows, found)`` of ``key_rows`` at this spill's version."""
-        return base_sources(self).lookup(key_rows, self.puts.value_width)
+        return _over_images([], self).lookup(key_rows, self.puts.value_width)
 
     def rows(self, chunk_rows=CHUNK_ROWS):
         """Every row of the version, each key once (``Sources.rows``)."""
-        return base_sources(self).rows(chunk_rows)
+        return _over_images([], self).rows(chunk_rows)
 
 
-cdef inline bint _is_spill(base):
-    return type(base) is Spill
+@cython.final
+cdef class FrozenView:
+    """A frozen State seen at one of its versions: the base of a newer State."""
+
+    def __init__(self, State state not None, int64_t version):
+        if not state.frozen:
+            raise ValueError("a FrozenView is of a frozen State")
+        self.state = state
+        self.version = version
+
+    @property
+    def num_keys(self):
+        return self.state.count(self.version)
+
+    def __repr__(self):
+        return f"FrozenView(version={self.version})"
+
+
+cdef inline bint _is_base(base):
+    return base is None or type(base) is SnapshotReader or type(base) is Spill or type(base) is FrozenView
+
+
+@cython.final
+cdef class State:
+    """The versions one provider holds in memory for one lineage (see "The in-memory versions"
+    in the module docstring).
+
+    ``commit_ids[v]`` identifies version v (8 bytes; all zeros for version 0); ``num_keys[v]``
+    is its key count; both, and ``undo``, cover exactly the versions held (read-only views:
+    only the methods change them). ``changes``: the provider's change counter (one uint64
+    array shared by its States; a new one if None). ``pins[v]``: how many open stores read
+    version v (``pin``/``unpin``); ``retain`` keeps those versions. Every field is read-only
+    from Python: a frozen State (``frozen``) refuses every change in ``_refuse_if_frozen``
+    but a base swap (the same rows, mapped) and the bookkeeping of pins and iterations."""
+
+    def __init__(self, key_schema, value_schema, base, int64_t version, commit_id, num_keys, changes=None):
+        self.key_schema = key_schema
+        self.value_schema = value_schema
+        # One uint64: changes to what a lookup walks (see the module docstring); an array,
+        # so that compiled readers compare it through a pointer.
+        self.changes = np.zeros(1, dtype=np.uint64) if changes is None else changes
+        self._counter = self.changes
+        if self._counter.shape[0] != 1:
+            raise ValueError(f"State.changes must hold one count, got {self._counter.shape[0]}")
+        self._set_base(base)
+        self.head = Layer(key_schema, value_schema)
+        self.version = version
+        self._undo = {}
+        self._commit_ids = {version: commit_id}
+        self._num_keys = {version: num_keys}
+        self._pins = {}
+
+    def __repr__(self):
+        return f"State(version={self.version}, frozen={self.frozen}, head={self.head.size()})"
+
+    @property
+    def base(self):
+        """A SnapshotReader, a Spill, a FrozenView, or None."""
+        return self._base
+
+    @base.setter
+    def base(self, base):
+        self._set_base(base)
+
+    @property
+    def undo(self):
+        return MappingProxyType(self._undo)
+
+    @property
+    def commit_ids(self):
+        return MappingProxyType(self._commit_ids)
+
+    @property
+    def num_keys(self):
+        return MappingProxyType(self._num_keys)
+
+    @property
+    def pins(self):
+        return MappingProxyType(self._pins)
+
+    cdef int _set_base(self, base) except -1:
+        if not _is_base(base):
+            raise TypeError(f"a State stands on a SnapshotReader, a Spill, a FrozenView or nothing, "
+                            f"not {type(base).__name__}")
+        self._count_base_change()
+        self._base = base
+        return 0
+
+    cdef int _count_base_change(self) except -1:
+        """Count a change to what lies under this State (its base, or a spill's ``lower``
+        under it), the one change a frozen State may see. REQUIRES: the owner's lock held (or
+        nobody reads this State yet); called before the change."""
+        self._counter[0] += 1
+        return 0
+
+    cdef int _changed(self) except -1:
+        """Count a change to this State's versions or layers. REQUIRES: as _count_base_change."""
+        self._refuse_if_frozen()
+        self._counter[0] += 1
+        return 0
+
+    cdef int _refuse_if_frozen(self) except -1:
+        """The one place that refuses a change to a frozen State."""
+        if self.frozen:
+            # Someone may be reading this state without a lock (a snapshot being written, a
+            # newer state built over it): changing it now would be a bug, never a wrong value.
+            raise AssertionError("statecore bug: a change to a frozen in-memory state")
+        return 0
+
+    def holds(self, version):
+        return version in self._commit_ids and version != self.pending
+
+    def layers_for(self, int64_t version):
+        """The layers that decide keys at ``version``, oldest undo first, the head last.
+        REQUIRES: self.holds(version)."""
+        return [self._undo[u] for u in range(version + 1, self.version + 1)] + [self.head]
+
+    # -- bookkeeping a frozen State may see too ------------------------------------------------
+    def pin(self, version):
+        """An open store reads ``version``: ``retain`` keeps it. REQUIRES: the owner's lock held."""
+        self._pins[version] = self._pins.get(version, 0) + 1
+
+    def unpin(self, version):
+        """A store that read ``version`` closed. REQUIRES: the owner's lock held."""
+        left = self._pins.get(version, 0) - 1
+        if left > 0:
+            self._pins[version] = left
+        else:
+            self._pins.pop(version, None)
+
+    def pinned(self):
+        """The versions open stores read, oldest first."""
+        return sorted(self._pins)
+
+    def iteration_opened(self):
+        """An iteration copies rows out of this State without the lock: while any is open,
+        nothing merges into it. REQUIRES: the owner's lock held."""
+        self.iterating += 1
+
+    def iteration_closed(self):
+        """REQUIRES: the owner's lock held."""
+        if self.iterating <= 0:
+            raise AssertionError("statecore bug: an iteration closed that was never opened")
+        self.iterating -= 1
+
+    def published(self):
+        """The pending version's delta is durable: readers may open it. REQUIRES: the owner's lock held."""
+        self.pending = None
+
+    def spill_asked(self, version):
+        """The commit of ``version`` asked for the head to be spilled; the first one asking is
+        kept. REQUIRES: the owner's lock held."""
+        self._refuse_if_frozen()
+        if self.spill_asked_at is None:
+            self.spill_asked_at = version
+
+    # -- lookups --------------------------------------------------------------------------
+    def sources(self, int64_t version):
+        """The flattened sources of ``version`` (a :class:`Sources`)."""
+        return state_sources(self, version)
+
+    def lookup(self, int64_t version, key_rows, extra_layers=()):
+        """``(value_rows, found)`` of ``key_rows`` at ``version`` (under ``extra_layers``)."""
+        return state_sources(self, version).lookup(key_rows, self.value_schema.width, extra_layers)
+
+    def iter_rows(self, int64_t version, extra_layers=(), chunk_rows=CHUNK_ROWS):
+        """Yield ``(n, row_width)`` uint8 chunks of every row at ``version`` (under
+        ``extra_layers``), each key once."""
+        return state_sources(self, version).rows(chunk_rows, extra_layers)
+
+    # -- changes --------------------------------------------------------------------------
+    def count(self, int64_t version):
+        """Keys at ``version``; counted from the head and the base when not known yet (after a
+        load from files), which costs one base lookup per key changed since the base."""
+        n = self._num_keys[version]
+        if n is None:
+            # REQUIRES: version == self.version (older versions get their count at merge time)
+            put_keys, _ = self.head.puts_table().export_rows()
+            del_keys, _ = self.head.dels_table().export_rows()
+            if self._base is None:
+                n = put_keys.shape[0]
+            else:
+                n = (base_count(self._base) + int((~base_lookup(self, put_keys)[1]).sum())
+                     - int(base_lookup(self, del_keys)[1].sum()))
+            self._num_keys[version] = n
+        return n
+
+    def replay(self, kind_is_put, keys, values):
+        """Apply one block of a delta to the head (loading from files: no undo, no lookups;
+        the key count becomes unknown until asked for)."""
+        if keys.shape[0] == 0:
+            self._refuse_if_frozen()
+            return
+        self._changed()
+        self._num_keys[self.version] = None
+        if kind_is_put:
+            self.head.put_rows(keys, values)
+        else:
+            self.head.delete_rows(keys, tombstone=self._base is not None)
+
+    def advance(self, int64_t version, commit_id, num_keys=None):
+        """Make the head (just replayed) the given version, of ``num_keys`` keys if known."""
+        self._changed()
+        n = self._num_keys.pop(self.version)
+        self._commit_ids.pop(self.version)
+        self.version = version
+        self._commit_ids[version] = commit_id
+        self._num_keys[version] = n if num_keys is None else num_keys
+
+    def merge(self, put_keys, put_values, del_keys, commit_id, pending=False, del_prior=None, put_prior=None,
+              Layer update=None):
+        """Apply a store's updates (its layer's rows) as version ``self.version + 1``, keeping
+        their undo: the prior value or absence of every key they change. ``del_prior``: the
+        values ``del_keys`` have now, if the caller looked them up (all of them present);
+        ``put_prior``: ``(values, found)`` of ``put_keys`` now, likewise. Given both, the
+        merge looks nothing up: no damaged base can stop it half way.
+
+        ``update``: the store's update Layer those rows came from, which no one writes to
+        again. Over an empty head, an update that only puts becomes the head itself (its
+        table is already the head's contents: no second insert of every key)."""
+        self._changed()
+        before = self.count(self.version)
+        # Every lookup that can fail (a damaged snapshot block) comes before the head changes,
+        # or is undone: readers of this state's versions never see half a merge.
+        if del_prior is None:
+            prior_del, prior_del_found = self.lookup(self.version, del_keys)
+        else:
+            prior_del, prior_del_found = del_prior, np.ones(del_keys.shape[0], dtype=np.bool_)
+        adopted = (update is not None and not self.head.size() and not len(update.dels_table())
+                   and len(update.puts_table()) == put_keys.shape[0])
+        if adopted:
+            prior_put, prior_put_found = self._base_prior(put_keys) if put_prior is None else put_prior
+            self.head = update
+        elif put_prior is None:
+            prior_put, prior_put_found = self._put_and_get_prior(put_keys, put_values)
+        else:
+            prior_put, prior_put_found = put_prior
+            self.head.put_rows(put_keys, put_values)
+        if del_keys.shape[0]:
+            self.head.delete_rows(del_keys, tombstone=self._base is not None)
+        self.version += 1
+        self._undo[self.version] = Layer.from_changes(
+            self.key_schema, self.value_schema, _cat(put_keys, del_keys), _cat(prior_put, prior_del),
+            _cat(prior_put_found, prior_del_found))
+        self._commit_ids[self.version] = commit_id
+        self._num_keys[self.version] = (before + int((~prior_put_found).sum()) - int(prior_del_found.sum()))
+        self.adopted_head = self.version if adopted else None
+        if pending:
+            self.pending = self.version
+
+    def rollback(self):
+        """Undo the newest merge (its delta could not be written): the head returns to the
+        previous version, exactly, from the undo layer (or, when the merge made the store's
+        update layer the head, to the empty head it replaced, leaving that layer as it was)."""
+        self._changed()
+        undo = self._undo.pop(self.version)
+        if self.adopted_head == self.version:
+            self.head = Layer(self.key_schema, self.value_schema)
+        else:
+            keys, prior_values, prior_found = undo.changes()
+            if prior_found.any():
+                self.head.put_rows(take_rows(keys, prior_found), take_rows(prior_values, prior_found))
+            if not prior_found.all():
+                self.head.delete_rows(take_rows(keys, ~prior_found), tombstone=self._base is not None)
+        self.adopted_head = None
+        del self._commit_ids[self.version]
+        del self._num_keys[self.version]
+        self.version -= 1
+        self.pending = None
+
+    def _base_prior(self, keys):
+        """Each key's value and presence in the base alone (the head holds none of them)."""
+        if self._base is None or keys.shape[0] == 0:
+            return (np.zeros((keys.shape[0], self.value_schema.width), dtype=np.uint8),
+                    np.zeros(keys.shape[0], dtype=np.bool_))
+        return base_lookup(self, keys)
+
+    def _put_and_get_prior(self, keys, values):
+        """Write puts into the head; return each key's value and presence before the write.
+        If the base lookup raises, the head is put back as it was before the raise."""
+        cdef RowTable head_puts = self.head.puts_table(), head_dels = self.head.dels_table()
+        n = keys.shape[0]
+        prior = np.empty((n, self.value_schema.width), dtype=np.uint8)
+        in_head = np.empty(n, dtype=np.uint8)
+        head_puts.exchange_rows(keys, values, prior, in_head)  # one probe: old value out, new in
+        found = in_head.view(np.bool_).copy()
+        rest = np.flatnonzero(~found)
+        if rest.size == 0:
+            return prior, found
+        rest_keys = all_rest_keys = take_rows(keys, rest)
+        if len(head_dels):
+            tombstoned = np.zeros(rest.size, dtype=np.uint8)
+            head_dels.get_rows(rest_keys, no_values(rest.size), tombstoned)
+            keep = ~tombstoned.view(np.bool_)
+            rest, rest_keys = rest[keep], take_rows(rest_keys, keep)
+        if self._base is not None and rest.size:
+            try:
+                base_values, base_found = base_lookup(self, rest_keys)
+            except BaseException:
+                head_puts.put_rows(take_rows(keys, found), take_rows(prior, found))
+                head_puts.remove_rows(all_rest_keys)
+                raise
+            put_rows_at(prior, rest, base_values)
+            found[rest] = base_found
+        if len(head_dels):
+            head_dels.remove_rows(all_rest_keys)
+        return prior, found
+
+    def retain(self, keep_from):
+        """Forget versions older than ``keep_from`` (and the undo layers only they need), but
+        for pinned ones (and what they need)."""
+        if self._pins:
+            keep_from = min(keep_from, min(self._pins))
+        self._changed()
+        for v in [v for v in self._commit_ids if v < keep_from]:
+            del self._commit_ids[v]
+            del self._num_keys[v]
+        for u in [u for u in self._undo if u <= keep_from]:
+            del self._undo[u]
+
+    def freeze_into_successor(self, int64_t version, keep_versions):
+        """Freeze this State and return a new one over it at ``version`` (a FrozenView of this
+        one, sharing its change counter), where commits go on while the frozen one is read
+        without the lock. ``keep_versions`` (``version`` is the newest here): the new State
+        holds every version this one does, through the same undo layers. REQUIRES: the
+        owner's lock held."""
+        self.frozen = True
+        cdef State successor = State(self.key_schema, self.value_schema, FrozenView(self, version), version,
+                                     self._commit_ids[version], self.count(version), changes=self.changes)
+        if keep_versions:
+            successor._undo = dict(self._undo)
+            successor._commit_ids = dict(self._commit_ids)
+            successor._num_keys = dict(self._num_keys)
+        return successor
+
+    def describe(self):
+        """What this State holds, as a dict (for tests and debugging; LevelDB's DebugString):
+        its version, the versions held and pinned, whether it is frozen, pending or iterated,
+        the rows of its head and undo layers, and its base (down any frozen States)."""
+        return {
+            "version": self.version,
+            "versions": sorted(self._commit_ids),
+            "pins": dict(sorted(self._pins.items())),
+            "frozen": self.frozen,
+            "pending": self.pending,
+            "iterating": self.iterating,
+            "head_rows": self.head.size(),
+            "undo_layers": {u: len(layer) for u, layer in sorted(self._undo.items())},
+            "base": describe_base(self._base),
+            "snapshot_version": snapshot_version(self._base),
+        }
+
+
+def base_lookup(State state, key_rows):
+    """``(value_rows, found)`` of ``key_rows`` in what ``state``'s head stands on: its base
+    alone (the prior values a merge needs of keys the head does not hold). States call it by
+    its module name, so that a test may count these lookups by replacing it."""
+    return below_sources(state).lookup(key_rows, state.value_schema.width)
+
+
+cdef _cat(a, b):
+    return a if b.shape[0] == 0 else np.concatenate([a, b])
 
 
 @cython.final
@@ -402,12 +664,12 @@ cdef class Sources:
         self.bottom = bottom
         self.tables = []
         for layer in self.layers:  # an undo layer kept as arrays gets its tables here, once
-            self.tables.append(layer.puts)
-            self.tables.append(layer.dels)
+            self.tables.append((<Layer?>layer).puts_table())
+            self.tables.append((<Layer>layer).dels_table())
         self.images = []
         for level in self.levels:
-            self.images.append(level.puts)
-            self.images.append(level.dels)
+            self.images.append((<Spill?>level).puts)
+            self.images.append((<Spill>level).dels)
 
     def __repr__(self):
         return f"Sources(tables={len(self.layers)}, levels={len(self.levels)}, bottom={self.bottom is not None})"
@@ -447,8 +709,9 @@ cdef class Sources:
         n = key_rows.shape[0]
         values = found = None  # made by the first table that holds anything
         pending = None  # indices still undecided; None: all of them (no gather needed)
+        cdef Layer layer
         for layer in (*extra_layers, *self.layers):
-            if not len(layer):
+            if not layer.size():
                 continue
             if values is None:
                 values = np.zeros((n, vw), dtype=np.uint8)
@@ -480,7 +743,7 @@ cdef class Sources:
         values = np.empty((n, vw), dtype=np.uint8)  # every row written: zeros where not found
         found = np.empty(n, dtype=np.uint8)
         if self.levels:
-            _images_lookup(list(self.levels), self.bottom, key_rows, values, found)
+            images_lookup(self.images, self.bottom, key_rows, values, found)
         else:
             self.bottom.get_rows(key_rows, values, found)
         return values, found.view(np.bool_)
@@ -491,7 +754,7 @@ cdef class Sources:
         then the bottom's rows that no level decides, the image rows less those any table
         decides. An image's rows a newer image overrides are found by probing the newer keys
         in it (a mask of its rows), never the other way round."""
-        layers = [layer for layer in (*extra_layers, *self.layers) if len(layer)]
+        layers = [layer for layer in (*extra_layers, *self.layers) if (<Layer?>layer).size()]
         kw = None
         for i, layer in enumerate(layers):
             kw = layer.key_schema.width
@@ -520,6 +783,7 @@ cdef class Sources:
 def _decided_by(layers, key_rows):
     n = key_rows.shape[0]
     decided = np.zeros(n, dtype=np.bool_)
+    cdef Layer layer
     for layer in layers:
         scratch = np.empty((n, layer.puts.value_width), dtype=np.uint8)
         decided |= layer.probe(key_rows, scratch)[1]
@@ -550,21 +814,31 @@ def cursor_chunks(source, chunk_rows, skip=None):
 
 
 # -- flattening: the one place that tells the kinds of base apart ---------------------------------
-def sources_of(state, version):
+cdef Sources state_sources(State state, int64_t version):
     """The :class:`Sources` of ``version`` of ``state`` (a State holding it): its layers at
-    that version, then, down every FrozenView base, the frozen State's at its version, then
-    the images under the last base. REQUIRES: the provider's lock held (or every State read
-    frozen)."""
-    layers = []
+    that version (the undo layers of the newer versions, oldest first, then the head), then,
+    down every FrozenView base, the frozen State's at its version, then the images under the
+    last base. REQUIRES: the provider's lock held (or every State read frozen)."""
+    cdef list layers = []
+    cdef Layer layer
+    cdef int64_t u
     while True:
-        for layer in state.layers_for(version):
-            if len(layer):
+        for u in range(version + 1, state.version + 1):
+            layer = state._undo[u]
+            if layer.size():
                 layers.append(layer)
-        base = state.base
+        if state.head.size():
+            layers.append(state.head)
+        base = state._base
         if type(base) is not FrozenView:
             break
         state, version = (<FrozenView>base).state, (<FrozenView>base).version
     return _over_images(layers, base)
+
+
+def sources_of(State state not None, int64_t version):
+    """``state_sources`` for Python callers."""
+    return state_sources(state, version)
 
 
 def base_sources(base):
@@ -574,10 +848,13 @@ def base_sources(base):
 
 
 cdef Sources _over_images(list layers, base):
-    levels, bottom = spill_chain(base)
-    if levels and levels[-1].whole:  # a whole spill: its puts are every row of its version
-        bottom = levels.pop().puts
-    return Sources(layers, levels, bottom)
+    cdef list levels = []
+    while type(base) is Spill:
+        levels.append(base)
+        base = (<Spill>base).lower
+    if levels and (<Spill>levels[-1]).lower is None:  # a whole spill: its puts are every row of its version
+        base = (<Spill>levels.pop()).puts
+    return Sources(layers, levels, base)
 
 
 def spill_chain(base):
@@ -585,9 +862,9 @@ def spill_chain(base):
     any), and what the last stands on (a SnapshotReader, or None)."""
     levels = []
     node = base
-    while _is_spill(node):
+    while type(node) is Spill:
         levels.append(node)
-        node = node.lower
+        node = (<Spill>node).lower
     return levels, node
 
 
@@ -596,8 +873,10 @@ def base_count(base):
     if base is None:
         return 0
     if type(base) is SnapshotReader:
-        return base.row_count
-    return base.num_keys  # a Spill, or a FrozenView
+        return (<SnapshotReader>base).row_count
+    if type(base) is Spill:
+        return (<Spill>base).num_keys
+    return (<FrozenView?>base).num_keys
 
 
 def bottom_snapshot(base):
@@ -610,16 +889,16 @@ def bottom_snapshot(base):
 def snapshot_version(base):
     """The version of the snapshot a State's base stands on, down any frozen States (0: none)."""
     while type(base) is FrozenView:
-        base = (<FrozenView>base).state.base
+        base = (<FrozenView>base).state._base
     node = spill_chain(base)[1]
-    return node.store_version if node is not None else 0
+    return (<SnapshotReader>node).store_version if type(node) is SnapshotReader else 0
 
 
 def filter_bytes(base):
     """Heap bytes of the key filters of ``base`` (a SnapshotReader, a Spill and the levels
     under it, or anything else: 0)."""
-    if _is_spill(base):
-        return filter_bytes(base.puts) + filter_bytes(base.dels) + filter_bytes(base.lower)
+    if type(base) is Spill:
+        return filter_bytes((<Spill>base).puts) + filter_bytes((<Spill>base).dels) + filter_bytes((<Spill>base).lower)
     if type(base) is SnapshotReader:
         keys = base.key_filter
         return keys.nbytes if keys is not None else 0
@@ -628,12 +907,12 @@ def filter_bytes(base):
 
 def spilled_base(base):
     """``base`` if it is a Spill, else None."""
-    return base if _is_spill(base) else None
+    return base if type(base) is Spill else None
 
 
 def changed_since_bottom(base):
     """Keys the spilled levels of ``base`` decide over their bottom image (0: no levels)."""
-    return base.changed if _is_spill(base) else 0
+    return base.changed if type(base) is Spill else 0
 
 
 def stands_on_frozen(base):
@@ -646,32 +925,36 @@ def is_view_of(base, state, version):
     return type(base) is FrozenView and (<FrozenView>base).state is state and (<FrozenView>base).version == version
 
 
-def frozen_below(state):
+def frozen_below(State state not None):
     """The frozen State ``state`` stands on (through a FrozenView), or None."""
-    base = state.base
+    base = state._base
     return (<FrozenView>base).state if type(base) is FrozenView else None
 
 
-def replace_in_chain(state, is_old, new):
+def replace_in_chain(State state not None, is_old, new):
     """Make ``new`` the base of the State (``state`` first, then down the chain of frozen
     ones) whose base ``is_old``, or the ``lower`` of the level of its spills that stands on
     it: the same version, now mapped. Either change is counted in the States' change counter
     first. Whether one was found. REQUIRES: the provider's lock held."""
-    node = state
-    while node is not None:
-        base = node.base
+    cdef State node = state
+    cdef Spill level
+    if not (new is None or type(new) is SnapshotReader or type(new) is Spill):
+        raise TypeError(f"a base is replaced by a SnapshotReader, a Spill or nothing, not {type(new).__name__}")
+    while True:
+        base = node._base
         if is_old(base):
-            node.base = new
+            node._set_base(new)
             return True
-        level = base
-        while _is_spill(level):  # the levels of spills, newest first
+        while type(base) is Spill:  # the levels of spills, newest first
+            level = <Spill>base
             if is_old(level.lower):
-                node.count_base_change()
+                node._count_base_change()
                 level.lower = new
                 return True
-            level = level.lower
-        node = frozen_below(node)
-    return False
+            base = level.lower
+        if type(node._base) is not FrozenView:
+            return False
+        node = (<FrozenView>node._base).state
 
 
 def describe_base(base):
@@ -692,10 +975,10 @@ def describe_base(base):
             "below": describe_base(below)}
 
 
-def below_sources(state):
+def below_sources(State state not None):
     """The :class:`Sources` of what ``state``'s head stands on: its base alone (a frozen
-    State's at its version, down the chain, or the images). REQUIRES: as sources_of."""
-    base = state.base
+    State's at its version, down the chain, or the images). REQUIRES: as state_sources."""
+    base = state._base
     if type(base) is FrozenView:
-        return sources_of((<FrozenView>base).state, (<FrozenView>base).version)
-    return base_sources(base)
+        return state_sources((<FrozenView>base).state, (<FrozenView>base).version)
+    return _over_images([], base)

@@ -10,8 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from statecore import held_versions
 from statecore._delta import DeltaWriter
 from statecore._lock import requires_lock
+from statecore._versions import State, take_rows
 from statecore.errors import CommitConflictError
-from statecore.layers import take_rows
 from statecore.lineage import file_name
 from statecore.stores import View
 
@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 
 # Deltas written at once in a process (commits of different stores); more queue.
 DELTA_WRITERS = 4
+
+# Visible for tests. The one call that merges a commit's update into the held versions (under
+# the provider's lock), called by this name: State is a compiled type whose methods cannot be
+# replaced, and tests wrap this to fail a merge or to stop a thread inside it.
+merge_update = State.merge
 
 _writers_lock = threading.Lock()
 _writers = None  # (pid, ThreadPoolExecutor): the delta writers of this process
@@ -76,8 +81,8 @@ def commit(p, view, update, opened_values=None):
     try:
         with held.lock:
             state = held.state_to_merge_into(view.state, view.version, view.commit_id)
-            state.merge(put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior,
-                        put_prior=put_prior, update=update)
+            merge_update(state, put_keys, put_values, del_keys, commit_id, pending=True, del_prior=del_prior,
+                         put_prior=put_prior, update=update)
             count = state.num_keys[new_version]
     except BaseException:
         merged_count.set_result(None)  # lets the write end; its file is discarded
@@ -103,15 +108,15 @@ def commit(p, view, update, opened_values=None):
             _undo_merge(held, state)
         raise
     with held.lock:
-        state.pending = None
+        state.published()
         held.published.notify_all()
         num_keys = state.num_keys[new_version]
         head_due = held.spill_due(state)
         # Over the hard limit, and maintenance has had since an earlier commit to spill:
         head_over_limit = (head_due and state.spill_asked_at is not None
                            and held.spill_due(state, held_versions.SPILL_HARD_RATIO))
-        if head_due and state.spill_asked_at is None:
-            state.spill_asked_at = new_version
+        if head_due:
+            state.spill_asked(new_version)
         committed = None
         if held.keep_in_memory > 0:
             held.newest = state

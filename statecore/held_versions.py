@@ -42,7 +42,7 @@ class HeldVersions:
         self.spilling = threading.Lock()
         self.newest = None  # the newest State, or None: none held
         self.snapshot_source = None  # the Spill a snapshot is being written from
-        # What lookups walk changed (layers.py): one counter shared by every State held.
+        # What lookups walk changed (_versions.pyx): one counter shared by every State held.
         self.changes = np.zeros(1, dtype=np.uint64)
         self.keep_in_memory = 1
 

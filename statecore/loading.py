@@ -10,9 +10,8 @@ import numpy as np
 from statecore._delta import BLOCK_PUTS, DeltaReader
 from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
-from statecore._versions import Spill
+from statecore._versions import Spill, State, take_rows
 from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionNotFoundError
-from statecore.layers import State, take_rows
 from statecore.lineage import ROOT_COMMIT_ID, check_names_agree, file_name
 from statecore.snapshot_files import open_snapshot
 

@@ -14,8 +14,8 @@ import time
 from statecore._delta import DeltaReader
 from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader
-from statecore._versions import (bottom_snapshot, changed_since_bottom, is_view_of, snapshot_version, spilled_base,
-                                 stands_on_frozen)
+from statecore._versions import (Spill, bottom_snapshot, changed_since_bottom, is_view_of, snapshot_version,
+                                 spilled_base, stands_on_frozen)
 from statecore.errors import StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
@@ -34,6 +34,11 @@ PUBLISH_WAIT_S = 1.0
 # this long before they are tried again: each try after a failure writes the whole state
 # (the State stands on a frozen one), and a commit or a hint would otherwise try at once.
 SPILL_RETRY_S = 10.0
+
+# Visible for tests. The rows a snapshot or a compaction is written from, read by this name:
+# Spill is a compiled type whose methods cannot be replaced, and tests wrap this to commit or
+# stop a thread between the chunks.
+rewritten_rows = Spill.rows
 
 
 class MaintenanceRecord:
@@ -127,7 +132,7 @@ def _rewriting(p, spill):
     Yields its rows, chunk by chunk; between chunks, a head that outgrew its share is spilled
     at once, over ``spill`` (which the version written replaces when done)."""
     def rows_spilling_meanwhile():
-        for chunk in spill.rows():
+        for chunk in rewritten_rows(spill):
             yield chunk
             spill_if_outgrown(p)
 

@@ -3,7 +3,7 @@
 ``provider.get_store(v)`` returns a store holding version ``v``; its updates go to a private
 layer, invisible to everyone else until ``commit()`` writes ``<v+1>_<id>.delta`` and merges
 the layer into the versions held in memory (:mod:`statecore.held_versions`, over
-:mod:`statecore.layers`): no version is ever copied. This module keeps the provider's
+:mod:`statecore._versions`' States): no version is ever copied. This module keeps the provider's
 lifecycle: opening a version (which attempt, from memory, rolled forward, or loaded), the
 cache of version files' headers, maintenance entry points and metrics. The jobs it hands out:
 the commit protocol (:mod:`statecore.commit`), loading and roll-forward

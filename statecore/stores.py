@@ -12,13 +12,18 @@ field, checked by ``check_updating``, the one check the per-row and batch writes
 """
 import weakref
 
+import numpy as np
 
 from statecore._rowcalls import RowCalls
+from statecore._versions import Layer, State, no_values
 from statecore.contracts import ReadStateStore, StateStore
-from statecore.layers import Layer, OpenedValues, no_values
 from statecore.rowsource import iter_batches, iter_items
 
 __all__ = ["View", "FileReadStore", "FileStore"]
+
+# Visible for tests. The call an iteration makes for its rows, by this name: State is a compiled
+# type whose methods cannot be replaced, and tests wrap this to stop an iteration half way.
+iter_state_rows = State.iter_rows
 
 
 class View:
@@ -50,13 +55,30 @@ class View:
         goes on in a new one), so nothing it reads changes."""
         lock = self.provider.held.lock
         with lock:
-            self.state.iterating += 1
-            chunks = self.state.iter_rows(self.version, extra_layers)  # flattened here, under the lock
+            self.state.iteration_opened()
+            chunks = iter_state_rows(self.state, self.version, extra_layers)  # flattened here, under the lock
         try:
             yield from chunks
         finally:
             with lock:
-                self.state.iterating -= 1
+                self.state.iteration_closed()
+
+
+class OpenedValues:
+    """What a store read of ``keys`` (rows) at the version it opened, before it wrote
+    anything: ``values`` and ``found`` there, the priors a commit of puts of exactly those
+    keys needs (the merge then looks none of them up)."""
+
+    __slots__ = ("keys", "values", "found")
+
+    def __init__(self, keys, values, found):
+        self.keys, self.values, self.found = keys, values, found
+
+    def priors_of(self, put_keys):
+        """``(values, found)`` for ``put_keys`` if they are these keys in this order, else None."""
+        if put_keys.shape != self.keys.shape or not np.array_equal(put_keys, self.keys):
+            return None
+        return self.values, self.found
 
 
 class FileReadStore(RowCalls, ReadStateStore):

@@ -120,9 +120,9 @@ def _install_die(spec):
         return False
 
     if step == "merged":
-        from statecore.layers import State
+        import statecore.commit as commit_module
 
-        merge = State.merge
+        merge = commit_module.merge_update
 
         def dying_merge(self, *args, **kwargs):
             out = merge(self, *args, **kwargs)
@@ -130,7 +130,7 @@ def _install_die(spec):
                 _die()
             return out
 
-        State.merge = dying_merge
+        commit_module.merge_update = dying_merge
         return None
 
     armed = {}  # file name -> its dying writer, until it fired or the file was flushed

@@ -11,13 +11,14 @@ import time
 import numpy as np
 import pytest
 
+import statecore.commit
 import statecore.errors
 from tests.store_support import (KEY, KEY_SPACE, VALUE, VERSION_FILE, WAIT_S, applied, assert_reads, batch,
                                  commit_numbered, commit_upto, committed, has_file, inject_faulty_files,
                                  open_numbered, store_dir, version_files, write)
 from statecore import CommitConflictError, VersionNotFoundError
 from statecore.files import StoreFiles
-from statecore.layers import State
+from statecore._versions import State
 
 
 def tmp_files(root):
@@ -78,13 +79,13 @@ def test_commit_that_raises_in_the_merge_leaves_no_version(tmp_path, monkeypatch
             original(self, put_keys[:half], put_values[:half], del_keys[:0], commit_id, pending)
         raise RuntimeError("injected: the merge failed")
 
-    monkeypatch.setattr(State, "merge", failing_merge)
+    monkeypatch.setattr(statecore.commit, "merge_update", failing_merge)
     monkeypatch.setattr(p.files, "write_pending", write_and_tell)
     store = p.get_store(v)
     write(store, *batch(v + 1))
     with pytest.raises(RuntimeError, match="injected"):
         store.commit()
-    monkeypatch.setattr(State, "merge", original)
+    monkeypatch.setattr(statecore.commit, "merge_update", original)
     assert saw and saw[0], "the delta was not being written when the merge raised"
 
     assert not has_file(tmp_path, v + 1, "delta") and not has_file(tmp_path, v + 1, "snapshot"), \
@@ -160,7 +161,7 @@ def test_a_failed_delta_write_after_the_update_became_the_head_leaves_both_as_th
         original(self, *args, **kwargs)
         adopted.append(self.head is kwargs.get("update"))
 
-    monkeypatch.setattr(State, "merge", watched_merge)
+    monkeypatch.setattr(statecore.commit, "merge_update", watched_merge)
     files.arm("fsync", "*.delta*")
     with pytest.raises(OSError, match="injected"):
         store.commit()
@@ -197,16 +198,16 @@ def read_then_put(store, keys, v):
 
 def count_base_lookups(monkeypatch):
     """A list that grows by the number of keys of each lookup of keys in a State's base."""
-    import statecore.layers as layers
+    import statecore._versions as versions
 
-    seen, original = [], layers.base_lookup
+    seen, original = [], versions.base_lookup
 
     def counted(base, key_rows):
         if key_rows.shape[0]:
             seen.append(key_rows.shape[0])
         return original(base, key_rows)
 
-    monkeypatch.setattr(layers, "base_lookup", counted)
+    monkeypatch.setattr(versions, "base_lookup", counted)
     return seen
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import statecore.maintenance
+import statecore.stores
 from tests.state_files import flip
 from tests.store_support import (DELTA_LINEAGE_OFFSET, WAIT_S, applied, assert_reads, attempt_id, batch,
                                  commit_numbered, commit_upto, committed, contents, has_file, inject_faulty_files,
@@ -19,7 +20,7 @@ from tests.store_support import (DELTA_LINEAGE_OFFSET, WAIT_S, applied, assert_r
                                  version_files, write)
 from statecore import SnapshotReader, VersionNotFoundError
 from statecore.files import StoreFiles
-from statecore.layers import FrozenView, State
+from statecore._versions import FrozenView, State
 from statecore.spill import Spill
 
 
@@ -213,8 +214,8 @@ def test_snapshot_swapped_in_while_a_version_is_iterated_and_commits_go_on(tmp_p
     if phase == "spill":
         monkeypatch.setattr(statecore.maintenance, "spill_head", blocking_spill_head)
     else:
-        monkeypatch.setattr(Spill, "rows", blocking_spill_rows)
-    monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
+        monkeypatch.setattr(statecore.maintenance, "rewritten_rows", blocking_spill_rows)
+    monkeypatch.setattr(statecore.stores, "iter_state_rows", blocking_iter_rows)
     errors, result = [], {}
 
     def run(fn):

@@ -35,9 +35,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import statecore.held_versions
 import statecore.spill
+import statecore.stores
 from statecore import (CommitConflictError, IllegalStateError, StateStoreConf, StateStoreId, VersionNotFoundError,
                        create_and_init_provider)
-from statecore.layers import State
+from statecore._versions import State
 from tests.store_support import (WAIT_S, applied, assert_reads, commit_numbered, commit_upto, committed, contents,
                                  open_numbered, write_batch)
 from tests.engine.test_store_stateful import KEY, VALUE, keys_array, values_array  # key k, value (n: int64, x: float64)
@@ -617,7 +618,7 @@ def test_iteration_returns_its_version_while_other_stores_commit(tmp_path, monke
                 reached.set()  # one chunk out, the rest still to copy
                 assert go.wait(WAIT_S)
 
-    monkeypatch.setattr(State, "iter_rows", blocking_iter_rows)
+    monkeypatch.setattr(statecore.stores, "iter_state_rows", blocking_iter_rows)
     result, errors = {}, []
     opened = p.get_read_store(v) if reader == "read_store" else p.get_store(v)
 

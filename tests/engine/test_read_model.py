@@ -1,8 +1,9 @@
-"""The read model (statecore/_versions.pyx, statecore/layers.py): a version's sources are
+"""The read model (statecore/_versions.pyx): a version's sources are
 flattened once and kept by the per-row reader until the provider's change counter moves (a
 spill's ``lower`` swapped deep under frozen States included); pins are per-version counts on
-the State that ``retain`` keeps; a frozen State refuses every change; ``describe()`` says
-what is held; lock requirements are checked with STATECORE_DEBUG_LOCKS=1."""
+the State that ``retain`` keeps; a frozen State refuses every change, and no field of any
+State can be set from Python; ``describe()`` says what is held; lock requirements are checked
+with STATECORE_DEBUG_LOCKS=1."""
 import itertools
 import json
 import os
@@ -16,8 +17,7 @@ import pytest
 
 from statecore._lock import ProviderLock
 from statecore._rowcalls import RowCalls
-from statecore._versions import Spill, replace_in_chain
-from statecore.layers import State
+from statecore._versions import FrozenView, Layer, Spill, State, replace_in_chain
 from statecore.schema import key_value_schemas
 from statecore.spill import spill_rows
 from tests.paths import REPO_ROOT
@@ -86,6 +86,51 @@ def test_a_frozen_state_refuses_every_change_in_one_place():
     assert state.version == 2 and sorted(state.commit_ids) == [0, 1, 2]
     state.base = None  # a base swap is the one change a frozen State may see
     assert successor.holds(1) and successor.lookup(1, rows(KS, [(1,), (2,)]))[1].tolist() == [True, False]
+
+
+def test_a_frozen_state_read_without_the_lock_cannot_be_changed_from_python():
+    """A State frozen under its successor (what a snapshot being written reads without the
+    lock): a stray assignment in Python cannot change it, nor any State, behind the change
+    counter's back: every field is read-only, there is no __dict__ to add one to, and its
+    versions, undo layers and pins are read-only mappings."""
+    state = State(KS, VS, None, 0, ID, 0)
+    merge(state, {1: 1})
+    successor = state.freeze_into_successor(1, keep_versions=True)
+    for target in (state, successor):
+        for name, value in [("frozen", False), ("head", Layer(KS, VS)), ("version", 7), ("pending", 1),
+                            ("iterating", 0), ("spill_asked_at", 1), ("adopted_head", 1), ("undo", {}),
+                            ("commit_ids", {}), ("num_keys", {}), ("pins", {}), ("changes", None)]:
+            with pytest.raises(AttributeError):
+                setattr(target, name, value)
+        with pytest.raises(AttributeError):
+            target.anything = 1
+        for mapping, key, value in [(target.undo, 1, Layer(KS, VS)), (target.commit_ids, 1, ID),
+                                    (target.num_keys, 1, 0), (target.pins, 1, 1)]:
+            with pytest.raises(TypeError):
+                mapping[key] = value
+    with pytest.raises(AssertionError, match="a change to a frozen in-memory state"):
+        state.spill_asked(1)
+    assert state.frozen and state.version == 1 and sorted(state.commit_ids) == [0, 1] and not state.pins
+    assert successor.lookup(1, rows(KS, [(1,)]))[1].tolist() == [True]
+
+
+def test_a_version_stands_only_on_what_the_read_model_reads(tmp_path):
+    """A State, a Spill and a base swap are refused, with the type named, when given a base the
+    read model has no rule for (a mistake a duck-typed base would have turned into wrong reads
+    later); a FrozenView is only of a frozen State."""
+    snapshot = image(tmp_path, {1: 1})
+    with pytest.raises(TypeError, match="not dict"):
+        State(KS, VS, {}, 0, ID, 0)
+    with pytest.raises(TypeError, match="not str"):
+        Spill(snapshot, None, "lower", 1, ID, 1)
+    state = State(KS, VS, snapshot, 1, ID, 1)
+    with pytest.raises(TypeError, match="not list"):
+        state.base = []
+    with pytest.raises(TypeError, match="not State"):
+        replace_in_chain(state, lambda base: base is snapshot, State(KS, VS, None, 0, ID, 0))
+    assert state.base is snapshot
+    with pytest.raises(ValueError, match="frozen"):
+        FrozenView(state, 1)
 
 
 def test_pins_are_counts_on_the_state_that_retain_keeps(tmp_path):

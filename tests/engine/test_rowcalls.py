@@ -337,7 +337,7 @@ def test_a_kept_walk_follows_the_merges_and_base_swaps_of_the_state_it_reads():
 
     from statecore._lock import ProviderLock
     from statecore._rowcalls import RowCalls
-    from statecore.layers import FrozenView, State
+    from statecore._versions import FrozenView, State
 
     key_schema, value_schema = key_value_schemas(KEY, VALUE)
 
@@ -361,7 +361,7 @@ def test_a_kept_walk_follows_the_merges_and_base_swaps_of_the_state_it_reads():
     assert (r2.get(K1), r2.get(K2), r2.get(K3)) == (val(10), val(2), None)
     below = State(key_schema, value_schema, None, 0, bytes(16), 0)
     merge(below, puts=[(K3, val(3))])
-    below.frozen = True
+    below.freeze_into_successor(1, keep_versions=False)
     state.base = FrozenView(below, 1)  # keys the head does not decide now come from it
     assert (r2.get(K1), r2.get(K3)) == (val(10), val(3))
 

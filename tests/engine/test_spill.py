@@ -14,7 +14,7 @@ import statecore.loading
 import statecore._versions
 import statecore.spill
 from tests.store_support import applied, contents, open_provider, snapshot_now, write_batch
-from statecore.layers import FrozenView
+from statecore._versions import FrozenView
 from statecore.spill import Spill, bottom_snapshot
 
 KEY = np.dtype([("k", "<i8")])
@@ -261,14 +261,14 @@ def test_a_head_spilled_while_the_levels_are_compacted_stands_over_the_whole_spi
 
     with mock.patch.object(statecore.spill, "TAKE_IN_RATIO", 0):
         commit(p, model, *random_changes(rng, max(model) + 1, key_space, 160, 30, VALUE), VALUE)
-        monkeypatch.setattr(Spill, "rows", rows_with_a_commit_between)
+        monkeypatch.setattr(statecore.maintenance, "rewritten_rows", rows_with_a_commit_between)
         with spill_always(), outgrown_at_any_size():
             p.do_maintenance()
     assert compacting, "no commit happened during the compaction"
     top = p.held.newest.base
     assert isinstance(top, Spill) and top.version == max(model) and not top.whole
     assert top.lower.whole and top.lower.version == compacting[0].version, "the newer spill is not over the whole one"
-    monkeypatch.setattr(Spill, "rows", original_rows)
+    monkeypatch.setattr(statecore.maintenance, "rewritten_rows", original_rows)
     check(p, model, range(max(model) - 2, max(model) + 1), key_space, VALUE)
     check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], key_space, VALUE)
 
@@ -362,7 +362,7 @@ def test_the_head_spills_over_the_spill_a_snapshot_is_written_from(tmp_path, mon
                 commit(p, model, *random_changes(rng, max(model) + 1, 500, 60, 10, VALUE), VALUE)
                 during.append(max(model))
 
-    monkeypatch.setattr(Spill, "rows", rows_with_commits)
+    monkeypatch.setattr(statecore.maintenance, "rewritten_rows", rows_with_commits)
     with spill_always():
         p.do_maintenance()
     assert during == [4, 5]

@@ -43,7 +43,8 @@ import pytest
 
 import crash_worker as cw
 import statecore.files
-import statecore.layers
+import statecore.commit
+from statecore._versions import FrozenView
 from state_files import version_names, version_path
 from tests.paths import REPO_ROOT, TESTS_DIR
 from tests.store_support import commit_batch, contents, inject_faulty_files, store_dir
@@ -251,7 +252,7 @@ def faulty(monkeypatch):
     list holds them. The merge of every commit calls HOOKS["merge"] and HOOKS["merged"]."""
     HOOKS.clear()
     made = inject_faulty_files(monkeypatch, HookedFiles)
-    merge = statecore.layers.State.merge
+    merge = statecore.commit.merge_update
 
     def hooked_merge(self, *args, **kwargs):
         hook = HOOKS.get("merge")
@@ -263,7 +264,7 @@ def faulty(monkeypatch):
             hook(None)
         return out
 
-    monkeypatch.setattr(statecore.layers.State, "merge", hooked_merge)
+    monkeypatch.setattr(statecore.commit, "merge_update", hooked_merge)
     yield made
     HOOKS.clear()
 
@@ -909,7 +910,7 @@ def snapshot_bases(provider):
             base = node.base
             if isinstance(base, SnapshotReader):
                 out.append(base)
-            node = base.state if isinstance(base, statecore.layers.FrozenView) else None
+            node = base.state if isinstance(base, FrozenView) else None
     return out
 
 

@@ -176,8 +176,8 @@ class StoreMachine(RuleBasedStateMachine):
         # spilling: the commit spills the head itself, whatever its size, as past the hard
         # limit when an earlier commit asked already and maintenance did not come
         latest = self.p.held.newest
-        if spilling and latest is not None and latest.spill_asked_at is None:
-            latest.spill_asked_at = latest.version
+        if spilling and latest is not None:
+            latest.spill_asked(latest.version)
         with mock.patch.multiple("statecore.held_versions", SPILL_MIN_ROWS=-1, SPILL_RATIO=0,
                                  SPILL_HARD_RATIO=0) if spilling else contextlib.nullcontext():
             assert self.store.commit() == self.base + 1
