@@ -6,7 +6,9 @@ commit). How a micro-batch runs and why, the exactly-once rules and the run ids 
 ``docs/operator.md``; the batch records in ``docs/lineage.md``. Types and conversions live in
 :mod:`pyspark_glue.arrow`, ready-made functions in :mod:`pyspark_glue.aggregates`, the
 checkpoint files beside the stores in :mod:`statecore.operator_files`, finding the
-streaming query's run in :mod:`pyspark_glue.query_runs`.
+streaming query's run in :mod:`pyspark_glue.query_runs`. (About 700 lines: one class,
+whose public methods are the operator's API and whose driver-side steps all read its resolved
+settings; the task body is :mod:`pyspark_glue.operator_task`.)
 """
 import contextlib
 import dataclasses

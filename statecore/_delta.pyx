@@ -15,6 +15,7 @@ checked before the byte is used: a truncated, damaged or spliced delta raises
 
 Thread-safety: a writer or reader is used by one thread at a time. lz4 compression and
 decompression and the checksum loops release the GIL, so other threads run meanwhile.
+(About 600 lines: the writer and the reader of one format, each the other's test.)
 """
 cimport cython
 from cpython.buffer cimport PyBUF_READ

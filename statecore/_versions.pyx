@@ -49,9 +49,9 @@ statecore/_image_walk.pyx) and ``Sources.rows`` (iteration: each source's rows t
 source decides). Whatever tells the kinds of base apart is in this module too, as the
 functions at its end.
 
-Rules: ``docs/provider-rules.md``, "The read model". (The types and the flattening that reads
-their fields are one module: split, each part would cimport the other. The image walk, which
-reads images only, is a module of its own.)
+Rules: ``docs/provider-rules.md``, "The read model". (About 950 lines: the types and the
+flattening that reads their fields are one module; split, each part would cimport the other.
+The image walk, which reads images only, is a module of its own.)
 """
 cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t

@@ -17,6 +17,8 @@ operation.
 Thread-safety: a ``StoreFiles`` may be shared by several threads (a task thread and the
 maintenance thread). It keeps no mutable state after construction; the only shared thing
 it writes is the local cache directory, where every file appears by an atomic rename.
+(About 600 lines: one class, the one way to the files, kept whole so that no file is
+touched around it.)
 """
 import errno
 import logging
