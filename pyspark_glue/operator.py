@@ -207,7 +207,7 @@ class StatefulOperator:
         return dict(self._arguments)
 
     def __setstate__(self, arguments):
-        self.__init__(**arguments)
+        StatefulOperator.__init__(self, **arguments)
 
     # The schemas: given, fn's attributes, or resolved from the first input's columns.
     key_schema = property(lambda self: self._settings.key_schema)
