@@ -68,7 +68,9 @@ def _job_settings(spark, settings):
 class StatefulOperator:
     """A stateful operator for ``foreachBatch``: ``process(df, batch_id)`` runs ``fn(store,
     batch)`` over the rows of ``df`` hash-partitioned by ``key_columns``, each partition with
-    its own store, and returns the output DataFrame (``docs/operator.md``).
+    its own store, and returns the output DataFrame (``docs/operator.md``). It pickles as its
+    constructor's arguments, nothing of a run (``docs/operator.md``, "Pickling"): under Spark
+    Connect the ``foreachBatch`` function holding it travels pickled.
 
     Parameters
     ----------
