@@ -70,7 +70,9 @@ def _job_settings(spark, settings):
 class StatefulOperator:
     """A stateful operator for ``foreachBatch``: ``process(df, batch_id)`` runs ``fn(store,
     batch)`` over the rows of ``df`` hash-partitioned by ``key_columns``, each partition with
-    its own store, and returns the output DataFrame (``docs/operator.md``).
+    its own store, and returns the output DataFrame (``docs/operator.md``). It pickles as its
+    constructor's arguments, nothing of a run (``docs/operator.md``, "Pickling"): under Spark
+    Connect the ``foreachBatch`` function holding it travels pickled.
 
     Parameters
     ----------
@@ -141,6 +143,8 @@ class StatefulOperator:
                  value_schema=FROM_FN, fn=None, output_schema=FROM_FN, conf=None, *, store_name="default",
                  coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=FROM_FN,
                  delay=FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0, clock=None):
+        # what pickles: the arguments given (one left out, FROM_FN, is left out again when unpickled)
+        self._arguments = {name: value for name, value in locals().items() if name != "self" and value is not FROM_FN}
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
             raise ValueError(f"checkpoint_location must be a non-empty str, got {checkpoint_location!r}")
         if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
@@ -185,6 +189,29 @@ class StatefulOperator:
         self._listener = None  # (session, listener)
         self._closed = False
         self._operator_lock = None  # statecore.operator_lock.OperatorLock, from the first batch
+
+    # Pickling (under Spark Connect a foreachBatch function travels pickled, the operator in it,
+    # to a Python process the server starts per query): an operator pickles the arguments its
+    # constructor got, and an unpickled one is constructed again from them. Every attribute is
+    # either made by the constructor from its arguments or belongs to a run; __getstate__ refuses
+    # one in neither list, so that a new attribute gets classified.
+    _FROM_ARGUMENTS = frozenset([
+        "_arguments", "_settings", "checkpoint_location", "operator_id", "num_partitions", "fn", "contract",
+        "key_columns", "event_time", "delay_us", "store_name", "initial_state", "output_batches_to_retain",
+        "fn_batch_rows", "batch_id_offset", "clock", "_conf_arg", "_coordinator_arg", "_own_run_id"])
+    _PER_RUN = frozenset([
+        "conf", "coordinator", "last_progress", "_lock", "_resolved", "_recorded", "_runs", "_current_run",
+        "_listener", "_closed", "_operator_lock"])
+
+    def __getstate__(self):
+        unclassified = sorted(set(vars(self)) - self._FROM_ARGUMENTS - self._PER_RUN)
+        if unclassified:
+            raise TypeError(f"StatefulOperator attribute(s) {unclassified} are neither made from the constructor's "
+                            f"arguments nor per run: classify them (_FROM_ARGUMENTS, _PER_RUN) before pickling")
+        return dict(self._arguments)
+
+    def __setstate__(self, arguments):
+        StatefulOperator.__init__(self, **arguments)
 
     # The schemas: given, fn's attributes, or resolved from the first input's columns.
     key_schema = property(lambda self: self._settings.key_schema)

@@ -8,7 +8,8 @@ A *key* schema (``key=True``, as :func:`key_value_schemas` makes it) also normal
 float fields the way Spark normalizes grouping keys (NormalizeFloatingNumbers): -0.0
 becomes 0.0 and every NaN the one canonical NaN, so that keys Spark groups together are
 one key here; and its bool fields, whose byte numpy lets hold any value (a view of other
-bytes), to 0 or 1, so that every true key is one key. Schemas are immutable and safe to share between threads.
+bytes), to 0 or 1, so that every true key is one key. Schemas are immutable and safe to share between threads;
+they pickle as their dtype and key flag.
 """
 import functools
 import json
@@ -151,6 +152,11 @@ class RowSchema:
 
     def __hash__(self):
         return hash(self.fingerprint)
+
+    def __reduce__(self):
+        """Pickles as what it is built from, its dtype and key flag (its compiled parts are
+        made again): an operator and its ``fn`` travel pickled to Spark's Python workers."""
+        return as_schema, (self.dtype, self.key)
 
     def __repr__(self):
         return f"RowSchema({self.describe()}{', key=True' if self.key else ''})"

@@ -36,16 +36,24 @@ def layer_of(item):
     return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
 
 
+# The fixtures that start Spark: a classic session, a Spark Connect server and its client.
+SPARK_FIXTURES = ("spark", "connect_server", "connect_spark")
+
+
+def starts_spark_by_fixture(item):
+    return any(name in item.fixturenames for name in SPARK_FIXTURES)
+
+
 def misplacement(item, layer):
     """Why a test is in the wrong layer folder, or None."""
-    starts_spark = "spark" in item.fixturenames or item.get_closest_marker("spark") is not None
+    starts_spark = starts_spark_by_fixture(item) or item.get_closest_marker("spark") is not None
     if layer is None:
         return f"its file is not in a layer folder of tests/ ({', '.join(LAYERS)})"
     if layer == "engine" and starts_spark:
-        return ("it starts Spark (the spark fixture or @pytest.mark.spark) "
+        return ("it starts Spark (the spark or connect_spark fixture, or @pytest.mark.spark) "
                 "but is in tests/engine: move it to tests/spark")
     if layer == "spark" and not starts_spark:
-        return ("it is in tests/spark but starts no Spark (neither the spark fixture nor @pytest.mark.spark "
+        return ("it is in tests/spark but starts no Spark (no spark or connect_spark fixture, nor @pytest.mark.spark "
                 "for a Spark of its own): move it to tests/engine")
     return None
 
@@ -59,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
             misplaced.append(f"{item.nodeid}: {reason}")
         for name in LAYERS.get(layer, ()):
             item.add_marker(name)
-        if "spark" in item.fixturenames:
+        if starts_spark_by_fixture(item):
             item.add_marker("spark")
     if misplaced:
         raise pytest.UsageError("tests in the wrong layer (see tests/conftest.py):\n  " + "\n  ".join(misplaced))
@@ -117,13 +125,23 @@ def synced_dirs(monkeypatch):
     return synced
 
 
-@pytest.fixture(scope="session")
-def spark():
-    """One local[2] SparkSession for every Spark test of the run, stopped at the end.
+# The settings of every Spark the suite starts (the classic session and the Connect server).
+SPARK_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    # Spark starts its state stores' maintenance thread once per JVM, at the interval of the
+    # first store loaded: a test that waits for Spark's snapshots and cleanup (test_spark_import)
+    # gets them in a tenth of a second, not after a minute
+    "spark.sql.streaming.stateStore.maintenanceInterval": "100ms",
+}
 
-    Workers run this interpreter (PYSPARK_PYTHON) and import statecore and pyspark_glue from
+
+def set_worker_environment():
+    """Workers run this interpreter (PYSPARK_PYTHON) and import statecore and pyspark_glue from
     the project root (PYTHONPATH, made absolute so it holds whatever the workers' cwd)."""
-    import os
     import sys
 
     root = str(REPO_ROOT)
@@ -136,19 +154,47 @@ def spark():
         paths.insert(0, root)
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession for every Spark test of the run, stopped at the end; its
+    workers as :func:`set_worker_environment` says."""
+    set_worker_environment()
     from pyspark.sql import SparkSession
 
-    session = (SparkSession.builder.master("local[2]").appName("statecore-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.sql.shuffle.partitions", "4")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               # Spark starts its state stores' maintenance thread once per JVM, at the interval
-               # of the first store loaded: a test that waits for Spark's snapshots and cleanup
-               # (test_spark_import) gets them in a tenth of a second, not after a minute
-               .config("spark.sql.streaming.stateStore.maintenanceInterval", "100ms")
-               .getOrCreate())
+    builder = SparkSession.builder.master("local[2]").appName("statecore-tests")
+    for key, value in SPARK_CONF.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory):
+    """One local[2] Spark Connect server for the run (per xdist worker), from PySpark's own
+    jars, with the classic session's settings and workers (``tests/connect_support.py``); its
+    client session is stopped, then the server and what it started, at the end."""
+    from tests.connect_support import start_connect_server
+
+    set_worker_environment()
+    server = start_connect_server(SPARK_CONF, dict(os.environ), str(tmp_path_factory.mktemp("connect-server")))
+    yield server
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    client = ConnectSession.getActiveSession()
+    if client is not None:
+        client.stop()
+    server.stop()
+
+
+@pytest.fixture
+def connect_spark(connect_server, monkeypatch):
+    """A Spark Connect client session of :func:`connect_server`, with PySpark switched to its
+    Connect side for this test (``SPARK_CONNECT_MODE_ENABLED``; unset again afterwards, so that
+    the classic ``spark`` session works in the same process: ``tests/connect_support.py``)."""
+    from tests.connect_support import CONNECT_MODE_VARIABLE, client_session
+
+    monkeypatch.setenv(CONNECT_MODE_VARIABLE, "1")
+    return client_session(connect_server.url)

@@ -14,8 +14,8 @@ from statecore.errors import SchemaMismatchError
 
 from pyspark_glue.operator_fn import OperatorFunction, TaskHandler
 
-from tests.glue_support import (INPUT_DDL, KEY, VALUE, events, expected_state, make_operator, state_dict,
-                                 write_parquet)
+from tests.glue_support import (INPUT_DDL, KEY, VALUE, events, expected_state, make_operator, spark_group_by,
+                                 state_dict, write_parquet)
 from tests.state_files import version_names
 
 
@@ -52,10 +52,11 @@ def test_hashing_keys_in_the_task_agrees_with_spark(spark):
         assert got.tolist() == expected, columns
 
 
-def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=False):
-    """One run of the streaming query (one file per micro-batch), stopped once the files
-    present are processed. Returns (run id, [(batch id, run id the operator used)], operator)."""
-    op = make_operator(state_root)
+def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivation=False, op=None):
+    """One run of the streaming query (one file per micro-batch) with ``op`` (default: a new
+    operator), stopped and the operator closed once the files present are processed. Returns
+    (run id, [(batch id, run id the operator used)], operator)."""
+    op = make_operator(state_root) if op is None else op
     seen = []
 
     def handle(df, batch_id):
@@ -118,6 +119,39 @@ def test_stream_stop_restart_equals_spark_group_by(spark, tmp_path, monkeypatch)
     assert {(u, bytes(r)): (int(row["count"]), int(row["sum"])) for (u, r), row in newest.iterrows()} == state
     assert sunk.groupby("batch").apply(lambda g: not g.duplicated(["user", "region"]).any(),
                                        include_groups=False).all()
+
+
+def test_a_pickled_operator_continues_the_query_it_was_copied_from(spark, tmp_path):
+    """As Spark Connect does at each query start (the foreachBatch function, the operator in it,
+    unpickled afresh in the server's Python process): a query runs two batches, its operator
+    goes through cloudpickle, the query restarts with the copy; the state and the output equal
+    Spark's groupBy().agg() over every batch."""
+    from pyspark import cloudpickle
+
+    from pyspark_glue import read_state
+
+    source, state_root, sink = str(tmp_path / "in"), str(tmp_path / "state"), str(tmp_path / "sink")
+    checkpoint = str(tmp_path / "checkpoint")
+    tables = [events(30 + seed, 400) for seed in range(4)]
+    for i in range(2):
+        write_parquet(source, f"events-{i}.parquet", tables[i])
+    op = make_operator(state_root)
+    _, seen1, _ = run_stream(spark, source, checkpoint, state_root, sink, op=op)
+    assert [b for b, _ in seen1] == [0, 1]
+    copy = cloudpickle.loads(cloudpickle.dumps(op))  # op is closed by now: the copy is as constructed
+    assert copy is not op and copy.last_progress is None
+    for i in range(2, 4):
+        write_parquet(source, f"events-{i}.parquet", tables[i])
+    _, seen2, _ = run_stream(spark, source, checkpoint, state_root, sink, op=copy)
+    assert [b for b, _ in seen2] == [2, 3]
+    assert not copy.last_progress["re_execution"] and copy.last_progress["committed_version"] == 4
+
+    state = state_dict(read_state(spark, state_root, 0))
+    inputs = [spark.read.schema(INPUT_DDL).parquet(os.path.join(source, f"events-{i}.parquet")) for i in range(4)]
+    assert state == spark_group_by(inputs) == expected_state(tables)
+    sunk = spark.read.parquet(sink).toPandas().sort_values("batch")
+    newest = sunk.groupby(["user", "region"]).last()
+    assert {(u, bytes(r)): (int(row["count"]), int(row["sum"])) for (u, r), row in newest.iterrows()} == state
 
 
 def test_same_batch_twice_gives_same_state_and_output(spark, tmp_path):
