@@ -23,6 +23,7 @@ from statecore.ids import StateStoreId, StateStoreProviderId
 from statecore.checkpoint import checked_commit_ids
 
 from pyspark_glue import executor, spark_internals
+from pyspark_glue.session_kind import require_classic
 
 __all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
            "preferred_locations", "load_count_accumulator", "ship_function_module"]
@@ -266,6 +267,7 @@ def ship_function_module(fn):
 
 
 def _map(rdd, fn, state_info, key_schema, value_schema, conf, coordinator, read_only, load_accumulator):
+    require_classic(rdd, "map_partitions_with_read_state_store" if read_only else "map_partitions_with_state_store")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if not isinstance(state_info, StatefulOperatorStateInfo):
@@ -299,7 +301,8 @@ def map_partitions_with_state_store(rdd, fn, state_info, key_schema, value_schem
     Parameters
     ----------
     rdd : pyspark.RDD
-        Its number of partitions must equal ``state_info.num_partitions``.
+        Its number of partitions must equal ``state_info.num_partitions``. A classic session's
+        (a Spark Connect DataFrame or session raises ``ClassicSessionRequired``: ``docs/rdd.md``).
     fn : callable ``(StateStore, iterator of rows) -> iterable``
         Commits the store to write version ``store_version + 1``; otherwise it is aborted.
     state_info : StatefulOperatorStateInfo

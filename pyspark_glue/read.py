@@ -105,6 +105,7 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
     Parameters
     ----------
     spark : SparkSession
+        Classic or Spark Connect: the read needs no SparkContext.
     checkpoint_root : str
         The state root the stores were written under (as given to the operator).
     operator_id : int

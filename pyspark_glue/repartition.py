@@ -31,7 +31,9 @@ def repartition_state(spark, checkpoint_location, operator_id, num_partitions, *
     """Move the state of operator ``operator_id`` under ``checkpoint_location`` to
     ``num_partitions`` partitions with one Spark task per new partition; returns what was
     done (as ``statecore repartition --json`` prints it). Stop the query first: it resumes
-    with ``num_partitions`` partitions and the same state.
+    with ``num_partitions`` partitions and the same state. ``spark`` may be a classic or a
+    Spark Connect session; the planning and the switch run in this process, so it must reach
+    the checkpoint as the executors do.
 
     Raises
     ------

@@ -27,6 +27,7 @@ from pyspark_glue.continuous.sources import ContinuousSource, positive_int
 from pyspark_glue.continuous.task import TaskSpec, task_function
 from pyspark_glue.operator_fn import contract_of
 from pyspark_glue.rdd import ship_function_module
+from pyspark_glue.session_kind import require_classic
 
 __all__ = ["ContinuousQuery", "ContinuousQueryException", "start_continuous", "task_slots"]
 
@@ -116,6 +117,7 @@ class ContinuousQuery:
     def __init__(self, spark, source, fn, checkpoint_location, key_schema, value_schema, output_schema=None,
                  sink_path=None, epoch_interval_ms=1000, conf=None, max_restarts=0, *, store_name="default",
                  poll_interval_ms=5, epoch_backlog_queue_size=10000, logs_to_retain=100, name=None):
+        require_classic(spark, "continuous mode (start_continuous)")
         if not isinstance(source, ContinuousSource) and not all(
                 hasattr(source, a) for a in ("num_partitions", "initial_offset", "reader")):
             raise TypeError(f"source must implement ContinuousSource (num_partitions, initial_offset, reader), got "
@@ -496,6 +498,8 @@ def start_continuous(spark, source, fn, checkpoint_location, key_schema, value_s
     Parameters
     ----------
     spark : SparkSession
+        A classic session (a Spark Connect one raises ``ClassicSessionRequired``:
+        ``docs/continuous.md``, "Limits").
     source : ContinuousSource
         :class:`GeneratorSource`, :class:`FileSource`, or your own.
     fn : OperatorFunction or callable ``(StateStore, pyarrow.RecordBatch) -> RecordBatch | None``
@@ -529,6 +533,8 @@ def start_continuous(spark, source, fn, checkpoint_location, key_schema, value_s
 
     Raises
     ------
+    pyspark_glue.session_kind.ClassicSessionRequired (a TypeError)
+        ``spark`` is a Spark Connect session; nothing was started or written.
     ValueError
         The cluster cannot run one task per partition at once, or the checkpoint was written
         with another number of partitions.
