@@ -511,23 +511,23 @@ def test_a_worker_maps_the_whole_image_another_published_instead_of_replaying_de
         assert isinstance(base, Spill) and base.whole and base.version == v
         name = delta_name(writer, v)
         published[v] = name
-        assert writer._files.published_image(name) is not None, f"the whole spill of {v} was not published"
+        assert writer.files.published_image(name) is not None, f"the whole spill of {v} was not published"
         del reads[:]
         check(opener, model, [v], 500, VALUE)
         assert reads == [], f"version {v} was read from deltas {reads}, not mapped from the published image"
         mapped = opener.held.newest.base
         assert isinstance(mapped, Spill) and mapped.whole and mapped.version == opener.held.newest.version == v
         if v - 2 in published:  # the writer published v - 2 too: it went when v was published
-            assert writer._files.published_image(published[v - 2]) is None
+            assert writer.files.published_image(published[v - 2]) is None
         commit(opener, model, *random_changes(rng, v + 1, 500, 300, 20, VALUE), VALUE)
         check(opener, model, [v + 1], 500, VALUE)
     assert not compactions, "the spill over a mapped whole image did not take it in (a compaction made it whole)"
     check(open_provider(tmp_path, KEY, VALUE), model, [max(model)], 500, VALUE)
     last = workers[(5 - 1) % 2]
     name = published[max(published)]
-    assert last._files.published_image(name) is not None
+    assert last.files.published_image(name) is not None
     last.close()
-    assert last._files.published_image(name) is None, "a closed provider's image is still published"
+    assert last.files.published_image(name) is None, "a closed provider's image is still published"
 
 
 @pytest.mark.parametrize("damage", ["flipped_byte", "another_version"])
@@ -538,13 +538,13 @@ def test_a_published_image_that_is_not_the_version_is_dropped_and_the_version_lo
     as the model has it, and the image is dropped."""
     rng = np.random.default_rng(43)
     writer, model = spilled_whole(tmp_path)
-    with open(writer._files.published_image(delta_name(writer, 1)), "rb") as f:
+    with open(writer.files.published_image(delta_name(writer, 1)), "rb") as f:
         first = f.read()  # version 1's image (it goes when version 2's is published)
     commit(writer, model, *random_changes(rng, 2, 500, 300, 20, VALUE), VALUE)
     with spill_always(), outgrown_at_any_size():
         writer.do_maintenance()
     name = delta_name(writer, 2)
-    path = writer._files.published_image(name)
+    path = writer.files.published_image(name)
     assert path is not None
     if damage == "flipped_byte":
         with open(path, "r+b") as f:
@@ -553,12 +553,12 @@ def test_a_published_image_that_is_not_the_version_is_dropped_and_the_version_lo
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x40]))
     else:  # version 1's image, published as version 2's
-        copy = writer._files.new_image_file("copy")
+        copy = writer.files.new_image_file("copy")
         with copy:
             copy.write(first)
-        writer._files.publish_image(name, copy.name)
+        writer.files.publish_image(name, copy.name)
     reads = count_delta_reads(monkeypatch)
     reader = open_provider(tmp_path, KEY, VALUE)
     check(reader, model, [2], 500, VALUE)
     assert reads, "the version was not loaded from its deltas"
-    assert writer._files.published_image(name) is None, "the image that is not the version is still published"
+    assert writer.files.published_image(name) is None, "the image that is not the version is still published"
