@@ -37,7 +37,7 @@ def layer_of(item):
 
 
 # The fixtures that start Spark: a classic session, a Spark Connect server and its client.
-SPARK_FIXTURES = ("spark", "connect_server", "connect_spark")
+SPARK_FIXTURES = ("spark", "connect_server", "connect_spark", "any_spark")
 
 
 def starts_spark_by_fixture(item):
@@ -198,3 +198,10 @@ def connect_spark(connect_server, monkeypatch):
 
     monkeypatch.setenv(CONNECT_MODE_VARIABLE, "1")
     return client_session(connect_server.url)
+
+
+@pytest.fixture(params=["classic", "connect"])
+def any_spark(request):
+    """The classic session, then a Spark Connect client (:func:`connect_spark`): a test taking
+    it runs under both kinds of session, and should find the same state, output and records."""
+    return request.getfixturevalue("spark" if request.param == "classic" else "connect_spark")
