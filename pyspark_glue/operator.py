@@ -171,6 +171,9 @@ class StatefulOperator:
         self.operator_id = operator_id
         self.num_partitions = num_partitions
         self.fn = fn
+        # fn's module pickled by value if workers cannot import it: from construction on, so that
+        # a foreachBatch function a Spark Connect client pickles carries it too
+        ship_function_module(fn)
         self.contract = settings.contract  # what the operator reads of fn (pyspark_glue.operator_fn)
         self.key_columns = settings.key_columns
         self.event_time, self.delay_us = settings.event_time, settings.delay_us
@@ -252,7 +255,6 @@ class StatefulOperator:
             from pyspark_glue import driver
             coordinator = driver.coordinator_for(spark)
         self.coordinator = coordinator or None
-        ship_function_module(self.fn)
         self._resolved = True
 
     def _resolve_input(self, df):

@@ -94,3 +94,30 @@ def test_under_connect_a_query_run_is_one_session_id_and_one_worker(connect_spar
     assert batches[2]["session_id"] != batches[0]["session_id"] and batches[2]["pid"] != batches[0]["pid"]
     assert os.getpid() not in {b["pid"] for b in batches}
     assert {op.commit_record(b)["query_id"] for b in range(3)} == {None}  # Connect names no query
+
+
+def test_a_batch_run_again_and_an_empty_batch_keep_the_state(any_spark, tmp_path):
+    """The client calling ``process`` itself: a batch run again after a failure gives the same
+    output and state; an empty batch (Spark runs no task for it) still commits every partition;
+    a new operator (a restart) re-running the last batch gets a new run id and the same state."""
+    tables = [events(40 + i, 200) for i in range(3)]
+    dfs = [any_spark.createDataFrame(t.to_pandas(), INPUT_DDL) for t in tables]
+    state_root = str(tmp_path / "state")
+    op = make_operator(state_root, num_partitions=PARTITIONS)
+    op.process(dfs[0], 0)
+    first = sorted(op.process(dfs[1], 1).collect())
+    again = sorted(op.process(dfs[1], 1).collect())
+    assert op.last_progress["re_execution"] and again == first
+    assert state_at(op, 1) == expected_state(tables[:2])
+
+    assert op.process(any_spark.createDataFrame([], INPUT_DDL), 2).count() == 0
+    assert sorted(p["partition_id"] for p in op.last_progress["partitions"]) == list(range(PARTITIONS))
+    assert state_at(op, 2) == expected_state(tables[:2])
+    op.process(dfs[2], 3)
+    op.close()
+
+    restarted = make_operator(state_root, num_partitions=PARTITIONS)
+    restarted.process(dfs[2], 3)
+    assert restarted.commit_record(3)["run_id"] != op.commit_record(2)["run_id"]
+    assert state_at(restarted, 3) == expected_state(tables)
+    restarted.close()
