@@ -734,11 +734,12 @@ class StatefulOperator:
 
 def _empty_partitions(spark, schema, num_partitions):
     """A DataFrame of ``schema`` with no rows in ``num_partitions`` partitions, each of which
-    still runs a task: an empty ``range`` split in that many slices (public on classic and
-    Connect sessions alike), every column a typed null."""
+    still runs a task: a ``range`` of one row per slice (public on classic and Connect sessions
+    alike) filtered to none inside the task (an empty ``range(0, 0)`` ran no task under Spark
+    Connect: tests/spark/test_connect_operator.py), every column a typed null."""
     from pyspark.sql import functions as F
 
-    return spark.range(0, 0, 1, num_partitions).select(
+    return spark.range(0, num_partitions, 1, num_partitions).where(F.col("id") < 0).select(
         *[F.lit(None).cast(field.dataType).alias(field.name) for field in schema.fields])
 
 
