@@ -20,8 +20,9 @@ import sys
 
 from py4j.protocol import Py4JError
 
-__all__ = ["is_connect", "classic_context", "described_job", "spark_context", "context_is_active", "session_settings", "streaming_query_id", "first_session",
-           "jvm_thread_name", "executor_cores", "termination_listener", "rdd_with_preferred_locations"]
+__all__ = ["is_connect", "classic_context", "described_job", "spark_context", "context_is_active",
+           "session_settings", "streaming_query_id", "first_session", "jvm_thread_name", "executor_cores",
+           "termination_listener", "rdd_with_preferred_locations"]
 
 log = logging.getLogger(__name__)
 
