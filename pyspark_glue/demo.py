@@ -1,6 +1,6 @@
 """The main job: a Structured Streaming query on local Spark keeping its state in statecore.
 
-``python -m pyspark_glue.demo [--rows N] [--keys K] [--batches B] [--partitions P] [--dir D] [--keep]``
+``python -m pyspark_glue.demo [--rows N] [--keys K] [--batches B] [--partitions P] [--dir D] [--keep] [--connect]``
 
 A real Structured Streaming query on local Spark (``local[2]``) with local files, no server:
 
@@ -17,6 +17,12 @@ A real Structured Streaming query on local Spark (``local[2]``) with local files
 5. at the end prints the throughput, a sample of the state read back with
    :func:`read_state`, and checks the state against Spark's own ``groupBy().agg()`` over
    the input (exit status 1 if they differ).
+
+With ``--connect`` the same job runs through Spark Connect: a local Connect server started
+from PySpark's own jars (:mod:`pyspark_glue.connect_server`, its log in ``<dir>``), this
+process its client. The ``foreachBatch`` function then runs in the server's Python worker, so
+the per-batch lines are printed after the query, from the operator's batch records and
+Spark's query progress (input rows and time per batch).
 
 ``<dir>`` defaults to a temporary directory, deleted at the end unless ``--keep``; a
 ``--dir`` given is kept, and must be empty or absent.
@@ -51,7 +57,13 @@ def write_input(directory, rows, keys, batches, seed=42):
     return int(sizes.sum())
 
 
-def start_spark(partitions):
+def spark_settings(partitions):
+    return {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": str(partitions), "spark.sql.execution.arrow.maxRecordsPerBatch": "50000",
+            "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}
+
+
+def _worker_environment():
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     # The Python workers import statecore and pyspark_glue as this process does.
@@ -59,20 +71,34 @@ def start_spark(partitions):
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if here not in [os.path.abspath(p) for p in paths]:
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+
+
+def start_spark(partitions):
+    _worker_environment()
     from pyspark.sql import SparkSession
 
     from pyspark_glue import spark_internals
 
-    spark = (SparkSession.builder.master("local[2]").appName("statecore-demo")
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", str(partitions))
-             .config("spark.sql.execution.arrow.maxRecordsPerBatch", "50000")
-             .config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1")
-             .getOrCreate())
+    builder = SparkSession.builder.master("local[2]").appName("statecore-demo")
+    for key, value in spark_settings(partitions).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark_internals.spark_context(spark).setLogLevel("ERROR")
     return spark
+
+
+def start_connect(partitions, directory):
+    """``(client session, server)``: a local Connect server on local[2] and its client."""
+    _worker_environment()
+    from pyspark_glue import connect_server
+
+    server = connect_server.start_connect_server(spark_settings(partitions), dict(os.environ), directory)
+    os.environ[connect_server.CONNECT_MODE_VARIABLE] = "1"  # PySpark's functions build Connect columns
+    try:
+        return connect_server.client_session(server.url), server
+    except BaseException:
+        server.stop()
+        raise
 
 
 def mib(n):
@@ -87,6 +113,8 @@ def main(argv=None):
     parser.add_argument("--partitions", type=int, default=4, help="state partitions (default %(default)s)")
     parser.add_argument("--dir", help="working directory (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--connect", action="store_true",
+                        help="run through a local Spark Connect server started from PySpark's jars")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.keys < 1 or args.batches < 1 or args.partitions < 1:
         parser.error("--rows, --keys, --batches and --partitions must be >= 1")
@@ -115,8 +143,21 @@ def run(args, directory):
           f"in {time.perf_counter() - t0:.1f} s ({source})")
 
     t0 = time.perf_counter()
-    spark = start_spark(args.partitions)
-    print(f"Spark {spark.version} local[2] started in {time.perf_counter() - t0:.1f} s")
+    if args.connect:
+        spark, server = start_connect(args.partitions, directory)
+        print(f"Spark Connect server {spark.version} local[2] started in {time.perf_counter() - t0:.1f} s "
+              f"({server.url}, its log {server.log})")
+    else:
+        spark, server = start_spark(args.partitions), None
+        print(f"Spark {spark.version} local[2] started in {time.perf_counter() - t0:.1f} s")
+    try:
+        return stream(spark, args, source, state_root, sink, checkpoint, total, started)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def stream(spark, args, source, state_root, sink, checkpoint, total, started):
     from pyspark.sql import functions as F
 
     from pyspark_glue import RunningAggregate, StatefulOperator, read_state
@@ -149,6 +190,8 @@ def run(args, directory):
     streaming_s = time.perf_counter() - t0
     operator.close()
     rows = sum(p.numInputRows for p in query.recentProgress)
+    if args.connect:  # handle ran in the server's worker: the batches from the records and progress
+        batches = print_batches_from_records(operator, query.recentProgress)
     batch_s = sum(batches)
     print(f"\nstreamed {rows:,} rows in {len(batches)} batches: {streaming_s:.1f} s wall "
           f"({rows / streaming_s:,.0f} rows/s), {batch_s:.1f} s in foreachBatch ({rows / batch_s:,.0f} rows/s)")
@@ -169,6 +212,21 @@ def run(args, directory):
     spark.stop()
     print(f"total {time.perf_counter() - started:.1f} s")
     return 0 if ok else 1
+
+
+def print_batches_from_records(operator, progress):
+    """One line per batch from the operator's batch records and Spark's query progress (under
+    Connect the ``foreachBatch`` function ran elsewhere); returns each batch's seconds."""
+    seconds = []
+    for p in sorted(progress, key=lambda p: p["batchId"]):
+        record = operator.commit_record(p["batchId"])
+        if record is None:
+            continue
+        seconds.append(p["batchDuration"] / 1000)
+        print(f"batch {p['batchId']:>3}: {seconds[-1]:5.2f} s | {p.numInputRows:>8,} rows in | state version "
+              f"{record['version']} committed by run {record['run_id'][:8]} in {len(record['commit_ids'])} "
+              f"partitions", flush=True)
+    return seconds
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ class StatefulOperator:
         self.operator_id = operator_id
         self.num_partitions = num_partitions
         self.fn = fn
+        # fn's module pickled by value if workers cannot import it: from construction on, so that
+        # a foreachBatch function a Spark Connect client pickles carries it too
+        ship_function_module(fn)
         self.contract = settings.contract  # what the operator reads of fn (pyspark_glue.operator_fn)
         self.key_columns = settings.key_columns
         self.event_time, self.delay_us = settings.event_time, settings.delay_us
@@ -252,7 +255,6 @@ class StatefulOperator:
             from pyspark_glue import driver
             coordinator = driver.coordinator_for(spark)
         self.coordinator = coordinator or None
-        ship_function_module(self.fn)
         self._resolved = True
 
     def _resolve_input(self, df):
@@ -338,11 +340,9 @@ class StatefulOperator:
 
     # -- runs ----------------------------------------------------------------------------------------
 
-    def _run_for(self, df, batch_id):
-        """The run id and generation of this batch; notices new runs and re-executions."""
-        run_id, session = query_runs.streaming_query_run(df)
-        if run_id is None:
-            run_id = self._own_run_id
+    def _run_for(self, run_id, session, batch_id):
+        """The run id and generation of this batch (``run_id``, ``session``: its streaming
+        query's, from :func:`query_runs.streaming_query`); notices new runs and re-executions."""
         with self._lock:
             previous = self._current_run
             self._current_run = run_id
@@ -476,12 +476,12 @@ class StatefulOperator:
             raise ValueError(f"operator {self.operator_id} was repartitioned to {self.num_partitions} partitions "
                              f"after batch {moved['batch_id']}: batch {batch_id} cannot run again (its state was "
                              f"not kept at the new partitioning)")
-        query_id = _streaming_query_id(df)
+        query_id, query_run_id, query_session = query_runs.streaming_query(df, self._own_run_id)
         records = self.commit_log()
         recorded = records.epochs()
         self._refuse_starting_over(batch_id, recorded, query_id)
         batch_timestamp_ms = self._batch_timestamp_ms(batch_id, recorded, clock_ms)
-        run_id, generation, re_execution = self._run_for(df, batch_id)
+        run_id, generation, re_execution = self._run_for(query_run_id, query_session, batch_id)
         records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them
         previous = None if batch_id == 0 else self.commit_record(batch_id - 1)
         state_info = StatefulOperatorStateInfo(self.checkpoint_location, run_id, self.operator_id, batch_id,
@@ -498,26 +498,21 @@ class StatefulOperator:
             event_time=self.event_time, watermarks=watermarks, batch_timestamp_ms=batch_timestamp_ms,
             fn_batch_rows=self.fn_batch_rows)
         started = time.perf_counter()
-        sc = spark_internals.spark_context(spark)
-        description = sc.getLocalProperty("spark.job.description")  # streaming sets one per batch
-        sc.setJobDescription(f"statecore operator {self.operator_id} batch {batch_id}")
         try:
-            with _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
+            with spark_internals.described_job(spark, f"statecore operator {self.operator_id} batch {batch_id}"), \
+                    _job_settings(spark, {_SHUFFLE_PARTITIONS: str(self.num_partitions), _ADAPTIVE: "false"}):
                 routed, routing_keys = self._routed(self._with_initial_state(df, batch_id))
                 task = dataclasses.replace(task, routing_keys=routing_keys)
                 rows = routed.mapInArrow(partition_function(task), TaskStatus.spark_schema()).collect()
                 if not rows:
                     # Spark knew the input empty (a limit(0), an empty local relation) and ran
-                    # no task at all; every partition must still run (timers, TTL, a commit):
-                    # no rows again, in one empty RDD partition per state partition.
-                    empty = spark.createDataFrame(sc.parallelize([], self.num_partitions), routed.schema)
-                    rows = empty.mapInArrow(partition_function(task), TaskStatus.spark_schema()).collect()
+                    # no task at all; every partition must still run (timers, TTL, a commit).
+                    rows = _empty_partitions(spark, routed.schema, self.num_partitions) \
+                        .mapInArrow(partition_function(task), TaskStatus.spark_schema()).collect()
         except BaseException:
             if first_metadata is not None and batch_id == 0 and not recorded:
                 self._drop_failed_first_batch()
             raise
-        finally:
-            sc.setJobDescription(description)
         seconds = time.perf_counter() - started
         statuses = sorted((TaskStatus.from_row(r) for r in rows), key=lambda s: s.partition_id)
         seen = [s.partition_id for s in statuses]
@@ -737,11 +732,15 @@ class StatefulOperator:
                 "late_rows": sum(s.late_rows for s in statuses)})
 
 
-def _streaming_query_id(df):
-    """The persistent id of the streaming query whose ``foreachBatch`` runs (the local
-    property :mod:`pyspark_glue.query_runs` reads too; it survives restarts from the
-    query's checkpoint), or None outside one."""
-    return spark_internals.streaming_query_id(df.sparkSession)
+def _empty_partitions(spark, schema, num_partitions):
+    """A DataFrame of ``schema`` with no rows in ``num_partitions`` partitions, each of which
+    still runs a task: a ``range`` of one row per slice (public on classic and Connect sessions
+    alike) filtered to none inside the task (an empty ``range(0, 0)`` ran no task under Spark
+    Connect: tests/spark/test_connect_operator.py), every column a typed null."""
+    from pyspark.sql import functions as F
+
+    return spark.range(0, num_partitions, 1, num_partitions).where(F.col("id") < 0).select(
+        *[F.lit(None).cast(field.dataType).alias(field.name) for field in schema.fields])
 
 
 def _kind_class(dtype):

@@ -14,16 +14,51 @@ really raise (``AttributeError`` when PySpark moved a name, py4j's ``Py4JError``
 a Java exception and a lost gateway) and logged with what is lost; anything else propagates.
 The rule, for users on other PySpark versions: docs/cluster.md, "PySpark versions".
 """
+import contextlib
 import logging
+import sys
 
 from py4j.protocol import Py4JError
 
-__all__ = ["spark_context", "context_is_active", "session_settings", "streaming_query_id", "first_session",
-           "jvm_thread_name", "executor_cores", "termination_listener", "rdd_with_preferred_locations"]
+__all__ = ["is_connect", "classic_context", "described_job", "spark_context", "context_is_active",
+           "session_settings", "streaming_query_id", "first_session", "jvm_thread_name", "executor_cores",
+           "termination_listener", "rdd_with_preferred_locations"]
 
 log = logging.getLogger(__name__)
 
 _MOVED = (AttributeError, Py4JError)  # what a renamed internal or a gone gateway raises
+
+
+def is_connect(spark):
+    """Whether ``spark`` is a Spark Connect session (``pyspark.sql.connect.session.SparkSession``,
+    which has no SparkContext, no py4j and none of this module's other internals). Checked on
+    PySpark 4.3.0. A process that never imported Connect's session module holds none."""
+    module = sys.modules.get("pyspark.sql.connect.session")
+    return module is not None and isinstance(spark, module.SparkSession)
+
+
+def classic_context(spark):
+    """The SparkContext of a classic SparkSession (or ``spark`` itself if it is a SparkContext),
+    or None under Spark Connect: the one way the glue asks "is there a SparkContext here"."""
+    return None if is_connect(spark) else spark_context(spark)
+
+
+@contextlib.contextmanager
+def described_job(spark, description):
+    """Spark jobs started inside show ``description`` in Spark's UI (``sc.setJobDescription``,
+    the previous one restored afterwards: a streaming query sets one per batch). Checked on
+    PySpark 4.3.0. Under Spark Connect: nothing (a Connect client has no job description;
+    the jobs keep the query's)."""
+    sc = classic_context(spark)
+    if sc is None:
+        yield
+        return
+    before = sc.getLocalProperty("spark.job.description")
+    sc.setJobDescription(description)
+    try:
+        yield
+    finally:
+        sc.setJobDescription(before)
 
 
 def spark_context(spark):

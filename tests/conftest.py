@@ -37,7 +37,7 @@ def layer_of(item):
 
 
 # The fixtures that start Spark: a classic session, a Spark Connect server and its client.
-SPARK_FIXTURES = ("spark", "connect_server", "connect_spark")
+SPARK_FIXTURES = ("spark", "connect_server", "connect_spark", "any_spark")
 
 
 def starts_spark_by_fixture(item):
@@ -174,9 +174,9 @@ def spark():
 @pytest.fixture(scope="session")
 def connect_server(tmp_path_factory):
     """One local[2] Spark Connect server for the run (per xdist worker), from PySpark's own
-    jars, with the classic session's settings and workers (``tests/connect_support.py``); its
+    jars, with the classic session's settings and workers (``pyspark_glue/connect_server.py``); its
     client session is stopped, then the server and what it started, at the end."""
-    from tests.connect_support import start_connect_server
+    from pyspark_glue.connect_server import start_connect_server
 
     set_worker_environment()
     server = start_connect_server(SPARK_CONF, dict(os.environ), str(tmp_path_factory.mktemp("connect-server")))
@@ -193,8 +193,15 @@ def connect_server(tmp_path_factory):
 def connect_spark(connect_server, monkeypatch):
     """A Spark Connect client session of :func:`connect_server`, with PySpark switched to its
     Connect side for this test (``SPARK_CONNECT_MODE_ENABLED``; unset again afterwards, so that
-    the classic ``spark`` session works in the same process: ``tests/connect_support.py``)."""
-    from tests.connect_support import CONNECT_MODE_VARIABLE, client_session
+    the classic ``spark`` session works in the same process: ``pyspark_glue/connect_server.py``)."""
+    from pyspark_glue.connect_server import CONNECT_MODE_VARIABLE, client_session
 
     monkeypatch.setenv(CONNECT_MODE_VARIABLE, "1")
     return client_session(connect_server.url)
+
+
+@pytest.fixture(params=["classic", "connect"])
+def any_spark(request):
+    """The classic session, then a Spark Connect client (:func:`connect_spark`): a test taking
+    it runs under both kinds of session, and should find the same state, output and records."""
+    return request.getfixturevalue("spark" if request.param == "classic" else "connect_spark")

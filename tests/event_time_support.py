@@ -10,8 +10,11 @@ the harness gives statecore's query an empty file for each such batch of Spark's
 both queries run the same batches with the same ids (an empty batch is how a user flushes a
 bounded run: ``docs/event-time.md``, "Flushing")."""
 import contextlib
+import functools
 import json
 import os
+import pickle
+import tempfile
 
 SCHEMA = "id long, ts timestamp, payload string"
 
@@ -51,8 +54,9 @@ def _source(spark, directory, schema, fmt="json"):
 
 
 def _input_rows(query):
-    """{batch id: rows read from the source} of a finished query run."""
-    return {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
+    """{batch id: rows read from the source} of a finished query run (the ``numInputRows``
+    property: a Connect client's progress leaves the key out and sums its sources')."""
+    return {p["batchId"]: p.numInputRows for p in query.recentProgress}
 
 
 def _rows(df, columns):
@@ -60,16 +64,52 @@ def _rows(df, columns):
     return [tuple(tuple(r[c]) if hasattr(r[c], "asDict") else r[c] for c in columns) for r in df.collect()]
 
 
+class BatchReports:
+    """What a ``foreachBatch`` function saw, batch by batch, kept in files: under Spark Connect
+    the function runs in the server's Python worker, where appending to a list of the test's
+    would be lost; the same files serve a classic session. Made beside ``checkpoint``, one
+    directory per run of a query."""
+
+    def __init__(self, checkpoint):
+        parent = os.path.dirname(checkpoint)
+        os.makedirs(parent, exist_ok=True)
+        self.directory = tempfile.mkdtemp(prefix="batch-reports-", dir=parent)
+
+    def writer(self):
+        """``write(batch_id, entry)``, picklable, to call in the ``foreachBatch`` function."""
+        return functools.partial(_write_report, self.directory)
+
+    def read(self):
+        """The entries written, in batch order."""
+        names = sorted(os.listdir(self.directory))
+        out = []
+        for name in names:
+            with open(os.path.join(self.directory, name), "rb") as f:
+                out.append(pickle.load(f))
+        return out
+
+
+def _write_report(directory, batch_id, entry):
+    path = os.path.join(directory, f"{batch_id:08d}.pickle")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(entry, f)
+    os.replace(path + ".tmp", path)
+
+
 def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA, columns=None, fmt="json"):
     """Spark's own query over the files not yet read; appends ``(batch_id, rows, late_rows,
     input rows)`` per batch to ``seen`` (rows as tuples of ``columns``), data or not."""
+    reports = BatchReports(checkpoint)
+    report = reports.writer()
+
     def collect(df, batch_id):
-        seen.append([batch_id, _rows(df, columns or df.columns), None])
+        report(batch_id, [batch_id, _rows(df, columns or df.columns), None])
 
     writer = transform(_source(spark, directory, schema, fmt)).writeStream.foreachBatch(collect)
     writer = writer.outputMode(getattr(transform, "output_mode", "append"))
     query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
     query.awaitTermination()
+    seen.extend(reports.read())
     late = {p["batchId"]: sum(op.get("numRowsDroppedByWatermark", 0) for op in p.get("stateOperators", []))
             for p in query.recentProgress}
     inputs = _input_rows(query)
@@ -82,16 +122,21 @@ def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA
 
 def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCHEMA, columns=None, fmt="json"):
     """statecore's query over the files not yet read; appends ``(batch_id, rows, late_rows,
-    input rows)`` per batch to ``seen``."""
+    input rows)`` per batch to ``seen`` (the late rows from the operator's ``last_progress``
+    where it ran: the client's process, or under Connect the server's worker)."""
+    reports = BatchReports(checkpoint)
+    report = reports.writer()
+
     def process(df, batch_id):
         out = operator.process(df, batch_id)
-        seen.append([batch_id, _rows(out, columns or out.columns), operator.last_progress.get("late_rows", 0)])
+        report(batch_id, [batch_id, _rows(out, columns or out.columns), operator.last_progress.get("late_rows", 0)])
 
     query = (_source(spark, directory, schema, fmt).writeStream.foreachBatch(process)
              .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
     query.awaitTermination()
     if query.exception() is not None:
         raise query.exception()
+    seen.extend(reports.read())
     inputs = _input_rows(query)
     for entry in seen:
         if len(entry) == 3:
@@ -126,7 +171,8 @@ def compare_with_spark(spark, tmp_path, batches, phases, spark_transform, make_o
                     ours_in, spark_seen, ours_seen)
     finally:
         spark.conf.set(arrow_batch, before)
-    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen]
+    assert [e[0] for e in ours_seen] == [e[0] for e in spark_seen], \
+        f"batches: ours {[(e[0], e[3]) for e in ours_seen]}, Spark's {[(e[0], e[3]) for e in spark_seen]}"
     return spark_seen, ours_seen
 
 

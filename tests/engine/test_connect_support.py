@@ -1,12 +1,12 @@
-"""The suite's Connect server support (tests/connect_support.py) without a JVM: a stand-in
+"""The suite's Connect server support (pyspark_glue/connect_server.py) without a JVM: a stand-in
 ``spark-submit`` (a shell script in a fake SPARK_HOME) that logs what a real server logs, or
 fails. The real server: tests/spark/test_connect.py."""
 import os
 
 import pytest
 
-from tests import connect_support
-from tests.connect_support import start_connect_server
+from pyspark_glue import connect_server as connect_support
+from pyspark_glue.connect_server import start_connect_server
 
 STARTED_LINE = "26/11/29 05:36:12 INFO SparkConnectServer: Spark Connect server started at: 127.0.0.1:45619"
 

@@ -193,7 +193,7 @@ class _FakeContext:
     _jsc = object()
 
     def getConf(self):
-        return {"spark.driver.host": "127.0.0.1"}
+        return {"spark.driver.host": "127.0.0.1", "spark.app.id": "app-fake"}
 
 
 def test_the_driver_coordinator_lives_as_long_as_its_context(monkeypatch):

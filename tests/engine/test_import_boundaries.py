@@ -179,7 +179,9 @@ def test_the_wheel_lists_every_package():
 # glue reaches only through pyspark_glue/spark_internals.py.
 SPARK_INTERNAL_NAMES = {"_jvm", "_jsc", "_jdf", "sparkContext", "py4j", "Py4JError", "_active_spark_context",
                         "_instantiatedSession", "_jlistener", "_jrdd", "_prev_jrdd", "_jrdd_deserializer",
-                        "_prev_jrdd_deserializer", "_reserialize", "_is_pipelinable", "_gateway"}
+                        "_prev_jrdd_deserializer", "_reserialize", "_is_pipelinable", "_gateway",
+                        # a SparkContext's, which a Spark Connect session lacks
+                        "setJobDescription", "getLocalProperty"}
 
 
 def _names_in_code(path):

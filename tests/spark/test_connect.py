@@ -1,4 +1,4 @@
-"""The suite's local Spark Connect server (tests/connect_support.py, the ``connect_spark``
+"""The suite's local Spark Connect server (pyspark_glue/connect_server.py, the ``connect_spark``
 fixture): a streaming query's ``foreachBatch`` function runs in a Python process the server
 starts, with a Connect session; a classic session and a Connect client live in one pytest
 process, PySpark's functions switched between them by ``SPARK_CONNECT_MODE_ENABLED``."""
@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from tests.connect_support import CONNECT_MODE_VARIABLE
+from pyspark_glue.connect_server import CONNECT_MODE_VARIABLE
 from tests.glue_support import INPUT_DDL, events, write_parquet
 
 

@@ -36,8 +36,10 @@ def as_multiset(rows):
     return collections.Counter(rows)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_deduplicate_matches_spark_dropDuplicatesWithinWatermark_across_a_restart(spark, tmp_path, seed):
+# Connect runs once per fn kind: the first case of each (the "any_spark" fixture, tests/conftest.py)
+@pytest.mark.parametrize("any_spark,seed", [("classic", 0), ("classic", 1), ("connect", 0)], indirect=["any_spark"])
+def test_deduplicate_matches_spark_dropDuplicatesWithinWatermark_across_a_restart(any_spark, tmp_path, seed):
+    spark = any_spark
     rng = np.random.default_rng(seed)
     batches = dedup_batches(rng, n_batches=8, rows_per_batch=120, keys=60, step_s=4.0, jitter_s=3.0,
                             late_fraction=0.15)
@@ -149,9 +151,12 @@ WINDOW_AGGREGATES = {"n": ("count", "*"), "n_amount": ("count", "amount"), "tota
                      "lo": ("min", "amount"), "hi": ("max", "amount")}
 
 
-@pytest.mark.parametrize("window,slide,mode", [("10 seconds", None, "append"), ("10 seconds", "4 seconds", "append"),
-                                               ("6 seconds", "3 seconds", "update")])
-def test_windowed_aggregate_matches_spark_across_a_restart(spark, tmp_path, window, slide, mode):
+@pytest.mark.parametrize("any_spark,window,slide,mode", [
+    ("classic", "10 seconds", None, "append"), ("classic", "10 seconds", "4 seconds", "append"),
+    ("classic", "6 seconds", "3 seconds", "update"), ("connect", "10 seconds", "4 seconds", "append")],
+    indirect=["any_spark"])
+def test_windowed_aggregate_matches_spark_across_a_restart(any_spark, tmp_path, window, slide, mode):
+    spark = any_spark
     from pyspark.sql import functions as F
 
     from pyspark_glue import WindowedAggregate
@@ -214,8 +219,10 @@ class _in_update_mode:
         return self.transform(df)
 
 
-@pytest.mark.parametrize("gap,keys", [("4 seconds", 40), ("2 seconds", 80)])
-def test_session_window_matches_spark_across_a_restart(spark, tmp_path, gap, keys):
+@pytest.mark.parametrize("any_spark,gap,keys", [("classic", "4 seconds", 40), ("classic", "2 seconds", 80),
+                                                 ("connect", "4 seconds", 40)], indirect=["any_spark"])
+def test_session_window_matches_spark_across_a_restart(any_spark, tmp_path, gap, keys):
+    spark = any_spark
     from pyspark.sql import functions as F
 
     from pyspark_glue import SessionWindow

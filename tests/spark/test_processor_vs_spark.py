@@ -427,10 +427,11 @@ RECALL_BATCHES = [  # (user, x); u1 in consecutive batches, u2 with gaps, u4 onl
 ]
 
 
-def test_processing_time_ttl_matches_transformWithStateInPandas_batch_by_batch(spark, tmp_path):
+def test_processing_time_ttl_matches_transformWithStateInPandas_batch_by_batch(any_spark, tmp_path):
     """Value, list and map state with a 1 ms TTL (gone in the next batch) and a 1 hour TTL
     (kept throughout), read before each write: what expired shows in each batch's output,
-    and statecore's equals Spark's."""
+    and statecore's equals Spark's; under a classic session and under Spark Connect."""
+    spark = any_spark
     tables = [pa.table({"user": pa.array([u for u, _ in rows], pa.int64()), "x": pa.array([x for _, x in rows],
                                                                                          pa.int64())})
               for rows in RECALL_BATCHES]
