@@ -29,12 +29,20 @@ log = logging.getLogger(__name__)
 _MOVED = (AttributeError, Py4JError)  # what a renamed internal or a gone gateway raises
 
 
-def is_connect(spark):
-    """Whether ``spark`` is a Spark Connect session (``pyspark.sql.connect.session.SparkSession``,
-    which has no SparkContext, no py4j and none of this module's other internals). Checked on
-    PySpark 4.3.0. A process that never imported Connect's session module holds none."""
-    module = sys.modules.get("pyspark.sql.connect.session")
-    return module is not None and isinstance(spark, module.SparkSession)
+_CONNECT_CLASSES = (("pyspark.sql.connect.session", "SparkSession"), ("pyspark.sql.connect.dataframe", "DataFrame"))
+
+
+def is_connect(obj):
+    """Whether ``obj`` is a Spark Connect session or DataFrame (``pyspark.sql.connect.session.
+    SparkSession``, ``pyspark.sql.connect.dataframe.DataFrame``: no SparkContext, no py4j and none
+    of this module's other internals). Checked on PySpark 4.3.0. The modules are looked up among
+    those already imported, never imported here: a process that never imported them holds no
+    Connect object, and importing them needs the Connect client's packages (grpcio ...)."""
+    for module_name, class_name in _CONNECT_CLASSES:
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(obj, getattr(module, class_name)):
+            return True
+    return False
 
 
 def classic_context(spark):

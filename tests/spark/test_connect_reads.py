@@ -4,7 +4,7 @@ only) reads and moves the state a query wrote and gets what a classic session ge
 sessions live in this process; PySpark's side is switched per call (:func:`on_side`)."""
 import shutil
 
-from tests.connect_support import CONNECT_MODE_VARIABLE
+from pyspark_glue.connect_server import CONNECT_MODE_VARIABLE
 from tests.glue_support import events_df, make_operator
 from tests.spark.test_glue_read import CountThenForget
 
@@ -13,7 +13,7 @@ BATCHES = 5
 
 def on_side(session, monkeypatch):
     """``session``, with PySpark switched to its side (``SPARK_CONNECT_MODE_ENABLED`` set for a
-    Connect session, unset for a classic one: ``tests/connect_support.py``)."""
+    Connect session, unset for a classic one: ``pyspark_glue/connect_server.py``)."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
     if isinstance(session, ConnectSession):
