@@ -11,6 +11,17 @@ from pyspark_glue.connect_server import CONNECT_MODE_VARIABLE
 from tests.glue_support import INPUT_DDL, events, write_parquet
 
 
+def run_available(session, source, handle, checkpoint):
+    """A streaming query of ``source``'s parquet files through ``foreachBatch(handle)``, run
+    until it has processed what is there, then stopped."""
+    query = (session.readStream.schema(INPUT_DDL).parquet(str(source)).writeStream.foreachBatch(handle)
+             .option("checkpointLocation", str(checkpoint)).start())
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+
+
 def test_a_foreach_batch_query_runs_on_the_connect_server_with_a_connect_session(connect_spark, tmp_path):
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
@@ -25,12 +36,7 @@ def test_a_foreach_batch_query_runs_on_the_connect_server_with_a_connect_session
         with open(os.path.join(str(seen), f"{batch_id}.json"), "w") as f:
             json.dump(report, f)
 
-    query = (connect_spark.readStream.schema(INPUT_DDL).parquet(str(source)).writeStream.foreachBatch(handle)
-             .option("checkpointLocation", str(tmp_path / "checkpoint")).start())
-    try:
-        query.processAllAvailable()
-    finally:
-        query.stop()
+    run_available(connect_spark, source, handle, tmp_path / "checkpoint")
     assert sorted(os.listdir(seen)) == ["0.json"]
     with open(seen / "0.json") as f:
         report = json.load(f)
@@ -78,12 +84,7 @@ def test_an_operator_in_a_foreach_batch_function_reaches_the_connect_worker_as_c
         with open(os.path.join(str(seen), f"{batch_id}.json"), "w") as f:
             json.dump(report, f)
 
-    query = (connect_spark.readStream.schema(INPUT_DDL).parquet(str(source)).writeStream.foreachBatch(handle)
-             .option("checkpointLocation", str(tmp_path / "checkpoint")).start())
-    try:
-        query.processAllAvailable()
-    finally:
-        query.stop()
+    run_available(connect_spark, source, handle, tmp_path / "checkpoint")
     with open(seen / "0.json") as f:
         report = json.load(f)
     assert report.pop("pid") != os.getpid()
