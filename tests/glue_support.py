@@ -65,6 +65,19 @@ def state_dict(df):
     return {(r["user"], bytes(r["region"])): (r["count"], r["sum"]) for r in df.collect()}
 
 
+def stream_files(spark, ddl, source, handle, checkpoint):
+    """A streaming query over ``source``'s parquet files (one file a micro-batch) through
+    ``foreachBatch(handle)``, run until it has processed the files present, then stopped; the
+    stopped query (its ``runId``, its progress)."""
+    query = (spark.readStream.schema(ddl).option("maxFilesPerTrigger", 1).parquet(source)
+             .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint).start())
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    return query
+
+
 def make_operator(state_root, fn=None, num_partitions=4, **kwargs):
     """A StatefulOperator keeping a RunningAggregate of ``amount`` per (user, region) (or
     running ``fn`` with that aggregate's schemas)."""

@@ -7,9 +7,8 @@ not from the client's copy of the operator."""
 import json
 import os
 
-from pyspark_glue.operator_fn import OperatorFunction
-
-from tests.glue_support import INPUT_DDL, events, expected_state, make_operator, store_rows, write_parquet
+from tests.glue_support import (INPUT_DDL, events, expected_state, make_operator, store_rows, stream_files,
+                                write_parquet)
 
 PARTITIONS = 4
 
@@ -36,12 +35,7 @@ def run_query(spark, source, checkpoint, op, sink, seen):
         with open(os.path.join(seen, f"{batch_id}.json"), "w") as f:
             json.dump({"session_id": session_id, "pid": os.getpid()}, f)
 
-    query = (spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
-             .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint).start())
-    try:
-        query.processAllAvailable()
-    finally:
-        query.stop()
+    stream_files(spark, INPUT_DDL, source, handle, checkpoint)
 
 
 def read_seen(seen, batch_id):

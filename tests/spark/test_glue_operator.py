@@ -15,7 +15,7 @@ from statecore.errors import SchemaMismatchError
 from pyspark_glue.operator_fn import OperatorFunction, TaskHandler
 
 from tests.glue_support import (INPUT_DDL, KEY, VALUE, events, expected_state, make_operator, spark_group_by,
-                                 state_dict, write_parquet)
+                                 state_dict, stream_files, write_parquet)
 from tests.state_files import version_names
 
 
@@ -64,12 +64,7 @@ def run_stream(spark, source, checkpoint, state_root, sink, wait_for_deactivatio
         out.write.mode("overwrite").parquet(f"{sink}/batch={batch_id}")
         seen.append((batch_id, op.last_progress["query_run_id"]))
 
-    query = (spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
-             .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint).start())
-    try:
-        query.processAllAvailable()
-    finally:
-        query.stop()
+    query = stream_files(spark, INPUT_DDL, source, handle, checkpoint)
     run_id = uuid.UUID(query.runId)
     if wait_for_deactivation:
         provider_id = StateStoreProviderId(StateStoreId(state_root, 0, 0), run_id)
