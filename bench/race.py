@@ -27,7 +27,12 @@ update mode. Contenders, each in a fresh Python process with its own Spark sessi
   operator is this plus its state, its output and its commit);
 - ``agg_hop_floor`` (a diagnostic): the batch aggregated per key in Spark (as
   ``stream_floor``) and its rows handed to Python by ``mapInArrow``, which only counts them:
-  the floor of an operator that lets Spark aggregate first (statecore's pre-aggregation).
+  the floor of an operator that lets Spark aggregate first (statecore's pre-aggregation);
+- ``statecore_connect``, ``stream_floor_connect``: ``statecore`` and ``stream_floor`` through
+  a Spark Connect client of a local Connect server with the same settings
+  (``pyspark_glue/connect_server.py``): the ``foreachBatch`` function runs in the Python
+  process the server starts for the query. The ratio of each to its classic self in the
+  same run is in the results (``statecore_connect_batch_over_statecore``).
 
 Spark's queries write their updated rows to the ``noop`` sink; statecore's operator writes its
 updated rows as parquet files (its materialized output), which is more work, not less (the
@@ -80,10 +85,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
 CONTENDERS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "hdfs", "rocksdb", "rocksdb_changelog",
-              "pandas_state", "tws_pandas", "statecore", "statecore_raw", "statecore_pre")
-FLOORS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor")  # keep no state: what the others are held against
+              "pandas_state", "tws_pandas", "statecore", "statecore_raw", "statecore_pre",
+              "stream_floor_connect", "statecore_connect")
+# keep no state: what the others are held against
+FLOORS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "stream_floor_connect")
 # statecore's contenders: RunningAggregate's pre_aggregate for each
 STATECORE_PRE_AGGREGATE = {"statecore": "auto", "statecore_raw": False, "statecore_pre": True}
+# ``<contender>_connect``: the same query through a Spark Connect client of a local Connect
+# server with the same settings
+CONNECT_SUFFIX = "_connect"
 SLOW = ("pandas_state", "tws_pandas")
 RESTART_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "statecore")
 _PROVIDERS = {
@@ -239,43 +249,67 @@ def _descendants(root):
 
 # -- Spark ---------------------------------------------------------------------------------------------
 
-def start_spark(name, contender, driver_memory, image_cache=None, unix_socket=False):
-    """The contender's local[2] session; ``image_cache``: statecore's local image cache
-    (``spark.statecore.localCacheDir``), inside the contender's work directory: a restart in
-    that directory (another process) finds the images its first run left, as a restart on
-    the same machine would, and they go with the directory. ``unix_socket``: Python workers
-    on a Unix domain socket (docs/cluster.md, "Settings that matter"), else Spark's default,
-    TCP on the loopback; only contenders with Python workers are affected."""
+def spark_settings(name, contender, driver_memory, image_cache=None, unix_socket=False):
+    """The Spark settings of ``contender``'s local[2] session (see :func:`start_spark`)."""
+    conf = {"spark.app.name": f"statecore-race-{name}",
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.driver.memory": driver_memory,
+            "spark.sql.shuffle.partitions": "2",
+            "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+            "spark.python.unix.domain.socket.enabled": str(unix_socket).lower()}
+    contender = contender.removesuffix(CONNECT_SUFFIX)
+    if contender in ("floor", "stream_floor", "agg_hop_floor"):  # the same two partitions as the streaming plans
+        conf["spark.sql.adaptive.enabled"] = "false"
+    if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
+        conf["spark.sql.streaming.stateStore.providerClass"] = _PROVIDERS["rocksdb"]
+    elif contender in ("hdfs", "pandas_state"):
+        conf["spark.sql.streaming.stateStore.providerClass"] = _PROVIDERS["hdfs"]
+    if contender == "rocksdb_changelog":
+        conf[_CHANGELOG] = "true"
+    if image_cache is not None:
+        conf["spark.statecore.localCacheDir"] = image_cache
+    return conf
+
+
+def start_spark(name, contender, driver_memory, image_cache=None, unix_socket=False, work=None):
+    """``(session, stop)``: the contender's local[2] session and what ends it. ``image_cache``:
+    statecore's local image cache (``spark.statecore.localCacheDir``), inside the contender's
+    work directory: a restart in that directory (another process) finds the images its first
+    run left, as a restart on the same machine would, and they go with the directory.
+    ``unix_socket``: Python workers on a Unix domain socket (docs/cluster.md, "Settings that
+    matter"), else Spark's default, TCP on the loopback; only contenders with Python workers are
+    affected. A ``*_connect`` contender gets a Spark Connect client of a local Connect server
+    with the same settings (``pyspark_glue/connect_server.py``, its log in ``work``)."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if ROOT not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
+    conf = spark_settings(name, contender, driver_memory, image_cache, unix_socket)
+    if contender.endswith(CONNECT_SUFFIX):
+        from pyspark_glue import connect_server
+
+        server = connect_server.start_connect_server(conf, dict(os.environ), work or tempfile.mkdtemp())
+        os.environ[connect_server.CONNECT_MODE_VARIABLE] = "1"  # PySpark's functions build Connect columns
+        spark = connect_server.client_session(server.url)
+
+        def stop():
+            spark.stop()
+            server.stop()
+
+        return spark, stop
     from pyspark.sql import SparkSession
 
-    builder = (SparkSession.builder.master("local[2]").appName(f"statecore-race-{name}")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.driver.memory", driver_memory)
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-               .config("spark.python.unix.domain.socket.enabled", str(unix_socket).lower()))
-    if contender in ("floor", "stream_floor", "agg_hop_floor"):  # the same two partitions as the streaming plans
-        builder = builder.config("spark.sql.adaptive.enabled", "false")
-    if contender in ("rocksdb", "rocksdb_changelog", "tws_pandas"):
-        builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["rocksdb"])
-    elif contender in ("hdfs", "pandas_state"):
-        builder = builder.config("spark.sql.streaming.stateStore.providerClass", _PROVIDERS["hdfs"])
-    if contender == "rocksdb_changelog":
-        builder = builder.config(_CHANGELOG, "true")
-    if image_cache is not None:
-        builder = builder.config("spark.statecore.localCacheDir", image_cache)
+    builder = SparkSession.builder.master("local[2]")
+    for key, value in conf.items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return spark, spark.stop
 
 
 def _count_sum_pandas(key, pdfs, state):
@@ -343,10 +377,21 @@ def operator_writer(events, operator):
     return events.writeStream.foreachBatch(process)
 
 
+def remote_operator_writer(events, operator):
+    """:func:`operator_writer` under Spark Connect: the function runs in the server's Python
+    process, so the operator's progress stays there (the query's own progress is read)."""
+    def process(df, batch_id):
+        operator.process(df, batch_id, read_output=False)
+
+    return events.writeStream.foreachBatch(process)
+
+
 def start_query(spark, contender, source, checkpoint, state_root):
     """The streaming query of ``contender`` over ``source`` (every file present, one per trigger)."""
     from pyspark.sql import functions as F
 
+    remote = contender.endswith(CONNECT_SUFFIX)
+    contender = contender.removesuffix(CONNECT_SUFFIX)
     events = spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
     operator = None
     if contender in ("hdfs", "rocksdb", "rocksdb_changelog"):
@@ -378,7 +423,10 @@ def start_query(spark, contender, source, checkpoint, state_root):
         writer = events.writeStream.foreachBatch(aggregate_and_hop)
     elif contender in STATECORE_PRE_AGGREGATE:
         operator = _statecore_operator(state_root, pre_aggregate=STATECORE_PRE_AGGREGATE[contender])
-        writer = operator_writer(events, operator)
+        if remote:
+            writer, operator = remote_operator_writer(events, operator), None
+        else:
+            writer = operator_writer(events, operator)
     else:
         writer = out.writeStream.outputMode("update").format("noop")
     query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
@@ -386,14 +434,22 @@ def start_query(spark, contender, source, checkpoint, state_root):
 
 
 def _progress(query):
-    return [json.loads(p.json) if hasattr(p, "json") else dict(p) for p in query.recentProgress]
+    """The query's progress as dicts, each with its ``numInputRows`` (a Connect client's JSON
+    holds only the sources' counts)."""
+    out = []
+    for p in query.recentProgress:
+        p = json.loads(p.json) if hasattr(p, "json") else dict(p)
+        p.setdefault("numInputRows", sum(s.get("numInputRows", 0) for s in p.get("sources", [])))
+        out.append(p)
+    return out
 
 
 def run_streaming(args, start_query=start_query):
     """One contender's batches (worker process); returns the result dict. ``start_query``:
     :func:`start_query` or another with its signature (the event-time race's)."""
-    spark = start_spark(args.name, args.contender, args.driver_memory, os.path.join(args.work, "image-cache"),
-                        unix_socket=getattr(args, "unix_socket", False))
+    spark, stop_spark = start_spark(args.name, args.contender, args.driver_memory,
+                                    os.path.join(args.work, "image-cache"),
+                                    unix_socket=getattr(args, "unix_socket", False), work=args.work)
     checkpoint = os.path.join(args.work, "checkpoint")
     state_root = os.path.join(args.work, "statecore")
     with MemorySampler() as memory:
@@ -429,10 +485,10 @@ def run_streaming(args, start_query=start_query):
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
               "python_workers_peak_bytes": memory.workers_peak, "cpu_s": _cpu_of(memory),
               # measured here, before any later run (a restart) adds to the same checkpoint
-              "state_bytes": tree_bytes(state_root, skip=("_output",)) if operator is not None
+              "state_bytes": tree_bytes(state_root, skip=("_output",)) if args.contender.startswith("statecore")
               else tree_bytes(os.path.join(checkpoint, "state")),
               "checkpoint_bytes": tree_bytes(checkpoint)}
-    spark.stop()
+    stop_spark()
     return result
 
 
@@ -445,7 +501,7 @@ def run_floor(args, schema=INPUT_DDL, query=None):
         def query(df):
             return df.groupBy("key").agg(F.count(F.lit(1)).alias("count"), F.sum("amount").alias("sum"))
 
-    spark = start_spark(args.name, "floor", args.driver_memory)
+    spark, stop_spark = start_spark(args.name, "floor", args.driver_memory)
     files = sorted(f for f in os.listdir(args.source) if f.endswith(".parquet"))
     batches = []
     with MemorySampler() as memory:
@@ -455,7 +511,7 @@ def run_floor(args, schema=INPUT_DDL, query=None):
             out.write.format("noop").mode("overwrite").save()
             seconds = time.perf_counter() - t0
             batches.append({"rows": None, "seconds": seconds, "commit_s": 0.0})
-    spark.stop()
+    stop_spark()
     return {"batches": batches, "jvm_peak_bytes": memory.jvm_peak, "python_workers_peak_bytes": memory.workers_peak,
             "cpu_s": _cpu_of(memory)}
 
@@ -686,10 +742,15 @@ def add_ratios(results):
                     if "batch_p95_s" in sc and "batch_p95_s" in table[floor]:
                         r[f"{ours}_p95_over_{floor}"] = sc["batch_p95_s"] / table[floor]["batch_p95_s"]
             for other in CONTENDERS:
-                if other in table and other not in (*STATECORE_PRE_AGGREGATE, *FLOORS):
+                if other in table and other not in (*STATECORE_PRE_AGGREGATE, *FLOORS) \
+                        and not other.endswith(CONNECT_SUFFIX):
                     r[f"{tag}speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
                     if "state_bytes" in table[other]:
                         r[f"{tag}state_bytes_vs_{other}"] = sc["state_bytes"] / max(1, table[other]["state_bytes"])
+        for remote in table:  # Spark Connect against the classic session, the same query in the same run
+            classic = remote.removesuffix(CONNECT_SUFFIX)
+            if remote != classic and classic in table:
+                r[f"{remote}_batch_over_{classic}"] = table[remote]["batch_s"] / table[classic]["batch_s"]
         if r:
             ratios[keys] = r
     for n, table in results["restart"].items():

@@ -286,8 +286,9 @@ def output_schemas(schema):
     """``(StructType, pyarrow.Schema)`` of an output schema given as a StructType, a DDL
     string or None (``(None, None)``: no output). A DDL string of simple columns is read
     here (:func:`parse_simple_ddl`: no Spark needed); any other goes to Spark's parser."""
-    from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import StructType
+
+    from pyspark_glue.spark_internals import arrow_schema_of
 
     if schema is None:
         return None, None
@@ -295,7 +296,7 @@ def output_schemas(schema):
         schema = parse_simple_ddl(schema) or StructType.fromDDL(schema)
     if not isinstance(schema, StructType):
         raise TypeError(f"output_schema must be a StructType, a DDL string or None, got {type(schema).__name__}")
-    return schema, to_arrow_schema(schema, timezone="UTC")
+    return schema, arrow_schema_of(schema)
 
 
 def joined_batches(batches, max_rows, max_bytes):

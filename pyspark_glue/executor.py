@@ -17,6 +17,7 @@ import time
 from urllib.parse import parse_qs, urlparse
 
 from statecore import registry
+from statecore.rpc import CALL_ERRORS
 from statecore.coordinator import StateStoreCoordinatorRef, executor_location, executor_of, parse_executor_location
 
 __all__ = ["executor_identity", "worker_executor_id", "spark_location", "ensure_worker_registry",
@@ -154,7 +155,7 @@ class _TolerantCoordinatorRef:
                 return neutral
         try:
             return method(*args)
-        except Exception as e:
+        except CALL_ERRORS as e:
             with self._lock:
                 self._down_until = time.monotonic() + COORDINATOR_RETRY_S
             log.warning("state store coordinator at %s unreachable (%s: %s) during %s; not calling it for %g s",

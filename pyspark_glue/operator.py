@@ -24,6 +24,7 @@ from statecore.spark_hash import FIXED_WIDTH_TYPES
 from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
+from statecore.rpc import CALL_ERRORS
 
 from pyspark_glue import query_runs, spark_internals
 from pyspark_glue.clocks import WallClock, as_millis
@@ -120,6 +121,13 @@ class StatefulOperator:
         batch ids start at 0 again) over state that already holds batches up to ``n``
         (written by ``statecore import-spark``, or by a query whose checkpoint is gone):
         ``batch_id_offset=n + 1`` continues from that state (``docs/operator.md``).
+    initial_state : DataFrame or callable, optional
+        For a fn with ``handle_initial_state`` (a StatefulProcessor): rows that batch 0 hands to
+        it before its input, as Spark's ``transformWithState(initialState=...)``. A DataFrame,
+        or a function of the batch's session returning one (``lambda spark:
+        spark.read.parquet(path)``): under Spark Connect the ``foreachBatch`` function travels
+        pickled to the server's Python process, and a DataFrame cannot, so the function is what
+        works there (``docs/connect.md``).
     clock : object with ``now_ms()``, default :class:`~pyspark_glue.clocks.WallClock`
         Where each batch's processing time comes from (read once per batch on the driver, as
         the batch begins; a batch run again over its own record keeps the recorded time).
@@ -178,6 +186,9 @@ class StatefulOperator:
         self.key_columns = settings.key_columns
         self.event_time, self.delay_us = settings.event_time, settings.delay_us
         self.store_name = store_name
+        if initial_state is not None and not (callable(initial_state) or _is_dataframe(initial_state)):
+            raise TypeError(f"initial_state must be a DataFrame or a function of the session returning one, "
+                            f"got {type(initial_state).__name__}")
         self.initial_state = initial_state
         self.output_batches_to_retain = output_batches_to_retain
         self.last_progress = None
@@ -211,6 +222,11 @@ class StatefulOperator:
         if unclassified:
             raise TypeError(f"StatefulOperator attribute(s) {unclassified} are neither made from the constructor's "
                             f"arguments nor per run: classify them (_FROM_ARGUMENTS, _PER_RUN) before pickling")
+        if _is_dataframe(self.initial_state):
+            raise TypeError("this StatefulOperator's initial_state is a DataFrame, which cannot be pickled (as Spark "
+                            "Connect pickles a foreachBatch function to run it in the server's Python process): "
+                            "give initial_state as a function of the session returning the DataFrame, such as "
+                            "initial_state=lambda spark: spark.read.parquet(path)")
         return dict(self._arguments)
 
     def __setstate__(self, arguments):
@@ -366,7 +382,7 @@ class StatefulOperator:
             self._listener = (session, listener)
         try:
             session.streams.addListener(listener)
-        except Exception as e:
+        except spark_internals.SPARK_CALL_ERRORS as e:
             log.warning("cannot watch for query termination (instances are deactivated at the next run or "
                         "at close()): %s", e)
 
@@ -379,7 +395,7 @@ class StatefulOperator:
             try:
                 self.coordinator.deactivate_instances(run_id)
                 log.info("deactivated the state store instances of run %s", run_id)
-            except Exception as e:
+            except CALL_ERRORS as e:
                 log.warning("could not deactivate the state store instances of run %s: %s", run_id, e)
 
     def close(self):
@@ -479,7 +495,7 @@ class StatefulOperator:
         query_id, query_run_id, query_session = query_runs.streaming_query(df, self._own_run_id)
         records = self.commit_log()
         recorded = records.epochs()
-        self._refuse_starting_over(batch_id, recorded, query_id)
+        self._refuse_starting_over(batch_id, recorded, query_id, query_run_id)
         batch_timestamp_ms = self._batch_timestamp_ms(batch_id, recorded, clock_ms)
         run_id, generation, re_execution = self._run_for(query_run_id, query_session, batch_id)
         records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them
@@ -608,37 +624,53 @@ class StatefulOperator:
         return batch_watermarks(marks, self.delay_us,
                                 None if advance_to is None else as_millis(advance_to, "advance_watermark_to"))
 
-    def _refuse_starting_over(self, batch_id, recorded, query_id):
+    def _refuse_starting_over(self, batch_id, recorded, query_id, run_id):
         """A query whose batch ids start below the recorded ones (a new Spark checkpoint over
         state imported by ``statecore import-spark``, or that outlived its query's checkpoint)
         would re-execute them and delete the state's later versions: ValueError, before any
-        record is deleted or anything runs. Batch ids at or below the newest record are a
-        re-execution only within the query that wrote it (the same persistent query id, or
-        both outside a streaming query); a record without one (import-spark, repartition)
-        was written by no streaming query. A record written before records named their
-        query may have its own batch re-executed (a restart), no older one."""
+        record is deleted or anything runs.
+
+        Batch ids at or below the newest record are a re-execution only within the query that
+        wrote it: the same query id (a classic session's streaming query), or, where the record
+        names no query (written outside a streaming query, or under Spark Connect, where a batch
+        function cannot learn its query), the same run. The newest batch alone may also be run
+        again by a run that cannot be told from its query (either names no query), if an
+        operator wrote it: how Spark restarts a query whose last batch it had not committed. A
+        record written before records named their query is taken as one that names none."""
         if not recorded or batch_id > recorded[-1]:
             return
         newest = self.commit_record(recorded[-1])
-        writer = None if newest is None else newest.get("query_id")
-        if newest is None or writer == query_id:
+        if newest is None:
             return
-        if "query_id" not in newest and batch_id == recorded[-1]:
-            # A record from before records named their query: the newest batch run again is
-            # how Spark restarts a query whose last batch it had not committed (refusing it
-            # would leave only an offset that counts the batch twice).
-            log.warning("operator %s: batch %d re-executed over a record that names no query (%s)",
-                        self.operator_id, batch_id, self.commit_log().path(batch_id))
+        writer = newest.get("query_id")
+        if query_id is not None and writer == query_id:
             return
-        by = f"query {writer}" if writer else "statecore import-spark, repartition, or a run outside a streaming query"
+        by_operator = newest.get("writer", operator_files.WRITER_OPERATOR) == operator_files.WRITER_OPERATOR
+        if by_operator and writer is None and query_id is None and newest["run_id"] == str(run_id):
+            return
+        if by_operator and batch_id == recorded[-1] and (writer is None or query_id is None):
+            # The newest batch run again by a run that cannot be told from the query's: how
+            # Spark restarts a query whose last batch it had not committed (refusing it would
+            # leave only an offset that counts the batch twice). A new Spark checkpoint over
+            # state whose newest batch is 0 looks the same, and is let through.
+            log.info("operator %s: batch %d re-executed by run %s over the record of %s (%s)", self.operator_id,
+                     batch_id, run_id, f"query {writer}" if writer else f"run {newest['run_id']}",
+                     self.commit_log().path(batch_id))
+            return
+        if writer:
+            by = f"query {writer}"
+        elif not by_operator:
+            by = f"statecore {newest['writer']}"
+        else:
+            by = f"run {newest['run_id']} (outside a streaming query, or under Spark Connect)"
+        this = query_id or f"run {run_id}, outside a streaming query or under Spark Connect"
         raise ValueError(
             f"operator {self.operator_id}: batch {batch_id} would re-execute the state under {self.operator_dir}, "
-            f"which holds batches up to {recorded[-1]} written by {by}, not by this query "
-            f"({query_id or 'outside a streaming query'}); running it would delete the later versions. A new "
-            f"Spark checkpoint starts its batch ids at 0 again: to continue from this state, create the operator "
-            f"with batch_id_offset={recorded[-1] + 1 - (batch_id - self.batch_id_offset)}; to start over on "
-            f"purpose, delete {self.operator_dir} first (docs/operator.md, \"Starting over\"). Nothing was "
-            f"deleted or run")
+            f"which holds batches up to {recorded[-1]} written by {by}, not by this query ({this}); running it "
+            f"would delete the later versions. A new Spark checkpoint starts its batch ids at 0 again: to continue "
+            f"from this state, create the operator with batch_id_offset="
+            f"{recorded[-1] + 1 - (batch_id - self.batch_id_offset)}; to start over on purpose, delete "
+            f"{self.operator_dir} first (docs/operator.md, \"Starting over\"). Nothing was deleted or run")
 
     def _batch_timestamp_ms(self, batch_id, recorded, clock_ms):
         """The batch's processing time: the one its record holds when the batch is run again
@@ -654,7 +686,8 @@ class StatefulOperator:
 
     def _record_batch(self, records, state_info, statuses, watermarks, query_id, batch_timestamp_ms):
         """Write the record of the batch whose job just succeeded: each partition's winner
-        of each store, the batch's watermarks and largest event time, its processing time."""
+        of each store, the batch's watermarks and largest event time, its processing time, the
+        rows it dropped as late (what a Spark Connect client reads of the batch)."""
         batch_id = state_info.store_version
         if state_info.commit_ids is not None:
             opened = tuple(s.base_commit_id for s in statuses)
@@ -672,7 +705,7 @@ class StatefulOperator:
             batch_id, self.num_partitions, self.store_name, state_info.query_run_id,
             [s.commit_id for s in statuses], [s.base_commit_id for s in statuses],
             store_commit_ids=store_commit_ids, watermarks=marks, query_id=query_id,
-            batch_timestamp_ms=batch_timestamp_ms))
+            batch_timestamp_ms=batch_timestamp_ms, late_rows=sum(s.late_rows for s in statuses)))
 
     def _with_initial_state(self, df, batch_id):
         """Batch 0 carries the ``initial_state`` rows too, marked (other columns null)."""
@@ -680,13 +713,16 @@ class StatefulOperator:
             return df
         from pyspark.sql import functions as F
 
-        missing = [c for c in self.key_columns if c not in self.initial_state.columns]
+        initial = self.initial_state
+        if not _is_dataframe(initial):
+            initial = initial(df.sparkSession)
+            if not _is_dataframe(initial):
+                raise TypeError(f"the initial_state function returned a {type(initial).__name__}, not a DataFrame")
+        missing = [c for c in self.key_columns if c not in initial.columns]
         if missing:
-            raise ValueError(f"the initial state has no key column '{missing[0]}' (columns: "
-                             f"{self.initial_state.columns})")
+            raise ValueError(f"the initial state has no key column '{missing[0]}' (columns: {initial.columns})")
         return (df.withColumn(INITIAL_STATE_COLUMN, F.lit(False))
-                .unionByName(self.initial_state.withColumn(INITIAL_STATE_COLUMN, F.lit(True)),
-                             allowMissingColumns=True))
+                .unionByName(initial.withColumn(INITIAL_STATE_COLUMN, F.lit(True)), allowMissingColumns=True))
 
     def _routed(self, df):
         """``(df, routing_keys)``: ``df`` (after ``fn.prepare``, if any) hash-partitioned by the
@@ -756,3 +792,11 @@ def _summed_counts(counts):
         for name, value in partition.items():
             total[name] = total.get(name, 0) + value
     return total
+
+
+def _is_dataframe(obj):
+    """Whether ``obj`` is a PySpark DataFrame, classic or Spark Connect (both derive from
+    ``pyspark.sql.DataFrame``)."""
+    from pyspark.sql import DataFrame
+
+    return isinstance(obj, DataFrame)

@@ -61,7 +61,7 @@ def streaming_query_run(df, query_id):
             continue
         try:
             query = session.streams.get(query_id)
-        except Exception:  # a stopped session, a clone without the query
+        except spark_internals.SPARK_CALL_ERRORS:  # a stopped session, a clone without the query
             continue
         if query is not None:
             return uuid.UUID(query.runId), session

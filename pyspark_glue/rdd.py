@@ -21,6 +21,7 @@ from pyspark.accumulators import AccumulatorParam
 from statecore.conf import StateStoreConf
 from statecore.ids import StateStoreId, StateStoreProviderId
 from statecore.checkpoint import checked_commit_ids
+from statecore.rpc import CALL_ERRORS
 
 from pyspark_glue import executor, spark_internals
 from pyspark_glue.session_kind import require_classic
@@ -198,7 +199,7 @@ def preferred_locations(state_info, coordinator):
     try:
         locations = [executor.spark_location(coordinator.get_location(state_info.provider_id(p)))
                      for p in range(state_info.num_partitions)]
-    except Exception as e:
+    except CALL_ERRORS as e:
         log.warning("state store coordinator at %s unreachable (%s: %s): no preferred locations",
                     getattr(coordinator, "address", "?"), type(e).__name__, e)
         return None

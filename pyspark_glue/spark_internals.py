@@ -19,14 +19,21 @@ import logging
 import sys
 
 from py4j.protocol import Py4JError
+from pyspark.errors import PySparkException
 
 __all__ = ["is_connect", "classic_context", "described_job", "spark_context", "context_is_active",
            "session_settings", "streaming_query_id", "first_session", "jvm_thread_name", "executor_cores",
-           "termination_listener", "rdd_with_preferred_locations"]
+           "termination_listener", "rdd_with_preferred_locations", "arrow_schema_of", "spark_schema_of",
+           "SPARK_CALL_ERRORS"]
 
 log = logging.getLogger(__name__)
 
 _MOVED = (AttributeError, Py4JError)  # what a renamed internal or a gone gateway raises
+
+#: What a call of PySpark's public API that reaches Spark can raise when Spark refuses or is
+#: gone: PySpark's own errors (a captured Java exception, a Connect server's error) and py4j's
+#: (a classic session's gateway lost). Callers that can go on without the answer catch these.
+SPARK_CALL_ERRORS = (PySparkException, Py4JError)
 
 
 _CONNECT_CLASSES = (("pyspark.sql.connect.session", "SparkSession"), ("pyspark.sql.connect.dataframe", "DataFrame"))
@@ -118,6 +125,25 @@ def streaming_query_id(spark):
         log.warning("cannot read the streaming query id of this batch (%s: %s): taken as outside a query",
                     type(e).__name__, e)
         return None
+
+
+def arrow_schema_of(schema):
+    """The ``pyarrow.Schema`` Spark's Arrow paths (``mapInArrow``, ``toArrow``) use for the
+    StructType ``schema``, timestamps in UTC (``pyspark.sql.pandas.types.to_arrow_schema``, a
+    module PySpark's API reference leaves out). Checked on PySpark 4.3.0. No fallback: a
+    schema is needed, so a failure propagates."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def spark_schema_of(schema):
+    """The StructType of the ``pyarrow.Schema`` ``schema``, as Spark reads Arrow
+    (``pyspark.sql.pandas.types.from_arrow_schema``). Checked on PySpark 4.3.0. No fallback:
+    a failure propagates."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(schema)
 
 
 def first_session():

@@ -125,6 +125,12 @@ class EndpointAlreadyRegisteredError(RpcError, ValueError):
     """``RpcEnv.setup_endpoint``: the name is taken by an endpoint registered before."""
 
 
+#: What a call to an endpoint can raise because the peer is unreachable or its handler
+#: failed: every remote failure is an :class:`RpcError` (see below), every transport failure an
+#: ``OSError`` (a refused or broken connection, :class:`AuthenticationError`). Callers that go
+#: on without the peer catch exactly these; anything else is a bug and propagates.
+CALL_ERRORS = (RpcError, OSError)
+
 #: The errors that keep their type when they cross the wire: an error reply names the class
 #: by its key here, and the asker raises that class (with ``remote_type`` and
 #: ``remote_traceback`` set as for any remote error). Every other exception of a handler

@@ -13,7 +13,8 @@ from statecore.schema import RowSchema
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
            "check_metadata", "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record",
-           "store_ids", "REPARTITION_KEY", "repartitioned"]
+           "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
+           "WRITER_REPARTITION"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
@@ -133,20 +134,32 @@ def commit_log(operator_location, storage_options=None):
     return EpochLog(f"{operator_location}/{COMMITS_DIR}", storage_options)
 
 
+#: Who wrote a batch record (its ``writer``): a StatefulOperator's batch, or one of the
+#: commands that write records of their own. Records written before the field read as an
+#: operator's.
+WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION = "operator", "import-spark", "repartition"
+
+
 def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
-                  store_commit_ids=None, watermarks=None, query_id=None, batch_timestamp_ms=None):
+                  store_commit_ids=None, watermarks=None, query_id=None, batch_timestamp_ms=None, late_rows=None,
+                  writer=WRITER_OPERATOR):
     """The record of a batch whose job succeeded: each partition's winning attempt of
     version ``batch_id + 1`` and the attempt of ``batch_id`` it opened; the winners of the
     operator's other stores (``{name: [id per partition]}``); with event time, the batch's
     watermarks and largest event time (``{"for_late_events_ms", "for_eviction_ms",
     "max_event_time_us"}``); the persistent id of the streaming query that ran it (None
     outside one, and for records written by ``statecore import-spark`` or ``repartition``); the
-    batch's processing time in milliseconds (None: not known, as for those commands' records)."""
+    batch's processing time in milliseconds (None: not known, as for those commands' records);
+    the input rows the batch dropped as late, summed over its partitions (None: not known);
+    who wrote it (:data:`WRITER_OPERATOR` and the others)."""
+    if writer not in (WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION):
+        raise ValueError(f"unknown batch record writer {writer!r}")
     return {"format": RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
             "num_partitions": num_partitions, "store_name": store_name, "run_id": str(run_id),
             "commit_ids": list(commit_ids), "base_commit_ids": list(base_commit_ids),
             "store_commit_ids": {name: list(ids) for name, ids in (store_commit_ids or {}).items()},
-            "watermarks": watermarks, "query_id": query_id, "batch_timestamp_ms": batch_timestamp_ms}
+            "watermarks": watermarks, "query_id": query_id, "batch_timestamp_ms": batch_timestamp_ms,
+            "late_rows": late_rows, "writer": writer}
 
 
 def store_ids(record, store_name):
@@ -210,4 +223,9 @@ def checked_record(record, batch_id, where):
     stamp = record.setdefault("batch_timestamp_ms", None)
     if stamp is not None and (not isinstance(stamp, int) or isinstance(stamp, bool) or stamp < 0):
         raise ValueError(f"{where}: batch_timestamp_ms {stamp!r} is not a time in milliseconds")
+    if record.setdefault("writer", WRITER_OPERATOR) not in (WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION):
+        raise ValueError(f"{where}: writer {record['writer']!r} is not one of statecore's")
+    late = record.setdefault("late_rows", None)  # records from before it was kept: None
+    if late is not None and (not isinstance(late, int) or isinstance(late, bool) or late < 0):
+        raise ValueError(f"{where}: late_rows {late!r} is not a count of rows")
     return record

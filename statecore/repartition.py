@@ -452,7 +452,8 @@ def new_record(plan):
     record = operator_files.commit_record(
         plan.batch_id, plan.to_partitions, default.name, f"repartition-{plan.token}", default.new_ids,
         [ROOT_COMMIT_ID.hex()] * plan.to_partitions, store_commit_ids={s.name: s.new_ids for s in others},
-        watermarks=plan.record.get("watermarks"))
+        watermarks=plan.record.get("watermarks"), batch_timestamp_ms=plan.record.get("batch_timestamp_ms"),
+        late_rows=plan.record.get("late_rows"), writer=operator_files.WRITER_REPARTITION)
     record["repartitioned_from"] = plan.from_partitions
     return record
 

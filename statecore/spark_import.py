@@ -436,7 +436,7 @@ def import_spark_state(spark_checkpoint, statecore_checkpoint, operator_id, *, s
         for version in range(max(first, 1), op.last_version + 1):
             records.write(version - 1, operator_files.commit_record(
                 version - 1, op.num_partitions, store_name, run_id, [i[version] for i in ids],
-                [i.get(version - 1, ROOT_COMMIT_ID.hex()) for i in ids]))
+                [i.get(version - 1, ROOT_COMMIT_ID.hex()) for i in ids], writer=operator_files.WRITER_IMPORT_SPARK))
         # Beside the lock, entry by entry; _operator.json last, so that until it lands the
         # directory is no StatefulOperator's checkpoint.
         for name in sorted(_ls(fs, staged), key=lambda n: (n == operator_files.OPERATOR_METADATA_FILE, n)):

@@ -123,7 +123,8 @@ def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA
 def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCHEMA, columns=None, fmt="json"):
     """statecore's query over the files not yet read; appends ``(batch_id, rows, late_rows,
     input rows)`` per batch to ``seen`` (the late rows from the operator's ``last_progress``
-    where it ran: the client's process, or under Connect the server's worker)."""
+    where it ran: the client's process, or under Connect the server's worker; the batch
+    records the client reads must hold the same counts)."""
     reports = BatchReports(checkpoint)
     report = reports.writer()
 
@@ -136,7 +137,11 @@ def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCH
     query.awaitTermination()
     if query.exception() is not None:
         raise query.exception()
-    seen.extend(reports.read())
+    new = reports.read()
+    # What the client reads of each batch under either kind of session: its batch record
+    # (under Connect the operator that ran the batch lived in the server's worker).
+    assert [operator.commit_record(e[0])["late_rows"] for e in new] == [e[2] for e in new]
+    seen.extend(new)
     inputs = _input_rows(query)
     for entry in seen:
         if len(entry) == 3:

@@ -15,7 +15,7 @@ import uuid
 
 from statecore.conf import StateStoreConf
 from statecore.epoch import EpochCoordinatorRef
-from statecore.rpc import RpcError
+from statecore.rpc import CALL_ERRORS, RpcError
 from statecore.schema import key_value_schemas
 
 from pyspark_glue import driver as glue_driver
@@ -348,7 +348,7 @@ class ContinuousQuery:
     def _deactivate(self, run):
         try:
             glue_driver.deactivate(self.spark, run.run_id)
-        except Exception as e:
+        except CALL_ERRORS as e:
             log.warning("could not deactivate the state stores of run %s: %s", run.run_id, e)
 
     def _fail_in_new_thread(self, error):

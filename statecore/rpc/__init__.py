@@ -13,7 +13,7 @@ Modules: ``wire`` (frames, envelopes, values), ``handshake``, ``client`` (refs a
 connections), ``endpoint`` (endpoints and their dispatch), ``server`` (RpcEnv). The rules
 (ordering, flow control, memory bounds, security, the wire format) are in ``docs/rpc.md``.
 """
-from statecore.errors import (EndpointAlreadyRegisteredError, EndpointNotFoundError, RpcConnectionError, RpcError,
+from statecore.errors import (CALL_ERRORS, EndpointAlreadyRegisteredError, EndpointNotFoundError, RpcConnectionError, RpcError,
                               RpcProtocolError, RpcTimeoutError)
 from statecore.rpc.client import RpcEndpointRef, close_connections, endpoint_ref
 from statecore.rpc.endpoint import RpcEndpoint
@@ -22,6 +22,6 @@ from statecore.rpc.wire import (DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_UNTYPED_MES
                                 MAX_DEPTH, Message, check_value, decode_value, encode_value)
 
 __all__ = ["RpcEnv", "RpcEndpoint", "RpcEndpointRef", "Message", "endpoint_ref", "close_connections", "RpcError",
-           "RpcTimeoutError", "RpcConnectionError", "RpcProtocolError", "EndpointNotFoundError",
+           "CALL_ERRORS", "RpcTimeoutError", "RpcConnectionError", "RpcProtocolError", "EndpointNotFoundError",
            "EndpointAlreadyRegisteredError", "check_value", "encode_value", "decode_value", "MAX_DEPTH",
            "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_MAX_UNTYPED_MESSAGE_BYTES", "DEFAULT_REPLY_STALL_S"]

@@ -224,9 +224,13 @@ def test_job_settings_change_only_what_differs_and_restore_it():
 
 def test_which_query_may_re_execute_the_recorded_batches(tmp_path):
     """Batch ids at or below the newest record (batch 4) re-execute only for the query that
-    wrote it: a new query (another id), or any query over records without one (import-spark,
-    repartition), is refused with the way on; a record from before records named their query
-    lets its own batch run again (a restart after the upgrade), no older one."""
+    wrote it: a new query (another id), or any query over import-spark's or repartition's
+    records, is refused with the way on. A record that names no query (outside a streaming
+    query, under Spark Connect, or from before records named their query) lets its own run
+    re-execute any batch; a later run may re-execute the newest batch alone (a restart) where
+    either record or run names no query."""
+    import uuid
+
     from pyspark_glue import RunningAggregate, StatefulOperator
     from statecore import operator_files
 
@@ -235,29 +239,50 @@ def test_which_query_may_re_execute_the_recorded_batches(tmp_path):
     op = StatefulOperator(root, 0, 1, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
                           coordinator=False)
     log = op.commit_log()
+    run, other = uuid.UUID(int=1), uuid.UUID(int=2)
 
     def record(batch_id, **fields):
-        entry = operator_files.commit_record(batch_id, 1, "default", "run", ["ab" * 8], ["cd" * 8])
+        entry = operator_files.commit_record(batch_id, 1, "default", run, ["ab" * 8], ["cd" * 8])
         entry.update(fields)
         for key in [k for k, v in fields.items() if v is _DROP]:
             del entry[key]
         log.write(batch_id, entry)
 
+    def refuse(batch_id, query_id, run_id):
+        op._refuse_starting_over(batch_id, log.epochs(), query_id, run_id)
+
     for b in range(5):
         record(b, query_id="q1")
-    op._refuse_starting_over(5, log.epochs(), "q2")  # after the records: any query continues
-    op._refuse_starting_over(2, log.epochs(), "q1")  # the same query restarted from its checkpoint
+    refuse(5, "q2", other)  # after the records: any query continues
+    refuse(2, "q1", other)  # the same query restarted from its checkpoint
     with pytest.raises(ValueError, match=r"holds batches up to 4 written by query q1.*batch_id_offset=5"):
-        op._refuse_starting_over(0, log.epochs(), "q2")
-    record(4, query_id=None)  # as import-spark and repartition write them
-    with pytest.raises(ValueError, match="import-spark.*batch_id_offset=5"):
-        op._refuse_starting_over(0, log.epochs(), "q2")
-    with pytest.raises(ValueError, match="batch_id_offset=1"):
-        op._refuse_starting_over(4, log.epochs(), "q2")
-    record(4, query_id=_DROP)  # written before records named their query
-    op._refuse_starting_over(4, log.epochs(), "q2")
+        refuse(0, "q2", other)
+    refuse(4, None, other)  # restarted under Spark Connect: the newest batch again, no query id to tell
+    with pytest.raises(ValueError, match=r"query q1.*batch_id_offset=4"):
+        refuse(1, None, run)
+
+    for writer in (operator_files.WRITER_IMPORT_SPARK, operator_files.WRITER_REPARTITION):
+        record(4, query_id=None, writer=writer)
+        for query_id, run_id in (("q2", other), (None, other), (None, run)):
+            with pytest.raises(ValueError, match=f"statecore {writer}.*batch_id_offset=5"):
+                refuse(0, query_id, run_id)
+            with pytest.raises(ValueError, match="batch_id_offset=1"):
+                refuse(4, query_id, run_id)
+
+    # Written by run `run` with no query id: outside a streaming query, or under Spark Connect.
+    record(4, query_id=None)
+    refuse(2, None, run)  # its own run re-executes any batch
+    refuse(4, None, other)  # a restart re-runs the newest batch, under Connect or classic
+    refuse(4, "q2", other)
+    for query_id in (None, "q2"):
+        with pytest.raises(ValueError, match=r"written by run 00000000-0000-0000-0000-000000000001 \(outside a "
+                                             r"streaming query, or under Spark Connect\).*batch_id_offset=5"):
+            refuse(0, query_id, other)  # a new Spark checkpoint over it, batch ids from 0 again
+
+    record(4, query_id=_DROP, writer=_DROP)  # written before records named their query or writer
+    refuse(4, "q2", other)
     with pytest.raises(ValueError, match="batch_id_offset=2"):
-        op._refuse_starting_over(3, log.epochs(), "q2")
+        refuse(3, "q2", other)
     with pytest.raises(ValueError, match="batch_id_offset must be an int >= 0"):
         StatefulOperator(root, 0, 1, ["user", "region"], KEY, agg.value_schema, agg, agg.output_schema,
                          coordinator=False, batch_id_offset=-1)

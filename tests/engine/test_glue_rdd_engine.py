@@ -227,3 +227,30 @@ def test_the_driver_coordinator_lives_as_long_as_its_context(monkeypatch):
         driver.stop(sc)
 
 
+
+
+class _Ref:
+    """A coordinator ref whose calls raise ``error``."""
+    address, authkey = ("127.0.0.1", 1), b"k"
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def get_location(self, provider_id):
+        self.calls += 1
+        raise self.error
+
+
+def test_the_tolerant_ref_answers_neutrally_only_for_an_unreachable_coordinator(caplog):
+    # The peer gone (a refused connection) or its handler failed (RpcError): logged, answered
+    # neutrally, and not called again for a while. A bug on this side (a TypeError) propagates.
+    for error in (ConnectionRefusedError("refused"), RpcError("the handler failed")):
+        ref = _Ref(error)
+        tolerant = executor._TolerantCoordinatorRef(ref)
+        with caplog.at_level("WARNING", logger="pyspark_glue.executor"):
+            assert tolerant.get_location("p") is None and tolerant.get_location("p") is None
+        assert ref.calls == 1
+        assert any("unreachable" in m and type(error).__name__ in m for m in caplog.messages)
+    bug = _Ref(TypeError("a bug"))
+    with pytest.raises(TypeError, match="a bug"):
+        executor._TolerantCoordinatorRef(bug).get_location("p")

@@ -181,7 +181,9 @@ SPARK_INTERNAL_NAMES = {"_jvm", "_jsc", "_jdf", "sparkContext", "py4j", "Py4JErr
                         "_instantiatedSession", "_jlistener", "_jrdd", "_prev_jrdd", "_jrdd_deserializer",
                         "_prev_jrdd_deserializer", "_reserialize", "_is_pipelinable", "_gateway",
                         # a SparkContext's, which a Spark Connect session lacks
-                        "setJobDescription", "getLocalProperty"}
+                        "setJobDescription", "getLocalProperty",
+                        # pyspark.sql.pandas.types, a module PySpark's API reference leaves out
+                        "to_arrow_schema", "from_arrow_schema"}
 
 
 def _names_in_code(path):

@@ -339,3 +339,19 @@ def test_dump_and_repartition_name_a_hostile_operator_json_without_a_traceback(r
             assert result.exit_code == 1 and len(result.output.splitlines()) == 1 and str(path) in result.output
         else:
             assert result.exit_code == 0 and out.exists()
+
+
+def test_a_batch_record_s_late_rows_are_a_count_or_unknown(tmp_path):
+    """``late_rows``: what a Spark Connect client reads of a batch's late rows. A record from
+    before it was kept reads as None (unknown); anything but a count >= 0 is refused by name."""
+    log = EpochLog(str(tmp_path))
+    old = commit_record(0, 1, "default", "r", ["00" * 8], [ROOT_COMMIT_ID.hex()])
+    del old["late_rows"]
+    (tmp_path / "0").write_text(json.dumps(old, sort_keys=True))
+    assert read_commit_record(log, 0)["late_rows"] is None
+    log.write(1, commit_record(1, 1, "default", "r", ["00" * 8], ["00" * 8], late_rows=12))
+    assert read_commit_record(log, 1)["late_rows"] == 12
+    for bad in (-1, True, 1.5, "3"):
+        log.write(2, dict(commit_record(2, 1, "default", "r", ["00" * 8], ["00" * 8]), late_rows=bad))
+        with pytest.raises(ValueError, match="late_rows"):
+            read_commit_record(log, 2)

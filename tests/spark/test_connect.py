@@ -64,8 +64,8 @@ def test_a_classic_session_and_a_connect_client_in_one_process(spark, connect_sp
 def test_an_operator_in_a_foreach_batch_function_reaches_the_connect_worker_as_constructed(connect_spark, tmp_path):
     """The user's case under Connect: ``foreachBatch`` over a function closing over a
     StatefulOperator. The client pickles it, the server's Python worker unpickles it: there the
-    operator is the one constructed (configuration, fn, schemas), with nothing of a run. (Its
-    ``process`` under Connect needs a coordinator without SparkContext: not yet.)"""
+    operator is the one constructed (configuration, fn, schemas), with nothing of a run
+    (tests/spark/test_connect_operator.py runs its ``process`` there)."""
     from pyspark_glue import RunningAggregate, StatefulOperator
     from pyspark_glue.clocks import ManualClock
 

@@ -1,12 +1,17 @@
 """StatefulOperator under both kinds of session (the ``any_spark`` fixture: classic, then a Spark
 Connect client of the suite's local server): a streaming query with a restart, a batch run again,
-empty input, each fn kind, compared with the state Spark's ``groupBy`` or the classic run gives.
+empty input, a processor's initial state, compared with the state Spark's ``groupBy`` or the classic run gives.
 Under Connect the ``foreachBatch`` function runs in the server's Python worker, so what a test
 reads of a batch comes from the checkpoint (the operator's batch records, the stores' files),
 not from the client's copy of the operator."""
 import json
 import os
 
+import pyarrow as pa
+import pytest
+
+from pyspark_glue import StatefulOperator
+from tests.spark.test_event_time import _CountWithInitialState
 from tests.glue_support import (INPUT_DDL, events, expected_state, make_operator, store_rows, stream_files,
                                 write_parquet)
 
@@ -115,3 +120,76 @@ def test_a_batch_run_again_and_an_empty_batch_keep_the_state(any_spark, tmp_path
     assert restarted.commit_record(3)["run_id"] != op.commit_record(2)["run_id"]
     assert state_at(restarted, 3) == expected_state(tables)
     restarted.close()
+
+
+def test_a_processor_s_initial_state_given_as_a_function_reaches_the_batch_function(any_spark, tmp_path):
+    """``initial_state`` as a function of the session (what travels to a Connect worker, where a
+    DataFrame cannot): batch 0 hands its rows to ``handle_initial_state`` before the input, as
+    Spark's ``transformWithState(initialState=...)``; the counts go on from them."""
+    source, sink, initial = str(tmp_path / "in"), str(tmp_path / "sink"), str(tmp_path / "initial")
+    write_parquet(initial, "initial.parquet", pa.table({"id": pa.array([1, 2, 2, 9], pa.int64()),
+                                                         "n": pa.array([10, 20, 5, 1], pa.int64())}))
+    batches = [[1, 1, 3], [2, 9, 9, 4]]
+    for b, ids in enumerate(batches):
+        write_parquet(source, f"ids-{b}.parquet", pa.table({"id": pa.array(ids, pa.int64())}))
+    op = StatefulOperator(str(tmp_path / "state"), 0, 2, fn=_CountWithInitialState.make(),
+                          initial_state=lambda spark: spark.read.parquet(initial))
+
+    def handle(df, batch_id):
+        op.process(df, batch_id).write.mode("overwrite").parquet(os.path.join(sink, f"batch={batch_id}"))
+
+    stream_files(any_spark, "id long", source, handle, str(tmp_path / "checkpoint"))
+    out = any_spark.read.parquet(sink).collect()
+    got = sorted((r["batch"], r["id"], r["n"]) for r in out)
+    assert got == [(0, 1, 12), (0, 3, 1), (1, 2, 26), (1, 4, 1), (1, 9, 3)]
+
+
+def test_a_dataframe_initial_state_is_refused_when_the_batch_function_is_pickled(connect_spark, tmp_path):
+    """Under Connect the client pickles the ``foreachBatch`` function, and the operator in it: an
+    ``initial_state`` DataFrame cannot go along, and the error says what to give instead."""
+    initial = connect_spark.createDataFrame([(1, 10)], "id long, n long")
+    op = StatefulOperator(str(tmp_path / "state"), 0, 2, fn=_CountWithInitialState.make(), initial_state=initial)
+
+    def handle(df, batch_id):
+        op.process(df, batch_id)
+
+    with pytest.raises(Exception) as refused:  # PySpark's serialization error, caused by the operator's
+        connect_spark.readStream.schema("id long").parquet(str(tmp_path)).writeStream.foreachBatch(handle)
+    chain, error = [], refused.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    ours = [e for e in chain if isinstance(e, TypeError) and "initial_state is a DataFrame" in str(e)]
+    assert ours and "initial_state=lambda spark: spark.read.parquet(path)" in str(ours[0]), chain
+    assert not os.path.exists(tmp_path / "state")
+
+
+def test_under_connect_a_new_spark_checkpoint_over_the_state_is_refused_until_offset(connect_spark, tmp_path):
+    """A user's Connect query over state its old checkpoint left (Spark's batch ids start at 0
+    again): no batch function can learn its query there, yet batch 0 must not re-execute the
+    recorded batches. The new query fails with the refusal and nothing under the state changes;
+    with ``batch_id_offset`` it continues from the state."""
+    from pyspark.errors import StreamingQueryException
+
+    from tests.state_files import tree
+
+    state, sink, seen = str(tmp_path / "state"), str(tmp_path / "sink"), str(tmp_path / "seen")
+    os.makedirs(seen)
+    tables = [events(60 + seed, 200) for seed in range(3)]
+    for i in range(2):
+        write_parquet(tmp_path / "old-in", f"events-{i}.parquet", tables[i])
+    run_query(connect_spark, str(tmp_path / "old-in"), str(tmp_path / "old-checkpoint"),
+              make_operator(state, num_partitions=2), sink, seen)
+    # The old query's worker ended with its query and left its operator lock (a dead holder,
+    # which the next run takes over and, failing, releases): the lock is not state.
+    before = {path: stat for path, stat in tree(state).items() if not path.endswith("_lock")}
+
+    write_parquet(tmp_path / "new-in", "events-2.parquet", tables[2])
+    with pytest.raises(StreamingQueryException, match=r"holds batches up to 1 .*batch_id_offset=2"):
+        run_query(connect_spark, str(tmp_path / "new-in"), str(tmp_path / "new-checkpoint"),
+                  make_operator(state, num_partitions=2), sink, seen)
+    assert {path: stat for path, stat in tree(state).items() if not path.endswith("_lock")} == before
+
+    op = make_operator(state, num_partitions=2, batch_id_offset=2)
+    run_query(connect_spark, str(tmp_path / "new-in"), str(tmp_path / "newer-checkpoint"), op, sink, seen)
+    assert state_at(op, 2) == expected_state(tables)

@@ -6,8 +6,10 @@ version. Each case runs a streaming query of three batches, with a failure or a 
 has one, and checks the state (read_state) against ``groupBy().agg()`` over the input and each
 batch's output against a clean run's.
 
-The tests take the session as ``spark`` and report from the batch function through files, not
-the test's memory: under Spark Connect that function runs in the server's Python process."""
+Each test runs under both kinds of session (``any_spark``: classic, then a Spark Connect client
+of the suite's local server) against one clean run on the classic session, and reports from
+the batch function through files, not the test's memory: under Spark Connect that function runs
+in the server's Python process."""
 import os
 import re
 import time
@@ -153,8 +155,8 @@ CONSUMERS = {
 
 
 @pytest.mark.parametrize("consume", sorted(CONSUMERS))
-def test_a_batch_function_that_reads_part_of_the_output_leaves_whole_versions(spark, inputs, clean, tmp_path,
-                                                                             consume):
+def test_a_batch_function_that_reads_part_of_the_output_leaves_whole_versions(any_spark, inputs, clean,
+                                                                             tmp_path, consume):
     """The batch function calls ``process`` and then only ``show()``, ``limit(10).collect()``,
     ``take(1)`` or ``first()`` on its output: every batch commits whole, the state equals
     groupBy().agg() and the outputs the clean run's; a restart that re-runs the last batch (Spark
@@ -168,41 +170,41 @@ def test_a_batch_function_that_reads_part_of_the_output_leaves_whole_versions(sp
         partial(op.process(df, batch_id))
         touch(os.path.join(str(reports), f"{batch_id}-{len(os.listdir(str(reports)))}"))
 
-    assert run_query(spark, inputs, checkpoint, handle) is None
+    assert run_query(any_spark, inputs, checkpoint, handle) is None
     op.close()
     assert sorted(n.split("-")[0] for n in os.listdir(reports)) == ["0", "1", "2"]
-    check_against_clean(spark, op, clean)
+    check_against_clean(any_spark, op, clean)
 
     for name in (str(BATCHES - 1), f".{BATCHES - 1}.crc"):  # Spark's commit of the last batch is lost
         os.remove(os.path.join(checkpoint, "commits", name))
     op = operator(op.checkpoint_location)
-    assert run_query(spark, inputs, checkpoint, handle) is None
+    assert run_query(any_spark, inputs, checkpoint, handle) is None
     op.close()
     assert sorted(n.split("-")[0] for n in os.listdir(reports)) == ["0", "1", "2", "2"]  # the last batch re-ran
-    check_against_clean(spark, op, clean)
+    check_against_clean(any_spark, op, clean)
 
 
-def test_a_write_failing_after_process_returned_fails_the_query_and_its_re_run_is_the_clean_run(spark, inputs, clean,
-                                                                                              tmp_path):
+def test_a_write_failing_after_process_returned_fails_the_query_and_its_re_run_is_the_clean_run(
+        any_spark, inputs, clean, tmp_path):
     """The user's write of batch 1 raises after ``process`` committed the batch: the query fails
     with the user's error; restarted on the same checkpoint, Spark re-runs batch 1 (the operator
     re-executes it from the version before) and goes on: the state, the outputs and the sink equal
     the clean run's."""
     checkpoint, sink, marker = str(tmp_path / "checkpoint"), str(tmp_path / "sink"), str(tmp_path / "failed-once")
     op = operator(str(tmp_path / "state"))
-    error = run_query(spark, inputs, checkpoint, writing_to(sink, op, marker))
+    error = run_query(any_spark, inputs, checkpoint, writing_to(sink, op, marker))
     op.close()
     assert error is not None and "the user's sink refused batch 1" in str(error)
     assert os.path.exists(marker) and not os.path.exists(f"{sink}/batch=1")
 
     op = operator(op.checkpoint_location)
-    assert run_query(spark, inputs, checkpoint, writing_to(sink, op, marker)) is None
+    assert run_query(any_spark, inputs, checkpoint, writing_to(sink, op, marker)) is None
     op.close()
-    check_against_clean(spark, op, clean)
-    assert sink_rows(spark, sink) == clean["sink"]
+    check_against_clean(any_spark, op, clean)
+    assert sink_rows(any_spark, sink) == clean["sink"]
 
 
-def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(spark, inputs, clean, tmp_path):
+def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(any_spark, inputs, clean, tmp_path):
     """The query is stopped while batch 1's job runs: its last partition's task is held until
     the stop (the ``started`` file proves the interleaving) after other partitions committed
     version 2, half a version. The job is interrupted, batch 1 raises in the batch function, and
@@ -241,7 +243,7 @@ def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(spark, inputs,
 
     op = operator(root, fn)
     try:
-        assert run_query(spark, inputs, checkpoint, holding_batch_1(op), stop_while_batch_1_runs) is None
+        assert run_query(any_spark, inputs, checkpoint, holding_batch_1(op), stop_while_batch_1_runs) is None
     finally:
         touch(fn.released)  # before disarming: a task still held goes on at once
         if os.path.exists(fn.armed):
@@ -255,8 +257,8 @@ def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(spark, inputs,
     assert operator_files.commit_log(op.operator_dir).epochs() == [0]  # no batch record of batch 1
 
     op = operator(op.checkpoint_location, fn)
-    assert run_query(spark, inputs, checkpoint, holding_batch_1(op)) is None
+    assert run_query(any_spark, inputs, checkpoint, holding_batch_1(op)) is None
     op.close()
     assert os.listdir(errors) == ["1"]
-    check_against_clean(spark, op, clean)
-    assert sink_rows(spark, sink) == clean["sink"]
+    check_against_clean(any_spark, op, clean)
+    assert sink_rows(any_spark, sink) == clean["sink"]
