@@ -12,14 +12,23 @@ the batch function through files, not the test's memory: under Spark Connect tha
 in the server's Python process."""
 import os
 import re
+import sys
 import time
 
 import pytest
+from pyspark import cloudpickle
 
 from statecore import operator_files
 
+from pyspark_glue.spark_internals import is_connect
+
 from tests.glue_support import INPUT_DDL, events, make_operator, spark_group_by, state_dict, write_parquet
 from tests.state_files import version_names
+
+# The batch functions below close over this module's helpers; under Spark Connect they are
+# unpickled in the server's Python worker, which cannot import a test module by the name pytest
+# gave it: the module travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 BATCHES = 3
 DEADLINE_S = 120  # generous: the machine may be shared with other Spark jobs
@@ -207,7 +216,8 @@ def test_a_write_failing_after_process_returned_fails_the_query_and_its_re_run_i
 def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(any_spark, inputs, clean, tmp_path):
     """The query is stopped while batch 1's job runs: its last partition's task is held until
     the stop (the ``started`` file proves the interleaving) after other partitions committed
-    version 2, half a version. The job is interrupted, batch 1 raises in the batch function, and
+    version 2, half a version. The job is interrupted, batch 1 raises in the batch function (on
+    a classic session; under Connect the server may end the function's process first), and
     neither Spark nor the operator records it; the restarted query re-runs batch 1 and goes on,
     and the state and the outputs equal the clean run's."""
     checkpoint, sink, hold = str(tmp_path / "checkpoint"), str(tmp_path / "sink"), tmp_path / "hold"
@@ -249,9 +259,15 @@ def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(any_spark, inp
         if os.path.exists(fn.armed):
             os.remove(fn.armed)
     op.close()
-    assert os.listdir(errors) == ["1"]  # batch 1 was running, and failed with its job interrupted
-    with open(os.path.join(errors, "1")) as f:
-        assert re.search(r"InterruptedException|cancelled", f.read()), "the stop did not interrupt batch 1's job"
+    reported = os.listdir(errors)
+    if is_connect(any_spark):
+        # The Connect server ends the query's Python worker at the stop: the batch function
+        # may be gone before any error reaches it.
+        assert reported in ([], ["1"])
+    else:  # batch 1 was running, and failed with its job interrupted
+        assert reported == ["1"]
+        with open(os.path.join(errors, "1")) as f:
+            assert re.search(r"InterruptedException|cancelled", f.read()), "the stop did not interrupt batch 1's job"
     assert committed_before_stop and partitions - 1 not in committed_before_stop  # half of version 2
     assert not os.path.exists(os.path.join(checkpoint, "commits", "1"))
     assert operator_files.commit_log(op.operator_dir).epochs() == [0]  # no batch record of batch 1
@@ -259,6 +275,6 @@ def test_a_query_stopped_while_a_batch_runs_re_runs_it_on_restart(any_spark, inp
     op = operator(op.checkpoint_location, fn)
     assert run_query(any_spark, inputs, checkpoint, holding_batch_1(op)) is None
     op.close()
-    assert os.listdir(errors) == ["1"]
+    assert os.listdir(errors) == reported  # the re-run raised nothing
     check_against_clean(any_spark, op, clean)
     assert sink_rows(any_spark, sink) == clean["sink"]
