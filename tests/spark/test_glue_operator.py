@@ -284,16 +284,16 @@ class NaturalTotalsTask(TaskHandler):
 
 
 @pytest.mark.spark
-def test_a_natural_fn_emits_each_key_once_however_its_rows_are_batched(spark, tmp_path):
+def test_a_natural_fn_emits_each_key_once_however_its_rows_are_batched(any_spark, tmp_path):
     """A new user's fn (read, add, write back, emit what it updated) with ``fn_batch_rows=None``
     and Spark sending 100-row Arrow batches, so each key's rows reach it in several batches:
     every updated key is emitted once per micro-batch, with its final totals, as with the
-    batches joined."""
+    batches joined. Under both kinds of session (the client calling ``process`` itself)."""
     tables = [events(41, 4000), events(42, 2000)]
-    dfs = [spark.createDataFrame(t.to_pandas(), INPUT_DDL) for t in tables]
+    dfs = [any_spark.createDataFrame(t.to_pandas(), INPUT_DDL) for t in tables]
     key = "spark.sql.execution.arrow.maxRecordsPerBatch"
-    before = spark.conf.get(key)
-    spark.conf.set(key, "100")
+    before = any_spark.conf.get(key)
+    any_spark.conf.set(key, "100")
     try:
         for rows in (1 << 20, None):
             op = make_operator(str(tmp_path / f"state-{rows}"), fn=NaturalTotals(), coordinator=False,
@@ -309,7 +309,7 @@ def test_a_natural_fn_emits_each_key_once_however_its_rows_are_batched(spark, tm
                     "each partition's rows must come in several batches for the test to mean anything"
             op.close()
     finally:
-        spark.conf.set(key, before)
+        any_spark.conf.set(key, before)
 
 
 def test_output_left_unread_is_read_later_from_its_files(spark, tmp_path):
