@@ -4,6 +4,9 @@ Environment variables that change the build:
 
 ``STATECORE_DEBUG=1``
     ``-O0 -g`` with ``-Wall -Wextra -Werror``: a compiler warning in our code fails the build.
+``STATECORE_WERROR=1``
+    the release build (``-O3``) with ``-Wall -Wextra -Werror``: what CI installs, so that one
+    compile both checks for warnings and is the build the tests run.
 ``STATECORE_SANITIZE=1``
     AddressSanitizer and UndefinedBehaviorSanitizer at ``-O1 -g`` (run Python with the ASan
     runtime preloaded: ``.ci/asan``).
@@ -39,6 +42,8 @@ def _compile_args():
     elif _flag("STATECORE_SANITIZE"):
         # -O1: the sanitizers' own advice (readable reports), and a fraction of -O3's compile time
         args += ["-O1", "-g", "-Wall", *CYTHON_NOISE]
+    elif _flag("STATECORE_WERROR"):
+        args += ["-O3", "-Wall", "-Wextra", "-Werror", *CYTHON_NOISE]
     else:
         args += ["-O3", "-Wall", *CYTHON_NOISE]
     if _flag("STATECORE_SANITIZE"):

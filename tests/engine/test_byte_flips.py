@@ -46,6 +46,8 @@ from tests.paths import TESTS_DIR
 from tests.store_support import commit_changes
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 
+pytestmark = pytest.mark.slow  # scheduled first: tests/conftest.py
+
 WORKER = str(TESTS_DIR / "flip_worker.py")
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])

@@ -15,6 +15,8 @@ from tests.spark.test_event_time import _CountWithInitialState
 from tests.glue_support import (INPUT_DDL, events, expected_state, make_operator, store_rows, stream_files,
                                 write_parquet)
 
+pytestmark = pytest.mark.slow  # scheduled first: tests/conftest.py
+
 PARTITIONS = 4
 
 

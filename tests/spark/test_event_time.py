@@ -12,6 +12,8 @@ import pytest
 from pyspark_glue import Deduplicate, StatefulOperator
 from tests.event_time_support import SCHEMA, compare_with_spark
 
+pytestmark = pytest.mark.slow  # scheduled first: tests/conftest.py
+
 
 def dedup_batches(rng, n_batches, rows_per_batch, keys, step_s, jitter_s, late_fraction):
     """Batches of ``(id, ts, payload)``: event times advance ``step_s`` per batch with

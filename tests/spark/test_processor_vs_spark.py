@@ -19,10 +19,13 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from pyspark_glue import StatefulOperator
 from tests.event_time_support import run_spark_phase, run_statecore_phase, session_settings
 from tests.glue_support import write_parquet
+
+pytestmark = pytest.mark.slow  # scheduled first: tests/conftest.py
 
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 OUTPUT_DDL = "user long, kind string, a long, b long"

@@ -25,6 +25,8 @@ from pyspark_glue.spark_internals import is_connect
 from tests.glue_support import INPUT_DDL, events, make_operator, spark_group_by, state_dict, write_parquet
 from tests.state_files import version_names
 
+pytestmark = pytest.mark.slow  # scheduled first: tests/conftest.py
+
 # The batch functions below close over this module's helpers; under Spark Connect they are
 # unpickled in the server's Python worker, which cannot import a test module by the name pytest
 # gave it: the module travels by value.
