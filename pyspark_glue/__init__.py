@@ -22,6 +22,10 @@
 Design notes: ``docs/operator.md``, ``docs/rdd.md``, ``docs/continuous.md``, ``docs/lineage.md``,
 ``docs/cluster.md``.
 """
+from statecore.package_origin import check_package_origin
+
+check_package_origin()  # before anything of statecore is imported by name
+
 from pyspark_glue.rdd import (StatefulOperatorStateInfo, map_partitions_with_read_state_store,
                               map_partitions_with_state_store)
 from pyspark_glue.operator_fn import OperatorFunction, PartitionContext, TaskHandler

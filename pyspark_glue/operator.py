@@ -30,6 +30,7 @@ from pyspark_glue import query_runs, spark_internals
 from pyspark_glue.clocks import WallClock, as_millis
 from pyspark_glue.arrow import dtype_of_columns
 from pyspark_glue.event_time import batch_watermarks
+from pyspark_glue.local_workers import check_local_workers
 from pyspark_glue.operator_fn import FROM_FN, FunctionSettings
 from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, PartitionTask,
                                         StoreSpec, partition_function)
@@ -254,6 +255,7 @@ class StatefulOperator:
     def _resolve(self, spark):
         if self._resolved:
             return
+        check_local_workers(spark)
         conf = self._conf_arg
         if conf is None:
             settings = spark_internals.session_settings(spark)

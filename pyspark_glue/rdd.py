@@ -24,6 +24,7 @@ from statecore.checkpoint import checked_commit_ids
 from statecore.rpc import CALL_ERRORS
 
 from pyspark_glue import executor, spark_internals
+from pyspark_glue.local_workers import check_local_workers
 from pyspark_glue.session_kind import require_classic
 
 __all__ = ["StatefulOperatorStateInfo", "map_partitions_with_state_store", "map_partitions_with_read_state_store",
@@ -269,6 +270,7 @@ def ship_function_module(fn):
 
 def _map(rdd, fn, state_info, key_schema, value_schema, conf, coordinator, read_only, load_accumulator):
     require_classic(rdd, "map_partitions_with_read_state_store" if read_only else "map_partitions_with_state_store")
+    check_local_workers(rdd.context)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if not isinstance(state_info, StatefulOperatorStateInfo):

@@ -18,6 +18,7 @@ from statecore.contracts import create_and_init_provider
 from statecore.state_reads import PARTITION_ID_COLUMN, plan_changes, plan_read, state_partitions
 
 from pyspark_glue.arrow import arrow_type_of, spark_schema_of, to_record_batch
+from pyspark_glue.local_workers import check_local_workers
 
 __all__ = ["read_state", "state_partitions", "PARTITION_ID_COLUMN", "BATCH_ID_COLUMN", "CHANGE_TYPE_COLUMN"]
 
@@ -186,4 +187,5 @@ def read_state(spark, checkpoint_root, operator_id, store_name="default", versio
         schema = spark_schema_of(key.dtype, value.dtype, extra=[(PARTITION_ID_COLUMN, T.IntegerType())])
         read = _rows_of_version(version, commit_ids, rows_per_batch)
     run = _partition_task(checkpoint_root, operator_id, store_name, partitions, key.dtype, value.dtype, conf, read)
+    check_local_workers(spark)
     return spark.range(0, n, 1, numPartitions=n).mapInArrow(run, schema)

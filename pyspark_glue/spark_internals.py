@@ -23,8 +23,8 @@ from pyspark.errors import PySparkException
 
 __all__ = ["is_connect", "classic_context", "described_job", "spark_context", "context_is_active",
            "session_settings", "streaming_query_id", "first_session", "jvm_thread_name", "executor_cores",
-           "termination_listener", "rdd_with_preferred_locations", "arrow_schema_of", "spark_schema_of",
-           "SPARK_CALL_ERRORS"]
+           "termination_listener", "rdd_with_preferred_locations", "arrow_schema_of", "spark_schema_from_arrow",
+           "worker_python", "SPARK_CALL_ERRORS"]
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +137,25 @@ def arrow_schema_of(schema):
     return to_arrow_schema(schema, timezone="UTC")
 
 
-def spark_schema_of(schema):
+def spark_schema_from_arrow(schema):
     """The StructType of the ``pyarrow.Schema`` ``schema``, as Spark reads Arrow
     (``pyspark.sql.pandas.types.from_arrow_schema``). Checked on PySpark 4.3.0. No fallback:
     a failure propagates."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     return from_arrow_schema(schema)
+
+
+def worker_python(sc):
+    """The interpreter the SparkContext ``sc`` starts its Python workers with, as given
+    (``sc.pythonExec``: PYSPARK_PYTHON when the context was made, else ``python3``), or None
+    if it cannot be read (logged: the workers' interpreter is then not checked). Checked on
+    PySpark 4.3.0."""
+    try:
+        return str(sc.pythonExec)
+    except _MOVED as e:
+        log.warning("cannot read the Python workers' interpreter (%s: %s): not checked", type(e).__name__, e)
+        return None
 
 
 def first_session():

@@ -47,9 +47,9 @@ class TaskStatus:
     @classmethod
     def spark_schema(cls):
         """The StructType ``mapInArrow`` returns rows of."""
-        from pyspark_glue.spark_internals import spark_schema_of
+        from pyspark_glue.spark_internals import spark_schema_from_arrow
 
-        return spark_schema_of(cls.arrow_schema())
+        return spark_schema_from_arrow(cls.arrow_schema())
 
     def to_record_batch(self):
         """This status as a one-row Arrow batch (maps as lists of pairs, as Arrow takes them)."""

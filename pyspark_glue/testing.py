@@ -120,9 +120,9 @@ class Harness:
 
     def _resolve(self, schema):
         """The schemas, from ``fn`` or the first batch's columns, as the operator resolves them."""
-        from pyspark_glue.spark_internals import spark_schema_of
+        from pyspark_glue.spark_internals import spark_schema_from_arrow
 
-        spark_schema = spark_schema_of(schema)
+        spark_schema = spark_schema_from_arrow(schema)
         self._settings.resolve_input(spark_schema, "the rows")
         types = {f.name: f.dataType.simpleString() for f in spark_schema.fields}
         self._key_types = tuple(types[c] for c in self.key_columns)

@@ -5,7 +5,11 @@ One module per subcommand (``inspect``, ``verify``, ``dump``, ``repartition``,
 switch, exit codes, progress bars, errors) is in :mod:`statecore.cli.output`. The commands
 and their output are described in ``docs/operating.md``.
 """
-from statecore.cli.output import main
+from statecore.package_origin import check_package_origin
+
+check_package_origin()
+
+from statecore.cli.output import main  # noqa: E402
 
 __all__ = ["main", "run"]
 

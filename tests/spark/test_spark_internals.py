@@ -124,7 +124,7 @@ def test_rdd_with_preferred_locations_keeps_every_row_and_the_pipelined_function
 
 
 def test_arrow_schemas_are_the_ones_spark_hands_python(spark):
-    """``arrow_schema_of``/``spark_schema_of`` give the Arrow types Spark's own Arrow path
+    """``arrow_schema_of``/``spark_schema_from_arrow`` give the Arrow types Spark's own Arrow path
     (``toArrow``) uses, and back; a value that is not a schema fails loudly (no fallback)."""
     import datetime
 
@@ -135,6 +135,6 @@ def test_arrow_schemas_are_the_ones_spark_hands_python(spark):
     schema = StructType.fromDDL(ddl)
     row = (1, "a", b"\x00", datetime.datetime(2026, 1, 1), datetime.date(2026, 1, 1), 1.5, 2, True)
     assert spark_internals.arrow_schema_of(schema) == spark.createDataFrame([row], ddl).toArrow().schema
-    assert spark_internals.spark_schema_of(spark_internals.arrow_schema_of(schema)) == schema
+    assert spark_internals.spark_schema_from_arrow(spark_internals.arrow_schema_of(schema)) == schema
     with pytest.raises((TypeError, AttributeError)):
         spark_internals.arrow_schema_of(pa.schema([("id", pa.int64())]))
