@@ -16,6 +16,8 @@ import os
 import pickle
 import tempfile
 
+from tests.glue_support import start_query
+
 SCHEMA = "id long, ts timestamp, payload string"
 
 
@@ -107,7 +109,7 @@ def run_spark_phase(spark, directory, checkpoint, transform, seen, schema=SCHEMA
 
     writer = transform(_source(spark, directory, schema, fmt)).writeStream.foreachBatch(collect)
     writer = writer.outputMode(getattr(transform, "output_mode", "append"))
-    query = writer.option("checkpointLocation", checkpoint).trigger(availableNow=True).start()
+    query = start_query(writer.option("checkpointLocation", checkpoint).trigger(availableNow=True))
     query.awaitTermination()
     seen.extend(reports.read())
     late = {p["batchId"]: sum(op.get("numRowsDroppedByWatermark", 0) for op in p.get("stateOperators", []))
@@ -132,8 +134,8 @@ def run_statecore_phase(spark, directory, checkpoint, operator, seen, schema=SCH
         out = operator.process(df, batch_id)
         report(batch_id, [batch_id, _rows(out, columns or out.columns), operator.last_progress.get("late_rows", 0)])
 
-    query = (_source(spark, directory, schema, fmt).writeStream.foreachBatch(process)
-             .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
+    query = start_query(_source(spark, directory, schema, fmt).writeStream.foreachBatch(process)
+                        .option("checkpointLocation", checkpoint).trigger(availableNow=True))
     query.awaitTermination()
     if query.exception() is not None:
         raise query.exception()

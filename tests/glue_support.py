@@ -65,12 +65,28 @@ def state_dict(df):
     return {(r["user"], bytes(r["region"])): (r["count"], r["sum"]) for r in df.collect()}
 
 
+def start_query(writer, attempts=3):
+    """``writer.start()``, started again (up to ``attempts`` in all) when a Spark Connect server
+    timed out waiting for the query's ``foreachBatch`` Python worker to connect back: Spark
+    waits a fixed 10 s for a new worker process (``PythonWorkerFactory``), which a loaded
+    2-core machine running several JVMs can exceed, and nothing of the query ran then."""
+    from pyspark.errors import PySparkException
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return writer.start()
+        except PySparkException as e:
+            if "failed to connect back" not in str(e) or attempt == attempts:
+                raise
+            print(f"the query's Python worker did not connect back in time (attempt {attempt}): starting it again")
+
+
 def stream_files(spark, ddl, source, handle, checkpoint):
     """A streaming query over ``source``'s parquet files (one file a micro-batch) through
     ``foreachBatch(handle)``, run until it has processed the files present, then stopped; the
     stopped query (its ``runId``, its progress)."""
-    query = (spark.readStream.schema(ddl).option("maxFilesPerTrigger", 1).parquet(source)
-             .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint).start())
+    query = start_query(spark.readStream.schema(ddl).option("maxFilesPerTrigger", 1).parquet(source)
+                        .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint))
     try:
         query.processAllAvailable()
     finally:

@@ -166,15 +166,19 @@ def test_verify_benchmark_runs_its_quick_setting(tmp_path):
 
 
 @pytest.mark.spark
-def test_race_contender_runs_in_its_own_process(tmp_path):
-    """The statecore contender end to end on tiny batches: per-batch figures, the operator's
-    commit time, state files, and state that adds up."""
+@pytest.mark.parametrize("contender", ["statecore", "statecore_connect"])
+def test_race_contender_runs_in_its_own_process(tmp_path, contender):
+    """The statecore contender end to end on tiny batches, on a classic session and through a
+    Spark Connect server of its own: per-batch figures, the operator's commit time (classic:
+    under Connect the operator runs in the server's worker), state files, and state that adds
+    up."""
     files = race.write_batches(str(tmp_path / "data"), 3, 2000, 300, seed=5)
     work = str(tmp_path / "work")
     race.link_inputs(files, os.path.join(work, "input"))
-    result = race.run_in_process("t", "statecore", os.path.join(work, "input"), work, "1g", timeout=600)
+    result = race.run_in_process("t", contender, os.path.join(work, "input"), work, "1g", timeout=600)
     assert len(result["batches"]) == 3
-    assert all(b["rows"] == 2000 and b["seconds"] > 0 and b["commit_s"] > 0 for b in result["batches"])
+    assert all(b["rows"] == 2000 and b["seconds"] > 0 for b in result["batches"])
+    assert all(b["commit_s"] > 0 for b in result["batches"]) == (contender == "statecore")
     assert result["jvm_peak_bytes"] > 0 and result["python_workers_peak_bytes"] > 0
     assert race.tree_bytes(os.path.join(work, "statecore"), skip=("_output",)) > 0
     from statecore import StateStoreConf, StateStoreId, create_and_init_provider

@@ -8,14 +8,14 @@ import os
 import numpy as np
 
 from pyspark_glue.connect_server import CONNECT_MODE_VARIABLE
-from tests.glue_support import INPUT_DDL, events, write_parquet
+from tests.glue_support import INPUT_DDL, events, start_query, write_parquet
 
 
 def run_available(session, source, handle, checkpoint):
     """A streaming query of ``source``'s parquet files through ``foreachBatch(handle)``, run
     until it has processed what is there, then stopped."""
-    query = (session.readStream.schema(INPUT_DDL).parquet(str(source)).writeStream.foreachBatch(handle)
-             .option("checkpointLocation", str(checkpoint)).start())
+    query = start_query(session.readStream.schema(INPUT_DDL).parquet(str(source)).writeStream.foreachBatch(handle)
+                        .option("checkpointLocation", str(checkpoint)))
     try:
         query.processAllAvailable()
     finally:

@@ -22,7 +22,8 @@ from statecore import operator_files
 
 from pyspark_glue.spark_internals import is_connect
 
-from tests.glue_support import INPUT_DDL, events, make_operator, spark_group_by, state_dict, write_parquet
+from tests.glue_support import (INPUT_DDL, events, make_operator, spark_group_by, start_query, state_dict,
+                                 write_parquet)
 from tests.state_files import version_names
 
 pytestmark = pytest.mark.slow  # scheduled first: tests/conftest.py
@@ -86,8 +87,8 @@ def run_query(spark, source, checkpoint, handle, while_running=None):
     until ``while_running(query)`` returns); stopped at the end. Returns its exception or None."""
     from pyspark.errors import StreamingQueryException
 
-    query = (spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
-             .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint).start())
+    query = start_query(spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).parquet(source)
+                        .writeStream.foreachBatch(handle).option("checkpointLocation", checkpoint))
     try:
         if while_running is None:
             query.processAllAvailable()
