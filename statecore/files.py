@@ -3,7 +3,7 @@
 :class:`StoreFiles` owns everything statecore does with the files of a store directory
 (``<root>/<operator>/<partition>[/<store>]``): listing the version files, reading them whole
 or in part, writing them atomically (a temporary file in the same directory, then a
-rename), deleting them, and giving the snapshot reader a local path it can memory-map (on a
+rename; on an object store, one upload under the final name: docs/object-storage.md), deleting them, and giving the snapshot reader a local path it can memory-map (on a
 remote filesystem, a copy made by :mod:`statecore.localcache`; for a packed snapshot, the
 image its caller unpacks into that cache). Which name holds which
 version and attempt (``<v>_<16 hex id>.delta`` / ``.snapshot``) is :mod:`statecore.lineage`'s;
@@ -24,7 +24,9 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
+import tempfile
 import time
 import uuid
 
@@ -40,6 +42,11 @@ __all__ = ["StoreFiles", "PendingFile", "open_store_files", "open_regular_file",
 logger = logging.getLogger(__name__)
 
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # write_atomic's temporary names
+
+# Filesystems of object stores (s3fs's protocols): no rename (``mv`` is a copy and a delete),
+# no directory to fsync, and an object that appears whole when its upload completes or not
+# at all. Files there are written under their final names (docs/object-storage.md).
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 class StoreFiles:
@@ -67,6 +74,9 @@ class StoreFiles:
     is_local : bool
         True for the local filesystem, where files are written and read with ``os``
         calls directly (so that they can be fsync'ed and mapped in place).
+    is_object_store : bool
+        True for an object store (:data:`OBJECT_STORE_PROTOCOLS`), where a file is uploaded
+        under its final name in one request, never renamed (docs/object-storage.md).
 
     Notes
     -----
@@ -85,6 +95,8 @@ class StoreFiles:
         self.storage_options = dict(storage_options or {})
         self.fs, root = fsspec.core.url_to_fs(location, **self.storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.is_object_store = not self.is_local and bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
         # fsspec already strips "file://" and makes relative local paths absolute.
         self._root = root.rstrip("/") or "/"
         self.local_cache_dir = (os.path.abspath(local_cache_dir)
@@ -205,7 +217,7 @@ class StoreFiles:
                 data = f.read() if max_bytes is None else f.read(os.fstat(f.fileno()).st_size + 1)
         else:
             self._checked_remote(full, max_bytes)
-            data = self.fs.cat_file(full) if max_bytes is None else self.fs.cat_file(full, 0, max_bytes + 1)
+            data = self.fs.cat_file(full) if max_bytes is None else self.fs.cat_file(full, start=0, end=max_bytes + 1)
         if max_bytes is not None and len(data) > max_bytes:  # it grew since its size was checked
             raise UnsafeFileError(self.path(name), f"it holds more than the {max_bytes} bytes its format allows")
         return data
@@ -225,7 +237,7 @@ class StoreFiles:
         self._checked_remote(full, None)  # still FileNotFoundError for a missing file
         if length == 0:
             return b""
-        return self.fs.cat_file(full, start, start + length)
+        return self.fs.cat_file(full, start=start, end=start + length)
 
     def open_read(self, name, max_bytes=None):
         """A binary file object reading ``name`` (a context manager); FileNotFoundError if
@@ -371,16 +383,64 @@ class StoreFiles:
         """
         if not overwrite and self.exists(name):
             raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
+        if self.is_object_store:
+            return self._write_object(name, write, exclusive=not overwrite)
         pending = self.write_pending(name, write, on_flushed=on_flushed)
         return pending.publish(overwrite=overwrite)
+
+    def _write_object(self, name, write, exclusive):
+        """write_atomic on an object store: ``write`` streams into the upload of ``name``
+        itself, which appears whole when the upload completes (on close) or not at all;
+        any error abandons the upload. The steps keep their order ("rename": just before
+        the upload completes)."""
+        size = 0
+
+        def fill(f):
+            nonlocal size
+            write(self._writer(f, name))
+            self._step("flush", name)
+            self._step("fsync", name)  # nothing to fsync: a completed upload is durable
+            size = f.tell()
+            self._step("rename", name)
+
+        self._put_object(name, fill, exclusive)
+        return size
+
+    def _put_object(self, name, fill, exclusive):
+        """Upload ``name`` under its final name: ``fill(f)`` writes its bytes into the
+        object store's file. One PUT, or a multipart upload for a file larger than the
+        filesystem's block size (its parts are invisible until it completes); ``exclusive``:
+        a conditional create (``If-None-Match: *``), FileExistsError if ``name`` exists."""
+        full = self._full(name)
+        f = self.fs.open(full, "xb" if exclusive else "wb")
+        try:
+            fill(f)
+        except BaseException:
+            _quietly(_abandon_upload, f)
+            raise
+        try:
+            f.close()
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, "File exists", self.path(name)) from None
+        except BaseException:
+            _quietly(_abandon_upload, f)
+            raise
+        finally:
+            self.fs.invalidate_cache(full)
 
     def write_pending(self, name, write, on_flushed=None):
         """Write the content of ``name`` durably under a temporary name, and return a
         :class:`PendingFile` whose ``publish()`` renames it into place and ``discard()``
         deletes it: a commit makes its file visible only once everything else succeeded.
         On any error the temporary file is deleted (best effort) and the error re-raised.
-        ``on_flushed`` is as for :meth:`write_atomic`."""
+        ``on_flushed`` is as for :meth:`write_atomic`.
+
+        On an object store the content goes to an unnamed local file instead, uploaded
+        under ``name`` by ``publish()`` (nothing of it is in the store before: an
+        uncommitted version is never visible, and a process that dies leaves nothing there)."""
         full = self._full(name)
+        if self.is_object_store:
+            return self._spool_pending(name, full, write)
         parent, base = full.rsplit("/", 1)
         tmp = f"{parent}/.{base}.{uuid.uuid4().hex}.tmp"
         if self.is_local:
@@ -408,6 +468,20 @@ class StoreFiles:
             raise
         return PendingFile(self, name, full, tmp, size)
 
+    def _spool_pending(self, name, full, write):
+        """write_pending on an object store: the content in a local unnamed file."""
+        spool = tempfile.TemporaryFile()
+        try:
+            write(self._writer(spool, name))
+            self._step("flush", name)
+            spool.flush()
+            self._step("fsync", name)  # not needed: a crash before publish loses nothing committed
+            size = spool.tell()
+        except BaseException:
+            _quietly(spool.close)
+            raise
+        return PendingFile(self, name, full, None, size, spool=spool)
+
     def _unlink_tmp(self, tmp):
         if self.is_local:
             os.unlink(tmp)
@@ -415,6 +489,8 @@ class StoreFiles:
             self.fs.rm_file(tmp)
 
     def _publish(self, pending, overwrite):
+        if pending.spool is not None:
+            return self._publish_spooled(pending, overwrite)
         name, full, tmp = pending.name, pending.full, pending.tmp
         try:
             self._step("rename", name)
@@ -424,8 +500,8 @@ class StoreFiles:
                 else:
                     self._rename_no_clobber_local(name, tmp, full)
             else:
-                # Object stores have no rename that refuses to overwrite; the check is racy
-                # there, which is acceptable for the one file written this way (the schema).
+                # Other remote filesystems (object stores are written by _put_object) may have
+                # no rename that refuses to overwrite: the check is racy there.
                 if not overwrite and self.fs.exists(full):
                     raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
                 self.fs.mv(tmp, full)
@@ -436,6 +512,17 @@ class StoreFiles:
             _fsync_dir(os.path.dirname(full))
         else:
             self.fs.invalidate_cache(full)
+        return pending.size
+
+    def _publish_spooled(self, pending, overwrite):
+        """publish() on an object store: upload the spooled content under its final name."""
+        spool = pending.spool
+        try:
+            self._step("rename", pending.name)
+            spool.seek(0)
+            self._put_object(pending.name, lambda f: shutil.copyfileobj(spool, f, _UPLOAD_CHUNK), not overwrite)
+        finally:
+            _quietly(spool.close)
         return pending.size
 
     def _rename_no_clobber_local(self, name, tmp, full):
@@ -522,14 +609,17 @@ class StoreFiles:
 
 
 class PendingFile:
-    """A file written and made durable under a temporary name, not yet visible under its own."""
+    """A file written and made durable under a temporary name, not yet visible under its own
+    (on an object store: written to a local unnamed ``spool``, not yet uploaded)."""
 
-    def __init__(self, files, name, full, tmp, size):
+    def __init__(self, files, name, full, tmp, size, spool=None):
         self.files, self.name, self.full, self.tmp, self.size = files, name, full, tmp, size
+        self.spool = spool
         self.done = False
 
     def publish(self, overwrite=True):
-        """Rename it into place (and fsync the directory); returns its size in bytes."""
+        """Rename it into place (and fsync the directory), or upload it under its name on
+        an object store; returns its size in bytes."""
         self.done = True
         return self.files._publish(self, overwrite)
 
@@ -537,7 +627,10 @@ class PendingFile:
         """Delete the temporary file (best effort); harmless after publish()."""
         if not self.done:
             self.done = True
-            _quietly(self.files._unlink_tmp, self.tmp)
+            if self.spool is not None:
+                _quietly(self.spool.close)
+            else:
+                _quietly(self.files._unlink_tmp, self.tmp)
 
 
 def file_kind(mode):
@@ -568,6 +661,16 @@ def open_regular_file(path, max_bytes=None):
     except BaseException:
         os.close(fd)
         raise
+
+
+_UPLOAD_CHUNK = 8 * 2**20  # bytes copied at a time from a spooled file into its upload
+
+
+def _abandon_upload(f):
+    """Drop an object store's file being written without completing its upload (an
+    incomplete multipart upload is aborted); marked closed, so that it is never completed."""
+    f.discard()
+    f.closed = True
 
 
 def _quietly(fn, *args):
