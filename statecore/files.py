@@ -350,7 +350,9 @@ class StoreFiles:
         (local filesystem) and renamed to ``name`` (docs/spark-state-store.md, Files). On the local filesystem
         the directory is fsync'ed after the rename, so the new name survives a power
         loss. Until the rename, nothing but the temporary file is touched; on any error the
-        temporary file is deleted (best effort) and the error re-raised.
+        temporary file is deleted (best effort) and the error re-raised. On an object store
+        there is no rename: the content is uploaded under ``name`` in one request (or one
+        multipart upload), conditionally with ``overwrite=False`` (:meth:`write_pending`).
 
         Parameters
         ----------
@@ -375,7 +377,8 @@ class StoreFiles:
         Raises
         ------
         FileExistsError
-            If ``overwrite`` is False and ``name`` exists.
+            If ``overwrite`` is False and ``name`` exists (on an object store, also when it
+            appeared during the write: the upload is an ``If-None-Match: *`` PUT).
         OSError
             From the filesystem; the previous file of that name, if any, is intact. (Only
             a failing fsync of the directory, after the rename, finds the new file in
@@ -383,28 +386,8 @@ class StoreFiles:
         """
         if not overwrite and self.exists(name):
             raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
-        if self.is_object_store:
-            return self._write_object(name, write, exclusive=not overwrite)
         pending = self.write_pending(name, write, on_flushed=on_flushed)
         return pending.publish(overwrite=overwrite)
-
-    def _write_object(self, name, write, exclusive):
-        """write_atomic on an object store: ``write`` streams into the upload of ``name``
-        itself, which appears whole when the upload completes (on close) or not at all;
-        any error abandons the upload. The steps keep their order ("rename": just before
-        the upload completes)."""
-        size = 0
-
-        def fill(f):
-            nonlocal size
-            write(self._writer(f, name))
-            self._step("flush", name)
-            self._step("fsync", name)  # nothing to fsync: a completed upload is durable
-            size = f.tell()
-            self._step("rename", name)
-
-        self._put_object(name, fill, exclusive)
-        return size
 
     def _put_object(self, name, fill, exclusive):
         """Upload ``name`` under its final name: ``fill(f)`` writes its bytes into the
@@ -435,9 +418,10 @@ class StoreFiles:
         On any error the temporary file is deleted (best effort) and the error re-raised.
         ``on_flushed`` is as for :meth:`write_atomic`.
 
-        On an object store the content goes to an unnamed local file instead, uploaded
-        under ``name`` by ``publish()`` (nothing of it is in the store before: an
-        uncommitted version is never visible, and a process that dies leaves nothing there)."""
+        On an object store the content goes to an unnamed local file instead (in
+        ``local_cache_dir`` if given, else the system's temporary directory), uploaded under
+        ``name`` by ``publish()``: nothing of it is in the store before (an uncommitted
+        version is never visible, and a process that dies there leaves nothing behind)."""
         full = self._full(name)
         if self.is_object_store:
             return self._spool_pending(name, full, write)
@@ -470,7 +454,9 @@ class StoreFiles:
 
     def _spool_pending(self, name, full, write):
         """write_pending on an object store: the content in a local unnamed file."""
-        spool = tempfile.TemporaryFile()
+        if self.local_cache_dir is not None:
+            os.makedirs(self.local_cache_dir, exist_ok=True)
+        spool = tempfile.TemporaryFile(dir=self.local_cache_dir)
         try:
             write(self._writer(spool, name))
             self._step("flush", name)

@@ -741,3 +741,62 @@ def test_a_generous_bound_costs_the_file_not_the_bound(tmp_path):
             "print(len(files.read_bytes('1.delta', max_bytes=2 << 30)))\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "100", done.stderr[-2000:]
+
+
+# -- object stores: one upload under the final name --------------------------------------------
+
+def test_a_version_file_on_s3_is_one_put_never_a_copy_or_a_delete(s3_server, s3_env):
+    """A commit's delta on S3 is uploaded under its own name when published: one PUT, no
+    temporary object copied and deleted (S3 has no rename), nothing in the bucket before."""
+    files = StoreFiles(s3_env + "/0/3")
+    name = f"5_{ID_A}.delta"
+    s3_server.counter.reset()
+    pending = files.write_pending(name, writer(b"a whole delta"))
+    assert s3_server.counter.snapshot() == {}  # nothing reaches the store before publish
+    pending.publish()
+    assert s3_server.counter.snapshot() == {"PUT": 1}
+    assert files.read_bytes(name) == b"a whole delta" and raw_names(files) == [name]
+
+
+def test_two_writers_of_a_no_overwrite_file_on_s3_the_first_wins(s3_env, monkeypatch):
+    """Two processes take the operator lock (a file written with overwrite=False) at once on
+    S3: both checks find no file, then both upload; the second upload is refused by the store
+    (a conditional PUT, If-None-Match: *), not a silent overwrite of the first."""
+    first, second = StoreFiles(s3_env + "/op"), StoreFiles(s3_env + "/op")
+    monkeypatch.setattr(second, "exists", lambda name: False)  # its check ran before the first's upload
+    first.write_atomic("_lock", writer(b"first"), overwrite=False)
+    with pytest.raises(FileExistsError) as e:
+        second.write_atomic("_lock", writer(b"second"), overwrite=False)
+    assert e.value.filename == second.path("_lock")
+    assert first.read_bytes("_lock") == b"first"
+
+
+def test_a_large_upload_failing_on_s3_leaves_no_object_and_no_open_upload(s3_server, s3_env):
+    """A snapshot larger than the upload's part size goes multipart; its upload failing
+    after parts were sent (a lost connection) leaves neither an object nor an incomplete
+    upload: the parts are invisible and aborted."""
+    options = {"default_block_size": 5 * 2**20}  # S3's smallest part
+    files = FaultInjectingFiles(s3_env + "/0/3", storage_options=options)
+    files.mkdirs()
+    data = os.urandom(11 * 2**20)
+    pending = files.write_pending(f"7_{ID_A}.snapshot", writer(data))
+    bucket = s3_env[len("s3://"):]
+    sent = []
+    real_put = files._put_object
+
+    def failing_mid_upload(name, fill, exclusive):
+        def fill_then_fail(f):
+            fill(f)
+            f.flush()  # the parts go out
+            sent.append(s3_server.counter.snapshot())
+            raise OSError("connection lost")
+        return real_put(name, fill_then_fail, exclusive)
+
+    files._put_object = failing_mid_upload
+    s3_server.counter.reset()
+    with pytest.raises(OSError, match="connection lost"):
+        pending.publish()
+    [counts] = sent
+    assert counts.get("POST") == 1 and counts.get("PUT", 0) >= 1  # a multipart upload started, parts sent
+    assert raw_names(files) == []
+    assert files.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
