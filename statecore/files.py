@@ -61,9 +61,7 @@ class StoreFiles:
         Passed to the fsspec filesystem (credentials, endpoints, ...).
     local_cache_dir : str, optional
         Where copies of remote files and images of packed snapshots are kept for
-        memory-mapping; required only when :meth:`local_path_for_mapping` is called on a
-        filesystem that is not local. Images go to
-        :func:`statecore.localcache.default_cache_dir` without it.
+        memory-mapping. Without it both go to :func:`statecore.localcache.default_cache_dir`.
 
     Attributes
     ----------
@@ -263,19 +261,16 @@ class StoreFiles:
         """A local path holding the content of ``name``, that can be memory-mapped.
 
         On the local filesystem this is the file itself; on any other, a copy in
-        ``local_cache_dir`` (:class:`statecore.localcache.LocalCache`), made once and reused
-        while the source keeps its size and version. FileNotFoundError if the file does not
-        exist; ValueError if the filesystem is not local and no ``local_cache_dir`` was given.
+        ``local_cache_dir`` (else :func:`statecore.localcache.default_cache_dir`, as for
+        images: :class:`statecore.localcache.LocalCache`), made once and reused while the
+        source keeps its size and version. FileNotFoundError if the file does not exist.
         """
         full = self._reading(name)
         if self.is_local:
             open_regular_file(full).close()  # FileNotFoundError here, as on other filesystems
             return full
-        if self._cache is None:
-            raise ValueError(
-                f"local_cache_dir (spark.statecore.localCacheDir) is required to map "
-                f"{self.path(name)}: {type(self.fs).__name__} is not a local filesystem")
-        return self._cache.copy_of(full, self.path(name))
+        cache = self._cache if self._cache is not None else self._image_cache(create=True)
+        return cache.copy_of(full, self.path(name))
 
     def local_image_for_mapping(self, name, size, make):
         """A local path holding the ``size``-byte image that ``make(source, dest)`` writes from

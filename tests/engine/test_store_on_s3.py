@@ -65,3 +65,51 @@ def test_failed_delta_write_on_s3_undoes_the_merge(s3_env, monkeypatch, step):
     """A delta's upload failing at each step (on S3 "rename" is the upload at publish):
     test_failed_delta_write_undoes_the_merge_in_the_same_provider's assertions."""
     run_on_s3("test_failed_delta_write_undoes_the_merge_in_the_same_provider", s3_env, monkeypatch, step=step)
+
+
+def test_a_second_provider_maps_the_snapshot_from_its_cache_and_catches_a_damaged_copy(s3_bucket, tmp_path):
+    """A store on S3 whose snapshot (an image: compression "none") a second provider, on
+    another executor, maps from its local cache: the copy is made once from the bucket and
+    reused; a copy damaged on the local disk is caught by its block checksums, not trusted:
+    an error naming the snapshot in the bucket (before: the local copy's path)."""
+    import glob
+
+
+    from statecore import StateCorruptionError, StateStoreConf, StateStoreId, create_and_init_provider
+    from statecore.files import StoreFiles
+    from tests.store_support import commit_batch, contents
+
+    url, options = s3_bucket
+    key, value = contract.KEY, contract.VALUE
+
+    def provider(cache):
+        conf = StateStoreConf(storage_options=options, local_cache_dir=str(tmp_path / cache), compression="none",
+                              min_deltas_for_snapshot=1, min_versions_to_retain=10)
+        return create_and_init_provider(StateStoreId(url + "/state", 0, 0), key, value, conf)
+
+    writer = provider("writer-cache")
+    expected = {}
+    for v in range(3):
+        puts = [(k, (k, float(v))) for k in range(v * 100, v * 100 + 100)]
+        commit_batch(writer, v, puts)
+        expected.update(dict(puts))
+    writer.do_maintenance()  # a snapshot of 3
+    writer.close()
+
+    reader = provider("reader-cache")
+    assert contents(reader.get_read_store(3)) == expected
+    [copy] = glob.glob(str(tmp_path / "reader-cache" / "*3_*.snapshot"))
+    assert contents(provider("reader-cache").get_read_store(3)) == expected  # the same copy
+    assert glob.glob(str(tmp_path / "reader-cache" / "*3_*.snapshot")) == [copy]
+    reader.close()
+
+    with open(copy, "r+b") as f:  # a bit flipped in the copy's first data block
+        f.seek(4096 + 16)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    files = StoreFiles(url + "/state/0/0", options)
+    [snapshot] = [f.name for f in files.list_versions() if f.kind == "snapshot"]
+    with pytest.raises(StateCorruptionError) as e:  # the lookup that touches the block, as on disk
+        contents(provider("reader-cache").get_read_store(3))
+    assert e.value.path == files.path(snapshot)  # the snapshot in the bucket, not the local copy
