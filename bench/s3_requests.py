@@ -9,7 +9,7 @@ existing keys (seeded), the race's per-partition workload: ``get_store``, ``put_
 each batch (snapshots every ``min_deltas_for_snapshot`` batches, and cleanup). The server counts
 every request by kind (:func:`bench.s3_server.request_kind`); printed per batch (the mean over
 the steady-state batches, after the first) with the mean batch time; ``--latency-ms`` delays
-every request by that much.
+every request by that much; ``--local`` runs the same on the local disk, for its batch time.
 """
 import argparse
 import statistics
@@ -25,10 +25,14 @@ KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("count", "<i8"), ("sum", "<f8")])
 
 
-def run(server, keys, upserts, batches, maintain, cache_dir):
-    """``(requests per steady-state batch {kind: mean}, mean batch seconds)``."""
-    url = f"s3://{server.new_bucket()}/state"
-    conf = StateStoreConf(storage_options=server.storage_options(), local_cache_dir=cache_dir)
+def run(server, keys, upserts, batches, maintain, cache_dir, local=False):
+    """``(requests per steady-state batch {kind: mean}, mean batch seconds)``; ``local``: the
+    store on the local disk instead (no requests)."""
+    if local:
+        url, options = f"{cache_dir}/state", None
+    else:
+        url, options = f"s3://{server.new_bucket()}/state", server.storage_options()
+    conf = StateStoreConf(storage_options=options, local_cache_dir=cache_dir)
     p = create_and_init_provider(StateStoreId(url, 0, 0), KEY, VALUE, conf)
     rng = np.random.default_rng(36)
     all_keys = np.zeros(keys, KEY)
@@ -64,6 +68,7 @@ def main(argv=None):
     parser.add_argument("--upserts", type=int, default=100_000)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--local", action="store_true", help="the store on the local disk (batch times only)")
     args = parser.parse_args(argv)
     server = S3Server().start()
     try:
@@ -73,7 +78,7 @@ def main(argv=None):
         print(f"  {'maintenance':<12}" + "".join(f"{k:>8}" for k in REQUEST_KINDS) + f"{'batch s':>10}")
         for maintain in (False, True):
             with tempfile.TemporaryDirectory(prefix="statecore-s3-bench-") as cache_dir:
-                means, secs = run(server, args.keys, args.upserts, args.batches, maintain, cache_dir)
+                means, secs = run(server, args.keys, args.upserts, args.batches, maintain, cache_dir, args.local)
             print(f"  {'with' if maintain else 'without':<12}" + "".join(f"{means[k]:>8.2f}" for k in REQUEST_KINDS)
                   + f"{secs:>10.3f}")
     finally:
