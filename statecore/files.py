@@ -3,7 +3,8 @@
 :class:`StoreFiles` owns everything statecore does with the files of a store directory
 (``<root>/<operator>/<partition>[/<store>]``): listing the version files, reading them whole
 or in part, writing them atomically (a temporary file in the same directory, then a
-rename; on an object store, one upload under the final name: docs/object-storage.md), deleting them, and giving the snapshot reader a local path it can memory-map (on a
+rename; on an object store, one upload under the final name: docs/object-storage.md),
+deleting them, and giving the snapshot reader a local path it can memory-map (on a
 remote filesystem, a copy made by :mod:`statecore.localcache`; for a packed snapshot, the
 image its caller unpacks into that cache). Which name holds which
 version and attempt (``<v>_<16 hex id>.delta`` / ``.snapshot``) is :mod:`statecore.lineage`'s;

@@ -5,8 +5,8 @@ one at a time, and reports what the store made of each.
 
 SPEC_JSON names the pristine store directory (``<root>/0/0``), a scratch root of this
 worker (local paths, or ``s3://`` URLs: the store then reaches its bucket as the environment
-says, ``AWS_ENDPOINT_URL`` ...), the store's conf, the versions to read with their expected contents (before maintenance:
-all of them; after it: the retained ones), the names of the
+says, ``AWS_ENDPOINT_URL`` ...), the store's conf, the versions to read with their expected
+contents (before maintenance: all of them; after it: the retained ones), the names of the
 files a maintenance pass keeps in the pristine directory (none of them may go), and the
 flips: ``[[file name, offset], ...]``. For each flip, from a fresh copy of the pristine
 directory and fresh providers: flip the byte (xor 0xFF); open a provider and read every
