@@ -626,11 +626,15 @@ def test_same_name_in_another_directory_gets_its_own_copy(memory_root, tmp_path)
     assert content(pa) == b"aaaa" and content(pb) == b"bbbb"
 
 
-def test_remote_mapping_needs_a_cache_dir(memory_root):
+def test_remote_mapping_without_a_cache_dir_copies_to_the_default_one(memory_root):
+    """An executor given no local_cache_dir maps a remote image snapshot from a copy in the
+    private per-user cache directory, where the images of packed snapshots go (it was refused)."""
+    from statecore.localcache import default_cache_dir
+
     files = StoreFiles(memory_root)
     files.write_atomic("1.snapshot", writer(b"s"))
-    with pytest.raises(ValueError, match="local_cache_dir"):
-        files.local_path_for_mapping("1.snapshot")
+    path = files.local_path_for_mapping("1.snapshot")
+    assert os.path.dirname(path) == default_cache_dir() and content(path) == b"s"
 
 
 def test_threads_mapping_one_file_agree(memory_root, tmp_path):
