@@ -767,10 +767,12 @@ def test_two_writers_of_a_no_overwrite_file_on_s3_the_first_wins(s3_env, monkeyp
     S3: both checks find no file, then both upload; the second upload is refused by the store
     (a conditional PUT, If-None-Match: *), not a silent overwrite of the first."""
     first, second = StoreFiles(s3_env + "/op"), StoreFiles(s3_env + "/op")
-    monkeypatch.setattr(second, "exists", lambda name: False)  # its check ran before the first's upload
     first.write_atomic("_lock", writer(b"first"), overwrite=False)
+    # Every existence check of the second ran before the first's upload landed.
+    monkeypatch.setattr(second.fs, "exists", lambda *args, **kwargs: False)
     with pytest.raises(FileExistsError) as e:
         second.write_atomic("_lock", writer(b"second"), overwrite=False)
+    monkeypatch.undo()
     assert e.value.filename == second.path("_lock")
     assert first.read_bytes("_lock") == b"first"
 
