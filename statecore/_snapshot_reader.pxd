@@ -12,6 +12,7 @@ from statecore._snapshot_image cimport SnapError, SnapLayout
 @cython.final
 cdef class SnapshotReader(RowSource):
     cdef readonly object path
+    cdef readonly object shown          # the name errors give (the remote file of a local copy)
     cdef readonly object header         # the checked SnapshotHeader; its fields are the reader's too
     cdef readonly uint64_t row_count
     cdef readonly uint32_t max_displacement

@@ -61,6 +61,10 @@ cdef class SnapshotReader(RowSource):
     ----------
     path : str or os.PathLike
         A local file (remote files are copied to a local cache first, by the caller).
+    shown : str, optional
+        The name errors give for the file (attribute ``shown``): the remote snapshot's URL
+        when ``path`` is its local copy, so that damage names the file the store holds.
+        Defaults to ``path``.
     key_schema, value_schema : numpy structured dtype or RowSchema, optional
         The schemas the caller expects; by default, those recorded in the file.
     expected_lineage : 16 bytes or uuid.UUID, optional
@@ -78,8 +82,9 @@ cdef class SnapshotReader(RowSource):
         If the file cannot be opened.
     """
 
-    def __cinit__(self, path, key_schema=None, value_schema=None, expected_lineage=None):
+    def __cinit__(self, path, key_schema=None, value_schema=None, expected_lineage=None, shown=None):
         self.path = os.fspath(path)
+        self.shown = self.path if shown is None else shown
         self._closed = True
         if expected_lineage is not None:
             expected_lineage = lineage_bytes(expected_lineage, "expected_lineage")
@@ -95,7 +100,7 @@ cdef class SnapshotReader(RowSource):
         self.verified = NULL
 
     cdef object _corrupt(self, offset, reason):
-        return StateCorruptionError(self.path, offset, reason)
+        return StateCorruptionError(self.shown, offset, reason)
 
     cdef object _open(self, int fd, size, key_schema, value_schema, expected_lineage):
         """Check the header (read_snapshot_header) and the footer (check_footer) against the
@@ -111,17 +116,17 @@ cdef class SnapshotReader(RowSource):
         if header[:8] == MAGIC and int.from_bytes(header[8:12], "little") == PACKED_FORMAT_VERSION:
             raise self._corrupt(8, "format version 2, a packed snapshot, not an image: it is mapped through "
                                    "its unpacked image (statecore.unpack_snapshot)")
-        cdef SnapshotHeader h = read_snapshot_header(header, self.path)
-        cdef SnapFooter f = check_footer(footer, size, h, self.path)
+        cdef SnapshotHeader h = read_snapshot_header(header, self.shown)
+        cdef SnapFooter f = check_footer(footer, size, h, self.shown)
         if key_schema is not None:
             key_schema = as_schema(key_schema, key=True)
             if key_schema.fingerprint != h.key_fingerprint:
-                raise SchemaMismatchError(f"key schema mismatch in snapshot '{self.path}': the file has "
+                raise SchemaMismatchError(f"key schema mismatch in snapshot '{self.shown}': the file has "
                                           f"{h.key_schema.describe()}, expected {key_schema.describe()}")
         if value_schema is not None:
             value_schema = as_schema(value_schema)
             if value_schema.fingerprint != h.value_fingerprint:
-                raise SchemaMismatchError(f"value schema mismatch in snapshot '{self.path}': the file has "
+                raise SchemaMismatchError(f"value schema mismatch in snapshot '{self.shown}': the file has "
                                           f"{h.value_schema.describe()}, "
                                           f"expected {value_schema.describe()}")
         if expected_lineage is not None and expected_lineage != h.lineage:
@@ -172,7 +177,7 @@ cdef class SnapshotReader(RowSource):
     cdef object _raise_truncated(self, Mapping mapping):
         """The error for a mapping that is not sound."""
         cdef uint64_t at = mapping.damage()
-        raise StateCorruptionError(self.path, at - 1 if at else mapping.canary_at,
+        raise StateCorruptionError(self.shown, at - 1 if at else mapping.canary_at,
                                    "the file was truncated while mapped")
 
     cdef object _raise_for(self, const SnapError* err):
@@ -190,7 +195,7 @@ cdef class SnapshotReader(RowSource):
             reason = f"{err.what.decode()} (expected {err.expected}, found {err.got})"
         else:
             raise AssertionError(f"unknown snapshot code {err.code}")
-        raise StateCorruptionError(self.path, err.offset, reason)
+        raise StateCorruptionError(self.shown, err.offset, reason)
 
     # -- raw rows -------------------------------------------------------------------------
     def get_rows(self, const uint8_t[:, ::1] keys not None, uint8_t[:, ::1] values not None,

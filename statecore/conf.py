@@ -73,8 +73,8 @@ class StateStoreConf:
         hashable; ``repr`` shows their names only.
     local_cache_dir : str, optional
         Where snapshots of a remote filesystem are copied, and packed snapshots unpacked,
-        to be memory-mapped. Without it, images of packed snapshots go to a private
-        per-user directory under the temporary directory (``statecore-<uid>``).
+        to be memory-mapped. Without it, both go to a private per-user directory under the
+        temporary directory (``statecore-<uid>``).
 
     Raises
     ------

@@ -3,7 +3,8 @@
 :class:`StoreFiles` owns everything statecore does with the files of a store directory
 (``<root>/<operator>/<partition>[/<store>]``): listing the version files, reading them whole
 or in part, writing them atomically (a temporary file in the same directory, then a
-rename), deleting them, and giving the snapshot reader a local path it can memory-map (on a
+rename; on an object store, one upload under the final name: docs/object-storage.md),
+deleting them, and giving the snapshot reader a local path it can memory-map (on a
 remote filesystem, a copy made by :mod:`statecore.localcache`; for a packed snapshot, the
 image its caller unpacks into that cache). Which name holds which
 version and attempt (``<v>_<16 hex id>.delta`` / ``.snapshot``) is :mod:`statecore.lineage`'s;
@@ -24,7 +25,9 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
+import tempfile
 import time
 import uuid
 
@@ -41,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # write_atomic's temporary names
 
+# Filesystems of object stores (s3fs's protocols): no rename (``mv`` is a copy and a delete),
+# no directory to fsync, and an object that appears whole when its upload completes or not
+# at all. Files there are written under their final names (docs/object-storage.md).
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
+
 
 class StoreFiles:
     """The files of one store directory on any fsspec filesystem.
@@ -54,9 +62,7 @@ class StoreFiles:
         Passed to the fsspec filesystem (credentials, endpoints, ...).
     local_cache_dir : str, optional
         Where copies of remote files and images of packed snapshots are kept for
-        memory-mapping; required only when :meth:`local_path_for_mapping` is called on a
-        filesystem that is not local. Images go to
-        :func:`statecore.localcache.default_cache_dir` without it.
+        memory-mapping. Without it both go to :func:`statecore.localcache.default_cache_dir`.
 
     Attributes
     ----------
@@ -67,6 +73,9 @@ class StoreFiles:
     is_local : bool
         True for the local filesystem, where files are written and read with ``os``
         calls directly (so that they can be fsync'ed and mapped in place).
+    is_object_store : bool
+        True for an object store (:data:`OBJECT_STORE_PROTOCOLS`), where a file is uploaded
+        under its final name in one request, never renamed (docs/object-storage.md).
 
     Notes
     -----
@@ -85,6 +94,8 @@ class StoreFiles:
         self.storage_options = dict(storage_options or {})
         self.fs, root = fsspec.core.url_to_fs(location, **self.storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.is_object_store = not self.is_local and bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
         # fsspec already strips "file://" and makes relative local paths absolute.
         self._root = root.rstrip("/") or "/"
         self.local_cache_dir = (os.path.abspath(local_cache_dir)
@@ -205,7 +216,7 @@ class StoreFiles:
                 data = f.read() if max_bytes is None else f.read(os.fstat(f.fileno()).st_size + 1)
         else:
             self._checked_remote(full, max_bytes)
-            data = self.fs.cat_file(full) if max_bytes is None else self.fs.cat_file(full, 0, max_bytes + 1)
+            data = self.fs.cat_file(full) if max_bytes is None else self.fs.cat_file(full, start=0, end=max_bytes + 1)
         if max_bytes is not None and len(data) > max_bytes:  # it grew since its size was checked
             raise UnsafeFileError(self.path(name), f"it holds more than the {max_bytes} bytes its format allows")
         return data
@@ -225,7 +236,7 @@ class StoreFiles:
         self._checked_remote(full, None)  # still FileNotFoundError for a missing file
         if length == 0:
             return b""
-        return self.fs.cat_file(full, start, start + length)
+        return self.fs.cat_file(full, start=start, end=start + length)
 
     def open_read(self, name, max_bytes=None):
         """A binary file object reading ``name`` (a context manager); FileNotFoundError if
@@ -251,19 +262,16 @@ class StoreFiles:
         """A local path holding the content of ``name``, that can be memory-mapped.
 
         On the local filesystem this is the file itself; on any other, a copy in
-        ``local_cache_dir`` (:class:`statecore.localcache.LocalCache`), made once and reused
-        while the source keeps its size and version. FileNotFoundError if the file does not
-        exist; ValueError if the filesystem is not local and no ``local_cache_dir`` was given.
+        ``local_cache_dir`` (else :func:`statecore.localcache.default_cache_dir`, as for
+        images: :class:`statecore.localcache.LocalCache`), made once and reused while the
+        source keeps its size and version. FileNotFoundError if the file does not exist.
         """
         full = self._reading(name)
         if self.is_local:
             open_regular_file(full).close()  # FileNotFoundError here, as on other filesystems
             return full
-        if self._cache is None:
-            raise ValueError(
-                f"local_cache_dir (spark.statecore.localCacheDir) is required to map "
-                f"{self.path(name)}: {type(self.fs).__name__} is not a local filesystem")
-        return self._cache.copy_of(full, self.path(name))
+        cache = self._cache if self._cache is not None else self._image_cache(create=True)
+        return cache.copy_of(full, self.path(name))
 
     def local_image_for_mapping(self, name, size, make):
         """A local path holding the ``size``-byte image that ``make(source, dest)`` writes from
@@ -338,7 +346,9 @@ class StoreFiles:
         (local filesystem) and renamed to ``name`` (docs/spark-state-store.md, Files). On the local filesystem
         the directory is fsync'ed after the rename, so the new name survives a power
         loss. Until the rename, nothing but the temporary file is touched; on any error the
-        temporary file is deleted (best effort) and the error re-raised.
+        temporary file is deleted (best effort) and the error re-raised. On an object store
+        there is no rename: the content is uploaded under ``name`` in one request (or one
+        multipart upload), conditionally with ``overwrite=False`` (:meth:`write_pending`).
 
         Parameters
         ----------
@@ -363,7 +373,8 @@ class StoreFiles:
         Raises
         ------
         FileExistsError
-            If ``overwrite`` is False and ``name`` exists.
+            If ``overwrite`` is False and ``name`` exists (on an object store, also when it
+            appeared during the write: the upload is an ``If-None-Match: *`` PUT).
         OSError
             From the filesystem; the previous file of that name, if any, is intact. (Only
             a failing fsync of the directory, after the rename, finds the new file in
@@ -374,13 +385,42 @@ class StoreFiles:
         pending = self.write_pending(name, write, on_flushed=on_flushed)
         return pending.publish(overwrite=overwrite)
 
+    def _put_object(self, name, fill, exclusive):
+        """Upload ``name`` under its final name: ``fill(f)`` writes its bytes into the
+        object store's file. One PUT, or a multipart upload for a file larger than the
+        filesystem's block size (its parts are invisible until it completes); ``exclusive``:
+        a conditional create (``If-None-Match: *``), FileExistsError if ``name`` exists."""
+        full = self._full(name)
+        f = self.fs.open(full, "xb" if exclusive else "wb")
+        try:
+            fill(f)
+        except BaseException:
+            _quietly(_abandon_upload, f)
+            raise
+        try:
+            f.close()
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, "File exists", self.path(name)) from None
+        except BaseException:
+            _quietly(_abandon_upload, f)
+            raise
+        finally:
+            self.fs.invalidate_cache(full)
+
     def write_pending(self, name, write, on_flushed=None):
         """Write the content of ``name`` durably under a temporary name, and return a
         :class:`PendingFile` whose ``publish()`` renames it into place and ``discard()``
         deletes it: a commit makes its file visible only once everything else succeeded.
         On any error the temporary file is deleted (best effort) and the error re-raised.
-        ``on_flushed`` is as for :meth:`write_atomic`."""
+        ``on_flushed`` is as for :meth:`write_atomic`.
+
+        On an object store the content goes to an unnamed local file instead (in
+        ``local_cache_dir`` if given, else the system's temporary directory), uploaded under
+        ``name`` by ``publish()``: nothing of it is in the store before (an uncommitted
+        version is never visible, and a process that dies there leaves nothing behind)."""
         full = self._full(name)
+        if self.is_object_store:
+            return self._spool_pending(name, full, write)
         parent, base = full.rsplit("/", 1)
         tmp = f"{parent}/.{base}.{uuid.uuid4().hex}.tmp"
         if self.is_local:
@@ -408,6 +448,22 @@ class StoreFiles:
             raise
         return PendingFile(self, name, full, tmp, size)
 
+    def _spool_pending(self, name, full, write):
+        """write_pending on an object store: the content in a local unnamed file."""
+        if self.local_cache_dir is not None:
+            os.makedirs(self.local_cache_dir, exist_ok=True)
+        spool = tempfile.TemporaryFile(dir=self.local_cache_dir)
+        try:
+            write(self._writer(spool, name))
+            self._step("flush", name)
+            spool.flush()
+            self._step("fsync", name)  # not needed: a crash before publish loses nothing committed
+            size = spool.tell()
+        except BaseException:
+            _quietly(spool.close)
+            raise
+        return PendingFile(self, name, full, None, size, spool=spool)
+
     def _unlink_tmp(self, tmp):
         if self.is_local:
             os.unlink(tmp)
@@ -415,6 +471,8 @@ class StoreFiles:
             self.fs.rm_file(tmp)
 
     def _publish(self, pending, overwrite):
+        if pending.spool is not None:
+            return self._publish_spooled(pending, overwrite)
         name, full, tmp = pending.name, pending.full, pending.tmp
         try:
             self._step("rename", name)
@@ -424,8 +482,8 @@ class StoreFiles:
                 else:
                     self._rename_no_clobber_local(name, tmp, full)
             else:
-                # Object stores have no rename that refuses to overwrite; the check is racy
-                # there, which is acceptable for the one file written this way (the schema).
+                # Other remote filesystems (object stores are written by _put_object) may have
+                # no rename that refuses to overwrite: the check is racy there.
                 if not overwrite and self.fs.exists(full):
                     raise FileExistsError(errno.EEXIST, "File exists", self.path(name))
                 self.fs.mv(tmp, full)
@@ -436,6 +494,17 @@ class StoreFiles:
             _fsync_dir(os.path.dirname(full))
         else:
             self.fs.invalidate_cache(full)
+        return pending.size
+
+    def _publish_spooled(self, pending, overwrite):
+        """publish() on an object store: upload the spooled content under its final name."""
+        spool = pending.spool
+        try:
+            self._step("rename", pending.name)
+            spool.seek(0)
+            self._put_object(pending.name, lambda f: shutil.copyfileobj(spool, f, _UPLOAD_CHUNK), not overwrite)
+        finally:
+            _quietly(spool.close)
         return pending.size
 
     def _rename_no_clobber_local(self, name, tmp, full):
@@ -522,14 +591,17 @@ class StoreFiles:
 
 
 class PendingFile:
-    """A file written and made durable under a temporary name, not yet visible under its own."""
+    """A file written and made durable under a temporary name, not yet visible under its own
+    (on an object store: written to a local unnamed ``spool``, not yet uploaded)."""
 
-    def __init__(self, files, name, full, tmp, size):
+    def __init__(self, files, name, full, tmp, size, spool=None):
         self.files, self.name, self.full, self.tmp, self.size = files, name, full, tmp, size
+        self.spool = spool
         self.done = False
 
     def publish(self, overwrite=True):
-        """Rename it into place (and fsync the directory); returns its size in bytes."""
+        """Rename it into place (and fsync the directory), or upload it under its name on
+        an object store; returns its size in bytes."""
         self.done = True
         return self.files._publish(self, overwrite)
 
@@ -537,7 +609,10 @@ class PendingFile:
         """Delete the temporary file (best effort); harmless after publish()."""
         if not self.done:
             self.done = True
-            _quietly(self.files._unlink_tmp, self.tmp)
+            if self.spool is not None:
+                _quietly(self.spool.close)
+            else:
+                _quietly(self.files._unlink_tmp, self.tmp)
 
 
 def file_kind(mode):
@@ -568,6 +643,16 @@ def open_regular_file(path, max_bytes=None):
     except BaseException:
         os.close(fd)
         raise
+
+
+_UPLOAD_CHUNK = 8 * 2**20  # bytes copied at a time from a spooled file into its upload
+
+
+def _abandon_upload(f):
+    """Drop an object store's file being written without completing its upload (an
+    incomplete multipart upload is aborted); marked closed, so that it is never completed."""
+    f.discard()
+    f.closed = True
 
 
 def _quietly(fn, *args):

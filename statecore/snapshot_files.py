@@ -93,7 +93,7 @@ def open_snapshot(files, name, key_schema=None, value_schema=None):
     path = files.path(name)
     header = read_header(files, name)
     if header.packed is None:
-        return SnapshotReader(files.local_path_for_mapping(name), key_schema, value_schema)
+        return SnapshotReader(files.local_path_for_mapping(name), key_schema, value_schema, shown=path)
     _check_schemas(header, path, key_schema, value_schema)
 
     def make(source, dest):

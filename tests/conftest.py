@@ -209,3 +209,30 @@ def any_spark(request):
     """The classic session, then a Spark Connect client (:func:`connect_spark`): a test taking
     it runs under both kinds of session, and should find the same state, output and records."""
     return request.getfixturevalue("spark" if request.param == "classic" else "connect_spark")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One local S3 server (moto's, ``bench/s3_server.py``) on 127.0.0.1 for the run (per xdist
+    worker), its requests counted; stopped at the end by the object that started it."""
+    from bench.s3_server import S3Server
+
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """``(url, storage_options)`` of a new empty bucket of :func:`s3_server`, for this test alone."""
+    return f"s3://{s3_server.new_bucket()}", s3_server.storage_options()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The url of a new bucket of :func:`s3_server` that s3fs reaches with no storage options:
+    the endpoint and dummy credentials in the environment (botocore's ``AWS_ENDPOINT_URL``),
+    for this test and the processes it starts."""
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{s3_server.new_bucket()}"

@@ -4,8 +4,9 @@ one at a time, and reports what the store made of each.
     python tests/flip_worker.py SPEC_JSON
 
 SPEC_JSON names the pristine store directory (``<root>/0/0``), a scratch root of this
-worker, the store's conf, the versions to read with their expected contents (before maintenance:
-all of them; after it: the retained ones), the names of the
+worker (local paths, or ``s3://`` URLs: the store then reaches its bucket as the environment
+says, ``AWS_ENDPOINT_URL`` ...), the store's conf, the versions to read with their expected
+contents (before maintenance: all of them; after it: the retained ones), the names of the
 files a maintenance pass keeps in the pristine directory (none of them may go), and the
 flips: ``[[file name, offset], ...]``. For each flip, from a fresh copy of the pristine
 directory and fresh providers: flip the byte (xor 0xFF); open a provider and read every
@@ -38,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from statecore import (StateCorruptionError, StateStoreConf, StateStoreId,  # noqa: E402
                        create_and_init_provider)
+from tests.state_files import flip, is_url, list_names  # noqa: E402
 
 KEY = np.dtype([("k", "<i8")])
 VALUE = np.dtype([("n", "<i8"), ("x", "<f8")])
@@ -121,13 +123,8 @@ def main(spec_path):
 
     def one_flip(name, offset):
         path = os.path.join(work, name)
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.copytree(pristine, work)
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            original = f.read(1)
-            f.seek(offset)
-            f.write(bytes([original[0] ^ 0xFF]))
+        fresh_copy(pristine, work)
+        flip(path, offset)
         recorder.needle, recorder.hits = name, 0
         named = False
         try:
@@ -140,17 +137,15 @@ def main(spec_path):
             before = read_all(p, path, "before maintenance", versions)
             p.do_maintenance()
             p.close()
-            missing = sorted(must_keep - set(os.listdir(work)))
+            missing = sorted(must_keep - set(list_names(work)))
             if missing:
                 raise Failure(f"maintenance deleted {missing}")
             after = read_all(make(), path, "after maintenance", retained)
             if after - before:  # maintenance must not take away what loaded
                 raise Failure(f"versions {sorted(after - before)} loaded before maintenance, not after")
             named = bool(before or after)
-        if os.path.exists(path):
-            with open(path, "r+b") as f:
-                f.seek(offset)
-                f.write(original)
+        if name in list_names(work):
+            flip(path, offset)  # flipped back
         read_all(make(), None, "repaired", retained)
         if named:
             return "corrupt", ""
@@ -165,7 +160,26 @@ def main(spec_path):
         except BaseException as e:  # noqa: BLE001 - every other exception is a finding
             outcome, detail = "failure", "".join(traceback.format_exception_only(type(e), e)).strip()
         print(json.dumps({"file": name, "offset": offset, "outcome": outcome, "detail": detail}), flush=True)
-    shutil.rmtree(work_root, ignore_errors=True)
+    if not is_url(work_root):
+        shutil.rmtree(work_root, ignore_errors=True)
+
+
+def fresh_copy(pristine, work):
+    """``work`` made a copy of the directory ``pristine`` (local paths, or URLs of one bucket:
+    then the objects are copied by the store, each whole)."""
+    if not is_url(work):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine, work)
+        return
+    import fsspec
+
+    fs, work_path = fsspec.core.url_to_fs(work)
+    _, pristine_path = fsspec.core.url_to_fs(pristine)
+    for name in list_names(work):
+        fs.rm_file(f"{work_path}/{name}")
+    for name in list_names(pristine):
+        fs.copy(f"{pristine_path}/{name}", f"{work_path}/{name}")
+    fs.invalidate_cache()
 
 
 if __name__ == "__main__":

@@ -11,22 +11,48 @@ def short_name(name):
     return _ID.sub(r"\1.", name)
 
 
+def is_url(path):
+    """Whether ``path`` is an fsspec URL (``s3://bucket/...``), not a local path."""
+    return "://" in str(path)
+
+
+def list_names(directory):
+    """The names of the files in ``directory`` (a local path or an fsspec URL); [] if missing."""
+    if not is_url(directory):
+        return os.listdir(directory) if os.path.isdir(directory) else []
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(directory)
+    fs.invalidate_cache()
+    try:
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=True) if e["type"] == "file"]
+    except FileNotFoundError:
+        return []
+
+
 def version_names(directory):
     """The directory's file names with the commit ids dropped, sorted ([] if missing)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(short_name(n) for n in os.listdir(directory))
+    return sorted(short_name(n) for n in list_names(directory))
 
 
 def version_path(directory, version, kind):
     """The path of the one ``kind`` file of ``version`` (there must be exactly one)."""
-    found = [n for n in os.listdir(directory) if short_name(n) == f"{version}.{kind}"]
+    found = [n for n in list_names(directory) if short_name(n) == f"{version}.{kind}"]
     assert len(found) == 1, f"expected one {version}.{kind} in {directory}, found {found}"
     return os.path.join(directory, found[0])
 
 
 def flip(path, offset):
-    """Flip every bit of the byte at ``offset`` of ``path``, in place."""
+    """Flip every bit of the byte at ``offset`` of ``path`` (a local path, or an fsspec URL:
+    then the object is written again whole, as an object store has no in-place write)."""
+    if is_url(path):
+        import fsspec
+
+        fs, full = fsspec.core.url_to_fs(path)
+        data = bytearray(fs.cat_file(full))
+        data[offset] ^= 0xFF
+        fs.pipe_file(full, bytes(data))
+        return
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)

@@ -21,7 +21,7 @@ import numpy as np
 import statecore.files
 from statecore import StateCorruptionError, StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.faults import FaultInjectingFiles
-from tests.state_files import version_path
+from tests.state_files import is_url, list_names, version_path
 
 WAIT_S = 20.0  # how long a test waits for another thread to reach the point it forces
 
@@ -288,9 +288,9 @@ def version_files(root):
     """``{(version, kind): [name, ...]}`` of the regular files of the store directory."""
     out = {}
     d = store_dir(root)
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    for name in sorted(list_names(d)):
         m = VERSION_FILE.match(name)
-        if m and os.path.isfile(os.path.join(d, name)):
+        if m and (is_url(d) or os.path.isfile(os.path.join(d, name))):  # list_names lists only files of a URL
             out.setdefault((int(m.group(1)), m.group(3)), []).append(name)
     return out
 

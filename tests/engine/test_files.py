@@ -31,9 +31,12 @@ def memory_root():
         fs.rm(root, recursive=True)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def location(request, tmp_path, memory_root):
-    """A store directory on each filesystem the tests cover."""
+    """A store directory on each filesystem the tests cover (s3: a bucket of the local S3
+    server, reached through the environment)."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_env") + "/0/3"
     return str(tmp_path / "0" / "3") if request.param == "local" else memory_root + "/0/3"
 
 
@@ -44,8 +47,13 @@ def put_raw(files, name, data=b"x"):
 
 
 def raw_names(files):
-    """Every entry of the directory, temporary files included."""
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in files.fs.ls(files.location, detail=False))
+    """Every entry of the directory, temporary files included (none for a prefix of an object
+    store that holds no object)."""
+    files.fs.invalidate_cache()
+    try:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in files.fs.ls(files.location, detail=False))
+    except FileNotFoundError:
+        return []
 
 
 def content(path):
@@ -345,8 +353,11 @@ def test_write_pending_is_invisible_until_published(location):
     pending = files.write_pending(name, writer(b"whole delta"))
     assert isinstance(pending, PendingFile)
     assert not files.exists(name) and list(files.list_versions()) == []
-    [tmp] = temporaries(files)
-    assert tmp.startswith(f".{name}.") and files.read_bytes(tmp) == b"whole delta"  # whole, under its own name
+    if files.is_object_store:  # held locally until published: nothing of it in the store
+        assert raw_names(files) == []
+    else:
+        [tmp] = temporaries(files)
+        assert tmp.startswith(f".{name}.") and files.read_bytes(tmp) == b"whole delta"  # whole, under its own name
     assert pending.publish() == len(b"whole delta")
     assert files.read_bytes(name) == b"whole delta" and raw_names(files) == [name]
     assert [f.name for f in files.list_versions()] == [name]
@@ -358,7 +369,7 @@ def test_write_pending_discard_leaves_nothing(location):
     files = StoreFiles(location)
     files.write_atomic(f"5_{ID_B}.delta", writer(b"another attempt"))
     pending = files.write_pending(f"5_{ID_A}.delta", writer(b"never published"))
-    assert len(temporaries(files)) == 1
+    assert len(temporaries(files)) == (0 if files.is_object_store else 1)
     pending.discard()
     pending.discard()  # twice: harmless
     assert raw_names(files) == [f"5_{ID_B}.delta"]
@@ -539,7 +550,8 @@ def test_delete_is_best_effort(location, caplog):
     files.arm("delete", "2.*")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         deleted = files.delete(["1.delta", "2.delta", "3.delta", "4.delta"])
-    assert deleted == ["1.delta", "3.delta"]
+    # An object store's DELETE succeeds whether or not the object was there (no HEAD first).
+    assert deleted == ["1.delta", "3.delta"] + (["4.delta"] if files.is_object_store else [])
     assert raw_names(files) == ["2.delta"]
     assert any("Could not delete file" in r.getMessage() and files.path("2.delta") in r.getMessage()
                for r in caplog.records)
@@ -614,11 +626,15 @@ def test_same_name_in_another_directory_gets_its_own_copy(memory_root, tmp_path)
     assert content(pa) == b"aaaa" and content(pb) == b"bbbb"
 
 
-def test_remote_mapping_needs_a_cache_dir(memory_root):
+def test_remote_mapping_without_a_cache_dir_copies_to_the_default_one(memory_root):
+    """An executor given no local_cache_dir maps a remote image snapshot from a copy in the
+    private per-user cache directory, where the images of packed snapshots go (it was refused)."""
+    from statecore.localcache import default_cache_dir
+
     files = StoreFiles(memory_root)
     files.write_atomic("1.snapshot", writer(b"s"))
-    with pytest.raises(ValueError, match="local_cache_dir"):
-        files.local_path_for_mapping("1.snapshot")
+    path = files.local_path_for_mapping("1.snapshot")
+    assert os.path.dirname(path) == default_cache_dir() and content(path) == b"s"
 
 
 def test_threads_mapping_one_file_agree(memory_root, tmp_path):
@@ -729,3 +745,64 @@ def test_a_generous_bound_costs_the_file_not_the_bound(tmp_path):
             "print(len(files.read_bytes('1.delta', max_bytes=2 << 30)))\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "100", done.stderr[-2000:]
+
+
+# -- object stores: one upload under the final name --------------------------------------------
+
+def test_a_version_file_on_s3_is_one_put_never_a_copy_or_a_delete(s3_server, s3_env):
+    """A commit's delta on S3 is uploaded under its own name when published: one PUT, no
+    temporary object copied and deleted (S3 has no rename), nothing in the bucket before."""
+    files = StoreFiles(s3_env + "/0/3")
+    name = f"5_{ID_A}.delta"
+    s3_server.counter.reset()
+    pending = files.write_pending(name, writer(b"a whole delta"))
+    assert s3_server.counter.snapshot() == {}  # nothing reaches the store before publish
+    pending.publish()
+    assert s3_server.counter.snapshot() == {"PUT": 1}
+    assert files.read_bytes(name) == b"a whole delta" and raw_names(files) == [name]
+
+
+def test_two_writers_of_a_no_overwrite_file_on_s3_the_first_wins(s3_env, monkeypatch):
+    """Two processes take the operator lock (a file written with overwrite=False) at once on
+    S3: both checks find no file, then both upload; the second upload is refused by the store
+    (a conditional PUT, If-None-Match: *), not a silent overwrite of the first."""
+    first, second = StoreFiles(s3_env + "/op"), StoreFiles(s3_env + "/op")
+    first.write_atomic("_lock", writer(b"first"), overwrite=False)
+    # Every existence check of the second ran before the first's upload landed.
+    monkeypatch.setattr(second.fs, "exists", lambda *args, **kwargs: False)
+    with pytest.raises(FileExistsError) as e:
+        second.write_atomic("_lock", writer(b"second"), overwrite=False)
+    monkeypatch.undo()
+    assert e.value.filename == second.path("_lock")
+    assert first.read_bytes("_lock") == b"first"
+
+
+def test_a_large_upload_failing_on_s3_leaves_no_object_and_no_open_upload(s3_server, s3_env):
+    """A snapshot larger than the upload's part size goes multipart; its upload failing
+    after parts were sent (a lost connection) leaves neither an object nor an incomplete
+    upload: the parts are invisible and aborted."""
+    options = {"default_block_size": 5 * 2**20}  # S3's smallest part
+    files = FaultInjectingFiles(s3_env + "/0/3", storage_options=options)
+    files.mkdirs()
+    data = os.urandom(11 * 2**20)
+    pending = files.write_pending(f"7_{ID_A}.snapshot", writer(data))
+    bucket = s3_env[len("s3://"):]
+    sent = []
+    real_put = files._put_object
+
+    def failing_mid_upload(name, fill, exclusive):
+        def fill_then_fail(f):
+            fill(f)
+            f.flush()  # the parts go out
+            sent.append(s3_server.counter.snapshot())
+            raise OSError("connection lost")
+        return real_put(name, fill_then_fail, exclusive)
+
+    files._put_object = failing_mid_upload
+    s3_server.counter.reset()
+    with pytest.raises(OSError, match="connection lost"):
+        pending.publish()
+    [counts] = sent
+    assert counts.get("POST") == 1 and counts.get("PUT", 0) >= 1  # a multipart upload started, parts sent
+    assert raw_names(files) == []
+    assert files.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
