@@ -30,8 +30,10 @@ else
     env_dir="$scratch/env"
 fi
 
-python -m venv "$env_dir"
-"$env_dir/bin/python" -m pip install --quiet --no-cache-dir --only-binary :all: "$wheel[executor]"
+# No pip or setuptools in the venv (the running python's pip installs into it), and no .pyc
+# compiled here: both would only make the archive bigger and slower to build and unpack.
+python -m venv --without-pip "$env_dir"
+python -m pip --python "$env_dir/bin/python" install --quiet --no-compile --only-binary :all: "$wheel[executor]"
 # level 1: the archive is made once per build and unpacked on every executor; its size hardly changes
 python -m venv_pack --quiet --force --compress-level 1 --prefix "$env_dir" --output "$archive"
 echo "$archive"
