@@ -20,6 +20,7 @@ import os
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 MODULES = ["_hash", "_rowtable", "_snapshot", "_snapshot_format", "_snapshot_writer", "_snapshot_reader",
            "_snapshot_pack", "_snapshot_image", "_mapping", "_delta", "_delta_format", "_rowcodec", "_rowcalls",
@@ -76,12 +77,25 @@ def _extensions():
 
 JOBS = os.cpu_count() or 1  # modules are translated and compiled in parallel
 
+
+class CythonizeThenBuild(build_ext):
+    """Translates the ``.pyx`` files to C only when the extensions are built: making the sdist,
+    whose inputs are the ``.pyx`` files themselves (MANIFEST.in), runs no Cython."""
+
+    def build_extensions(self):
+        translated = cythonize(
+            self.extensions,
+            compiler_directives={"language_level": 3, "embedsignature": True, "binding": True},
+            annotate=_flag("STATECORE_ANNOTATE"),
+            nthreads=JOBS,
+        )
+        for ext, c_ext in zip(self.extensions, translated, strict=True):
+            ext.sources = c_ext.sources
+        super().build_extensions()
+
+
 setup(
-    ext_modules=cythonize(
-        _extensions(),
-        compiler_directives={"language_level": 3, "embedsignature": True, "binding": True},
-        annotate=_flag("STATECORE_ANNOTATE"),
-        nthreads=JOBS,
-    ),
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": CythonizeThenBuild},
     options={"build_ext": {"parallel": JOBS}},
 )

@@ -1,15 +1,17 @@
 """statecore on a real cluster: the wheel executors get, and a Spark standalone cluster that
 loses a worker in the middle of a stateful stream (see docs/cluster.md).
 
-1. The wheel. ``pip wheel . --no-deps`` on a clean copy of the source tree must give a
-   wheel holding every compiled module (one ``.so`` per ``statecore/*.pyx``) and the
-   ``.pxd`` files, and a Python process that sees only the wheel's contents (plus numpy,
-   lz4, xxhash and fsspec) imports statecore and round-trips a store.
+1. The sdist and the wheel. ``tools/build_wheel.sh`` on a clean copy of the source tree
+   makes the sdist (the ``.pyx``/``.pxd`` sources and ``setup.py``, no generated C), the
+   wheel from that sdist, and repairs it to a ``manylinux`` tag of glibc 2.28 or older. The
+   wheel must hold every compiled module (one ``.so`` per ``statecore/*.pyx``) and the
+   ``.pxd`` files, ``auditwheel show`` must accept its tag, and a Python process that sees
+   only the wheel's contents (plus numpy, lz4, xxhash and fsspec) imports statecore and
+   round-trips a store.
 
    The wheel is built with ``STATECORE_DEBUG=1`` (``-O0``, and ``-Werror`` as in CI) and
-   ``--no-build-isolation`` (the build requirements of the running environment): the
-   release ``-O3`` build takes about 90 s of one core here, the debug one about 25 s, and
-   the packaging is the same.
+   ``--no-isolation`` (the build requirements of the running environment): the release
+   ``-O3`` build takes a few times longer, and the packaging is the same.
 
 2. The cluster (``test_worker_killed_mid_stream``). The test starts a standalone master and
    two workers (1 core, 1 GB each) from pyspark's own ``bin/spark-class`` on 127.0.0.1,
@@ -18,11 +20,13 @@ loses a worker in the middle of a stateful stream (see docs/cluster.md).
    symlinks so that nothing is written into the pip package. The Spark driver is a
    subprocess (this file run as a script), so the cluster's SparkContext never meets the
    local[2] session of ``conftest.spark`` in this process. Driver and executors run
-   statecore from the wheel: the driver from a venv holding it, the executors from the same
-   venv packed as ``env.tar.gz`` and shipped with ``spark.archives=...#environment`` and
-   ``PYSPARK_PYTHON=./environment/bin/python`` (the venv's other packages, pyspark, pyarrow
-   and numpy among them, come from this test's own environment through a ``.pth`` file:
-   the "installed on every node" half of docs/cluster.md; the tarball stays a few MB).
+   statecore from the wheel, in the venv that ``tools/pack_executor_env.sh`` makes and packs
+   (docs/cluster.md's recipe: the wheel, its dependencies and the ``executor`` extra): the
+   executors from the archive, shipped with ``spark.archives=...#env`` and
+   ``PYSPARK_PYTHON=./env/bin/python`` (a driver started as a Python script reads the
+   variable, not ``spark.pyspark.python``); the driver from the venv itself, to which a
+   ``.pth`` file added after packing appends this test's own site-packages (pyspark, pytest),
+   which the executors never see.
 
    The stream: parquet files, one per micro-batch, through ``foreachBatch`` and a
    :class:`~pyspark_glue.StatefulOperator` keeping a running count and sum per key in 4
@@ -109,44 +113,86 @@ def wait_for(predicate, timeout_s, what, poll_s=0.2):
 
 # -- the wheel --------------------------------------------------------------------------------------
 
+SOURCE_DIRS = (*PACKAGES, "tools")  # what tools/build_wheel.sh builds from, beside the top-level files
+WHEEL_TAG = re.compile(r"manylinux_2_(\d+)_x86_64")  # a platform tag of the portable wheel
+MAX_GLIBC_MINOR = 28  # the wheel runs on glibc 2.28 or newer (tools/build_wheel.sh)
+
+
 def _copy_source_tree(dest):
-    """The files a wheel is built from: top-level files and the packages' sources, without
-    build outputs (``build/``, in-place ``.so``, generated ``.c``, caches)."""
+    """The files the sdist is made from: top-level files, the packages' sources and the build
+    script, without build outputs (``build/``, in-place ``.so``, generated ``.c``, caches)."""
     os.makedirs(dest)
     for name in os.listdir(ROOT):
         path = os.path.join(ROOT, name)
         if os.path.isfile(path):
             shutil.copy2(path, dest)
     ignore = shutil.ignore_patterns("*.so", "*.c", "*.html", "__pycache__", "*.pyc")
-    for package in PACKAGES:
-        shutil.copytree(os.path.join(ROOT, package), os.path.join(dest, package), ignore=ignore)
+    for folder in SOURCE_DIRS:
+        shutil.copytree(os.path.join(ROOT, folder), os.path.join(dest, folder), ignore=ignore)
 
 
 def _clean_env(**extra):
-    """This process's environment without anything that points Python or Spark elsewhere."""
+    """This process's environment without anything that points Python or Spark elsewhere;
+    this interpreter's bin/ first on PATH (the scripts of tools/ run ``python``)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTHON", "PYSPARK_", "SPARK_", "STATECORE_", "PYTEST_"))
            and k not in ("VIRTUAL_ENV", "_JAVA_OPTIONS", "JAVA_TOOL_OPTIONS")}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(extra)
     return env
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    pytest.importorskip("Cython", reason="building the wheel needs Cython in this environment")
-    pytest.importorskip("setuptools", reason="building the wheel needs setuptools in this environment")
+def built(tmp_path_factory):
+    """(sdist, wheel): what ``tools/build_wheel.sh`` makes of a clean copy of the tree."""
+    for module in ("Cython", "setuptools", "build", "auditwheel"):
+        pytest.importorskip(module, reason=f"building the wheel needs {module} in this environment (the test extra)")
     base = tmp_path_factory.mktemp("wheel")
     src, dist = str(base / "src"), str(base / "dist")
     _copy_source_tree(src)
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation",
-                          "--no-cache-dir", "-w", dist],
-                         cwd=src, env=_clean_env(STATECORE_DEBUG="1"), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, f"pip wheel failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    out = subprocess.run(["bash", os.path.join(src, "tools", "build_wheel.sh"), "--no-isolation", dist],
+                         cwd=src, env=_clean_env(STATECORE_DEBUG="1"), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"tools/build_wheel.sh failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    sdists = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".tar.gz")]
     wheels = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".whl")]
-    assert len(wheels) == 1, wheels
-    print(f"built {os.path.basename(wheels[0])} in {time.monotonic() - started:.1f} s")
-    return wheels[0]
+    assert len(sdists) == 1 and len(wheels) == 1, os.listdir(dist)
+    print(f"built {os.path.basename(sdists[0])} and {os.path.basename(wheels[0])} "
+          f"in {time.monotonic() - started:.1f} s")
+    return sdists[0], wheels[0]
+
+
+@pytest.fixture(scope="module")
+def wheel(built):
+    return built[1]
+
+
+def test_sdist_holds_the_cython_sources_and_no_generated_code(built):
+    """A platform without a matching wheel builds from the sdist: it must hold setup.py and
+    every .pyx and .pxd of the core, and no generated C or compiled module."""
+    with tarfile.open(built[0]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"setup.py", "pyproject.toml", "MANIFEST.in"} <= names
+    for module in COMPILED:
+        assert f"statecore/{module}.pyx" in names, f"{module}.pyx is not in the sdist"
+    for module in PXD:
+        assert f"statecore/{module}.pxd" in names, f"{module}.pxd is not in the sdist"
+    assert not [n for n in names if n.endswith((".c", ".so", ".html"))], "build outputs leaked into the sdist"
+
+
+def test_wheel_is_manylinux_for_glibc_2_28_or_older(wheel):
+    """The wheel an executor image without a compiler, or with an older glibc, installs: every
+    platform tag manylinux of glibc <= 2.28, and auditwheel agrees with it."""
+    platforms = os.path.basename(wheel)[:-len(".whl")].split("-")[-1].split(".")
+    minors = [int(m.group(1)) for m in map(WHEEL_TAG.fullmatch, platforms) if m]
+    assert minors and max(minors) <= MAX_GLIBC_MINOR, platforms
+    assert all(WHEEL_TAG.fullmatch(p) or p == "manylinux2014_x86_64" for p in platforms), platforms
+    out = subprocess.run([sys.executable, "-m", "auditwheel", "show", wheel], capture_output=True, text=True,
+                         timeout=120, env=_clean_env())
+    assert out.returncode == 0, out.stderr
+    consistent = re.search(r'consistent with the\s+following\s+platform\s+tag:\s+"manylinux_2_(\d+)_x86_64"',
+                           out.stdout)
+    assert consistent and int(consistent.group(1)) <= min(minors), out.stdout
 
 
 def test_wheel_holds_the_compiled_core_and_pxd_files(wheel):
@@ -402,37 +448,29 @@ def _spark_home(dest):
 
 
 def _env_archive(wheel, base):
-    """The executors' environment: a venv holding the wheel (installed by pip), a ``.pth``
-    to this environment's site-packages for the other packages, tarred as venv-pack would
-    (the venv's root at the archive's root)."""
+    """The executors' environment by docs/cluster.md's recipe (``tools/pack_executor_env.sh``:
+    a venv of the wheel and its dependencies, packed by venv-pack); then, for the driver alone,
+    a ``.pth`` in the venv appending this environment's site-packages (pyspark and pytest,
+    which the driver imports and the archive does not hold)."""
     import site
 
-    env_dir = os.path.join(base, "env")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", env_dir], check=True, timeout=120,
-                   env=_clean_env())
+    env_dir, archive = os.path.join(base, "env"), os.path.join(base, "env.tar.gz")
+    out = subprocess.run(["bash", os.path.join(ROOT, "tools", "pack_executor_env.sh"), wheel, archive, env_dir],
+                         capture_output=True, text=True, timeout=600, env=_clean_env())
+    assert out.returncode == 0, f"tools/pack_executor_env.sh failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     env_python = os.path.join(env_dir, "bin", "python")
-    out = subprocess.run([sys.executable, "-m", "pip", "--python", env_python, "install", "--no-deps", "--no-index",
-                          "--no-compile", "--no-cache-dir", "--quiet", wheel],
-                         capture_output=True, text=True, timeout=300, env=_clean_env())
-    assert out.returncode == 0, f"installing the wheel into the venv failed:\n{out.stdout}\n{out.stderr}"
     env_site = subprocess.run([env_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               check=True, capture_output=True, text=True, timeout=60, env=_clean_env()).stdout.strip()
-    import pyarrow
+    with tarfile.open(archive) as tar:
+        packed = tar.getnames()
+    assert not [n for n in packed if n.endswith(".pth") and "_statecore_test" in n]
+    assert any(n.startswith("lib/") and "/site-packages/statecore/" in n for n in packed), packed[:20]
     import pyspark
 
-    dirs = []
-    for module in (pyspark, pyarrow, np, pytest):
-        d = os.path.dirname(os.path.dirname(module.__file__))
-        if d not in dirs:
-            dirs.append(d)
+    dirs = [os.path.dirname(os.path.dirname(m.__file__)) for m in (pyspark, pytest)]
     dirs += [d for d in site.getsitepackages() if d not in dirs]
-    with open(os.path.join(env_site, "_statecore_test_deps.pth"), "w") as f:
-        f.write("\n".join(dirs) + "\n")
-    archive = os.path.join(base, "env.tar.gz")
-    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
-        for name in sorted(os.listdir(env_dir)):
-            tar.add(os.path.join(env_dir, name), arcname=name,
-                    filter=lambda info: None if "__pycache__" in info.name else info)
+    with open(os.path.join(env_site, "_statecore_test_driver.pth"), "w") as f:
+        f.write("\n".join(dict.fromkeys(dirs)) + "\n")
     return env_dir, env_python, archive
 
 
@@ -531,7 +569,7 @@ def test_worker_killed_mid_stream(wheel, tmp_path):
         with open(hold_file, "w") as f:
             f.write("tasks of the held batch wait while this file exists\n")
         procs.start("driver", [env_python, os.path.abspath(__file__), config_file],
-                    _clean_env(**spark_env, PYSPARK_PYTHON="./environment/bin/python"), base)
+                    _clean_env(**spark_env, PYSPARK_PYTHON="./env/bin/python"), base)
         note("driver started")
 
         def held_task():
@@ -597,9 +635,9 @@ def test_worker_killed_mid_stream(wheel, tmp_path):
     survivor = (executors - {killed_executor}).pop()
     assert result["probe"], "the probe job returned nothing"
     for row in result["probe"]:
-        assert row["executable"].endswith("/environment/bin/python"), row
+        assert row["executable"].endswith("/env/bin/python"), row
         for path in (row["statecore"], row["compiled"], row["pyspark_glue"]):
-            assert "/environment/lib/" in path and path.startswith(dirs["work"] + os.sep), row
+            assert "/env/lib/" in path and path.startswith(dirs["work"] + os.sep), row
 
     # The query went on with the surviving executor: no failure, no restart, every batch once
     # per run, and every batch after the kill ran entirely on the survivor.
@@ -738,7 +776,7 @@ def _driver(config_file):
              .config("spark.sql.files.maxPartitionBytes", str(SPLIT_BYTES))
              .config("spark.driver.extraJavaOptions", JVM_OPTIONS.format(tmp=cfg["tmp"]))
              .config("spark.executor.extraJavaOptions", JVM_OPTIONS.format(tmp=cfg["tmp"]))
-             .config("spark.archives", f"file://{cfg['archive']}#environment")
+             .config("spark.archives", f"file://{cfg['archive']}#env")  # and PYSPARK_PYTHON: docs/cluster.md
              .getOrCreate())
     sc = spark.sparkContext
     sc.setLogLevel("WARN")
