@@ -34,7 +34,10 @@ def check_local_workers(spark):
     """Raise :class:`WorkerPythonError` if ``spark`` (a classic session or SparkContext) runs
     on a local master and its Python workers' interpreter is not this one and cannot import
     ``pyspark_glue`` and statecore's compiled core. A Spark Connect session: nothing checked."""
-    sc = spark_internals.classic_context(spark)
+    try:
+        sc = spark_internals.classic_context(spark)
+    except TypeError:  # not a session at all (a stand-in): no workers to check
+        return
     if sc is None or not str(sc.master).startswith("local"):
         return
     given = spark_internals.worker_python(sc)

@@ -65,7 +65,7 @@ def state_dict(df):
     return {(r["user"], bytes(r["region"])): (r["count"], r["sum"]) for r in df.collect()}
 
 
-def start_query(writer, attempts=3):
+def start_query(writer, attempts=5):
     """``writer.start()``, started again (up to ``attempts`` in all) when a Spark Connect server
     timed out waiting for the query's ``foreachBatch`` Python worker to connect back: Spark
     waits a fixed 10 s for a new worker process (``PythonWorkerFactory``), which a loaded
