@@ -128,7 +128,7 @@ class StatefulOperator:
         or a function of the batch's session returning one (``lambda spark:
         spark.read.parquet(path)``): under Spark Connect the ``foreachBatch`` function travels
         pickled to the server's Python process, and a DataFrame cannot, so the function is what
-        works there (``docs/connect.md``).
+        works there (``docs/operator.md``, "Under Spark Connect").
     clock : object with ``now_ms()``, default :class:`~pyspark_glue.clocks.WallClock`
         Where each batch's processing time comes from (read once per batch on the driver, as
         the batch begins; a batch run again over its own record keeps the recorded time).
@@ -647,7 +647,7 @@ class StatefulOperator:
         writer = newest.get("query_id")
         if query_id is not None and writer == query_id:
             return
-        by_operator = newest.get("writer", operator_files.WRITER_OPERATOR) == operator_files.WRITER_OPERATOR
+        by_operator = newest["writer"] == operator_files.WRITER_OPERATOR  # checked_record's default: an operator
         if by_operator and writer is None and query_id is None and newest["run_id"] == str(run_id):
             return
         if by_operator and batch_id == recorded[-1] and (writer is None or query_id is None):

@@ -14,7 +14,7 @@ __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORM
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
            "check_metadata", "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
-           "WRITER_REPARTITION"]
+           "WRITER_REPARTITION", "WRITERS"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
@@ -138,6 +138,7 @@ def commit_log(operator_location, storage_options=None):
 #: commands that write records of their own. Records written before the field read as an
 #: operator's.
 WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION = "operator", "import-spark", "repartition"
+WRITERS = frozenset({WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION})
 
 
 def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
@@ -152,7 +153,7 @@ def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base
     batch's processing time in milliseconds (None: not known, as for those commands' records);
     the input rows the batch dropped as late, summed over its partitions (None: not known);
     who wrote it (:data:`WRITER_OPERATOR` and the others)."""
-    if writer not in (WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION):
+    if writer not in WRITERS:
         raise ValueError(f"unknown batch record writer {writer!r}")
     return {"format": RECORD_FORMAT, "batch_id": batch_id, "version": batch_id + 1,
             "num_partitions": num_partitions, "store_name": store_name, "run_id": str(run_id),
@@ -223,7 +224,7 @@ def checked_record(record, batch_id, where):
     stamp = record.setdefault("batch_timestamp_ms", None)
     if stamp is not None and (not isinstance(stamp, int) or isinstance(stamp, bool) or stamp < 0):
         raise ValueError(f"{where}: batch_timestamp_ms {stamp!r} is not a time in milliseconds")
-    if record.setdefault("writer", WRITER_OPERATOR) not in (WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION):
+    if record.setdefault("writer", WRITER_OPERATOR) not in WRITERS:
         raise ValueError(f"{where}: writer {record['writer']!r} is not one of statecore's")
     late = record.setdefault("late_rows", None)  # records from before it was kept: None
     if late is not None and (not isinstance(late, int) or isinstance(late, bool) or late < 0):
