@@ -33,6 +33,13 @@ update mode. Contenders, each in a fresh Python process with its own Spark sessi
   (``pyspark_glue/connect_server.py``): the ``foreachBatch`` function runs in the Python
   process the server starts for the query. The ratio of each to its classic self in the
   same run is in the results (``statecore_connect_batch_over_statecore``).
+- ``statecore_s3``, ``statecore_s3_10ms``, ``statecore_s3_50ms``: ``statecore`` with its state
+  on a local S3 server (moto, ``bench/s3_server.py``, in the contender's process, reached by
+  the Python workers through the endpoint in their environment), each request delayed by
+  that much: the round trips of a remote object store. The ratio to ``statecore`` of the same
+  run is in the results (``statecore_s3_50ms_batch_over_statecore``), and the requests of
+  each kind per batch, counted at the server, in the contender's figures (``s3_requests``).
+  The server's own CPU is on the machine's two cores too; a real store's is not.
 
 Spark's queries write their updated rows to the ``noop`` sink; statecore's operator writes its
 updated rows as parquet files (its materialized output), which is more work, not less (the
@@ -86,7 +93,7 @@ INPUT_DDL = "key long, amount long"
 SPARK_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "pandas_state", "tws_pandas")
 CONTENDERS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "hdfs", "rocksdb", "rocksdb_changelog",
               "pandas_state", "tws_pandas", "statecore", "statecore_raw", "statecore_pre",
-              "stream_floor_connect", "statecore_connect")
+              "stream_floor_connect", "statecore_connect", "statecore_s3", "statecore_s3_10ms", "statecore_s3_50ms")
 # keep no state: what the others are held against
 FLOORS = ("floor", "stream_floor", "hop_floor", "agg_hop_floor", "stream_floor_connect")
 # statecore's contenders: RunningAggregate's pre_aggregate for each
@@ -94,6 +101,8 @@ STATECORE_PRE_AGGREGATE = {"statecore": "auto", "statecore_raw": False, "stateco
 # ``<contender>_connect``: the same query through a Spark Connect client of a local Connect
 # server with the same settings
 CONNECT_SUFFIX = "_connect"
+# ``statecore_s3[_<N>ms]``: statecore's state on a local S3 server, N ms a request
+S3_CONTENDER = re.compile(r"statecore_s3(?:_(\d+)ms)?")
 SLOW = ("pandas_state", "tws_pandas")
 RESTART_CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog", "statecore")
 _PROVIDERS = {
@@ -421,8 +430,8 @@ def start_query(spark, contender, source, checkpoint, state_root):
              .mapInArrow(_count_rows, "rows long").collect())
 
         writer = events.writeStream.foreachBatch(aggregate_and_hop)
-    elif contender in STATECORE_PRE_AGGREGATE:
-        operator = _statecore_operator(state_root, pre_aggregate=STATECORE_PRE_AGGREGATE[contender])
+    elif contender in STATECORE_PRE_AGGREGATE or S3_CONTENDER.fullmatch(contender):
+        operator = _statecore_operator(state_root, pre_aggregate=STATECORE_PRE_AGGREGATE.get(contender, "auto"))
         if remote:
             writer, operator = remote_operator_writer(events, operator), None
         else:
@@ -447,11 +456,21 @@ def _progress(query):
 def run_streaming(args, start_query=start_query):
     """One contender's batches (worker process); returns the result dict. ``start_query``:
     :func:`start_query` or another with its signature (the event-time race's)."""
+    checkpoint = os.path.join(args.work, "checkpoint")
+    state_root = os.path.join(args.work, "statecore")
+    s3 = S3_CONTENDER.fullmatch(args.contender)
+    s3_server = None
+    if s3:  # started before Spark: its Python workers inherit the endpoint from this process
+        from bench.s3_server import S3Server
+
+        s3_server = S3Server().start()
+        os.environ.update(s3_server.environment())
+        state_root = f"s3://{s3_server.new_bucket()}/statecore"
+        s3_server.counter.latency_s = int(s3.group(1) or 0) / 1000
+        s3_server.counter.reset()
     spark, stop_spark = start_spark(args.name, args.contender, args.driver_memory,
                                     os.path.join(args.work, "image-cache"),
                                     unix_socket=getattr(args, "unix_socket", False), work=args.work)
-    checkpoint = os.path.join(args.work, "checkpoint")
-    state_root = os.path.join(args.work, "statecore")
     with MemorySampler() as memory:
         t0 = time.perf_counter()
         query, operator = start_query(spark, args.contender, args.source, checkpoint, state_root)
@@ -485,11 +504,22 @@ def run_streaming(args, start_query=start_query):
     result = {"wall_s": wall, "batches": batches, "jvm_peak_bytes": memory.jvm_peak,
               "python_workers_peak_bytes": memory.workers_peak, "cpu_s": _cpu_of(memory),
               # measured here, before any later run (a restart) adds to the same checkpoint
-              "state_bytes": tree_bytes(state_root, skip=("_output",)) if args.contender.startswith("statecore")
-              else tree_bytes(os.path.join(checkpoint, "state")),
+              "state_bytes": _s3_bytes(state_root) if s3 else tree_bytes(state_root, skip=("_output",))
+              if args.contender.startswith("statecore") else tree_bytes(os.path.join(checkpoint, "state")),
               "checkpoint_bytes": tree_bytes(checkpoint)}
     stop_spark()
+    if s3_server is not None:
+        result["s3_requests"] = s3_server.counter.snapshot()
+        s3_server.stop()
     return result
+
+
+def _s3_bytes(url):
+    """The bytes of the state files under ``url`` on the local S3 server (its output files left out)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    return sum(size for path, size in fs.du(url, total=False).items() if "/_output/" not in path)
 
 
 def run_floor(args, schema=INPUT_DDL, query=None):
@@ -637,6 +667,8 @@ def run_contender(args, keys, contender, files, slow_files, root, suffix=""):
         s["state_bytes"] = raw["state_bytes"]
         s["checkpoint_bytes"] = raw["checkpoint_bytes"] + raw["state_bytes"] * contender.startswith("statecore")
     s["process_s"] = raw["process_s"]
+    if "s3_requests" in raw:  # every request of the run, per batch
+        s["s3_requests_per_batch"] = {k: n / len(raw["batches"]) for k, n in raw["s3_requests"].items()}
     print(f"    {s['batch_s']:.2f} s/batch, {s['rows_per_s']:,.0f} rows/s, commit {s['commit_s'] * 1e3:.0f} ms, "
           f"JVM {s['jvm_peak_mib']:.0f} MiB, workers {s['python_workers_peak_mib']:.0f} MiB "
           f"(batches: {' '.join(f'{x:.2f}' for x in s['batch_seconds'])})", flush=True)
@@ -743,7 +775,7 @@ def add_ratios(results):
                         r[f"{ours}_p95_over_{floor}"] = sc["batch_p95_s"] / table[floor]["batch_p95_s"]
             for other in CONTENDERS:
                 if other in table and other not in (*STATECORE_PRE_AGGREGATE, *FLOORS) \
-                        and not other.endswith(CONNECT_SUFFIX):
+                        and not other.endswith(CONNECT_SUFFIX) and not S3_CONTENDER.fullmatch(other):
                     r[f"{tag}speedup_vs_{other}"] = sc["rows_per_s"] / table[other]["rows_per_s"]
                     if "state_bytes" in table[other]:
                         r[f"{tag}state_bytes_vs_{other}"] = sc["state_bytes"] / max(1, table[other]["state_bytes"])
@@ -751,6 +783,8 @@ def add_ratios(results):
             classic = remote.removesuffix(CONNECT_SUFFIX)
             if remote != classic and classic in table:
                 r[f"{remote}_batch_over_{classic}"] = table[remote]["batch_s"] / table[classic]["batch_s"]
+            if S3_CONTENDER.fullmatch(remote) and "statecore" in table:  # the state on S3 against the local disk
+                r[f"{remote}_batch_over_statecore"] = table[remote]["batch_s"] / table["statecore"]["batch_s"]
         if r:
             ratios[keys] = r
     for n, table in results["restart"].items():

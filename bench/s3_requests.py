@@ -41,6 +41,7 @@ def run(server, keys, upserts, batches, maintain, cache_dir, local=False):
     store = p.get_store(0)
     store.put_batch(all_keys, values)
     store.commit()
+    commit_id = store.commit_id
     per_batch, seconds = [], []
     for v in range(1, batches + 1):
         batch_keys = np.zeros(upserts, KEY)
@@ -49,9 +50,10 @@ def run(server, keys, upserts, batches, maintain, cache_dir, local=False):
         batch_values["count"] = v
         server.counter.reset()
         start = time.perf_counter()
-        store = p.get_store(v)
+        store = p.get_store(v, commit_id)  # the attempt a driver records, as the operator opens
         store.put_batch(batch_keys, batch_values)
         store.commit()
+        commit_id = store.commit_id
         if maintain:
             p.do_maintenance()
         seconds.append(time.perf_counter() - start)

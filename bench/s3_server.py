@@ -44,6 +44,7 @@ class RequestCounter:
         self.latency_s = 0.0
         self._lock = threading.Lock()
         self.counts = collections.Counter()
+        self.requests = None  # a list: every request's (kind, path) is kept there too
 
     def __call__(self, environ, start_response):
         headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
@@ -51,6 +52,8 @@ class RequestCounter:
                             environ.get("QUERY_STRING", ""), headers)
         with self._lock:
             self.counts[kind] += 1
+            if self.requests is not None:
+                self.requests.append((kind, environ.get("PATH_INFO", "/") + "?" + environ.get("QUERY_STRING", "")))
         if self.latency_s:
             time.sleep(self.latency_s)  # the round trip of a remote store, not synchronisation
         return self.app(environ, start_response)

@@ -204,6 +204,8 @@ class StatefulOperator:
         self._listener = None  # (session, listener)
         self._closed = False
         self._operator_lock = None  # statecore.operator_lock.OperatorLock, from the first batch
+        self._known_records = None  # operator_files.KnownRecords, while the lock is held
+        self._outputs_from = None  # the oldest batch whose output may be on disk, while the lock is held
 
     # Pickling (under Spark Connect a foreachBatch function travels pickled, the operator in it,
     # to a Python process the server starts per query): an operator pickles the arguments its
@@ -216,7 +218,7 @@ class StatefulOperator:
         "fn_batch_rows", "batch_id_offset", "clock", "_conf_arg", "_coordinator_arg", "_own_run_id"])
     _PER_RUN = frozenset([
         "conf", "coordinator", "last_progress", "_lock", "_resolved", "_recorded", "_runs", "_current_run",
-        "_listener", "_closed", "_operator_lock"])
+        "_listener", "_closed", "_operator_lock", "_known_records", "_outputs_from"])
 
     def __getstate__(self):
         unclassified = sorted(set(vars(self)) - self._FROM_ARGUMENTS - self._PER_RUN)
@@ -409,6 +411,7 @@ class StatefulOperator:
             self._closed = True
         for run_id in runs:
             self._run_ended(run_id)
+        self._known_records = self._outputs_from = None
         if self._operator_lock is not None:
             self._operator_lock.release()
         if listener is not None:
@@ -472,11 +475,12 @@ class StatefulOperator:
             self._operator_lock = operator_lock.OperatorLock(
                 self.checkpoint_location, self.operator_id, "query", operator_lock.QUERY, self.conf.storage_options)
         if not self._operator_lock.ensure():
-            self._recorded = None
+            self._recorded = self._known_records = self._outputs_from = None
         try:
             with self._operator_lock.heartbeat():
                 yield
         except BaseException:
+            self._known_records = self._outputs_from = None
             self._operator_lock.release()
             raise
 
@@ -495,13 +499,15 @@ class StatefulOperator:
                              f"after batch {moved['batch_id']}: batch {batch_id} cannot run again (its state was "
                              f"not kept at the new partitioning)")
         query_id, query_run_id, query_session = query_runs.streaming_query(df, self._own_run_id)
-        records = self.commit_log()
+        if self._known_records is None:
+            self._known_records = operator_files.KnownRecords(self.commit_log())
+        records = self._known_records
         recorded = records.epochs()
         self._refuse_starting_over(batch_id, recorded, query_id, query_run_id)
         batch_timestamp_ms = self._batch_timestamp_ms(batch_id, recorded, clock_ms)
         run_id, generation, re_execution = self._run_for(query_run_id, query_session, batch_id)
         records.delete([b for b in recorded if b >= batch_id])  # a re-execution replaces them
-        previous = None if batch_id == 0 else self.commit_record(batch_id - 1)
+        previous = None if batch_id == 0 else records.record(batch_id - 1, self._metadata_known())
         state_info = StatefulOperatorStateInfo(self.checkpoint_location, run_id, self.operator_id, batch_id,
                                                self.num_partitions, self._base_commit_ids(batch_id, previous))
         output_dir = self.output_dir(batch_id) if self._arrow_schema is not None else None
@@ -545,7 +551,9 @@ class StatefulOperator:
         self.contract.observe(self.last_progress)  # fn adapts to the batch (RunningAggregate's "auto")
         oldest_kept = batch_id - self.output_batches_to_retain + 1
         if oldest_kept > 0:
-            operator_files.delete_outputs_before(self.operator_dir, oldest_kept, self.conf.storage_options)
+            operator_files.delete_outputs_before(self.operator_dir, oldest_kept, self.conf.storage_options,
+                                                 known_from=self._outputs_from)
+            self._outputs_from = oldest_kept
         out = self.output(batch_id, spark) if read_output else None
         self.last_progress["driver_s"] = {"before_job": started - begun, "job": seconds,
                                           "after_job": time.perf_counter() - started - seconds}
@@ -578,11 +586,13 @@ class StatefulOperator:
     def commit_record(self, batch_id):
         """The record of ``batch_id`` (a dict; ``commit_ids`` and ``base_commit_ids`` are
         tuples, one id per partition), or None if there is none."""
-        records = self.commit_log()
-        metadata = self._recorded  # before the first process: as recorded, if it is
-        if metadata is None:
-            metadata = operator_files.read_metadata(self.operator_dir, records.files.storage_options)
-        return operator_files.read_commit_record(records, batch_id, metadata)
+        return operator_files.read_commit_record(self.commit_log(), batch_id, self._metadata_known())
+
+    def _metadata_known(self):
+        """The operator's metadata: as checked, else (before the first process) as recorded."""
+        if self._recorded is not None:
+            return self._recorded
+        return operator_files.read_metadata(self.operator_dir, self.commit_log().files.storage_options)
 
     def _base_commit_ids(self, batch_id, previous, store_name=None):
         """Per partition, the attempt of version ``batch_id`` the batch's tasks open for the

@@ -151,9 +151,11 @@ class CheckpointFiles:
         return self._files.write_atomic(name, write, overwrite=overwrite)
 
     def write_json(self, name, value, overwrite=True, indent=None):
-        """Write ``value`` (a non-empty dict) atomically as JSON with its checksum member."""
+        """Write ``value`` (a non-empty dict) atomically as JSON with its checksum member; the
+        bytes written."""
         payload = json_bytes(value, indent)
-        return self.write_atomic(name, lambda f: f.write(payload), overwrite=overwrite)
+        self.write_atomic(name, lambda f: f.write(payload), overwrite=overwrite)
+        return payload
 
     def read_bytes(self, name, max_bytes=MAX_JSON_BYTES):
         """The bytes of ``name``, refused before reading (UnsafeFileError, a ValueError) unless
@@ -227,7 +229,8 @@ class EpochLog:
         self.files = CheckpointFiles(location, storage_options)
 
     def write(self, epoch, value):
-        self.files.write_json(str(epoch), value)
+        """Write the entry of ``epoch``; the bytes written."""
+        return self.files.write_json(str(epoch), value)
 
     def read(self, epoch):
         """The entry of ``epoch``; FileNotFoundError if there is none, ValueError naming the

@@ -12,7 +12,7 @@ from statecore._delta import DeltaWriter
 from statecore._lock import requires_lock
 from statecore._versions import State, take_rows
 from statecore.errors import CommitConflictError
-from statecore.lineage import file_name
+from statecore.lineage import Listing, file_name, parse_name
 from statecore.stores import View
 
 __all__ = ["commit", "DELTA_WRITERS"]
@@ -121,6 +121,8 @@ def commit(p, view, update, opened_values=None):
         if held.keep_in_memory > 0:
             held.newest = state
             held.retain(state)
+            gone = {f.name for f in doomed}
+            held.know_files(state, Listing([f for f in view.listing if f.name not in gone] + [parse_name(name)]))
             committed = View(p, state, new_version, view.listing)
         else:
             held.newest = None
@@ -158,7 +160,12 @@ def _undo_merge(held, state):
 
 def _refuse_if_stale(p, view, new_version):
     """A commit whose store opened before newer versions than ``new_version`` were
-    committed is a stale attempt (a zombie task): it must not write or delete anything."""
+    committed is a stale attempt (a zombie task): it must not write or delete anything.
+    Not checked for a view opened from memory without a listing (``view.listed`` false: a
+    named attempt, the provider's newest): the commit then writes only its own file, and
+    deletes only what the provider knew to be above (``docs/provider-rules.md``)."""
+    if not view.listed:
+        return
     listing = p.files.list_versions()
     unseen = sorted({f.version for f in listing.newer_than(new_version)
                      if f.kind == "delta" and f.name not in view.listing.names})

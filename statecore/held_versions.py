@@ -34,7 +34,8 @@ class HeldVersions:
     State's contents and pins, and ``snapshot_source``; ``published`` (a condition on it) is
     notified when no merge is pending; ``spilling`` lets one spill run at a time.
     ``keep_in_memory``: how many versions ``retain`` keeps (the conf's
-    ``max_versions_to_retain_in_memory``)."""
+    ``max_versions_to_retain_in_memory``). ``files_known``: the version files as the provider
+    knew them while ``newest`` is the State they were noted with (:meth:`know_files`)."""
 
     def __init__(self):
         self.lock = ProviderLock()
@@ -45,6 +46,7 @@ class HeldVersions:
         # What lookups walk changed (_versions.pyx): one counter shared by every State held.
         self.changes = np.zeros(1, dtype=np.uint64)
         self.keep_in_memory = 1
+        self._known = None  # (State, Listing)
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, state, version):
@@ -93,7 +95,22 @@ class HeldVersions:
         successor holding the same versions; the frozen one. REQUIRES: self.lock held."""
         state = self.newest
         self.newest = state.freeze_into_successor(state.version, keep_versions=True)
+        if self._known is not None and self._known[0] is state:  # the same versions, the same files
+            self._known = (self.newest, self._known[1])
         return state
+
+    @requires_lock
+    def know_files(self, state, listing):
+        """``listing`` is the version files as known while ``state`` is ``newest`` (listed
+        when it was loaded or rolled forward to, then that listing with the provider's own
+        commits since). REQUIRES: self.lock held."""
+        self._known = (state, listing)
+
+    @property
+    def files_known(self):
+        """The Listing noted for ``newest``, or None (another State is newest, or none)."""
+        known = self._known
+        return known[1] if known is not None and known[0] is self.newest else None
 
     @requires_lock
     def newest_published(self, wanted, timeout):

@@ -12,7 +12,7 @@ from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
 from statecore._versions import Spill, State, take_rows
 from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionNotFoundError
-from statecore.lineage import ROOT_COMMIT_ID, check_names_agree, file_name
+from statecore.lineage import ROOT_COMMIT_ID, VersionFile, check_names_agree, file_name
 from statecore.snapshot_files import open_snapshot
 
 __all__ = ["load", "deltas_to_roll_forward", "roll_newest_forward", "read_checked_delta", "checked_deltas"]
@@ -128,14 +128,22 @@ def read_checked_delta(p, f, parent_id=None):
     when the file does not record it); its header must agree with its name and, given
     ``parent_id``, follow that attempt of the version before."""
     path = p.files.path(f.name)
-    with p.files.open_read(f.name) as source:
+    own_id, read_parent, blocks, count = _read_delta(p, f)
+    if parent_id is not None and read_parent != parent_id:
+        raise StateCorruptionError(path, None, f"delta of version {f.version} does not follow the "
+                                               f"version {f.version - 1} it is read on (a file of another run)")
+    return own_id, blocks, count
+
+
+def _read_delta(p, f):
+    """``(commit id, parent id, blocks, key count)`` of the delta file ``f``, read whole and
+    checked; its header must agree with its name."""
+    path = p.files.path(f.name)
+    with p.files.open_whole(f.name) as source:
         reader = DeltaReader(source, p.key_schema, p.value_schema, path=path)
         check_names_agree(f, path, reader.store_version, reader.commit_id)
-        if parent_id is not None and reader.parent_id != parent_id:
-            raise StateCorruptionError(path, None, f"delta of version {f.version} does not follow the "
-                                                   f"version {f.version - 1} it is read on (a file of another run)")
         blocks = list(reader)
-        return reader.commit_id, blocks, reader.num_keys
+        return reader.commit_id, reader.parent_id, blocks, reader.num_keys
 
 
 def checked_deltas(p, steps, parent_id):
@@ -187,6 +195,31 @@ def deltas_to_roll_forward(p, latest, version, commit_id, listing):
         return list(checked_deltas(p, steps, start_id))
     except FileNotFoundError:
         return None  # cleaned up meanwhile: the load lists again
+
+
+def deltas_by_name(p, latest, version, commit_id):
+    """The checked deltas (as :func:`checked_deltas` yields them) that reach attempt
+    ``commit_id`` of ``version`` from ``latest``, the newest State held, found without a
+    listing: each read whole under its name (``<u>_<id>.delta``), its header naming the
+    attempt below. None when the chain does not reach ``latest``'s attempt, a file of it is
+    missing, or a whole image of one is published on this machine (a listed open finds the
+    better way); the caller bounds how many versions apart they may be."""
+    start_id = latest.commit_ids[latest.version]
+    found = []
+    u, cid = version, commit_id
+    while u > latest.version:
+        f = VersionFile(u, cid, "delta", file_name(u, cid, "delta"))
+        if has_published_image(p, f):
+            return None
+        try:
+            own_id, parent_id, blocks, count = _read_delta(p, f)
+        except (FileNotFoundError, StateCorruptionError) as e:  # a listed open decides (a snapshot?)
+            log.info("version %d of %s not reached by name from version %d in memory: %s",
+                     version, p, latest.version, e)
+            return None
+        found.append((u, own_id, blocks, count))
+        u, cid = u - 1, parent_id
+    return found[::-1] if cid == start_id else None
 
 
 def roll_newest_forward(p, latest, deltas, version):

@@ -6,13 +6,14 @@ and the outputs ``_output/<batch_id>/``. The operator writes them and
 are in ``docs/operator.md`` and ``docs/lineage.md``.
 """
 from statecore.errors import SchemaMismatchError
-from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids, checked_partition_count
+from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids, checked_partition_count, parse_json
 from statecore.schema import RowSchema
 
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
-           "check_metadata", "compare_metadata", "commit_log", "commit_record", "read_commit_record", "checked_record",
+           "check_metadata", "compare_metadata", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
+           "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
            "WRITER_REPARTITION", "WRITERS"]
 
@@ -35,10 +36,15 @@ def output_dir(operator_location, batch_id):
     return f"{operator_location}/{OUTPUT_DIR}/{batch_id}"
 
 
-def delete_outputs_before(operator_location, batch_id, storage_options=None):
-    """Delete the outputs of the batches before ``batch_id`` (best effort)."""
+def delete_outputs_before(operator_location, batch_id, storage_options=None, known_from=None):
+    """Delete the outputs of the batches before ``batch_id`` (best effort). ``known_from``: the
+    oldest batch whose output may be there, when the caller knows it (a query's driver that
+    deleted the older ones itself): then the output directory is not listed."""
     files = CheckpointFiles(f"{operator_location}/{OUTPUT_DIR}", storage_options)
-    files.delete_trees(name for b, name in files.numbered().items() if b < batch_id)
+    if known_from is None:
+        files.delete_trees(name for b, name in files.numbered().items() if b < batch_id)
+    else:
+        files.delete_trees(str(b) for b in range(known_from, batch_id))
 
 
 def metadata_problems(value, operator_id=None):
@@ -132,6 +138,57 @@ def compare_metadata(ours, recorded, operator_location, storage_options=None):
 def commit_log(operator_location, storage_options=None):
     """The batch records of the operator at ``operator_location`` (``<checkpoint>/<operator_id>``)."""
     return EpochLog(f"{operator_location}/{COMMITS_DIR}", storage_options)
+
+
+class KnownRecords:
+    """The batch records of :func:`commit_log` ``log`` as a query's driver knows them while it
+    holds the operator lock, when no other process writes records (``docs/operating.md``,
+    "The operator lock"): listed once, then kept by the driver's own writes and deletes, with
+    the records it wrote, so that a steady-state batch lists and reads none (each a request on
+    an object store). :meth:`forget` when the lock had to be taken again or a batch failed."""
+
+    def __init__(self, log):
+        self.log = log
+        self._epochs = None  # the batch ids with a record, once listed
+        self._written = {}  # batch id -> the record this driver wrote, as read_commit_record gives it
+
+    def epochs(self):
+        """The batch ids with a record, ascending."""
+        if self._epochs is None:
+            self._epochs = set(self.log.epochs())
+        return sorted(self._epochs)
+
+    def record(self, batch_id, metadata):
+        """:func:`read_commit_record` of ``batch_id``, without a read for a record this driver wrote."""
+        known = self._written.get(batch_id)
+        if known is not None and repartitioned(metadata) is None:
+            return dict(known)
+        return read_commit_record(self.log, batch_id, metadata)
+
+    def write(self, batch_id, record):
+        """Write the record of ``batch_id``, and keep it as a read of the file would give it."""
+        path = self.log.path(batch_id)
+        raw = self.log.write(batch_id, record)
+        self._written = {batch_id: checked_record(parse_json(raw, path, "batch record"), batch_id, path)}
+        if self._epochs is not None:
+            self._epochs.add(batch_id)
+
+    def delete(self, batch_ids):
+        """Delete the records of ``batch_ids`` (best effort: one left behind is listed again)."""
+        batch_ids = list(batch_ids)
+        if not batch_ids:
+            return
+        if len(self.log.files.delete([str(b) for b in batch_ids])) < len(batch_ids):
+            self.forget()  # one was missing, or could not be deleted: list again
+            return
+        if self._epochs is not None:
+            self._epochs.difference_update(batch_ids)
+        for b in batch_ids:
+            self._written.pop(b, None)
+
+    def forget(self):
+        """Know nothing: the next call lists and reads the files again."""
+        self._epochs, self._written = None, {}
 
 
 #: Who wrote a batch record (its ``writer``): a StatefulOperator's batch, or one of the

@@ -25,7 +25,8 @@ from statecore.contracts import StateStoreProvider
 from statecore.errors import IllegalStateError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.held_versions import HeldVersions
 from statecore.ids import StateStoreId
-from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
+from statecore.lineage import (ROOT_COMMIT_ID, Chain, Listing, check_names_agree, file_name, parse_commit_id,
+                               parse_name)
 from statecore.maintenance import MaintenanceRecord
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import key_value_schemas
@@ -212,6 +213,10 @@ class FileStateStoreProvider(StateStoreProvider):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         if version < 0:
             raise ValueError(f"Version cannot be less than 0, got {version}")
+        if commit_id is not None:
+            view = self._named_from_memory(version, parse_commit_id(commit_id))
+            if view is not None:
+                return view
         listing = self._files.list_versions()
         target = self.resolve(version, commit_id, listing)
         held = self.held
@@ -222,6 +227,7 @@ class FileStateStoreProvider(StateStoreProvider):
             if latest is not None and latest.holds(version):
                 if latest.commit_ids[version] == target:
                     self._hits += 1
+                    held.know_files(latest, listing)
                     return View(self, latest, version, listing)
                 # Another attempt's version is the one asked for (a batch re-executed in
                 # another process, or the driver named another winner): load that one.
@@ -243,7 +249,43 @@ class FileStateStoreProvider(StateStoreProvider):
                 or held.newest.commit_ids.get(version) is not None)
             if keep:
                 held.newest = state
+                held.know_files(state, listing)
             return View(self, state, version, listing)
+
+    def _named_from_memory(self, version, commit_id):
+        """A view of attempt ``commit_id`` of ``version`` without listing the files, or None.
+        When it is the newest version this provider holds, from memory; when it is a few
+        versions above it (another worker of the executor ran the batches between), rolled
+        forward by the deltas read by name. Either way only while the files were known when
+        the State held became the newest (a query's steady state: the driver names the
+        attempts). The view is not ``listed``: its commit skips the stale-attempt listings
+        (``docs/provider-rules.md``, "Opening the newest version without a listing")."""
+        held = self.held
+        with held.lock:
+            if self._closed:
+                raise IllegalStateError(f"{self} is closed")
+            latest, known = held.newest, held.files_known
+            if known is None or latest.pending is not None or latest.version > version:
+                return None
+            if latest.version == version:
+                if latest.commit_ids[version] != commit_id:
+                    return None
+                self._hits += 1
+                view = View(self, latest, version, known)
+                view.listed = False
+                return view
+        if version - latest.version > max(self._conf.min_deltas_for_snapshot, 1):
+            return None  # a load from a snapshot may read less: the listing tells
+        deltas = loading.deltas_by_name(self, latest, version, commit_id)
+        if deltas is None:
+            return None
+        with held.lock:
+            self._misses += 1  # not in memory, as a listed roll-forward counts it
+        read = [parse_name(file_name(u, own_id, "delta")) for u, own_id, _, _ in deltas]
+        view = self._roll_forward_with(latest, version, deltas, Listing([*known, *read]))
+        if view is not None:
+            view.listed = False
+        return view
 
     def _roll_forward(self, latest, version, commit_id, listing):
         """A view of ``version`` reached from ``latest``, the newest version in memory, by the
@@ -253,10 +295,14 @@ class FileStateStoreProvider(StateStoreProvider):
         held, or the state changed while the deltas were read."""
         if latest is None or latest.pending is not None or latest.version >= version:
             return None
-        start = latest.version
         deltas = loading.deltas_to_roll_forward(self, latest, version, commit_id, listing)
         if deltas is None:
             return None
+        return self._roll_forward_with(latest, version, deltas, listing)
+
+    def _roll_forward_with(self, latest, version, deltas, listing):
+        """:meth:`_roll_forward` once the ``deltas`` are read; ``listing``: the files as known."""
+        start = latest.version
         held = self.held
         with held.lock:
             if self._closed or held.newest is not latest or latest.version != start or latest.pending is not None:
@@ -267,6 +313,7 @@ class FileStateStoreProvider(StateStoreProvider):
             state, replayed = rolled
             self._rolled_forward += 1
             held.newest = state
+            held.know_files(state, listing)
             held.retain(state)
             head_due = held.spill_due(state)
             view = View(self, state, version, listing)

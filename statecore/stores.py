@@ -29,9 +29,12 @@ iter_state_rows = State.iter_rows
 class View:
     """One version of a provider's State, pinned while the store that reads it is open, with
     the directory listing taken when it opened (what a commit from it may supersede).
-    ``named``: a store's view opened at an attempt its caller named, not the default lineage."""
+    ``named``: a store's view opened at an attempt its caller named, not the default lineage.
+    ``listed``: False for a view opened from memory without a listing (its ``listing`` is
+    what the provider knew of the files then)."""
 
     named = False
+    listed = True
 
     def __init__(self, provider, state, version, listing):
         self.provider = provider

@@ -355,3 +355,31 @@ def test_a_batch_record_s_late_rows_are_a_count_or_unknown(tmp_path):
         log.write(2, dict(commit_record(2, 1, "default", "r", ["00" * 8], ["00" * 8]), late_rows=bad))
         with pytest.raises(ValueError, match="late_rows"):
             read_commit_record(log, 2)
+
+
+def test_known_records_list_once_and_serve_what_the_driver_wrote(tmp_path, monkeypatch):
+    """A query's driver holding the operator lock knows the batch records: the directory is
+    listed at the first batch only, the previous batch's record is the one it wrote (equal to
+    a read of the file), deletes are remembered, and a delete that leaves a record behind
+    makes it list again."""
+    from statecore.operator_files import KnownRecords, commit_log, commit_record, read_commit_record
+
+    log = commit_log(str(tmp_path / "0"))
+    listings, reads = [], []
+    epochs, read = log.epochs, log.read
+    monkeypatch.setattr(log, "epochs", lambda: listings.append(1) or epochs())
+    monkeypatch.setattr(log, "read", lambda b: reads.append(b) or read(b))
+    known = KnownRecords(log)
+    ids = ["ab" * 8, "cd" * 8]
+    for b in range(4):
+        assert known.epochs() == list(range(b))
+        previous = known.record(b - 1, None) if b else None
+        if b:
+            assert previous == read_commit_record(log, b - 1) and previous["commit_ids"] == tuple(ids)
+        known.write(b, commit_record(b, 2, "default", "run", ids, ids, batch_timestamp_ms=b))
+        known.delete([x for x in range(b) if x < b - 2])
+    assert len(listings) == 1 and len(reads) == 3, "one listing; the three reads are the checks above"
+    assert known.epochs() == [1, 2, 3] == log.epochs()
+    monkeypatch.setattr(log.files, "delete", lambda names: [])  # a record that could not be deleted
+    known.delete([1])
+    assert known.epochs() == [1, 2, 3], "listed again"
