@@ -169,13 +169,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.rows < 1 or args.keys < 1 or args.batches < 1 or args.partitions < 1:
         parser.error("--rows, --keys, --batches and --partitions must be >= 1")
-    if args.dir:
-        if os.path.exists(args.dir) and os.listdir(args.dir):
-            parser.error(f"--dir {args.dir} is not empty")
     if args.checkpoint is not None:
         problem = check_state_location(args.checkpoint)
         if problem:
             parser.error(problem)
+    if args.dir:
+        if os.path.exists(args.dir) and os.listdir(args.dir):
+            parser.error(f"--dir {args.dir} is not empty")
         directory, remove = os.path.abspath(args.dir), False
     else:
         directory, remove = tempfile.mkdtemp(prefix="statecore-demo-"), not args.keep

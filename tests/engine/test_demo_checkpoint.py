@@ -1,11 +1,15 @@
 """The main job's ``--checkpoint URL`` refused before Spark starts: an operator who mistypes the
 bucket, points the demo at a prefix of an older run, has no s3fs installed, or whose endpoint
 does not answer gets one line naming what is wrong (exit status 2, argparse's), and no Spark
-session is started nor anything written. The run itself, on S3: tests/spark/test_demo_on_s3.py."""
+session is started nor anything written. And where the demo puts things up to the start of
+Spark, with and without ``--checkpoint`` and ``--dir``. The run itself, on S3:
+tests/spark/test_demo_on_s3.py."""
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -15,14 +19,41 @@ from tests.paths import REPO_ROOT
 SMALL = ["--rows", "100", "--keys", "10", "--batches", "1", "--partitions", "1"]
 
 
+class SparkStarted(Exception):
+    """Raised where the demo would start Spark."""
+
+
 @pytest.fixture
 def no_spark(monkeypatch):
-    """The demo's Spark start replaced by a failure: a refusal must come before it."""
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("Spark was started")
+    """The demo's Spark start replaced by :class:`SparkStarted`: a refusal must come before it,
+    and what the demo did up to it can be checked."""
+    def stop(*_args, **_kwargs):
+        raise SparkStarted()
 
-    monkeypatch.setattr(demo, "start_spark", refuse)
-    monkeypatch.setattr(demo, "start_connect", refuse)
+    monkeypatch.setattr(demo, "start_spark", stop)
+    monkeypatch.setattr(demo, "start_connect", stop)
+
+
+def until_spark(argv, capsys):
+    """``(working directory, state root)`` the demo printed for ``argv``, run up to Spark's start."""
+    with pytest.raises(SparkStarted):
+        demo.main([*SMALL, *argv])
+    out = capsys.readouterr().out
+    printed = re.search(r"\((\S+)/input\); statecore's state in (\S+)\n", out)
+    assert printed, out
+    return printed.group(1), printed.group(2)
+
+
+def test_a_bucket_given_without_dir_gets_a_temporary_working_directory(s3_env, no_spark, capsys):
+    directory, state_root = until_spark(["--checkpoint", f"{s3_env}/state"], capsys)
+    assert state_root == f"{s3_env}/state"
+    assert os.path.dirname(directory) == tempfile.gettempdir() and not os.path.exists(directory)
+
+
+def test_a_dir_given_without_checkpoint_holds_the_input_and_the_state(tmp_path, no_spark, capsys):
+    directory, state_root = until_spark(["--dir", str(tmp_path / "demo")], capsys)
+    assert directory == str(tmp_path / "demo") and state_root == str(tmp_path / "demo" / "state")
+    assert sorted(os.listdir(tmp_path / "demo" / "input")) == ["events-00000.parquet"]
 
 
 def refusal(argv, capsys, tmp_path):
