@@ -1,6 +1,7 @@
 """The main job: a Structured Streaming query on local Spark keeping its state in statecore.
 
-``python -m pyspark_glue.demo [--rows N] [--keys K] [--batches B] [--partitions P] [--dir D] [--keep] [--connect]``
+``python -m pyspark_glue.demo [--rows N] [--keys K] [--batches B] [--partitions P] [--dir D] [--keep] [--connect]
+[--checkpoint URL]``
 
 A real Structured Streaming query on local Spark (``local[2]``) with local files, no server:
 
@@ -23,6 +24,15 @@ from PySpark's own jars (:mod:`pyspark_glue.connect_server`, its log in ``<dir>`
 process its client. The ``foreachBatch`` function then runs in the server's Python worker, so
 the per-batch lines are printed after the query, from the operator's batch records and
 Spark's query progress (input rows and time per batch).
+
+With ``--checkpoint URL`` (``s3://bucket/prefix``, or any fsspec URL or path) statecore's state
+goes there instead of ``<dir>/state``, and the final check reads it back from there. The
+filesystem finds its options where it looks by itself (s3fs: the ``AWS_*`` variables and
+``~/.aws``), in this process and in Spark's Python workers, which inherit the environment;
+before Spark starts, :func:`check_state_location` refuses a URL whose filesystem package is
+missing, whose bucket cannot be reached, or which already holds files. Spark's own streaming
+checkpoint (offsets, commits) stays in ``<dir>/checkpoint``: Spark would write it to S3
+through ``s3a://``, whose jar (hadoop-aws) PySpark does not ship.
 
 ``<dir>`` defaults to a temporary directory, deleted at the end unless ``--keep``; a
 ``--dir`` given is kept, and must be empty or absent.
@@ -101,6 +111,41 @@ def start_connect(partitions, directory):
         raise
 
 
+def check_state_location(url):
+    """Why statecore's state cannot go to ``url``, or None: the package of its filesystem is not
+    installed (s3fs for ``s3://``), its bucket or directory cannot be listed (no such bucket, an
+    endpoint that does not answer, credentials refused), or it holds files already (the demo's
+    Spark checkpoint is new on every run: it cannot go on with an older run's state)."""
+    import fsspec
+
+    from statecore.files import OBJECT_STORE_PROTOCOLS
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        return f"--checkpoint {url}: the package of its filesystem is not installed ({e})"
+    except ValueError as e:  # a protocol fsspec does not know
+        return f"--checkpoint {url}: {e}"
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    bucket = root.split("/", 1)[0] if OBJECT_STORE_PROTOCOLS.intersection(protocols) else None
+    try:
+        if bucket is not None:
+            try:
+                fs.info(bucket)
+            except FileNotFoundError:
+                return f"--checkpoint {url}: bucket {bucket} does not exist (or is not visible with these credentials)"
+        try:
+            entries = fs.ls(root)
+        except FileNotFoundError:
+            entries = []  # a prefix or directory not made yet: statecore makes it
+    except Exception as e:  # whatever the filesystem raises (botocore's errors ...), named in the message
+        return f"--checkpoint {url} cannot be reached: {type(e).__name__}: {e}"
+    if entries:
+        return (f"--checkpoint {url} holds {len(entries)} entries already: give an empty or new location "
+                f"(each run starts a new Spark checkpoint, which cannot go on with older state)")
+    return None
+
+
 def mib(n):
     return f"{n / 2**20:.1f} MiB"
 
@@ -115,9 +160,19 @@ def main(argv=None):
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     parser.add_argument("--connect", action="store_true",
                         help="run through a local Spark Connect server started from PySpark's jars")
+    parser.add_argument("--checkpoint", metavar="URL",
+                        help="statecore's state root, empty or new: a path or an fsspec URL such as s3://bucket/prefix "
+                             "(default <dir>/state); s3fs takes its endpoint and credentials from the environment "
+                             "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), here and in Spark's Python workers. Spark's "
+                             "own checkpoint (offsets, commits) stays local, in <dir>/checkpoint: writing it to S3 "
+                             "takes Spark's s3a:// filesystem, whose jar (hadoop-aws) PySpark does not ship")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.keys < 1 or args.batches < 1 or args.partitions < 1:
         parser.error("--rows, --keys, --batches and --partitions must be >= 1")
+    if args.checkpoint is not None:
+        problem = check_state_location(args.checkpoint)
+        if problem:
+            parser.error(problem)
     if args.dir:
         if os.path.exists(args.dir) and os.listdir(args.dir):
             parser.error(f"--dir {args.dir} is not empty")
@@ -135,12 +190,12 @@ def main(argv=None):
 
 def run(args, directory):
     started = time.perf_counter()
-    source, state_root = os.path.join(directory, "input"), os.path.join(directory, "state")
+    source, state_root = os.path.join(directory, "input"), args.checkpoint or os.path.join(directory, "state")
     sink, checkpoint = os.path.join(directory, "sink"), os.path.join(directory, "checkpoint")
     t0 = time.perf_counter()
     total = write_input(source, args.rows, args.keys, args.batches)
     print(f"wrote {args.batches} input files, {total:,} events over up to {args.keys:,} keys, "
-          f"in {time.perf_counter() - t0:.1f} s ({source})")
+          f"in {time.perf_counter() - t0:.1f} s ({source}); statecore's state in {state_root}")
 
     t0 = time.perf_counter()
     if args.connect:

@@ -32,6 +32,7 @@ from pyspark_glue.arrow import dtype_of_columns
 from pyspark_glue.event_time import batch_watermarks
 from pyspark_glue.local_workers import check_local_workers
 from pyspark_glue.operator_fn import FROM_FN, FunctionSettings
+from pyspark_glue.output_files import read_output_files
 from pyspark_glue.operator_task import (FN_BATCH_ROWS, INITIAL_STATE_COLUMN, PARTITION_COLUMN, PartitionTask,
                                         StoreSpec, partition_function)
 from pyspark_glue.task_status import TaskStatus
@@ -571,8 +572,7 @@ class StatefulOperator:
         if self._arrow_schema is None:
             from pyspark.sql.types import StructType
             return spark.createDataFrame([], StructType([]))
-        files = CheckpointFiles(self.output_dir(batch_id), self.conf.storage_options)
-        return spark.read.schema(self.output_schema).parquet(files.spark_url())
+        return read_output_files(spark, self.output_dir(batch_id), self.conf.storage_options, self.output_schema)
 
     # -- the batch record ------------------------------------------------------------------------------
 

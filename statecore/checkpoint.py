@@ -137,9 +137,14 @@ class CheckpointFiles:
         """The full path or URL of ``name``, for messages and for readers."""
         return self._files.path(name)
 
+    @property
+    def is_local(self):
+        """True on the local filesystem (plain paths and ``file://``)."""
+        return isinstance(self._fs, LocalFileSystem)
+
     def spark_url(self):
         """The directory as Spark's readers take it (``file://`` and the absolute path when local)."""
-        if isinstance(self._fs, LocalFileSystem):
+        if self.is_local:
             return f"file://{self._root}"
         return self._fs.unstrip_protocol(self._root)
 

@@ -39,6 +39,14 @@ loses a worker in the middle of a stateful stream (see docs/cluster.md).
    ``groupBy().agg()`` over the input, the newest sink row of every key, and a count over
    the input files made here with pyarrow are all equal.
 
+   The test runs twice, with the statecore state root on the local disk and on a bucket of the
+   local S3 server (moto's, ``tests/conftest.py``'s ``s3_server``; the operator's batch records
+   and outputs go there too, Spark's own checkpoint, the input and the sink stay local). The
+   driver and the executors reach the server through the environment only: the driver's
+   process environment and ``spark.executorEnv.*`` (the endpoint and dummy credentials of
+   ``s3_server.environment()``); the archive holds the wheel's ``s3`` extra (s3fs) for both
+   runs. The wheel and the archive are built once per run (module-scoped fixtures).
+
    Waits are deadlines on observable events (a log line, a marker file, the driver's exit),
    never fixed sleeps. Everything lives under ``tmp_path``; every process started is ended,
    and the test checks that none is left.
@@ -447,15 +455,19 @@ def _spark_home(dest):
     return package
 
 
+EXECUTOR_EXTRAS = "executor,s3"  # s3: s3fs, for the run with the state root on the S3 server
+
+
 def _env_archive(wheel, base):
     """The executors' environment by docs/cluster.md's recipe (``tools/pack_executor_env.sh``:
-    a venv of the wheel and its dependencies, packed by venv-pack); then, for the driver alone,
-    a ``.pth`` in the venv appending this environment's site-packages (pyspark and pytest,
-    which the driver imports and the archive does not hold)."""
+    a venv of the wheel, its dependencies and :data:`EXECUTOR_EXTRAS`, packed by venv-pack);
+    then, for the driver alone, a ``.pth`` in the venv appending this environment's
+    site-packages (pyspark and pytest, which the driver imports and the archive does not hold)."""
     import site
 
     env_dir, archive = os.path.join(base, "env"), os.path.join(base, "env.tar.gz")
-    out = subprocess.run(["bash", os.path.join(ROOT, "tools", "pack_executor_env.sh"), wheel, archive, env_dir],
+    out = subprocess.run(["bash", os.path.join(ROOT, "tools", "pack_executor_env.sh"), "--extras", EXECUTOR_EXTRAS,
+                          wheel, archive, env_dir],
                          capture_output=True, text=True, timeout=600, env=_clean_env())
     assert out.returncode == 0, f"tools/pack_executor_env.sh failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     env_python = os.path.join(env_dir, "bin", "python")
@@ -464,7 +476,8 @@ def _env_archive(wheel, base):
     with tarfile.open(archive) as tar:
         packed = tar.getnames()
     assert not [n for n in packed if n.endswith(".pth") and "_statecore_test" in n]
-    assert any(n.startswith("lib/") and "/site-packages/statecore/" in n for n in packed), packed[:20]
+    for package in ("statecore", "s3fs"):
+        assert any(n.startswith("lib/") and f"/site-packages/{package}/" in n for n in packed), (package, packed[:20])
     import pyspark
 
     dirs = [os.path.dirname(os.path.dirname(m.__file__)) for m in (pyspark, pytest)]
@@ -498,8 +511,44 @@ def _pairs(rows):
     return {(u, r.encode("latin-1")): (c, s) for u, r, c, s in rows}
 
 
+@pytest.fixture(scope="module")
+def executor_env(wheel, tmp_path_factory):
+    """``(env_dir, env_python, archive)``: the executors' packed environment, made once for
+    every run of the cluster test (:func:`_env_archive`)."""
+    started = time.monotonic()
+    made = _env_archive(wheel, str(tmp_path_factory.mktemp("pyenv")))
+    print(f"executor environment packed in {time.monotonic() - started:.1f} s: "
+          f"{os.path.getsize(made[2]) / 1e6:.1f} MB")
+    return made
+
+
+def _state_root(state_on, base, request):
+    """``(state root, environment reaching it)``: a local directory, or a new bucket of the
+    local S3 server and the variables that make s3fs reach it."""
+    if state_on == "local":
+        return os.path.join(base, "state"), {}
+    server = request.getfixturevalue("s3_server")
+    return f"s3://{server.new_bucket('cluster')}/state", server.environment()
+
+
+def _versions_in_bucket(state_url, environment):
+    """``{partition: {version, ...}}`` of the delta files under ``state_url``'s operator 0."""
+    import s3fs
+
+    options = {"key": environment["AWS_ACCESS_KEY_ID"], "secret": environment["AWS_SECRET_ACCESS_KEY"],
+               "endpoint_url": environment["AWS_ENDPOINT_URL"]}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    found = {}
+    for path in fs.find(state_url):
+        match = re.search(r"/state/0/(\d+)/(\d+)_[0-9a-f]{16}\.delta$", path)
+        if match:
+            found.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+    return found
+
+
 @pytest.mark.slow
-def test_worker_killed_mid_stream(wheel, tmp_path):
+@pytest.mark.parametrize("state_on", ["local", "s3"])
+def test_worker_killed_mid_stream(state_on, executor_env, tmp_path, request):
     t0 = time.monotonic()
 
     def remaining():
@@ -517,8 +566,9 @@ def test_worker_killed_mid_stream(wheel, tmp_path):
     package_work = os.path.join(package, "work")
     package_work_before = os.path.exists(package_work)
 
-    _env_dir, env_python, archive = _env_archive(wheel, os.path.join(base, "pyenv"))
-    note(f"executor environment packed: {os.path.getsize(archive) / 1e6:.1f} MB")
+    _env_dir, env_python, archive = executor_env
+    state_root, state_env = _state_root(state_on, base, request)
+    note(f"statecore's state root: {state_root}")
 
     spark_env = dict(SPARK_HOME=spark_home, SPARK_LOCAL_IP="127.0.0.1", SPARK_LOCAL_DIRS=dirs["local"],
                      TMPDIR=dirs["tmp"], SPARK_DAEMON_JAVA_OPTS=JVM_OPTIONS.format(tmp=dirs["tmp"]))
@@ -560,7 +610,7 @@ def test_worker_killed_mid_stream(wheel, tmp_path):
         note("both workers registered")
 
         config = {"master": master, "archive": archive, "source": os.path.join(base, "in"),
-                  "checkpoint": os.path.join(base, "checkpoint"), "state": os.path.join(base, "state"),
+                  "checkpoint": os.path.join(base, "checkpoint"), "state": state_root, "executor_env": state_env,
                   "sink": os.path.join(base, "sink"), "markers": dirs["markers"], "hold_file": hold_file,
                   "progress": progress_file, "result": result_file, "tmp": dirs["tmp"]}
         config_file = os.path.join(base, "driver.json")
@@ -569,7 +619,7 @@ def test_worker_killed_mid_stream(wheel, tmp_path):
         with open(hold_file, "w") as f:
             f.write("tasks of the held batch wait while this file exists\n")
         procs.start("driver", [env_python, os.path.abspath(__file__), config_file],
-                    _clean_env(**spark_env, PYSPARK_PYTHON="./env/bin/python"), base)
+                    _clean_env(**spark_env, **state_env, PYSPARK_PYTHON="./env/bin/python"), base)
         note("driver started")
 
         def held_task():
@@ -666,6 +716,10 @@ def test_worker_killed_mid_stream(wheel, tmp_path):
     newest = sink.sort_values("batch").groupby(["user", "region"]).last()
     assert {(u, bytes(r)): (int(row["count"]), int(row["sum"])) for (u, r), row in newest.iterrows()} == state
     assert set(sink["batch"]) <= set(range(RUN1_FILES + RUN2_FILES))
+    if state_on == "s3":  # the state is in the bucket, every partition's versions, and not on the local disk
+        assert _versions_in_bucket(state_root, state_env) == {
+            p: set(range(1, RUN1_FILES + RUN2_FILES + 1)) for p in range(NUM_PARTITIONS)}
+        assert not os.path.exists(os.path.join(base, "state"))
     note(f"state of {len(state)} keys exactly right")
 
 
@@ -761,7 +815,10 @@ def _driver(config_file):
 
     from pyspark_glue import StatefulOperator, read_state
 
-    spark = (SparkSession.builder.master(cfg["master"]).appName("statecore-cluster-test")
+    builder = SparkSession.builder
+    for name, value in cfg["executor_env"].items():  # the S3 server's endpoint and credentials, if any
+        builder = builder.config(f"spark.executorEnv.{name}", value)
+    spark = (builder.master(cfg["master"]).appName("statecore-cluster-test")
              .config("spark.driver.host", "127.0.0.1")
              .config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.driver.memory", "768m")
