@@ -198,6 +198,21 @@ def test_race_contender_runs_in_its_own_process(tmp_path, contender):
 
 
 @pytest.mark.spark
+def test_race_contender_with_its_state_on_s3_counts_the_requests(tmp_path):
+    """``statecore_s3_10ms``: the state in a bucket of a local S3 server its process starts,
+    every request delayed: batches run, the state is in the bucket, and the requests of each
+    kind are counted (a delta and an output file a partition and batch at least)."""
+    files = race.write_batches(str(tmp_path / "data"), 3, 2000, 300, seed=5)
+    work = str(tmp_path / "work")
+    race.link_inputs(files, os.path.join(work, "input"))
+    result = race.run_in_process("t", "statecore_s3_10ms", os.path.join(work, "input"), work, "1g", timeout=600)
+    assert len(result["batches"]) == 3 and all(b["rows"] == 2000 for b in result["batches"])
+    assert result["state_bytes"] > 0
+    assert not os.path.exists(os.path.join(work, "statecore")), "the state went to the local disk"
+    assert result["s3_requests"]["PUT"] >= 3 * 2 * 2, result["s3_requests"]
+
+
+@pytest.mark.spark
 def test_hop_floor_contender_runs_in_its_own_process(tmp_path):
     """The hop_floor diagnostic runs its batches (each routed by key into Python, no state)."""
     files = race.write_batches(str(tmp_path / "data"), 2, 1500, 300, seed=6)
