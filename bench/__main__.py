@@ -43,6 +43,7 @@ MICRO = {
     "levels": (["--rows", "1000000", "--batch-rows", "100000", "--repeat", "7"],
                ["--rows", "50000", "--batch-rows", "5000", "--repeat", "2"]),
     "grouping": (["--rows", "500000", "--repeat", "7"], ["--rows", "50000", "--batch-rows", "5000", "--repeat", "2"]),
+    "evolution": (["--rows", "1000000", "--repeat", "7"], ["--rows", "100000", "--repeat", "2"]),
     "packed": (["--sizes", "100000,1000000,10000000", "--repeat", "5"],
                ["--sizes", "100000", "--repeat", "2", "--checkpoint-keys", "20000", "--updates", "12600",
                 "--batches", "3"]),

@@ -288,6 +288,17 @@ def test_grouping_benchmark_runs_small(tmp_path):
     assert len(tables) == 4 and [r["name"] for r in tables[3]] == [r["name"] for r in tables[2]]  # joined
 
 
+def test_evolution_benchmark_runs_small(tmp_path):
+    """bench_evolution on few rows: convert gave the anchor's bytes (it asserts so), for a value
+    change and a re-key, each timed beside its numpy anchor."""
+    payload = run_bench("bench.bench_evolution", ["--rows", "2000", "--repeat", "1"], tmp_path / "evolution.json")
+    tables = payload["tables"]
+    assert list(tables) == ["value schema: 2,000 rows", "key schema (a re-key): 2,000 rows"]
+    for rows in tables.values():
+        assert [r["name"] for r in rows] == ["numpy field copies between structured arrays (anchor)",
+                                             "convert(plan, rows), the plan made once", "plan(...) then convert"]
+
+
 def test_workers_benchmark_runs_small(tmp_path):
     """bench_workers: the four ways of opening a store's next version end with the same
     state (it asserts so), each timed."""

@@ -1,0 +1,74 @@
+"""Converting a store's rows to an evolved schema: ``statecore.schema_evolution.convert``
+against its plain numpy anchor, the same structured-array field copies written by hand.
+
+    python -m bench.bench_evolution [--rows 1000000] [--repeat 7] [--json PATH]
+
+Two changes, each over ``--rows`` rows: a value schema widened (int32 -> int64, float32 ->
+float64, S8 -> S16), reordered, a field dropped and one added with a default; and a key
+schema widened (int32 -> int64, S4 -> S8: a re-key, the result normalized as key rows are).
+The anchor copies the fields between structured arrays it already holds; ``convert`` starts
+from and ends with ``(n, width)`` uint8 rows, as stores hold them. The two are checked to
+give the same bytes.
+"""
+import numpy as np
+
+from bench._common import Table, arg_parser, measure, print_header, write_json
+from statecore.schema import RowSchema
+from statecore.schema_evolution import convert, plan
+
+VALUE_OLD = np.dtype([("count", "<i4"), ("sum", "<f4"), ("name", "S8"), ("flag", "?"), ("gone", "<i8")])
+VALUE_NEW = np.dtype([("name", "S16"), ("count", "<i8"), ("sum", "<f8"), ("flag", "?"), ("n", "<i4")])
+KEY_OLD = np.dtype([("user", "<i4"), ("tag", "S4")])
+KEY_NEW = np.dtype([("user", "<i8"), ("tag", "S8")])
+
+
+def field_copies(src, new_dtype, defaults):
+    """The anchor: a new structured array, each field copied from ``src`` or set to its default."""
+    out = np.zeros(len(src), dtype=new_dtype)
+    for name in new_dtype.names:
+        out[name] = defaults[name] if name in defaults else src[name]
+    return out
+
+
+def random_rows(schema, n, rng):
+    values = np.zeros(n, dtype=schema.dtype)
+    for name, dtype in schema.fields:
+        if dtype.kind == "S":
+            values[name] = rng.integers(0, 2**31, n).astype(f"S{dtype.itemsize}")
+        elif dtype.kind == "b":
+            values[name] = rng.integers(0, 2, n).astype(bool)
+        else:
+            values[name] = rng.integers(-(2**20), 2**20, n).astype(dtype)
+    return values, schema.rows(values)
+
+
+def conversion_table(title, old, new, defaults, n, repeat, rng, key=False):
+    old_schema = RowSchema(old, key=key)
+    src, rows = random_rows(old_schema, n, rng)
+    evolution = plan(old, new, defaults=defaults, key=key)
+    expected = field_copies(src, evolution.new.dtype, defaults)
+    assert np.array_equal(convert(evolution, rows), expected.view(np.uint8).reshape(n, -1))
+    print(f"\n{title}: " + "; ".join(evolution.describe()))
+    table = Table(f"{title}: {n:,} rows", n)
+    table.add("numpy field copies between structured arrays (anchor)",
+              measure(lambda: field_copies(src, evolution.new.dtype, defaults), repeat))
+    table.add("convert(plan, rows), the plan made once", measure(lambda: convert(evolution, rows), repeat))
+    table.add("plan(...) then convert", measure(
+        lambda: convert(plan(old, new, defaults=defaults, key=key), rows), repeat))
+    return table
+
+
+def main(argv=None):
+    args = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
+    header = print_header(f"schema evolution: {args.rows:,} rows converted")
+    rng = np.random.default_rng(args.seed)
+    tables = [conversion_table("value schema", VALUE_OLD, VALUE_NEW, {"n": 1}, args.rows, args.repeat, rng),
+              conversion_table("key schema (a re-key)", KEY_OLD, KEY_NEW, {}, args.rows, args.repeat, rng, key=True)]
+    for table in tables:
+        table.print()
+    if args.json:
+        write_json(args.json, header, tables)
+
+
+if __name__ == "__main__":
+    main()
