@@ -88,9 +88,11 @@ def counting_settings(classes_dir, maintenance_interval):
 # -- reading the records -------------------------------------------------------------------------------
 
 def parse_records(text):
-    """The records of :meth:`CountingFileSystem.drain`, each a :data:`Call`; a call made on no
-    batch's thread (a maintenance thread, the query's start) goes to the batch of the last call
-    before it that had one (the first batch if none had)."""
+    """The records of :meth:`CountingFileSystem.drain`, each a :data:`Call`. A call made on no
+    batch's thread (the query's start) or on a maintenance thread goes to the batch of the last
+    call before it made on a batch's thread (the first batch if none was): a maintenance thread
+    carries the batch id of the thread that started it (Spark's local properties are inherited
+    by new threads), not the batch running now."""
     calls = []
     for line in text.splitlines():
         if not line:
@@ -98,15 +100,23 @@ def parse_records(text):
         ms, batch, thread, caller, call, outcome, *paths = line.split("\t")
         calls.append(Call(int(ms), int(batch), thread, caller, call, outcome, tuple(paths)))
     calls.sort(key=lambda c: c.ms)  # threads append in about time order; make it exact
-    first = next((c.batch for c in calls if c.batch >= 0), 0)
-    current, out = first, []
+
+    def own_batch(c):
+        return c.batch >= 0 and not is_maintenance(c)
+
+    current = next((c.batch for c in calls if own_batch(c)), 0)
+    out = []
     for c in calls:
-        if c.batch >= 0:
+        if own_batch(c):
             current = c.batch
             out.append(c)
         else:
             out.append(c._replace(batch=current))
     return out
+
+
+def is_maintenance(call):
+    return call.thread.startswith("state-store-maintenance")
 
 
 def area_of(path, checkpoint):
@@ -126,7 +136,7 @@ def area_of(path, checkpoint):
 
 def origin_of(call):
     """``maintenance`` for Spark's maintenance threads, ``task`` for a task, else ``driver``."""
-    if call.thread.startswith("state-store-maintenance"):
+    if is_maintenance(call):
         return "maintenance"
     return "task" if call.thread.startswith("Executor task launch worker") else "driver"
 
