@@ -1,7 +1,7 @@
 """Spark's own state stores' file-system calls per batch and partition, counted in the JVM.
 
-    python -m bench.spark_file_calls [--contenders hdfs,rocksdb_changelog] [--keys 100000] [--rows 100000]
-                                     [--batches 24] [--maintenance-interval 1s] [--json PATH]
+    python -m bench.spark_file_calls [--contenders hdfs,rocksdb_changelog] [--keys 100000] [--rows 10000]
+                                     [--batches 130] [--maintenance-interval 1s] [--json PATH]
 
 The race's query (:mod:`bench.race`: a running count and sum per key, ``groupBy().agg()``, one
 parquet file per trigger, ``local[2]``, 2 shuffle partitions) on Spark's own state store, with its
@@ -20,7 +20,8 @@ state-store partition (``<checkpoint>/state/<operator>/<partition>/...``; ``op``
 operator's own ``_metadata``) and apart from Spark's own logs (offsets, commits, sources,
 metadata). The per-batch figures are means over the steady batches: every batch but the first
 (which creates the directories) and the last (whose maintenance is cut short). They do not
-depend on the number of keys or rows, so the defaults are small.
+depend on the number of keys or rows, so the defaults are small; the number of batches is
+past Spark's default retention (``minBatchesToRetain``, 100), so that cleanup's deletes show.
 """
 import argparse
 import collections
@@ -314,8 +315,8 @@ def main(argv=None):
     parser.add_argument("--contenders", default="hdfs,rocksdb_changelog",
                         help=f"comma-separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--keys", type=int, default=100_000)
-    parser.add_argument("--rows", type=int, default=100_000, help="rows a batch")
-    parser.add_argument("--batches", type=int, default=24)
+    parser.add_argument("--rows", type=int, default=10_000, help="rows a batch")
+    parser.add_argument("--batches", type=int, default=130)
     parser.add_argument("--maintenance-interval", default="1s", help="Spark's interval for the runs with maintenance")
     parser.add_argument("--driver-memory", default="2g")
     parser.add_argument("--json", metavar="PATH")
