@@ -176,7 +176,9 @@ def s3a_requests(call):
     if kind == "open":  # a status probe, then the GET that reads the object
         return _cost(HEAD=1, GET=1)
     if kind == "delete":
-        return _cost(HEAD=1, DELETE=1) if outcome == "file" else _cost(HEAD=1, LIST=1, DELETE=1 if outcome == "dir" else 0)
+        if outcome == "file":
+            return _cost(HEAD=1, DELETE=1)
+        return _cost(HEAD=1, LIST=1, DELETE=1 if outcome == "dir" else 0)  # nothing to delete if missing
     if kind == "mkdirs":  # a status probe; a new directory also gets its marker object
         return _cost(HEAD=1, LIST=1, PUT=1 if outcome == "missing" else 0)
     raise ValueError(f"no S3A cost known for the call {kind!r} on {call.paths}")
@@ -299,7 +301,8 @@ def measure(contender, maintenance_interval, source, work, classes, driver_memor
     summary.update(contender=contender, maintenance_interval=maintenance_interval,
                    batch_seconds=result["batch_seconds"], calls_recorded=len(calls),
                    state_callers=counts["state_callers"],
-                   per_batch={str(b): {str(p): dict(k) for p, k in parts.items()} for b, parts in counts["state"].items()})
+                   per_batch={str(b): {str(p): dict(k) for p, k in parts.items()}
+                              for b, parts in counts["state"].items()})
     return summary
 
 
