@@ -47,6 +47,7 @@ MODULE = "bench.spark_file_calls"
 CONTENDERS = ("hdfs", "rocksdb", "rocksdb_changelog")
 # the calls the counting file system records, as the tables show them
 CALL_KINDS = ("create", "rename", "getFileStatus", "listStatus", "open", "delete", "mkdirs")
+QUERY_THREAD = "stream execution thread"  # the name of the thread that runs a query's batches
 NO_MAINTENANCE = "1h"  # an interval no run reaches: Spark's maintenance never runs
 Call = collections.namedtuple("Call", "ms batch thread caller call outcome paths")
 
@@ -89,11 +90,12 @@ def counting_settings(classes_dir, maintenance_interval):
 # -- reading the records -------------------------------------------------------------------------------
 
 def parse_records(text):
-    """The records of :meth:`CountingFileSystem.drain`, each a :data:`Call`. A call made on no
-    batch's thread (the query's start) or on a maintenance thread goes to the batch of the last
-    call before it made on a batch's thread (the first batch if none was): a maintenance thread
-    carries the batch id of the thread that started it (Spark's local properties are inherited
-    by new threads), not the batch running now."""
+    """The records of :meth:`CountingFileSystem.drain`, each a :data:`Call`. Only a task's thread
+    and the query's own thread (``stream execution thread ...``) say which batch they work for;
+    a call on any other thread (a maintenance thread, the log purge, the query's start) goes to
+    the batch of the last call before it made on one of those (the first batch if none was).
+    The other threads may carry a batch id, but a stale one: Spark's local properties are
+    inherited by a new thread, so a pool started during batch 0 says 0 for ever."""
     calls = []
     for line in text.splitlines():
         if not line:
@@ -103,7 +105,7 @@ def parse_records(text):
     calls.sort(key=lambda c: c.ms)  # threads append in about time order; make it exact
 
     def own_batch(c):
-        return c.batch >= 0 and not is_maintenance(c)
+        return c.batch >= 0 and (origin_of(c) == "task" or c.thread.startswith(QUERY_THREAD))
 
     current = next((c.batch for c in calls if own_batch(c)), 0)
     out = []

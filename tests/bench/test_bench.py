@@ -336,19 +336,20 @@ def test_spark_file_calls_counts_the_hdfs_store_s_calls_per_batch_and_partition(
 
 
 def test_spark_file_calls_puts_a_maintenance_call_in_the_batch_it_ran_during():
-    """A maintenance thread's calls count in the batch whose task or driver called last before
-    them, also when the thread carries the stale batch id of the task that started it (batch 0
-    here, as Spark's inherited local properties leave it); a call before any batch counts in
-    the first."""
+    """A maintenance thread's calls count in the batch whose task or query thread called last
+    before them, also when the thread carries the stale batch id of the thread that started it
+    (batch 0 here, as Spark's inherited local properties leave it), and a log purge thread's
+    stale id moves nothing; a call before any batch counts in the first."""
     from bench import spark_file_calls
 
     text = "\n".join(["5\t-1\tstream execution thread\tx\tmkdirs\tmissing\t/c/offsets",
                       "10\t3\tExecutor task launch worker for task 0.0\tx\tcreate\tmissing\t/c/state/0/1/.4.delta.tmp",
                       "30\t-1\tstate-store-maintenance-low-priority-0\tx\tlistStatus\t12\t/c/state/0/1",
+                      "33\t0\tasync-log-purge\tx\tlistStatus\t104\t/c/offsets",
                       "35\t0\tstate-store-maintenance-high-priority-0\tx\tlistStatus\t12\t/c/state/0/0",
                       "20\t4\tstream execution thread\tx\tgetFileStatus\tfile\t/c/offsets/4", ""])
     calls = spark_file_calls.parse_records(text)
-    assert [(c.ms, c.batch) for c in calls] == [(5, 3), (10, 3), (20, 4), (30, 4), (35, 4)]
+    assert [(c.ms, c.batch) for c in calls] == [(5, 3), (10, 3), (20, 4), (30, 4), (33, 4), (35, 4)]
     counts = spark_file_calls.count_calls(calls, "/c")
     assert counts["state"][4][1]["listStatus"] == 1 and counts["state"][4][0]["listStatus"] == 1
     assert counts["state"][3][1]["create"] == 1 and 0 not in counts["state"]
