@@ -124,15 +124,16 @@ def is_maintenance(call):
 
 def area_of(path, checkpoint):
     """``("state", partition)`` for a state file (partition ``"op"`` for the operator's own
-    metadata), ``("log", name)`` for Spark's own files (offsets, commits, sources, metadata), or
-    ``None`` outside the checkpoint."""
+    metadata, also its schema file, which Spark keeps in partition 0's ``_metadata``),
+    ``("log", name)`` for Spark's own files (offsets, commits, sources, metadata), or ``None``
+    outside the checkpoint."""
     rel = os.path.relpath(path, checkpoint)
     if rel.startswith(".."):
         return None
     parts = rel.split(os.sep)
     if parts[0] != "state":
         return ("log", parts[0] if parts[0] != "." else "root")
-    if len(parts) >= 3 and parts[2].isdigit():
+    if len(parts) >= 3 and parts[2].isdigit() and parts[3:4] != ["_metadata"]:
         return ("state", int(parts[2]))
     return ("state", "op")
 

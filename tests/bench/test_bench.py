@@ -353,6 +353,9 @@ def test_spark_file_calls_puts_a_maintenance_call_in_the_batch_it_ran_during():
     counts = spark_file_calls.count_calls(calls, "/c")
     assert counts["state"][4][1]["listStatus"] == 1 and counts["state"][4][0]["listStatus"] == 1
     assert counts["state"][3][1]["create"] == 1 and 0 not in counts["state"]
+    assert spark_file_calls.area_of("/c/state/0/0/_metadata/schema", "/c") == ("state", "op")  # the operator's
+    assert spark_file_calls.area_of("/c/state/0/0/12.delta", "/c") == ("state", 0)
+    assert spark_file_calls.area_of("/c/commits/12", "/c") == ("log", "commits")
     assert counts["log"][3]["mkdirs"] == 1 and counts["log"][4]["getFileStatus"] == 1
 
 
