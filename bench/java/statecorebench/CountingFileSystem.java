@@ -34,7 +34,8 @@ import scala.Option;
  * is how the local disk works, not what the caller asked, and is left out.
  *
  * <p>Each record is one tab-separated line: milliseconds, the micro-batch id of the calling
- * thread (Spark's {@code streaming.sql.batchId} local property, -1 if none), the thread's
+ * thread (Spark's {@code streaming.sql.batchId} local property, -1 if none; only a task's and the
+ * query's own thread hold a current one, as a new thread inherits its starter's), the thread's
  * name, the first Spark frame on the stack outside Spark's checkpoint file managers
  * (class.method: who asked), the call, what the path was before the call ({@code file},
  * {@code dir} or {@code missing}; for a listing, the entries listed), and the path(s).
