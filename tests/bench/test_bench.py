@@ -333,3 +333,71 @@ def test_snapshot_benchmark_runs_small(tmp_path):
     rows = [r["name"] for r in list(payload["tables"].values())[-1]]
     assert rows == ["dict.get per key (Python loop)", "snapshot get_batch, no key filter",
                     "snapshot get_batch, its key filter asked first"]
+
+
+@pytest.mark.spark
+def test_spark_file_calls_counts_the_hdfs_store_s_calls_per_batch_and_partition(tmp_path):
+    """Spark's HDFS state store with its checkpoint on the counting file system: every batch's
+    task creates and renames a delta in each of the two partitions, and the S3A translation
+    makes that one PUT, one COPY and one DELETE a batch and partition. Were the checkpoint not on
+    ``count://`` (the counter off the path), nothing would be recorded and this fails."""
+    from bench import spark_file_calls
+
+    files = race.write_batches(str(tmp_path / "data"), 3, 2000, 300, seed=7)
+    race.link_inputs(files, str(tmp_path / "input"))
+    classes = spark_file_calls.compile_counting_fs(str(tmp_path / "classes"))
+    summary = spark_file_calls.measure("hdfs", spark_file_calls.NO_MAINTENANCE, str(tmp_path / "input"),
+                                       str(tmp_path / "work"), classes, "1g", timeout=600)
+    assert sorted(summary["per_batch"]) == ["0", "1", "2"]
+    for batch, partitions in summary["per_batch"].items():
+        for partition in ("0", "1"):
+            calls = partitions[partition]
+            assert calls["create"] >= 1 and calls["rename"] >= 1 and calls["getFileStatus"] >= 1, (batch, calls)
+    for partition in ("0", "1"):
+        requests = summary["state_requests"][partition]
+        assert (requests["PUT"], requests["COPY"], requests["DELETE"]) == (1, 1, 1), requests
+        assert requests["HEAD"] > 0 and requests["LIST"] > 0
+    assert summary["state_calls_by_origin"]["maintenance"]["listStatus"] == 0  # maintenance never ran
+    assert summary["log_calls"]["create"] >= 2  # an offsets and a commits entry a batch, apart from the state
+
+
+def test_spark_file_calls_puts_a_maintenance_call_in_the_batch_it_ran_during():
+    """A maintenance thread's calls count in the batch whose task or query thread called last
+    before them, also when the thread carries the stale batch id of the thread that started it
+    (batch 0 here, as Spark's inherited local properties leave it), and a log purge thread's
+    stale id moves nothing; a call before any batch counts in the first."""
+    from bench import spark_file_calls
+
+    text = "\n".join(["5\t-1\tstream execution thread\tx\tmkdirs\tmissing\t/c/offsets",
+                      "10\t3\tExecutor task launch worker for task 0.0\tx\tcreate\tmissing\t/c/state/0/1/.4.delta.tmp",
+                      "30\t-1\tstate-store-maintenance-low-priority-0\tx\tlistStatus\t12\t/c/state/0/1",
+                      "33\t0\tasync-log-purge\tx\tlistStatus\t104\t/c/offsets",
+                      "35\t0\tstate-store-maintenance-high-priority-0\tx\tlistStatus\t12\t/c/state/0/0",
+                      "20\t4\tstream execution thread\tx\tgetFileStatus\tfile\t/c/offsets/4", ""])
+    calls = spark_file_calls.parse_records(text)
+    assert [(c.ms, c.batch) for c in calls] == [(5, 3), (10, 3), (20, 4), (30, 4), (33, 4), (35, 4)]
+    counts = spark_file_calls.count_calls(calls, "/c")
+    assert counts["state"][4][1]["listStatus"] == 1 and counts["state"][4][0]["listStatus"] == 1
+    assert counts["state"][3][1]["create"] == 1 and 0 not in counts["state"]
+    assert spark_file_calls.area_of("/c/state/0/0/_metadata/schema", "/c") == ("state", "op")  # the operator's
+    assert spark_file_calls.area_of("/c/state/0/0/12.delta", "/c") == ("state", 0)
+    assert spark_file_calls.area_of("/c/commits/12", "/c") == ("log", "commits")
+    assert counts["log"][3]["mkdirs"] == 1 and counts["log"][4]["getFileStatus"] == 1
+
+
+def test_spark_file_calls_translates_each_call_to_s3a_requests():
+    """S3A's costs: a status probe of a file is a HEAD, of a missing key a HEAD and a LIST; a rename
+    in one directory probes, copies and deletes; a listing of 2,500 entries is three LISTs."""
+    from bench.spark_file_calls import Call, s3a_requests
+
+    def cost(call, outcome, *paths):
+        return {k: n for k, n in s3a_requests(Call(0, 0, "t", "x", call, outcome, paths)).items() if n}
+
+    assert cost("getFileStatus", "file", "/c/a") == {"HEAD": 1}
+    assert cost("exists", "missing", "/c/a") == {"HEAD": 1, "LIST": 1}
+    assert cost("create", "missing", "/c/a") == {"LIST": 1, "PUT": 1}
+    assert cost("rename", "file,missing", "/c/.a.tmp", "/c/a") == {"HEAD": 3, "LIST": 1, "COPY": 1, "DELETE": 1}
+    assert cost("listStatus", "2500", "/c") == {"LIST": 3}
+    assert cost("open", "file", "/c/a") == {"HEAD": 1, "GET": 1}
+    with pytest.raises(ValueError, match="append"):
+        cost("append", "file", "/c/a")
