@@ -74,6 +74,7 @@ PACKAGES = ("statecore", "pyspark_glue")  # [tool.setuptools] packages in pyproj
 COMPILED = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "statecore")) if n.endswith(".pyx"))
 PXD = sorted(n[:-4] for n in os.listdir(os.path.join(ROOT, "statecore")) if n.endswith(".pxd"))
 RUNTIME_DEPS = ("numpy", "lz4", "xxhash", "fsspec")  # pyproject.toml [project] dependencies
+BUILT_DIST_VARIABLE = "STATECORE_BUILT_DIST"  # a folder tools/build_wheel.sh filled from this tree (CI)
 
 KEY = np.dtype([("user", "<i8"), ("region", "S4")])
 REGIONS = np.array(["eu", "us", "apac", "latm"])
@@ -150,9 +151,22 @@ def _clean_env(**extra):
     return env
 
 
+def _dist_files(dist):
+    """(sdist, wheel) of a ``tools/build_wheel.sh`` output folder: exactly one of each."""
+    sdists = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".tar.gz")]
+    wheels = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".whl")]
+    assert len(sdists) == 1 and len(wheels) == 1, os.listdir(dist)
+    return sdists[0], wheels[0]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(sdist, wheel): what ``tools/build_wheel.sh`` makes of a clean copy of the tree."""
+    """(sdist, wheel): what ``tools/build_wheel.sh`` makes of a clean copy of the tree, or, when
+    ``STATECORE_BUILT_DIST`` names a folder it already filled from this tree (CI builds once for
+    this test and for ``.ci/wheel``), what is there."""
+    given = os.environ.get(BUILT_DIST_VARIABLE)
+    if given:
+        return _dist_files(given)
     for module in ("Cython", "setuptools", "build", "auditwheel"):
         pytest.importorskip(module, reason=f"building the wheel needs {module} in this environment (the test extra)")
     base = tmp_path_factory.mktemp("wheel")
@@ -162,12 +176,9 @@ def built(tmp_path_factory):
     out = subprocess.run(["bash", os.path.join(src, "tools", "build_wheel.sh"), "--no-isolation", dist],
                          cwd=src, env=_clean_env(STATECORE_DEBUG="1"), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"tools/build_wheel.sh failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    sdists = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".tar.gz")]
-    wheels = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".whl")]
-    assert len(sdists) == 1 and len(wheels) == 1, os.listdir(dist)
-    print(f"built {os.path.basename(sdists[0])} and {os.path.basename(wheels[0])} "
-          f"in {time.monotonic() - started:.1f} s")
-    return sdists[0], wheels[0]
+    sdist, wheel = _dist_files(dist)
+    print(f"built {os.path.basename(sdist)} and {os.path.basename(wheel)} in {time.monotonic() - started:.1f} s")
+    return sdist, wheel
 
 
 @pytest.fixture(scope="module")
