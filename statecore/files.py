@@ -39,7 +39,7 @@ from statecore.errors import UnsafeFileError
 from statecore.lineage import Listing, parse_name
 from statecore.localcache import LocalCache, default_cache_dir, default_cache_dir_if_exists
 
-__all__ = ["StoreFiles", "PendingFile", "open_store_files", "open_regular_file", "file_kind"]
+__all__ = ["StoreFiles", "PendingFile", "open_store_files", "open_regular_file", "file_kind", "OBJECT_STORE_PROTOCOLS"]
 
 logger = logging.getLogger(__name__)
 
