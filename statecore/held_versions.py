@@ -9,6 +9,7 @@ import numpy as np
 
 from statecore._lock import ProviderLock, requires_lock
 from statecore._versions import filter_bytes, frozen_below, replace_in_chain
+from statecore.lineage import Listing
 
 __all__ = ["HeldVersions", "SPILL_RATIO", "SPILL_MIN_ROWS", "SPILL_HARD_RATIO", "HEAD_SNAPSHOT_RATIO",
            "HEAD_SNAPSHOT_MIN_ROWS"]
@@ -103,8 +104,11 @@ class HeldVersions:
     def know_files(self, state, listing):
         """``listing`` is the version files as known while ``state`` is ``newest`` (listed
         when it was loaded or rolled forward to, then that listing with the provider's own
-        commits since). REQUIRES: self.lock held."""
-        self._known = (state, listing)
+        commits since). Only the files above ``state``'s version are kept: a store opened
+        from memory opens that version or a later one, and its commit looks only above
+        (what it would supersede), so what is kept stays as small as the files above the
+        newest version, however long the query runs. REQUIRES: self.lock held."""
+        self._known = (state, Listing([f for f in listing if f.version > state.version]))
 
     @property
     def files_known(self):

@@ -66,6 +66,7 @@ def test_a_querys_steady_state_batches_list_no_files(tmp_path, monkeypatch):
             p.spill_if_outgrown(0.0)  # the head written out between batches: the same versions
             assert p.held.newest is not frozen, "the spill went on in a new State"
     assert len(listings) == first, f"{len(listings) - first} listings in 5 steady-state batches"
+    assert not list(p.held.files_known), "nothing is known above the newest version: none kept, however many commits"
     assert contents(p.get_read_store(6, commit_id)) == {k: (k,) for k in range(6)}
     p.get_read_store(3)  # an older version, on the default lineage
     assert len(listings) > first
