@@ -12,7 +12,7 @@ from statecore._delta import DeltaWriter
 from statecore._lock import requires_lock
 from statecore._versions import State, take_rows
 from statecore.errors import CommitConflictError
-from statecore.lineage import Listing, file_name, parse_name
+from statecore.lineage import Listing, file_name
 from statecore.stores import View
 
 __all__ = ["commit", "DELTA_WRITERS"]
@@ -122,7 +122,7 @@ def commit(p, view, update, opened_values=None):
             held.newest = state
             held.retain(state)
             gone = {f.name for f in doomed}
-            held.know_files(state, Listing([f for f in view.listing if f.name not in gone] + [parse_name(name)]))
+            held.know_files(state, Listing([f for f in view.listing if f.name not in gone]))  # its own: not above
             committed = View(p, state, new_version, view.listing)
         else:
             held.newest = None

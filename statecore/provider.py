@@ -25,8 +25,7 @@ from statecore.contracts import StateStoreProvider
 from statecore.errors import IllegalStateError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.held_versions import HeldVersions
 from statecore.ids import StateStoreId
-from statecore.lineage import (ROOT_COMMIT_ID, Chain, Listing, check_names_agree, file_name, parse_commit_id,
-                               parse_name)
+from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.maintenance import MaintenanceRecord
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import key_value_schemas
@@ -281,8 +280,7 @@ class FileStateStoreProvider(StateStoreProvider):
             return None
         with held.lock:
             self._misses += 1  # not in memory, as a listed roll-forward counts it
-        read = [parse_name(file_name(u, own_id, "delta")) for u, own_id, _, _ in deltas]
-        view = self._roll_forward_with(latest, version, deltas, Listing([*known, *read]))
+        view = self._roll_forward_with(latest, version, deltas, known)  # what it read is not above
         if view is not None:
             view.listed = False
         return view
