@@ -14,7 +14,7 @@ import numpy as np
 from statecore.errors import SchemaMismatchError
 from statecore.schema import RowSchema, as_schema
 
-__all__ = ["EvolutionPlan", "FieldSource", "SchemaEvolutionError", "convert", "plan"]
+__all__ = ["EvolutionPlan", "FieldSource", "SchemaEvolutionError", "StatePlan", "convert", "plan", "plan_state"]
 
 # The widenings that keep every value exactly (docs/evolution.md, "The rules"): old -> new dtypes.
 _SIGNED = [np.dtype(t) for t in ("i1", "<i2", "<i4", "<i8")]
@@ -34,8 +34,8 @@ def _exact_widenings():
 
 _WIDENINGS = _exact_widenings()
 
-_REWRITE_HINT = ("Nothing was converted. To make this change, rewrite the state with a transform of your own: "
-                "`statecore rewrite` (not built yet; docs/evolution.md).")
+_REWRITE_HINT = ("Nothing was converted or written. To make this change, rewrite the state with a transform of "
+                 "your own: `statecore rewrite` (docs/evolution.md).")
 
 
 class SchemaEvolutionError(SchemaMismatchError):
@@ -44,17 +44,19 @@ class SchemaEvolutionError(SchemaMismatchError):
     them and says how to proceed. A :class:`SchemaMismatchError`, so callers that catch that
     keep working."""
 
-    def __init__(self, kind, old, new, problems):
+    def __init__(self, kind, old, new, problems, also=None):
         self.kind, self.old, self.new = kind, old, new
         self.problems = tuple((str(field), str(rule)) for field, rule in problems)
+        self.also = also  # the value schema's error when the key's breaks the rules too (plan_state)
+        super().__init__("\n".join(self._lines() + (also._lines() if also is not None else []) + [_REWRITE_HINT]))
+
+    def _lines(self):
         count = f"{len(self.problems)} fields break" if len(self.problems) > 1 else "1 field breaks"
-        lines = [f"the {kind} schema cannot change from {old} to {new}: {count} the rules:"]
-        lines += [f"  - {kind} field '{field}': {rule}" for field, rule in self.problems]
-        lines.append(_REWRITE_HINT)
-        super().__init__("\n".join(lines))
+        lines = [f"the {self.kind} schema cannot change from {self.old} to {self.new}: {count} the rules:"]
+        return lines + [f"  - {self.kind} field '{field}': {rule}" for field, rule in self.problems]
 
     def __reduce__(self):
-        return (type(self), (self.kind, self.old, self.new, self.problems))
+        return (type(self), (self.kind, self.old, self.new, self.problems, self.also))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +186,60 @@ def convert(plan, rows):
         else:
             np.copyto(out[f.name], src[f.source], casting="safe")
     return plan.new.rows(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlan:
+    """How a store's rows, key and value, change from one pair of schemas to another: the
+    two :class:`EvolutionPlan` s, applied together by :meth:`convert`."""
+
+    key: EvolutionPlan
+    value: EvolutionPlan
+
+    @property
+    def is_identity(self):
+        return self.key.is_identity and self.value.is_identity
+
+    @property
+    def rekeys(self):
+        """Whether every key row's bytes (and so its hash) change."""
+        return self.key.changes_bytes
+
+    def describe(self):
+        return self.key.describe() + self.value.describe()
+
+    def convert(self, keys, values):
+        """``(keys, values)``, (n, width) uint8 rows of the old schemas, as rows of the new."""
+        return convert(self.key, keys), convert(self.value, values)
+
+
+def plan_state(old_key, old_value, new_key, new_value, *, renames=None, defaults=None):
+    """The :class:`StatePlan` from a store's schemas ``(old_key, old_value)`` to ``(new_key,
+    new_value)``, or one :class:`SchemaEvolutionError` listing every field of both that breaks
+    a rule. ``renames`` ({old name: new name}) apply to whichever old schema holds the name;
+    ``defaults`` to added value fields. A declaration already in effect (a rename whose new
+    name the old schema has instead of its old one, a default for a field the old value has)
+    is left out: a query keeps its declarations after the change they made."""
+    old_key, old_value = as_schema(old_key, key=True), as_schema(old_value, key=False)
+    renames, defaults = dict(renames or {}), dict(defaults or {})
+    in_effect = {source for source, target in renames.items()
+                 if source not in old_key.names + old_value.names and target in old_key.names + old_value.names}
+    key_renames = {s: t for s, t in renames.items() if s in old_key.names}
+    value_renames = {s: t for s, t in renames.items() if s not in old_key.names and s not in in_effect}
+    defaults = {name: v for name, v in defaults.items() if name not in old_value.names}
+    plans, errors = [], []
+    for old, new, names, is_key in ((old_key, new_key, key_renames, True),
+                                    (old_value, new_value, value_renames, False)):
+        try:
+            plans.append(plan(old, new, renames=names, defaults=None if is_key else defaults, key=is_key))
+        except SchemaEvolutionError as e:
+            errors.append(e)
+    if len(errors) == 2:
+        key_error, value_error = errors
+        raise SchemaEvolutionError(key_error.kind, key_error.old, key_error.new, key_error.problems, also=value_error)
+    if errors:
+        raise errors[0]
+    return StatePlan(*plans)
 
 
 # -- the rules --------------------------------------------------------------------------------

@@ -330,7 +330,7 @@ def test_every_broken_field_is_listed_in_one_error():
     assert "4 fields break the rules" in text
     for field in ("total", "flag", "name", "n"):
         assert f"value field '{field}': " in text
-    assert text.endswith("`statecore rewrite` (not built yet; docs/evolution.md).")
+    assert text.endswith("`statecore rewrite` (docs/evolution.md).")
 
 
 def test_the_refusal_is_a_schema_mismatch_and_survives_pickling():
