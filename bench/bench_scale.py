@@ -143,7 +143,7 @@ def build(store_dir, root, keys, compression, block_size):
     peak = AnonPeak()
     conf = StateStoreConf(compression=compression)
     provider = create_and_init_provider(StateStoreId(root, 0, 0), KEY, VALUE, conf)
-    provider.write_schema_file()
+    provider.write_schema_file(1)
     commit_id = os.urandom(8)
 
     def chunks():

@@ -54,7 +54,7 @@ def commit(p, view, update, opened_values=None):
     new_version = version + 1
     commit_id = os.urandom(8)
     parent_id = view.commit_id
-    p.write_schema_file()
+    p.write_schema_file(new_version)
     _refuse_if_stale(p, view, new_version)
     doomed = _superseded(view, new_version)
     if doomed:  # a re-execution, or a late attempt: refused here before anything is written

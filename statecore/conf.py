@@ -13,6 +13,8 @@ import math
 import re
 from collections.abc import Mapping
 
+from statecore.schema_evolution import SchemaChanges
+
 __all__ = ["StateStoreConf", "DEFAULT_PROVIDER_CLASS"]
 
 DEFAULT_PROVIDER_CLASS = "statecore.FileStateStoreProvider"
@@ -75,6 +77,10 @@ class StateStoreConf:
         Where snapshots of a remote filesystem are copied, and packed snapshots unpacked,
         to be memory-mapped. Without it, both go to a private per-user directory under the
         temporary directory (``statecore-<uid>``).
+    schema_changes : dict, optional
+        ``{store name: SchemaChanges}``: the renames and defaults a query declares for a
+        store whose schemas changed (``docs/evolution.md``); a store not named evolves by the
+        rules alone. Left out of the hash.
 
     Raises
     ------
@@ -91,6 +97,7 @@ class StateStoreConf:
     compression: str = "lz4"
     storage_options: dict | None = dataclasses.field(default=None, hash=False)
     local_cache_dir: str | None = None
+    schema_changes: dict | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         for field, low in (("min_deltas_for_snapshot", 0), ("min_versions_to_retain", 1),
@@ -127,6 +134,17 @@ class StateStoreConf:
                 not isinstance(self.local_cache_dir, str) or not self.local_cache_dir):
             raise ValueError(
                 f"local_cache_dir must be a non-empty path, got {self.local_cache_dir!r}")
+
+        if self.schema_changes is not None:
+            if not isinstance(self.schema_changes, Mapping):
+                raise ValueError(f"schema_changes must be a dict of store name -> SchemaChanges, got "
+                                 f"{type(self.schema_changes).__name__}")
+            object.__setattr__(self, "schema_changes",
+                               {str(name): SchemaChanges.of(c) for name, c in self.schema_changes.items()})
+
+    def schema_changes_of(self, store_name):
+        """The :class:`~statecore.schema_evolution.SchemaChanges` declared for ``store_name``, or None."""
+        return None if self.schema_changes is None else self.schema_changes.get(store_name)
 
     def __repr__(self):
         # storage_options often hold credentials: show their names, never their values.

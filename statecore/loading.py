@@ -13,6 +13,7 @@ from statecore._snapshot import SnapshotReader
 from statecore._versions import Spill, State, take_rows
 from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionNotFoundError
 from statecore.lineage import ROOT_COMMIT_ID, VersionFile, check_names_agree, file_name
+from statecore.schema_evolution import convert
 from statecore.snapshot_files import open_snapshot
 
 __all__ = ["load", "deltas_to_roll_forward", "roll_newest_forward", "read_checked_delta", "checked_deltas"]
@@ -87,7 +88,10 @@ def _published_state(p, version, commit_id, delta):
         reader = SnapshotReader(path, p.key_schema, p.value_schema)
     except FileNotFoundError:
         return None  # dropped meanwhile
-    except (OSError, StateCorruptionError, SchemaMismatchError) as e:
+    except SchemaMismatchError as e:  # written under other schemas (docs/evolution.md): another's to keep
+        log.info("published image %s of %s not used: %s", path, p, e)
+        return None
+    except (OSError, StateCorruptionError) as e:
         log.warning("published image %s of %s not used: %s", path, p, e)
         p.files.drop_images([delta.name])
         return None
@@ -109,17 +113,58 @@ def _published_state(p, version, commit_id, delta):
 
 
 def _open_snapshot(p, f, commit_id):
+    """A State over snapshot ``f``, in the provider's schemas: a snapshot written under older
+    ones (it records its own) is converted whole, once (``docs/evolution.md``)."""
     path = p.files.path(f.name)
-    reader = open_snapshot(p.files, f.name, p.key_schema, p.value_schema)
+    reader = open_snapshot(p.files, f.name)
     try:
         check_names_agree(f, path, reader.store_version, reader.commit_id)
         if reader.commit_id != commit_id:
             raise StateCorruptionError(path, None, f"the snapshot is of commit {reader.commit_id.hex()}, "
                                                    f"expected {commit_id.hex()}")
+        plans = p.schema_plans((reader.key_schema, reader.value_schema))
     except BaseException:
         reader.close()
         raise
-    return State(p.key_schema, p.value_schema, reader, f.version, commit_id, reader.row_count, p.held.changes)
+    if not plans:
+        return State(p.key_schema, p.value_schema, reader, f.version, commit_id, reader.row_count, p.held.changes)
+    state = State(reader.key_schema, reader.value_schema, reader, f.version, commit_id, reader.row_count,
+                  p.held.changes)
+    return _converted_state(p, state, plans)
+
+
+def _converted_state(p, state, plans):
+    """A State of ``state``'s version in the provider's schemas: every row converted by
+    ``plans`` (:meth:`FileStateStoreProvider.schema_plans`), a chunk at a time, into a new head."""
+    version = state.version
+    commit_id, count = state.commit_ids[version], state.count(version)
+    converted = State(p.key_schema, p.value_schema, None, version, commit_id, count, p.held.changes)
+    key_width = state.key_schema.width
+    for chunk in state.iter_rows(version):
+        converted.replay(True, *_converted_rows(plans, chunk[:, :key_width], chunk[:, key_width:]))
+    converted.advance(version, commit_id, count)
+    log.info("version %d of %s converted to its schemas from key %s, value %s (%d keys)", version, p,
+             state.key_schema.describe(), state.value_schema.describe(), count)
+    return converted
+
+
+def _converted_rows(plans, keys, values):
+    for plan in plans:
+        keys, values = plan.convert(keys, values)
+    return keys, values
+
+
+def _converted_blocks(plans, blocks):
+    """A delta's ``(kind, keys, values)`` blocks converted by ``plans``."""
+    out = []
+    for kind, keys, values in blocks:
+        if kind == BLOCK_PUTS:
+            out.append((kind, *_converted_rows(plans, keys, values)))
+        else:
+            for plan in plans:
+                keys = convert(plan.key, keys)
+            out.append((kind, keys, values))
+    return out
 
 
 def read_checked_delta(p, f, parent_id=None):
@@ -137,12 +182,16 @@ def read_checked_delta(p, f, parent_id=None):
 
 def _read_delta(p, f):
     """``(commit id, parent id, blocks, key count)`` of the delta file ``f``, read whole and
-    checked; its header must agree with its name."""
+    checked; its header must agree with its name. Its rows come in the provider's schemas: a
+    delta written under older ones (its header names them) is converted."""
     path = p.files.path(f.name)
     with p.files.open_whole(f.name) as source:
-        reader = DeltaReader(source, p.key_schema, p.value_schema, path=path)
+        reader = DeltaReader(source, None, None, path=path)
+        plans = p.schema_plans(p.file_schemas(reader.header, path))
         check_names_agree(f, path, reader.store_version, reader.commit_id)
         blocks = list(reader)
+        if plans:
+            blocks = _converted_blocks(plans, blocks)
         return reader.commit_id, reader.parent_id, blocks, reader.num_keys
 
 

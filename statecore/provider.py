@@ -13,6 +13,7 @@ objects (:mod:`statecore.stores`), snapshots and cleanup (:mod:`statecore.mainte
 locks, what each guards, and the rules a commit follows against stale attempts are in
 ``docs/provider-rules.md``.
 """
+import dataclasses
 import logging
 import os
 import threading
@@ -22,15 +23,17 @@ from statecore.commit import DELTA_WRITERS
 from statecore._delta import HEADER_SIZE as DELTA_HEADER_SIZE, read_delta_header
 from statecore.conf import StateStoreConf
 from statecore.contracts import StateStoreProvider
-from statecore.errors import IllegalStateError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
+from statecore.errors import (IllegalStateError, SchemaMismatchError, StateCorruptionError, UnsafeFileError,
+                              VersionNotFoundError)
 from statecore.held_versions import HeldVersions
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name, parse_commit_id
 from statecore.maintenance import MaintenanceRecord
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import key_value_schemas
-from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, check_schema_file, read_store_schemas,
-                                   schema_file_bytes, write_schema_file)
+from statecore.schema_evolution import SchemaChanges, plan_state
+from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, read_schema_history,
+                                   read_store_schemas, record_schemas, schema_file_bytes)
 from statecore.snapshot_files import read_header as read_snapshot_file_header
 from statecore.stores import FileReadStore, FileStore, View
 
@@ -63,6 +66,8 @@ class FileStateStoreProvider(StateStoreProvider):
         self._maintenance_hint = None  # called when the head is due to be spilled
         self._hits = self._misses = self._rolled_forward = 0
         self._schema_written = False
+        self._history = None  # the store's schema history as read, with this provider's change added
+        self._plans = {}  # (key schema, value schema) of files -> the StatePlans to this provider's
         self._closed = False
 
     # -- StateStoreProvider ------------------------------------------------------------------
@@ -78,7 +83,30 @@ class FileStateStoreProvider(StateStoreProvider):
         self._files = files_module.open_store_files(self._dir, self._conf.storage_options,
                                                     self._conf.local_cache_dir)
         self._files.mkdirs()
-        self._schema_written = check_schema_file(self._files, self._key_schema, self._value_schema, self._dir)
+        self._history = read_schema_history(self._files)
+        self._schema_written = self._plan_schema_change()
+
+    def _plan_schema_change(self):
+        """Whether the store's newest schemas are this provider's (nothing to record at the
+        first commit). When they differ, the change is planned now, before anything is written
+        (SchemaEvolutionError if the rules refuse it), with the store's declared
+        :class:`SchemaChanges` (``conf.schema_changes``), and added to the history held; the
+        first commit records it (``docs/evolution.md``)."""
+        history = self._history
+        if history is None:
+            return False
+        newest = history.newest
+        if newest.key == self._key_schema and newest.value == self._value_schema:
+            return True
+        changes = self._conf.schema_changes_of(self._store_id.store_name) or SchemaChanges()
+        plan = plan_state(newest.key, newest.value, self._key_schema, self._value_schema,
+                          renames=changes.renames, defaults=changes.defaults)
+        declared = plan.declared()
+        log.info("the schemas of %s change: %s", self, "; ".join(plan.describe()))
+        self._history = history.with_entry(SchemaEntry(
+            self._key_schema, self._value_schema, 0, tuple(sorted(declared.renames.items())),
+            tuple(sorted(declared.defaults.items())), False))
+        return False
 
     def __repr__(self):
         sid = self._store_id
@@ -372,12 +400,68 @@ class FileStateStoreProvider(StateStoreProvider):
         (never committed, or its delta deleted by cleanup after a snapshot)."""
         return version_reads.changes(self, start_version, end_version, commit_id)
 
-    # -- schema file -----------------------------------------------------------------------
-    def write_schema_file(self):
-        """Record the store's schemas with its first commit (once per provider)."""
+    # -- schemas ---------------------------------------------------------------------------
+    def write_schema_file(self, version):
+        """Record the store's schemas with this provider's first commit (of ``version``): the
+        store's first, or the first under schemas that changed (``docs/evolution.md``)."""
         if not self._schema_written:
-            write_schema_file(self._files, self._key_schema, self._value_schema, self._dir)
+            if self._history is None:
+                entry = SchemaEntry(self._key_schema, self._value_schema, version)
+            else:
+                entry = dataclasses.replace(self._history.newest, from_version=version)
+            record_schemas(self._files, entry, self._dir)
             self._schema_written = True
+
+    def file_schemas(self, header, path):
+        """``(key, value)`` RowSchemas a version file was written with, from its header's
+        fingerprints and row widths: this provider's, or an entry of the store's schema
+        history (read again once if none matches: another writer may have changed it).
+        SchemaMismatchError if neither names them."""
+        own = (self._key_schema, self._value_schema)
+        key_fp, value_fp = header.key_fingerprint, header.value_fingerprint
+        if key_fp == own[0].fingerprint and value_fp == own[1].fingerprint:
+            found = own
+        else:
+            found = self._history.by_fingerprints(key_fp, value_fp) if self._history is not None else None
+            if found is None:
+                found = self._history_read_again().by_fingerprints(key_fp, value_fp)
+        if found is None or found[0].width != header.key_width or found[1].width != header.value_width:
+            raise SchemaMismatchError(
+                f"schema mismatch in '{path}': the file has key rows of {header.key_width} bytes (fingerprint "
+                f"0x{key_fp:016x}) and value rows of {header.value_width} bytes (fingerprint 0x{value_fp:016x}); "
+                f"neither the schemas asked for (key {own[0].describe()}, value {own[1].describe()}) nor the "
+                f"store's schema history name them")
+        return found
+
+    def schema_plans(self, schemas):
+        """The :class:`~statecore.schema_evolution.StatePlan` s that convert rows written under
+        ``schemas`` (a ``(key, value)`` pair) into this provider's (none when they are its own),
+        as the store's schema history leads from one to the other (SchemaMismatchError,
+        SchemaEvolutionError when it does not)."""
+        own = (self._key_schema, self._value_schema)
+        if schemas == own:
+            return []
+        plans = self._plans.get(schemas)
+        if plans is None:
+            history = self._history
+            if history is None or history.index_of(*schemas) is None:
+                history = self._history_read_again()
+            plans = self._plans[schemas] = history.plans(schemas, own)
+        return plans
+
+    def _history_read_again(self):
+        """The store's schema history read again, this provider's unrecorded change added."""
+        history = read_schema_history(self._files)
+        if history is None:
+            raise SchemaMismatchError(f"the store at {self._dir} has version files of other schemas than key "
+                                      f"{self._key_schema.describe()}, value {self._value_schema.describe()}, "
+                                      f"and no schema file")
+        newest = history.newest
+        if not self._schema_written and self._history is not None and (
+                newest.key != self._key_schema or newest.value != self._value_schema):
+            history = history.with_entry(self._history.newest)
+        self._history = history
+        return history
 
     # -- metrics ---------------------------------------------------------------------------
     def describe(self):

@@ -14,7 +14,8 @@ import numpy as np
 from statecore.errors import SchemaMismatchError
 from statecore.schema import RowSchema, as_schema
 
-__all__ = ["EvolutionPlan", "FieldSource", "SchemaEvolutionError", "StatePlan", "convert", "plan", "plan_state"]
+__all__ = ["EvolutionPlan", "FieldSource", "SchemaChanges", "SchemaEvolutionError", "StatePlan", "convert", "plan",
+           "plan_state"]
 
 # The widenings that keep every value exactly (docs/evolution.md, "The rules"): old -> new dtypes.
 _SIGNED = [np.dtype(t) for t in ("i1", "<i2", "<i4", "<i8")]
@@ -189,6 +190,42 @@ def convert(plan, rows):
 
 
 @dataclasses.dataclass(frozen=True)
+class SchemaChanges:
+    """What a query declares about its state's schema change beyond the rules: ``renames``
+    ({old field name: new name}, key or value) and ``defaults`` ({added value field: value};
+    without one an added field is zero, empty bytes or False). Kept after the change: a
+    declaration already in effect is ignored (:func:`plan_state`)."""
+
+    renames: dict = dataclasses.field(default_factory=dict, hash=False)
+    defaults: dict = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        for what, mapping in (("renames", self.renames), ("defaults", self.defaults)):
+            if not isinstance(mapping, dict):
+                raise TypeError(f"{what} must be a dict, got {type(mapping).__name__}")
+            bad = [k for k in mapping if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"{what} keys are field names (str), got {bad[0]!r}")
+        bad = [v for v in self.renames.values() if not isinstance(v, str)]
+        if bad:
+            raise TypeError(f"renames maps field names to field names (str), got {bad[0]!r}")
+        object.__setattr__(self, "renames", dict(self.renames))
+        object.__setattr__(self, "defaults", dict(self.defaults))
+
+    @classmethod
+    def of(cls, changes):
+        """A SchemaChanges from one, a ``{"renames": ..., "defaults": ...}`` dict, or None (none)."""
+        if changes is None:
+            return cls()
+        if isinstance(changes, cls):
+            return changes
+        if isinstance(changes, dict) and set(changes) <= {"renames", "defaults"}:
+            return cls(**changes)
+        raise TypeError(f"schema changes must be a SchemaChanges or a dict with 'renames' and 'defaults', "
+                        f"got {changes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class StatePlan:
     """How a store's rows, key and value, change from one pair of schemas to another: the
     two :class:`EvolutionPlan` s, applied together by :meth:`convert`."""
@@ -207,6 +244,12 @@ class StatePlan:
 
     def describe(self):
         return self.key.describe() + self.value.describe()
+
+    def declared(self):
+        """The :class:`SchemaChanges` this plan applied: its renames and added fields' defaults."""
+        fields = self.key.fields + self.value.fields
+        return SchemaChanges({f.source: f.name for f in fields if f.renamed},
+                             {f.name: f.default for f in self.value.fields if f.added})
 
     def convert(self, keys, values):
         """``(keys, values)``, (n, width) uint8 rows of the old schemas, as rows of the new."""
