@@ -122,7 +122,8 @@ def _open_snapshot(p, f, commit_id):
         if reader.commit_id != commit_id:
             raise StateCorruptionError(path, None, f"the snapshot is of commit {reader.commit_id.hex()}, "
                                                    f"expected {commit_id.hex()}")
-        plans = p.schema_plans((reader.key_schema, reader.value_schema))
+        schemas = (reader.key_schema, reader.value_schema)
+        plans = p.schema_plans([s.fingerprint for s in schemas], [s.width for s in schemas], f.version, path)
     except BaseException:
         reader.close()
         raise
@@ -187,7 +188,9 @@ def _read_delta(p, f):
     path = p.files.path(f.name)
     with p.files.open_whole(f.name) as source:
         reader = DeltaReader(source, None, None, path=path)
-        plans = p.schema_plans(p.file_schemas(reader.header, path))
+        h = reader.header
+        plans = p.schema_plans((h.key_fingerprint, h.value_fingerprint), (h.key_width, h.value_width), f.version,
+                               path)
         check_names_agree(f, path, reader.store_version, reader.commit_id)
         blocks = list(reader)
         if plans:

@@ -32,8 +32,8 @@ from statecore.maintenance import MaintenanceRecord
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import key_value_schemas
 from statecore.schema_evolution import SchemaChanges, plan_state
-from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, read_schema_history,
-                                   read_store_schemas, record_schemas, schema_file_bytes)
+from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, SchemaHistory,
+                                   read_schema_history, read_store_schemas, record_schemas, schema_file_bytes)
 from statecore.snapshot_files import read_header as read_snapshot_file_header
 from statecore.stores import FileReadStore, FileStore, View
 
@@ -46,6 +46,7 @@ __all__ = ["FileStateStoreProvider", "read_store_schemas", "schema_file_bytes", 
 log = logging.getLogger(__name__)
 
 _HEADER_CACHE_ENTRIES = 4096
+_NOT_YET = 1 << 62  # the from_version of a schema change not recorded yet: after every version
 
 
 class FileStateStoreProvider(StateStoreProvider):
@@ -66,8 +67,8 @@ class FileStateStoreProvider(StateStoreProvider):
         self._maintenance_hint = None  # called when the head is due to be spilled
         self._hits = self._misses = self._rolled_forward = 0
         self._schema_written = False
-        self._history = None  # the store's schema history as read, with this provider's change added
-        self._plans = {}  # (key schema, value schema) of files -> the StatePlans to this provider's
+        self._history = None  # the store's SchemaHistory as read, with this provider's change added
+        self._plans = {}  # (entry of a file, this provider's entry) -> the StatePlans between
         self._closed = False
 
     # -- StateStoreProvider ------------------------------------------------------------------
@@ -87,13 +88,15 @@ class FileStateStoreProvider(StateStoreProvider):
         self._schema_written = self._plan_schema_change()
 
     def _plan_schema_change(self):
-        """Whether the store's newest schemas are this provider's (nothing to record at the
-        first commit). When they differ, the change is planned now, before anything is written
-        (SchemaEvolutionError if the rules refuse it), with the store's declared
-        :class:`SchemaChanges` (``conf.schema_changes``), and added to the history held; the
-        first commit records it (``docs/evolution.md``)."""
+        """Whether the store records this provider's schemas as its newest (nothing to record
+        at the first commit). When its newest differ, the change is planned now, before
+        anything is written (SchemaEvolutionError if the rules refuse it), with the store's
+        declared :class:`SchemaChanges` (``conf.schema_changes``), and added to the history
+        held; the first commit records it (``docs/evolution.md``). A store without a schema
+        file is held as a history of these schemas alone."""
         history = self._history
         if history is None:
+            self._history = SchemaHistory([SchemaEntry(self._key_schema, self._value_schema, 0)])
             return False
         newest = history.newest
         if newest.key == self._key_schema and newest.value == self._value_schema:
@@ -104,8 +107,8 @@ class FileStateStoreProvider(StateStoreProvider):
         declared = plan.declared()
         log.info("the schemas of %s change: %s", self, "; ".join(plan.describe()))
         self._history = history.with_entry(SchemaEntry(
-            self._key_schema, self._value_schema, 0, tuple(sorted(declared.renames.items())),
-            tuple(sorted(declared.defaults.items())), False))
+            self._key_schema, self._value_schema, _NOT_YET, tuple(sorted(declared.renames.items())),
+            tuple(sorted(declared.defaults.items()))))
         return False
 
     def __repr__(self):
@@ -405,62 +408,50 @@ class FileStateStoreProvider(StateStoreProvider):
         """Record the store's schemas with this provider's first commit (of ``version``): the
         store's first, or the first under schemas that changed (``docs/evolution.md``)."""
         if not self._schema_written:
-            if self._history is None:
-                entry = SchemaEntry(self._key_schema, self._value_schema, version)
-            else:
-                entry = dataclasses.replace(self._history.newest, from_version=version)
+            entry = dataclasses.replace(self._history.newest, from_version=version)
             record_schemas(self._files, entry, self._dir)
+            self._history = SchemaHistory(self._history.entries[:-1] + (entry,))
+            self._plans = {}
             self._schema_written = True
 
-    def file_schemas(self, header, path):
-        """``(key, value)`` RowSchemas a version file was written with, from its header's
-        fingerprints and row widths: this provider's, or an entry of the store's schema
-        history (read again once if none matches: another writer may have changed it).
-        SchemaMismatchError if neither names them."""
-        own = (self._key_schema, self._value_schema)
-        key_fp, value_fp = header.key_fingerprint, header.value_fingerprint
-        if key_fp == own[0].fingerprint and value_fp == own[1].fingerprint:
-            found = own
-        else:
-            found = self._history.by_fingerprints(key_fp, value_fp) if self._history is not None else None
-            if found is None:
-                found = self._history_read_again().by_fingerprints(key_fp, value_fp)
-        if found is None or found[0].width != header.key_width or found[1].width != header.value_width:
+    def schema_plans(self, fingerprints, widths, version, path):
+        """The :class:`~statecore.schema_evolution.StatePlan` s that convert the rows of a
+        version file (of ``version``, at ``path``) whose header names its key and value schemas
+        by ``fingerprints`` and row ``widths`` into this provider's schemas: none when it was
+        written under this provider's entry of the store's schema history, else the history's
+        plans from the entry it was written under (read again once when no entry names it:
+        another writer may have added it). SchemaMismatchError if none does;
+        SchemaEvolutionError if the rules refuse."""
+        (key_fp, value_fp), (key_width, value_width) = fingerprints, widths
+        history = self._history
+        found = history.entry_of(key_fp, value_fp, version)
+        if found is None:
+            history = self._history_read_again()
+            found = history.entry_of(key_fp, value_fp, version)
+        if found is not None and (history.entries[found].key.width != key_width
+                                  or history.entries[found].value.width != value_width):
+            found = None
+        if found is None:
             raise SchemaMismatchError(
-                f"schema mismatch in '{path}': the file has key rows of {header.key_width} bytes (fingerprint "
-                f"0x{key_fp:016x}) and value rows of {header.value_width} bytes (fingerprint 0x{value_fp:016x}); "
-                f"neither the schemas asked for (key {own[0].describe()}, value {own[1].describe()}) nor the "
-                f"store's schema history name them")
-        return found
-
-    def schema_plans(self, schemas):
-        """The :class:`~statecore.schema_evolution.StatePlan` s that convert rows written under
-        ``schemas`` (a ``(key, value)`` pair) into this provider's (none when they are its own),
-        as the store's schema history leads from one to the other (SchemaMismatchError,
-        SchemaEvolutionError when it does not)."""
-        own = (self._key_schema, self._value_schema)
-        if schemas == own:
-            return []
-        plans = self._plans.get(schemas)
+                f"schema mismatch in '{path}': the file has key rows of {key_width} bytes (fingerprint "
+                f"0x{key_fp:016x}) and value rows of {value_width} bytes (fingerprint 0x{value_fp:016x}); "
+                f"neither the schemas asked for (key {self._key_schema.describe()}, value "
+                f"{self._value_schema.describe()}) nor the store's schema history name them")
+        own = history.latest_of(self._key_schema, self._value_schema)
+        plans = self._plans.get((found, own))
         if plans is None:
-            history = self._history
-            if history is None or history.index_of(*schemas) is None:
-                history = self._history_read_again()
-            plans = self._plans[schemas] = history.plans(schemas, own)
+            plans = self._plans[(found, own)] = history.plans(found, own)
         return plans
 
     def _history_read_again(self):
-        """The store's schema history read again, this provider's unrecorded change added."""
+        """The store's schema history read again (this provider's unrecorded change added),
+        held from now on."""
         history = read_schema_history(self._files)
         if history is None:
-            raise SchemaMismatchError(f"the store at {self._dir} has version files of other schemas than key "
-                                      f"{self._key_schema.describe()}, value {self._value_schema.describe()}, "
-                                      f"and no schema file")
-        newest = history.newest
-        if not self._schema_written and self._history is not None and (
-                newest.key != self._key_schema or newest.value != self._value_schema):
+            return self._history
+        if not self._schema_written and len(self._history.entries) > 1:
             history = history.with_entry(self._history.newest)
-        self._history = history
+        self._history, self._plans = history, {}
         return history
 
     # -- metrics ---------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class SchemaHistory:
     def newest(self):
         return self.entries[-1]
 
-    def index_of(self, key_schema, value_schema):
+    def latest_of(self, key_schema, value_schema):
         """The index of the newest entry of exactly these schemas, or None."""
         for i in range(len(self.entries) - 1, -1, -1):
             e = self.entries[i]
@@ -93,31 +93,32 @@ class SchemaHistory:
                 return i
         return None
 
-    def by_fingerprints(self, key_fingerprint, value_fingerprint):
-        """``(key, value)`` RowSchemas of the entry a file's header names, or None."""
-        for e in reversed(self.entries):
-            if e.key.fingerprint == key_fingerprint and e.value.fingerprint == value_fingerprint:
-                return e.key, e.value
+    def entry_of(self, key_fingerprint, value_fingerprint, version):
+        """The index of the entry a file of ``version`` whose header names these fingerprints
+        was written under: the newest of those schemas in effect at that version (an entry
+        whose ``from_version`` is not above it), or None."""
+        for i in range(len(self.entries) - 1, -1, -1):
+            e = self.entries[i]
+            if (e.from_version <= version and e.key.fingerprint == key_fingerprint
+                    and e.value.fingerprint == value_fingerprint):
+                return i
         return None
 
     def with_entry(self, entry):
         return SchemaHistory(self.entries + (entry,))
 
-    def plans(self, old, new):
-        """The :class:`~statecore.schema_evolution.StatePlan` s that turn rows of the schemas
-        ``old`` into rows of ``new`` (pairs of RowSchemas), applied in turn: none when they are
-        the same; the plans the history recorded from ``old``'s entry on to ``new``'s when
-        ``new`` came later; else one plan by the rules alone (SchemaEvolutionError if they
-        refuse). SchemaMismatchError when ``old`` is not in the history, or a rewrite lies
-        between (rows before it are read only in their own schemas)."""
-        i, j = self.index_of(*old), self.index_of(*new)
-        if i is None:
-            raise SchemaMismatchError(f"the schemas key {old[0].describe()}, value {old[1].describe()} are not in "
-                                      f"the store's schema history")
+    def plans(self, i, j):
+        """The :class:`~statecore.schema_evolution.StatePlan` s that turn rows written under
+        entry ``i`` into rows of entry ``j``, applied in turn: none when they are the same
+        entry; the plans of each change from ``i`` on to ``j`` (with the renames and defaults
+        each declared) when ``j`` came later; else one plan from ``i``'s schemas to ``j``'s by
+        the rules alone. SchemaEvolutionError if the rules refuse a step; SchemaMismatchError
+        when a rewrite lies between (rows before it read only in their own schemas)."""
         if i == j:
             return []
-        if j is None or j < i:
-            return [plan_state(*old, *new)]
+        old, new = self.entries[i], self.entries[j]
+        if j < i:
+            return [plan_state(old.key, old.value, new.key, new.value)]
         steps = []
         for k in range(i + 1, j + 1):
             before, e = self.entries[k - 1], self.entries[k]
@@ -125,7 +126,9 @@ class SchemaHistory:
                 raise SchemaMismatchError(
                     f"versions before {e.from_version} were written before `statecore rewrite` changed the "
                     f"schemas to key {e.key.describe()}, value {e.value.describe()}: they read only in their own "
-                    f"schemas (key {old[0].describe()}, value {old[1].describe()})")
+                    f"schemas (key {old.key.describe()}, value {old.value.describe()})")
+            if before.key == e.key and before.value == e.value:
+                continue
             steps.append(plan_state(before.key, before.value, e.key, e.value, renames=dict(e.renames),
                                     defaults=dict(e.defaults)))
         return steps
