@@ -25,6 +25,7 @@ from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 from statecore.rpc import CALL_ERRORS
+from statecore.schema_evolution import SchemaChanges, SchemaEvolutionError, plan_state
 
 from pyspark_glue import query_runs, spark_internals
 from pyspark_glue.clocks import WallClock, as_millis
@@ -152,7 +153,8 @@ class StatefulOperator:
     def __init__(self, checkpoint_location, operator_id, num_partitions, key_columns=FROM_FN, key_schema=FROM_FN,
                  value_schema=FROM_FN, fn=None, output_schema=FROM_FN, conf=None, *, store_name="default",
                  coordinator=True, query_run_id=None, output_batches_to_retain=2, event_time=FROM_FN,
-                 delay=FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0, clock=None):
+                 delay=FROM_FN, initial_state=None, fn_batch_rows=FN_BATCH_ROWS, batch_id_offset=0, clock=None,
+                 schema_changes=FROM_FN):
         # what pickles: the arguments given (one left out, FROM_FN, is left out again when unpickled)
         self._arguments = {name: value for name, value in locals().items() if name != "self" and value is not FROM_FN}
         if not isinstance(checkpoint_location, str) or not checkpoint_location:
@@ -162,7 +164,7 @@ class StatefulOperator:
         if not isinstance(num_partitions, int) or isinstance(num_partitions, bool) or num_partitions < 1:
             raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
         self._settings = settings = FunctionSettings(fn, key_columns, key_schema, value_schema, output_schema,
-                                                     event_time, delay, initial_state is not None)
+                                                     event_time, delay, initial_state is not None, schema_changes)
         if not isinstance(output_batches_to_retain, int) or output_batches_to_retain < 1:
             raise ValueError(f"output_batches_to_retain must be an int >= 1, got {output_batches_to_retain!r}")
         if fn_batch_rows is not None and (not isinstance(fn_batch_rows, int) or isinstance(fn_batch_rows, bool)
@@ -270,6 +272,9 @@ class StatefulOperator:
             conf = StateStoreConf.from_spark_conf(settings)
         elif not isinstance(conf, StateStoreConf):
             conf = StateStoreConf.from_spark_conf(conf)
+        declared = self._settings.schema_changes(self.store_name)
+        if declared:
+            conf = dataclasses.replace(conf, schema_changes={**(conf.schema_changes or {}), **declared})
         self.conf = conf
         coordinator = self._coordinator_arg
         if coordinator is True:
@@ -303,16 +308,44 @@ class StatefulOperator:
             recorded = operator_files.read_metadata(self.operator_dir, self.conf.storage_options)
             if recorded is None:
                 return ours
-            operator_files.compare_metadata(ours, recorded, self.operator_dir, self.conf.storage_options)
+            declared = self.conf.schema_changes_of(self.store_name) or SchemaChanges()
+            operator_files.compare_metadata(ours, recorded, self.operator_dir, self.conf.storage_options,
+                                            schemas=False, renames=declared.renames)
             self._recorded = recorded
+            if self._plan_schema_change(ours, recorded):
+                return ours
         elif ours["key_column_types"] != self._recorded["key_column_types"]:
             operator_files.compare_metadata(ours, self._recorded, self.operator_dir, self.conf.storage_options)
         return None
 
+    def _plan_schema_change(self, ours, recorded):
+        """Whether this batch changes the state's schemas from the ``recorded`` ones: the change
+        planned by the rules and the declared :class:`SchemaChanges` (SchemaEvolutionError,
+        naming the operator, before any job runs: nothing written). Each store's provider plans
+        it again and converts (``docs/evolution.md``); the metadata records it after the batch."""
+        old = operator_files.schema_change(ours, recorded)
+        if old is None:
+            return False
+        changes = self.conf.schema_changes_of(self.store_name) or SchemaChanges()
+        try:
+            plan = plan_state(*old, self.key_schema, self.value_schema, renames=changes.renames,
+                              defaults=changes.defaults)
+        except SchemaEvolutionError as e:
+            raise SchemaEvolutionError(e.kind, e.old, e.new, e.problems, also=e.also,
+                                       where=f"operator {self.operator_id} at {self.operator_dir}") from None
+        log.info("operator %s: the state's schemas change with batch this run starts at: %s", self.operator_id,
+                 "; ".join(plan.describe()))
+        return True
+
     def _record_metadata(self, ours):
         """Record ``ours`` (from :meth:`_check_metadata`) after the first successful batch, or
-        check it against what another writer recorded meanwhile."""
-        if ours is not None:
+        check it against what another writer recorded meanwhile; after the first batch under
+        changed schemas, replace what was recorded."""
+        if ours is None:
+            return
+        if self._recorded is not None:
+            self._recorded = operator_files.replace_metadata(self.operator_dir, ours, self.conf.storage_options)
+        else:
             self._recorded = operator_files.check_metadata(self.operator_dir, ours, self.conf.storage_options)
 
     def _drop_failed_first_batch(self):

@@ -14,6 +14,7 @@ import numpy as np
 
 from statecore.grouping import group_rows
 from statecore.schema import key_value_schemas
+from statecore.schema_evolution import SchemaChanges
 
 from pyspark_glue.arrow import output_schemas, to_record_batch
 from pyspark_glue.event_time import check_event_time_column, parse_duration_us
@@ -122,6 +123,11 @@ class OperatorFunction:
     delay : str or timedelta or None
     state_stores : dict or None
         The partition's stores besides the default one: name -> (key schema, value schema).
+    schema_changes : SchemaChanges, dict or None
+        What the schema rules cannot infer when the state's schemas changed since the
+        checkpoint was written (``docs/evolution.md``): renamed fields and added fields'
+        defaults, as a :class:`statecore.SchemaChanges` for the operator's store or
+        ``{store name: SchemaChanges}``. Kept after the change (ignored once in effect).
     takes_initial_state : bool
         Whether the operator's ``initial_state`` may be given (its rows reach the handlers
         marked, in the first batch: :class:`~pyspark_glue.StatefulProcessor`).
@@ -137,6 +143,7 @@ class OperatorFunction:
     event_time = None
     delay = None
     state_stores = None
+    schema_changes = None
     takes_initial_state = False
 
     def prepare(self, df, key_columns):
@@ -178,6 +185,7 @@ class CallableFunction(OperatorFunction):
     event_time = _fn_attribute("event_time")
     delay = _fn_attribute("delay")
     state_stores = _fn_attribute("state_stores")
+    schema_changes = _fn_attribute("schema_changes")
 
     @property
     def takes_initial_state(self):
@@ -259,8 +267,9 @@ class FunctionSettings:
     """
 
     def __init__(self, fn, key_columns=FROM_FN, key_schema=FROM_FN, value_schema=FROM_FN, output_schema=FROM_FN,
-                 event_time=FROM_FN, delay=FROM_FN, with_initial_state=False):
+                 event_time=FROM_FN, delay=FROM_FN, with_initial_state=False, schema_changes=FROM_FN):
         self.contract = contract_of(fn)
+        self._schema_changes = _from_fn(self.contract, "schema_changes", schema_changes)
         key_columns = _from_fn(self.contract, "key_columns", key_columns)
         if isinstance(key_columns, str):
             key_columns = [key_columns]
@@ -313,6 +322,21 @@ class FunctionSettings:
             self.output_schema, self.arrow_schema = output_schemas(
                 _from_fn(self.contract, "output_schema", self._output_schema_arg))
             self.input_resolved = True
+
+    def schema_changes(self, store_name):
+        """``{store name: SchemaChanges}`` declared (the argument, else ``fn.schema_changes``),
+        a bare SchemaChanges being the operator's own ``store_name``'s; TypeError for
+        anything else."""
+        declared = self._schema_changes
+        if declared is None:
+            return {}
+        if isinstance(declared, SchemaChanges) or (isinstance(declared, dict)
+                                                   and set(declared) <= {"renames", "defaults"} and declared):
+            return {store_name: SchemaChanges.of(declared)}
+        if not isinstance(declared, dict):
+            raise TypeError(f"schema_changes must be a SchemaChanges or a dict of store name -> SchemaChanges, got "
+                            f"{type(declared).__name__}")
+        return {str(name): SchemaChanges.of(changes) for name, changes in declared.items()}
 
     def extra_stores(self, store_name):
         """``{name: (key RowSchema, value RowSchema)}`` of the stores ``fn.state_stores``

@@ -13,6 +13,7 @@ from statecore.errors import (
     VersionNotFoundError,
 )
 from statecore.schema import RowSchema
+from statecore.schema_evolution import SchemaChanges, SchemaEvolutionError
 from statecore._rowtable import RowCursor, RowTable
 from statecore._snapshot import SnapshotReader, SnapshotWriter, write_snapshot
 from statecore._delta import DeltaReader, DeltaWriter, apply_delta, encode_delta, read_delta
@@ -49,6 +50,8 @@ __all__ = [
     "RowCursor",
     "RowSchema",
     "RowTable",
+    "SchemaChanges",
+    "SchemaEvolutionError",
     "SchemaMismatchError",
     "StateCorruptionError",
     "StateStoreError",

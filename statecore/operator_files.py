@@ -7,12 +7,12 @@ are in ``docs/operator.md`` and ``docs/lineage.md``.
 """
 from statecore.errors import SchemaMismatchError
 from statecore.checkpoint import CheckpointFiles, EpochLog, checked_commit_ids, checked_partition_count, parse_json
-from statecore.schema import RowSchema
+from statecore.schema import RowSchema, as_schema
 
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
-           "check_metadata", "compare_metadata", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
+           "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
            "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
            "WRITER_REPARTITION", "WRITERS"]
@@ -104,9 +104,11 @@ def check_metadata(operator_location, ours, storage_options=None):
     return recorded
 
 
-def compare_metadata(ours, recorded, operator_location, storage_options=None):
-    """ValueError if the number of partitions, the key columns, their types or the store
-    name differ; SchemaMismatchError if the key or value schema does."""
+def compare_metadata(ours, recorded, operator_location, storage_options=None, schemas=True, renames=None):
+    """ValueError if the number of partitions, the key columns (but for ``renames``, {old
+    name: new name}: a renamed column of the same type routes rows as before), their types or
+    the store name differ; SchemaMismatchError if the key or value schema does (unless not
+    ``schemas``: a caller that evolves them, :func:`schema_change`)."""
     where = CheckpointFiles(operator_location, storage_options).path(OPERATOR_METADATA_FILE)
     op = f"operator {ours['operator_id']} at {operator_location}"
     if recorded.get("num_partitions") != ours["num_partitions"]:
@@ -115,7 +117,8 @@ def compare_metadata(ours, recorded, operator_location, storage_options=None):
             f"num_partitions={ours['num_partitions']}: the number of partitions of a stateful operator is fixed "
             f"for the life of its checkpoint (keys are routed by hash modulo that number); use "
             f"{recorded.get('num_partitions')}, or start from a new checkpoint ({where})")
-    if recorded.get("key_columns") != ours["key_columns"]:
+    renames = renames or {}
+    if [renames.get(c, c) for c in recorded.get("key_columns") or ()] != ours["key_columns"]:
         raise ValueError(f"{op} partitions by key columns {recorded.get('key_columns')}, not {ours['key_columns']} "
                          f"({where})")
     if recorded.get("key_column_types") != ours["key_column_types"]:
@@ -128,11 +131,26 @@ def compare_metadata(ours, recorded, operator_location, storage_options=None):
                          f"{ours.get('event_time')!r}: its state expires by that column's watermark ({where})")
     if recorded.get("store_name", "default") != ours["store_name"]:
         raise ValueError(f"{op} uses store name {recorded.get('store_name')!r}, not {ours['store_name']!r} ({where})")
-    for part in ("key_schema", "value_schema"):
+    for part in ("key_schema", "value_schema") if schemas else ():
         if [list(f) for f in recorded.get(part, [])] != [list(f) for f in ours[part]]:
             raise SchemaMismatchError(f"the {part.replace('_', ' ')} {ours[part]} of operator {ours['operator_id']} "
                                       f"differs from the one its checkpoint was written with: {recorded.get(part)} "
                                       f"({where})")
+
+
+def schema_change(ours, recorded):
+    """The recorded ``(key, value)`` RowSchemas when ``ours`` asks for others, else None."""
+    old = tuple(RowSchema.from_description(recorded.get(part, [])) for part in ("key_schema", "value_schema"))
+    new = tuple(RowSchema.from_description(ours[part]) for part in ("key_schema", "value_schema"))
+    return None if old == new else (as_schema(old[0], key=True), old[1])
+
+
+def replace_metadata(operator_location, ours, storage_options=None):
+    """Rewrite ``_operator.json`` atomically as ``ours`` (checked by :func:`metadata_problems`
+    first): a query whose state schemas changed, after its first batch under them."""
+    files = CheckpointFiles(operator_location, storage_options)
+    files.write_json(OPERATOR_METADATA_FILE, _checked_metadata(ours, files), indent=1)
+    return ours
 
 
 def commit_log(operator_location, storage_options=None):

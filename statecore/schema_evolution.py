@@ -45,11 +45,15 @@ class SchemaEvolutionError(SchemaMismatchError):
     them and says how to proceed. A :class:`SchemaMismatchError`, so callers that catch that
     keep working."""
 
-    def __init__(self, kind, old, new, problems, also=None):
+    def __init__(self, kind, old, new, problems, also=None, where=None):
         self.kind, self.old, self.new = kind, old, new
         self.problems = tuple((str(field), str(rule)) for field, rule in problems)
         self.also = also  # the value schema's error when the key's breaks the rules too (plan_state)
-        super().__init__("\n".join(self._lines() + (also._lines() if also is not None else []) + [_REWRITE_HINT]))
+        self.where = where  # what changed its schemas (an operator), named first
+        lines = self._lines() + (also._lines() if also is not None else []) + [_REWRITE_HINT]
+        if where is not None:
+            lines[0] = f"{where}: {lines[0]}"
+        super().__init__("\n".join(lines))
 
     def _lines(self):
         count = f"{len(self.problems)} fields break" if len(self.problems) > 1 else "1 field breaks"
@@ -57,7 +61,7 @@ class SchemaEvolutionError(SchemaMismatchError):
         return lines + [f"  - {self.kind} field '{field}': {rule}" for field, rule in self.problems]
 
     def __reduce__(self):
-        return (type(self), (self.kind, self.old, self.new, self.problems, self.also))
+        return (type(self), (self.kind, self.old, self.new, self.problems, self.also, self.where))
 
 
 @dataclasses.dataclass(frozen=True)
