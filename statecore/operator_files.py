@@ -15,7 +15,7 @@ __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORM
            "check_metadata", "compare_metadata", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
            "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
-           "WRITER_REPARTITION", "WRITERS"]
+           "WRITER_REPARTITION", "WRITER_REWRITE", "WRITERS"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
@@ -194,8 +194,9 @@ class KnownRecords:
 #: Who wrote a batch record (its ``writer``): a StatefulOperator's batch, or one of the
 #: commands that write records of their own. Records written before the field read as an
 #: operator's.
-WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION = "operator", "import-spark", "repartition"
-WRITERS = frozenset({WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION})
+WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION, WRITER_REWRITE = (
+    "operator", "import-spark", "repartition", "rewrite")
+WRITERS = frozenset({WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION, WRITER_REWRITE})
 
 
 def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
