@@ -39,15 +39,15 @@ from statecore.errors import StateCorruptionError, UnsafeFileError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name
-from statecore.schema_file import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, read_store_schemas, record_schemas
+from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, read_store_schemas,
+                                   record_schemas)
 from statecore.schema import RowSchema, key_value_schemas
 from statecore.snapshot_at import write_snapshot_at
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
-           "write_targets", "build_partition", "switch", "switch_entry", "finish", "finish_pending", "repartition",
-           "planned", "summary", "REWRITE_KEY",
-           "JOURNAL_DIR", "MAX_PARTITIONS"]
+           "write_targets", "build_partition", "switch", "switch_entry", "finish", "pending_switch", "finish_pending",
+           "repartition", "planned", "summary", "REWRITE_KEY", "JOURNAL_DIR", "MAX_PARTITIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class RepartitionPlan:
     stores: list  # StorePlan, the default store first
     token: str
     command: str = "repartition"  # or "rewrite" (statecore.rewrite): what the switch records
+    finished: dict = None  # the repartition block of an interrupted run :func:`planned` finished first
 
     @property
     def operator_dir(self):
@@ -502,14 +503,14 @@ def switch_entry(plan):
              "from_partitions": plan.from_partitions, "version": plan.version}
     default = plan.stores[0]
     if default.rewritten:
-        moved[REWRITE_KEY] = {"key_schema": default.key_schema.describe(), "value_schema": default.value_schema.describe()}
+        moved[REWRITE_KEY] = {"key_schema": default.key_schema.describe(),
+                              "value_schema": default.value_schema.describe()}
     return moved
 
 
-def finish_pending(checkpoint, operator_id, conf):
-    """Finish the roll-forward of a switched run (a repartition's or a rewrite's) that was
-    interrupted: its journal is still there. Returns its repartition block, or None if there
-    was none to finish."""
+def pending_switch(checkpoint, operator_id, conf):
+    """The repartition block of a switched run (a repartition's or a rewrite's) whose
+    roll-forward was interrupted (its journal is still there), or None."""
     location = operator_files.operator_dir(checkpoint, operator_id)
     moved = operator_files.repartitioned(operator_files.read_metadata(location, conf.storage_options))
     journal = moved.get("journal") if moved else None
@@ -518,7 +519,15 @@ def finish_pending(checkpoint, operator_id, conf):
     journals = CheckpointFiles(f"{location}/{JOURNAL_DIR}", conf.storage_options)
     if not any(name == f"{journal}.json" for name, is_dir in journals.entries() if not is_dir):
         return None
-    _roll_forward(checkpoint, operator_id, conf, moved)
+    return moved
+
+
+def finish_pending(checkpoint, operator_id, conf):
+    """Finish the roll-forward of the :func:`pending_switch`, if there is one; returns its
+    repartition block, or None."""
+    moved = pending_switch(checkpoint, operator_id, conf)
+    if moved is not None:
+        _roll_forward(checkpoint, operator_id, conf, moved)
     return moved
 
 
@@ -565,13 +574,17 @@ def _roll_forward(checkpoint, operator_id, conf, moved):
 def planned(checkpoint, operator_id, num_partitions, conf=None, command="repartition"):
     """The plan, made and used under the operator's lock (``docs/operating.md``, "The operator
     lock"): checked once before the lock is taken, so that bad input writes nothing, not even
-    the lock, and made again once it is held, so that what an earlier run changed is seen.
-    OperatorLockedError if another command or a running query holds the lock."""
+    the lock, and made again once it is held, after an interrupted run's roll-forward is
+    finished (:func:`finish_pending`, recorded in the plan's ``finished``), so that what an
+    earlier run changed is seen. OperatorLockedError if another command or a running query
+    holds the lock. ``command``: "repartition" or "rewrite", the lock's holder and the plan's."""
     conf = conf or StateStoreConf()
     plan_repartition(checkpoint, operator_id, num_partitions, conf)
     with operator_lock.held(checkpoint, operator_id, command, conf.storage_options):
-        finish_pending(checkpoint, operator_id, conf)  # its stores' schemas are then the ones to plan with
-        yield plan_repartition(checkpoint, operator_id, num_partitions, conf)
+        finished = finish_pending(checkpoint, operator_id, conf)  # its schemas are then the ones to plan with
+        plan = plan_repartition(checkpoint, operator_id, num_partitions, conf)
+        plan.command, plan.finished = command, finished
+        yield plan
 
 
 def repartition(checkpoint, operator_id, num_partitions, conf=None, on_source=None, on_target=None):
