@@ -69,3 +69,19 @@ def fails(keys, values):
 
 
 NOT_CALLABLE = 42
+
+
+SPARK_VALUE = np.dtype([("events", "<i8"), ("total", "<f8")])
+
+
+def for_spark_query(keys, values):
+    """The Spark test's transform: users divisible by 3 dropped; the count renamed events, the
+    sum a float named total, half a unit added (a schema change the rules refuse)."""
+    keep = keys["user"] % 3 != 0
+    out = np.zeros(int(keep.sum()), SPARK_VALUE)
+    out["events"], out["total"] = values["count"][keep], values["sum"][keep] + 0.5
+    return keys[keep], out
+
+
+def for_spark_query_rule(key, value):
+    return None if key[0] % 3 == 0 else (key, (value[0], value[1] + 0.5))
