@@ -63,6 +63,9 @@ class _Transformer:
         self.default = plan.stores[0]
         self.rows_in = [0] * plan.from_partitions
         self.key_schema = self.value_schema = None
+        # Whether some batch came back with other keys than it went in with; while none did,
+        # every partition's keys are the store's own, unique, and need no check.
+        self.keys_changed = False
 
     def __call__(self, store, partition, keys, values):
         if store.name != self.default.name:
@@ -89,8 +92,11 @@ class _Transformer:
                 f"the transform {self.name} returned keys {_fields(new_keys.dtype)}, values "
                 f"{_fields(new_values.dtype)} ({where}), but key {self.key_schema.describe()}, value "
                 f"{self.value_schema.describe()} for the first batch: every batch must have the same schemas")
-        return (self.key_schema.from_rows(self.key_schema.rows(new_keys)),
-                self.value_schema.from_rows(self.value_schema.rows(new_values)))
+        key_rows = self.key_schema.rows(new_keys)
+        if not self.keys_changed:
+            self.keys_changed = (self.key_schema != self.default.key_schema or len(new_keys) != len(keys)
+                                 or not np.array_equal(key_rows, self.default.key_schema.rows(keys)))
+        return self.key_schema.from_rows(key_rows), self.value_schema.from_rows(self.value_schema.rows(new_values))
 
     def _learn(self, key_dtype, value_dtype, where):
         """The new schemas, from the first batch the transform returned."""
@@ -136,7 +142,7 @@ def _transformed(plan, fn, name, on_source=None):
     default = plan.stores[0]
     if transformer.key_schema is None:  # no row at all: the transform tells its schemas on an empty batch
         transformer(default, 0, np.zeros(0, default.key_dtype), np.zeros(0, default.value_dtype))
-    for q in range(plan.to_partitions):
+    for q in range(plan.to_partitions if transformer.keys_changed else 0):
         _check_unique(routed[(default.name, q)], transformer, q)
     plan.stores[0] = dataclasses.replace(
         default, key_dtype=transformer.key_schema.dtype, value_dtype=transformer.value_schema.dtype,
