@@ -274,3 +274,64 @@ def test_a_kill_leaves_the_old_or_the_new_state_and_a_second_run_finishes_it(tmp
     for q in range(4):
         names = [n for n in os.listdir(os.path.join(root, "0", str(q))) if n[0].isdigit()]
         assert len(names) == 1 and names[0].startswith("2_") and names[0].endswith(".snapshot"), names
+
+
+# -- the operator's other stores ------------------------------------------------------------------
+
+SEEN = np.dtype([("n", "<i8")])
+
+
+def add_seen_store(root, partitions):
+    """A second store "seen" of operator 0 (a processor's value state, say), keyed by the same
+    keys, at the version of the one batch, named in the batch record; returns its rows."""
+    location = operator_files.operator_dir(root, 0)
+    records = operator_files.commit_log(location)
+    record = operator_files.read_commit_record(records, 0)
+    ids, rows = [], {}
+    for p in range(partitions):
+        default = create_and_init_provider(StateStoreId(root, 0, p), KEY, VALUE, StateStoreConf())
+        keys = np.concatenate([k for k, _ in default.version_rows(1, record["commit_ids"][p])] or [np.zeros(0, KEY)])
+        default.close()
+        provider = create_and_init_provider(StateStoreId(root, 0, p, "seen"), KEY, SEEN, StateStoreConf())
+        store = provider.get_store(0)
+        values = np.zeros(len(keys), SEEN)
+        values["n"] = keys["user"] * 10
+        store.put_batch(keys, values)
+        store.commit()
+        ids.append(store.commit_id)
+        provider.close()
+        rows.update({tuple(k): (v,) for k, v in zip(keys.tolist(), values["n"].tolist())})
+    records.write(0, operator_files.commit_record(0, partitions, "default", "r", record["commit_ids"],
+                                                  record["base_commit_ids"], store_commit_ids={"seen": ids}))
+    return rows
+
+
+def test_another_store_is_carried_over_unchanged_under_the_new_ids(tmp_path):
+    """A processor-like operator with a second store: the transform sees only the default
+    store; the other keeps every row (those of dropped keys too) at the new record's ids."""
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=3, batches=1, seed=9)
+    seen = add_seen_store(root, 3)
+    out = rewrite(root, 0, rewrite_support.drop_and_double)
+    assert merged_and_routed(read_state(root, KEY, VALUE)) == applied(rewrite_support.drop_and_double_rule, expected)
+    record = operator_files.read_commit_record(operator_files.commit_log(operator_files.operator_dir(root, 0)), 0)
+    assert list(record["store_commit_ids"]["seen"]) == out["commit_ids"]["seen"]
+    got = {}
+    for p in range(3):
+        provider = create_and_init_provider(StateStoreId(root, 0, p, "seen"), KEY, SEEN, StateStoreConf())
+        for keys, values in provider.version_rows(1, record["store_commit_ids"]["seen"][p]):
+            got.update({tuple(k): tuple(v) for k, v in zip(keys.tolist(), values.tolist())})
+        provider.close()
+    assert decoded(got) == decoded(seen)
+
+
+def test_a_key_schema_change_with_another_store_is_refused_by_name(tmp_path):
+    """The other store is keyed by the old keys: a transform that reshapes the key is refused,
+    naming the store, and nothing is written."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=1, seed=9)
+    add_seen_store(root, 2)
+    before = tree(root)
+    result = cli("rewrite", root, "--operator", "0", "--transform", f"{SUPPORT}:reshape")
+    assert result.exit_code == BAD_INPUT and "changes the key schema" in result.output and "'seen'" in result.output
+    assert tree(root) == before
