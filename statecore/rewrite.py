@@ -78,16 +78,17 @@ class _Transformer:
             raise RewriteError(f"the transform {self.name} raised {type(e).__name__}: {e} ({where}); nothing was "
                                f"written") from None
         if not (isinstance(out, tuple) and len(out) == 2
-                and all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.names for a in out)):
+                and all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.names is not None for a in out)):
             raise RewriteError(f"the transform {self.name} must return (keys, values), two 1-D numpy structured "
                                f"arrays; it returned {_shape_of(out)} ({where})")
         new_keys, new_values = out
         if len(new_keys) != len(new_values):
             raise RewriteError(f"the transform {self.name} returned {len(new_keys)} keys and {len(new_values)} "
                                f"values ({where}): a row is a key and its value")
+        schemas = self._schemas_of(new_keys.dtype, new_values.dtype, where)
         if self.key_schema is None:
-            self._learn(new_keys.dtype, new_values.dtype, where)
-        elif (key_value_schemas(new_keys.dtype, new_values.dtype) != (self.key_schema, self.value_schema)):
+            self._learn(*schemas)
+        elif schemas != (self.key_schema, self.value_schema):
             raise RewriteError(
                 f"the transform {self.name} returned keys {_fields(new_keys.dtype)}, values "
                 f"{_fields(new_values.dtype)} ({where}), but key {self.key_schema.describe()}, value "
@@ -98,13 +99,17 @@ class _Transformer:
                                  or not np.array_equal(key_rows, self.default.key_schema.rows(keys)))
         return self.key_schema.from_rows(key_rows), self.value_schema.from_rows(self.value_schema.rows(new_values))
 
-    def _learn(self, key_dtype, value_dtype, where):
-        """The new schemas, from the first batch the transform returned."""
+    def _schemas_of(self, key_dtype, value_dtype, where):
+        """The store schemas of what the transform returned; RewriteError if a store cannot hold it."""
         try:
-            self.key_schema, self.value_schema = key_value_schemas(key_dtype, value_dtype)
+            return key_value_schemas(key_dtype, value_dtype)
         except (TypeError, ValueError) as e:
             raise RewriteError(f"the transform {self.name} returned rows a store cannot hold ({where}): {e}") \
                 from None
+
+    def _learn(self, key_schema, value_schema):
+        """The new schemas, from the first batch the transform returned, checked."""
+        self.key_schema, self.value_schema = key_schema, value_schema
         old_key = self.default.key_schema.dtype
         moved = [c for c in self.plan.key_columns if c not in self.key_schema.names
                  or not _same_route(old_key[c], self.key_schema.dtype[c])]

@@ -85,3 +85,9 @@ def for_spark_query(keys, values):
 
 def for_spark_query_rule(key, value):
     return None if key[0] % 3 == 0 else (key, (value[0], value[1] + 0.5))
+
+
+def object_values(keys, values):
+    """A value field no store holds (Python objects)."""
+    out = np.zeros(len(values), [("note", object)])
+    return keys, out

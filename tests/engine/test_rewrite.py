@@ -166,10 +166,12 @@ def test_a_python_caller_passes_the_function_itself(tmp_path):
     (f"{SUPPORT}:every_region_eu", "keys must be unique"),
     (f"{SUPPORT}:not_arrays", "two 1-D numpy structured arrays"),
     (f"{SUPPORT}:fails", "raised KeyError"),
+    (f"{SUPPORT}:object_values", "rows a store cannot hold"),
 ])
 def test_a_bad_transform_is_refused_and_writes_nothing(tmp_path, transform, message):
     """A module that does not import, a missing or uncallable name, a transform returning
-    mismatched lengths, other dtypes for a later batch, a key twice, no arrays, or raising:
+    mismatched lengths, other dtypes for a later batch, a key twice, no arrays, a field no
+    store holds, or raising:
     exit 3, one line naming it, every file as it was."""
     root = str(tmp_path / "state")
     make_checkpoint(root, partitions=3, batches=2, seed=1)
