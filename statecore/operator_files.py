@@ -248,10 +248,12 @@ def read_commit_record(records, batch_id, metadata=None):
     moved = repartitioned(metadata)
     if moved is not None and batch_id <= moved.get("batch_id", -1):
         if batch_id < moved["batch_id"]:
+            rewritten = isinstance(moved["record"], dict) and moved["record"].get("writer") == WRITER_REWRITE
+            change = "rewritten by statecore rewrite" if rewritten else (
+                f"repartitioned from {moved.get('from_partitions')} to {metadata.get('num_partitions')} partitions")
             raise ValueError(
-                f"operator {metadata.get('operator_id')} was repartitioned from {moved.get('from_partitions')} to "
-                f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: the state of batch "
-                f"{batch_id} was not kept at the new partitioning ({records.path(batch_id)})")
+                f"operator {metadata.get('operator_id')} was {change} after batch {moved['batch_id']}: the state of "
+                f"batch {batch_id} was not kept ({records.path(batch_id)})")
         return checked_record(dict(moved["record"]), batch_id, f"{records.path(batch_id)} (as in _operator.json)")
     try:
         record = records.read(batch_id)

@@ -337,3 +337,15 @@ def test_a_key_schema_change_with_another_store_is_refused_by_name(tmp_path):
     result = cli("rewrite", root, "--operator", "0", "--transform", f"{SUPPORT}:reshape")
     assert result.exit_code == BAD_INPUT and "changes the key schema" in result.output and "'seen'" in result.output
     assert tree(root) == before
+
+
+def test_an_older_batch_record_after_a_rewrite_says_rewritten(tmp_path):
+    """A reader asking for a batch before the rewrite is told the state was rewritten, not
+    that the operator was repartitioned from 2 to 2 partitions."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=2, batches=3, seed=4)
+    rewrite(root, 0, rewrite_support.drop_and_double)
+    location = operator_files.operator_dir(root, 0)
+    with pytest.raises(ValueError, match="rewritten by statecore rewrite after batch 2: the state of batch 1"):
+        operator_files.read_commit_record(operator_files.commit_log(location), 1,
+                                          operator_files.read_metadata(location))
