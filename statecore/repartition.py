@@ -19,7 +19,11 @@ point leaves the checkpoint at the old partitioning, and what is deleted when) i
    old partitioning's files (the new snapshots that replace them were verified in step 3).
 
 :func:`repartition` runs all five locally. Each run holds the operator's lock
-(:mod:`statecore.operator_lock`) from its plan to its end: :func:`planned` takes it.
+(:mod:`statecore.operator_lock`) from its plan to its end: :func:`planned` takes it, and
+finishes first what an interrupted run left switched (:func:`finish_pending`).
+:mod:`statecore.rewrite` runs the same protocol to the same number of partitions, its
+transform applied as the rows are read; its switch also records the new schemas, which
+:func:`finish` adds to each store directory's schema history (``docs/rewrite.md``).
 """
 import contextlib
 import dataclasses
