@@ -581,13 +581,13 @@ def planned(checkpoint, operator_id, num_partitions, conf=None, command="reparti
     the lock, and made again once it is held, after an interrupted run's roll-forward is
     finished (:func:`finish_pending`, recorded in the plan's ``finished``), so that what an
     earlier run changed is seen. OperatorLockedError if another command or a running query
-    holds the lock. ``command``: "repartition" or "rewrite", the lock's holder and the plan's."""
+    holds the lock. ``command`` names the lock's holder."""
     conf = conf or StateStoreConf()
     plan_repartition(checkpoint, operator_id, num_partitions, conf)
     with operator_lock.held(checkpoint, operator_id, command, conf.storage_options):
         finished = finish_pending(checkpoint, operator_id, conf)  # its schemas are then the ones to plan with
         plan = plan_repartition(checkpoint, operator_id, num_partitions, conf)
-        plan.command, plan.finished = command, finished
+        plan.finished = finished
         yield plan
 
 

@@ -206,6 +206,7 @@ def rewrite(checkpoint, operator_id, transform, conf=None, dry_run=False, on_sou
         return summary(plan, old, transformer, {key: sum(len(c) for c in chunks) for key, chunks in routed.items()},
                        dry_run=True)
     with protocol.planned(checkpoint, operator_id, None, conf, command="rewrite") as plan:
+        plan.command = operator_files.WRITER_REWRITE
         if plan.finished is not None and plan.finished["record"].get("writer") == operator_files.WRITER_REWRITE:
             return {"checkpoint": checkpoint, "operator_id": operator_id, "finished": plan.finished["journal"],
                     "batch_id": plan.finished["batch_id"], "version": plan.finished["version"]}
