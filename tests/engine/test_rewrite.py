@@ -349,3 +349,34 @@ def test_an_older_batch_record_after_a_rewrite_says_rewritten(tmp_path):
     with pytest.raises(ValueError, match="rewritten by statecore rewrite after batch 2: the state of batch 1"):
         operator_files.read_commit_record(operator_files.commit_log(location), 1,
                                           operator_files.read_metadata(location))
+
+
+def test_a_dry_run_over_an_unfinished_switch_is_refused_and_the_next_run_finishes_it(tmp_path):
+    """Killed after its switch, a rewrite awaits its clean-up: a dry run refuses to report on
+    it (its rows are in the new schemas, its old files still there) and writes nothing; the
+    next run finishes it and says the transform was not run again."""
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=3, batches=2, seed=11)
+    killed_rewrite(root, "delete", "*.delta", 0, f"{SUPPORT}:drop_and_double")
+    before = tree(root)
+    dry = cli("rewrite", root, "--operator", "0", "--transform", f"{SUPPORT}:drop_and_double", "--dry-run")
+    assert dry.exit_code == BAD_INPUT and "switched rewrite" in dry.output, dry.output
+    assert tree(root) == before
+    again = cli("rewrite", root, "--operator", "0", "--transform", f"{SUPPORT}:drop_and_double")
+    assert again.exit_code == 0 and "the transform was not run again" in again.output, again.output
+    assert merged_and_routed(read_state(root, KEY, VALUE)) == applied(rewrite_support.drop_and_double_rule, expected)
+
+
+def test_a_rewrite_after_an_interrupted_repartition_finishes_it_then_rewrites(tmp_path):
+    """A repartition killed after its switch: the rewrite finishes it (its 5 partitions), then
+    applies the transform to the repartitioned state."""
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=3, batches=2, seed=12)
+    killed = subprocess.run([sys.executable, "-c", KILLER, "delete", "*.delta", "0", "repartition", root, "--operator",
+                             "0", "--to", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    out = rewrite(root, 0, rewrite_support.drop_and_double)
+    assert "finished" not in out and len(out["partitions"]) == 5
+    assert merged_and_routed(read_state(root, KEY, VALUE)) == applied(rewrite_support.drop_and_double_rule, expected)
+    assert sorted(int(n) for n in os.listdir(os.path.join(root, "0")) if n.isdigit()) == list(range(5))
