@@ -37,6 +37,7 @@ MICRO = {
     "expiry": (["--rows", "10000000", "--repeat", "3"], ["--rows", "200000", "--repeat", "2"]),
     "verify": (["--keys", "10000000", "--repeat", "5"], ["--keys", "20000", "--repeat", "2"]),
     "repartition": (["--keys", "10000000", "--repeat", "3"], ["--keys", "100000", "--repeat", "1"]),
+    "rewrite": (["--keys", "10000000", "--repeat", "3"], ["--keys", "100000", "--repeat", "1"]),
     "scale": (["--keys", "1000000,10000000", "--batches", "30"],
               ["--keys", "100000,1000000", "--batches", "5", "--batch-rows", "20000"]),
     "rowcalls": (["--rows", "200000", "--repeat", "7"], ["--rows", "20000", "--repeat", "2"]),

@@ -15,7 +15,7 @@ __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORM
            "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
            "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
-           "WRITER_REPARTITION", "WRITERS"]
+           "WRITER_REPARTITION", "WRITER_REWRITE", "WRITERS"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
 OUTPUT_DIR = "_output"  # <checkpoint>/<operator_id>/_output/<batch_id>/part-<p>.parquet
@@ -212,8 +212,9 @@ class KnownRecords:
 #: Who wrote a batch record (its ``writer``): a StatefulOperator's batch, or one of the
 #: commands that write records of their own. Records written before the field read as an
 #: operator's.
-WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION = "operator", "import-spark", "repartition"
-WRITERS = frozenset({WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION})
+WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION, WRITER_REWRITE = (
+    "operator", "import-spark", "repartition", "rewrite")
+WRITERS = frozenset({WRITER_OPERATOR, WRITER_IMPORT_SPARK, WRITER_REPARTITION, WRITER_REWRITE})
 
 
 def commit_record(batch_id, num_partitions, store_name, run_id, commit_ids, base_commit_ids, *,
@@ -265,10 +266,12 @@ def read_commit_record(records, batch_id, metadata=None):
     moved = repartitioned(metadata)
     if moved is not None and batch_id <= moved.get("batch_id", -1):
         if batch_id < moved["batch_id"]:
+            rewritten = isinstance(moved["record"], dict) and moved["record"].get("writer") == WRITER_REWRITE
+            change = "rewritten by statecore rewrite" if rewritten else (
+                f"repartitioned from {moved.get('from_partitions')} to {metadata.get('num_partitions')} partitions")
             raise ValueError(
-                f"operator {metadata.get('operator_id')} was repartitioned from {moved.get('from_partitions')} to "
-                f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: the state of batch "
-                f"{batch_id} was not kept at the new partitioning ({records.path(batch_id)})")
+                f"operator {metadata.get('operator_id')} was {change} after batch {moved['batch_id']}: the state of "
+                f"batch {batch_id} was not kept ({records.path(batch_id)})")
         return checked_record(dict(moved["record"]), batch_id, f"{records.path(batch_id)} (as in _operator.json)")
     try:
         record = records.read(batch_id)

@@ -1,7 +1,7 @@
 """The exclusive lock on one operator of a checkpoint: ``<checkpoint>/<operator>/_lock``.
 
-Offline commands that change an operator's files (``repartition``, ``import-spark``) hold it
-for their whole run; a running :class:`~pyspark_glue.StatefulOperator` holds it from its
+Offline commands that change an operator's files (``repartition``, ``rewrite``,
+``import-spark``) hold it for their whole run; a running :class:`~pyspark_glue.StatefulOperator` holds it from its
 first batch until it is closed (kind ``"query"``), so each refuses while the other holds it.
 The lock needs nothing but a create that refuses an existing name
 (``StoreFiles.write_atomic(..., overwrite=False)``), so it works on any filesystem where that

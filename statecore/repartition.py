@@ -19,7 +19,11 @@ point leaves the checkpoint at the old partitioning, and what is deleted when) i
    old partitioning's files (the new snapshots that replace them were verified in step 3).
 
 :func:`repartition` runs all five locally. Each run holds the operator's lock
-(:mod:`statecore.operator_lock`) from its plan to its end: :func:`planned` takes it.
+(:mod:`statecore.operator_lock`) from its plan to its end: :func:`planned` takes it, and
+finishes first what an interrupted run left switched (:func:`finish_pending`).
+:mod:`statecore.rewrite` runs the same protocol to the same number of partitions, its
+transform applied as the rows are read; its switch also records the new schemas, which
+:func:`finish` adds to each store directory's schema history (``docs/rewrite.md``).
 """
 import contextlib
 import dataclasses
@@ -39,19 +43,22 @@ from statecore.errors import StateCorruptionError, UnsafeFileError
 from statecore.expiry import DEFAULT_BUCKET_SHIFT, ExpiryIndex
 from statecore.ids import StateStoreId
 from statecore.lineage import ROOT_COMMIT_ID, file_name
-from statecore.schema_file import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
-from statecore.schema import key_value_schemas
+from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, read_store_schemas,
+                                   record_schemas)
+from statecore.schema import RowSchema, key_value_schemas
 from statecore.snapshot_at import write_snapshot_at
 from statecore.spark_hash import HASHABLE_TYPES, spark_partition
 
 __all__ = ["RepartitionError", "RepartitionPlan", "StorePlan", "plan_repartition", "prepare", "read_sources",
-           "write_targets", "build_partition", "switch", "finish", "repartition", "planned", "summary",
-           "JOURNAL_DIR", "MAX_PARTITIONS"]
+           "write_targets", "build_partition", "switch", "switch_entry", "finish", "pending_switch", "finish_pending",
+           "repartition", "planned", "summary", "REWRITE_KEY", "JOURNAL_DIR", "MAX_PARTITIONS"]
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "_repartition"  # <checkpoint>/<operator>/_repartition/<token>.json
 JOURNAL_FORMAT = "statecore-repartition-1"
+# In the repartition block of a rewrite: {"key_schema", "value_schema"} of its default store.
+REWRITE_KEY = "rewrite"
 ROWS_PER_READ = 1 << 20
 # The most partitions an operator may have, old or new: every partition is a directory per store
 # and a commit id in every batch record, and each new one a random id made before anything is
@@ -80,6 +87,9 @@ class StorePlan:
     # in each new partition from the entries routed by their keys (``partner``: the other one)
     role: str = "keyed"
     partner: str = None
+    # A rewrite's default store, its schemas changed by the transform: the new snapshots are
+    # written without the schema file, whose history records the new schemas after the switch.
+    rewritten: bool = False
 
     @property
     def key_schema(self):
@@ -108,6 +118,8 @@ class RepartitionPlan:
     key_types: list
     stores: list  # StorePlan, the default store first
     token: str
+    command: str = "repartition"  # or "rewrite" (statecore.rewrite): what the switch records
+    finished: dict = None  # the repartition block of an interrupted run :func:`planned` finished first
 
     @property
     def operator_dir(self):
@@ -124,9 +136,10 @@ def _files(location, conf):
 def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     """Check that operator ``operator_id`` of ``checkpoint`` can go to ``num_partitions`` and
     return the plan; RepartitionError naming what is wrong otherwise, StateCorruptionError or
-    UnsafeFileError naming a damaged or refused file (a FIFO, a device). Writes nothing."""
+    UnsafeFileError naming a damaged or refused file (a FIFO, a device). Writes nothing.
+    ``num_partitions`` None keeps the operator's count (a rewrite in place)."""
     conf = conf or StateStoreConf()
-    if not _is_partition_count(num_partitions):
+    if num_partitions is not None and not _is_partition_count(num_partitions):
         raise RepartitionError(f"the number of partitions must be an int from 1 to {MAX_PARTITIONS} (MAX_PARTITIONS), "
                                f"got {num_partitions!r}")
     if not isinstance(operator_id, int) or isinstance(operator_id, bool) or operator_id < 0:
@@ -150,6 +163,7 @@ def plan_repartition(checkpoint, operator_id, num_partitions, conf=None):
     if not _is_partition_count(old) or not key_columns or len(key_columns) != len(key_types or ()):
         raise RepartitionError(f"{where} is not a StatefulOperator's metadata (num_partitions from 1 to "
                                f"{MAX_PARTITIONS}, key columns)")
+    num_partitions = old if num_partitions is None else num_partitions
     bad = [f"{c} ({t})" for c, t in zip(key_columns, key_types) if t not in HASHABLE_TYPES]
     if bad:
         raise RepartitionError(f"key column(s) {bad} of operator {operator_id}: repartition routes keys of the "
@@ -299,10 +313,12 @@ def _rows_of(keys, values):
     return rows
 
 
-def read_sources(plan, targets=None, on_source=None):
+def read_sources(plan, targets=None, on_source=None, transform=None):
     """Read every old partition of every store at the plan's version and route its rows:
     ``{(store name, new partition): [row arrays]}`` for the new partitions in ``targets``
-    (default: all). ``on_source()`` is called after each old store is read."""
+    (default: all). ``on_source()`` is called after each old store is read. ``transform(store,
+    partition, keys, values)`` (a rewrite's) returns each batch of the keyed stores as it is
+    to be written: structured arrays in their schemas' canonical layout."""
     targets = range(plan.to_partitions) if targets is None else sorted(targets)
     wanted = np.zeros(plan.to_partitions, dtype=bool)
     wanted[list(targets)] = True
@@ -312,6 +328,8 @@ def read_sources(plan, targets=None, on_source=None):
             continue
         for p in range(plan.from_partitions):
             for keys, values in _version_rows(plan, store, p):
+                if transform is not None:
+                    keys, values = transform(store, p, keys, values)
                 dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
                 keep = wanted[dest]
                 if not keep.all():
@@ -441,7 +459,8 @@ def _write_snapshot(plan, store, q, chunks):
     # Checked whole before anything relies on it: the old files go on the strength of it.
     return write_snapshot_at(_files(plan.store_location(q, store.name), plan.conf), plan.version,
                              bytes.fromhex(store.new_ids[q]), store.key_schema, store.value_schema, chunks,
-                             sum(len(c) for c in chunks), plan.conf.compression, schema_bytes=store.schema_bytes)
+                             sum(len(c) for c in chunks), plan.conf.compression, schema_bytes=store.schema_bytes,
+                             schema_file=not store.rewritten)
 
 
 # -- 4. the switch, 5. the roll-forward --------------------------------------------------------------
@@ -450,22 +469,25 @@ def new_record(plan):
     """The record of the plan's batch at the new partitioning."""
     default, *others = plan.stores
     record = operator_files.commit_record(
-        plan.batch_id, plan.to_partitions, default.name, f"repartition-{plan.token}", default.new_ids,
+        plan.batch_id, plan.to_partitions, default.name, f"{plan.command}-{plan.token}", default.new_ids,
         [ROOT_COMMIT_ID.hex()] * plan.to_partitions, store_commit_ids={s.name: s.new_ids for s in others},
         watermarks=plan.record.get("watermarks"), batch_timestamp_ms=plan.record.get("batch_timestamp_ms"),
-        late_rows=plan.record.get("late_rows"), writer=operator_files.WRITER_REPARTITION)
+        late_rows=plan.record.get("late_rows"), writer=plan.command)
     record["repartitioned_from"] = plan.from_partitions
     return record
 
 
 def switch(plan):
     """The commit point: ``_operator.json`` rewritten atomically with the new number of
-    partitions and the batch record at the new partitioning."""
+    partitions and the batch record at the new partitioning (a rewrite's: the new schemas too,
+    and the ``rewrite`` entry :func:`finish` records them in every store directory from)."""
     metadata = dict(plan.metadata)
     metadata["num_partitions"] = plan.to_partitions
-    metadata[operator_files.REPARTITION_KEY] = {
-        "batch_id": plan.batch_id, "version": plan.version, "from_partitions": plan.from_partitions,
-        "record": new_record(plan), "journal": plan.token}
+    moved = switch_entry(plan)
+    if REWRITE_KEY in moved:
+        metadata["key_schema"], metadata["value_schema"] = (moved[REWRITE_KEY]["key_schema"],
+                                                            moved[REWRITE_KEY]["value_schema"])
+    metadata[operator_files.REPARTITION_KEY] = moved
     CheckpointFiles(plan.operator_dir, plan.conf.storage_options).write_json(
         operator_files.OPERATOR_METADATA_FILE, metadata, indent=1)
     return metadata
@@ -475,26 +497,80 @@ def finish(plan, previous=None):
     """After the switch: the record file of the batch rewritten, older records deleted, the
     old partitioning's files deleted, the journal last. Idempotent (``previous``: the
     metadata's repartition block of a run being finished by a later one)."""
-    moved = previous or {"batch_id": plan.batch_id, "record": new_record(plan), "journal": plan.token,
-                         "from_partitions": plan.from_partitions, "version": plan.version}
+    moved = previous or switch_entry(plan)
+    _roll_forward(plan.checkpoint, plan.operator_id, plan.conf, moved)
+
+
+def switch_entry(plan):
+    """The metadata's repartition block :func:`switch` writes for ``plan``."""
+    moved = {"batch_id": plan.batch_id, "record": new_record(plan), "journal": plan.token,
+             "from_partitions": plan.from_partitions, "version": plan.version}
+    default = plan.stores[0]
+    if default.rewritten:
+        moved[REWRITE_KEY] = {"key_schema": default.key_schema.describe(),
+                              "value_schema": default.value_schema.describe()}
+    return moved
+
+
+def pending_switch(checkpoint, operator_id, conf):
+    """The repartition block of a switched run (a repartition's or a rewrite's) whose
+    roll-forward was interrupted (its journal is still there), or None."""
+    location = operator_files.operator_dir(checkpoint, operator_id)
+    moved = operator_files.repartitioned(operator_files.read_metadata(location, conf.storage_options))
+    journal = moved.get("journal") if moved else None
+    if not isinstance(journal, str) or not _COMMIT_ID.fullmatch(journal):
+        return None
+    journals = CheckpointFiles(f"{location}/{JOURNAL_DIR}", conf.storage_options)
+    if not any(name == f"{journal}.json" for name, is_dir in journals.entries() if not is_dir):
+        return None
+    return moved
+
+
+def finish_pending(checkpoint, operator_id, conf):
+    """Finish the roll-forward of the :func:`pending_switch`, if there is one; returns its
+    repartition block, or None."""
+    moved = pending_switch(checkpoint, operator_id, conf)
+    if moved is not None:
+        _roll_forward(checkpoint, operator_id, conf, moved)
+    return moved
+
+
+def _record_rewritten_schemas(checkpoint, operator_id, conf, moved):
+    """A rewrite's new schemas made the newest entry of every partition's default store's
+    schema history (after the switch: the new snapshots carry their own schemas)."""
+    rewrite = moved.get(REWRITE_KEY)
+    if not isinstance(rewrite, dict):
+        return
+    key, value = key_value_schemas(RowSchema.from_description(rewrite["key_schema"]).dtype,
+                                   RowSchema.from_description(rewrite["value_schema"]).dtype)
+    record = moved["record"]
+    entry = SchemaEntry(key, value, from_version=moved["version"], rewritten=True)
+    for q in range(record["num_partitions"]):
+        location = StateStoreId(checkpoint, operator_id, q, record["store_name"]).store_checkpoint_location()
+        record_schemas(_files(location, conf), entry, location)
+
+
+def _roll_forward(checkpoint, operator_id, conf, moved):
+    """:func:`finish` of the run whose repartition block is ``moved``."""
+    operator_dir = operator_files.operator_dir(checkpoint, operator_id)
+    _record_rewritten_schemas(checkpoint, operator_id, conf, moved)
     record = dict(moved["record"])
     partitions, version = record["num_partitions"], moved["version"]
-    records = operator_files.commit_log(plan.operator_dir, plan.conf.storage_options)
+    records = operator_files.commit_log(operator_dir, conf.storage_options)
     records.write(moved["batch_id"], record)
     records.delete_before(moved["batch_id"])
     keep = {record["store_name"]: record["commit_ids"], **record["store_commit_ids"]}
     for q in range(partitions):
         for name, ids in keep.items():
-            files = _files(StateStoreId(plan.checkpoint, plan.operator_id, q, name).store_checkpoint_location(),
-                           plan.conf)
+            files = _files(StateStoreId(checkpoint, operator_id, q, name).store_checkpoint_location(), conf)
             own = file_name(version, bytes.fromhex(ids[q]), "snapshot")
             # Versions after the switch's are the new partitioning's own (batches that ran
             # before an interrupted roll-forward was finished): kept.
             files.delete([f.name for f in files.list_versions() if f.version <= version and f.name != own])
-    CheckpointFiles(plan.operator_dir, plan.conf.storage_options).delete_trees(
-        name for name, is_dir in CheckpointFiles(plan.operator_dir, plan.conf.storage_options).entries()
+    CheckpointFiles(operator_dir, conf.storage_options).delete_trees(
+        name for name, is_dir in CheckpointFiles(operator_dir, conf.storage_options).entries()
         if is_dir and name.isascii() and name.isdigit() and int(name) >= partitions)
-    journals = CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options)
+    journals = CheckpointFiles(f"{operator_dir}/{JOURNAL_DIR}", conf.storage_options)
     journals.delete([f"{moved['journal']}.json"])
 
 
@@ -502,12 +578,17 @@ def finish(plan, previous=None):
 def planned(checkpoint, operator_id, num_partitions, conf=None, command="repartition"):
     """The plan, made and used under the operator's lock (``docs/operating.md``, "The operator
     lock"): checked once before the lock is taken, so that bad input writes nothing, not even
-    the lock, and made again once it is held, so that what an earlier run changed is seen.
-    OperatorLockedError if another command or a running query holds the lock."""
+    the lock, and made again once it is held, after an interrupted run's roll-forward is
+    finished (:func:`finish_pending`, recorded in the plan's ``finished``), so that what an
+    earlier run changed is seen. OperatorLockedError if another command or a running query
+    holds the lock. ``command`` names the lock's holder."""
     conf = conf or StateStoreConf()
     plan_repartition(checkpoint, operator_id, num_partitions, conf)
     with operator_lock.held(checkpoint, operator_id, command, conf.storage_options):
-        yield plan_repartition(checkpoint, operator_id, num_partitions, conf)
+        finished = finish_pending(checkpoint, operator_id, conf)  # its schemas are then the ones to plan with
+        plan = plan_repartition(checkpoint, operator_id, num_partitions, conf)
+        plan.finished = finished
+        yield plan
 
 
 def repartition(checkpoint, operator_id, num_partitions, conf=None, on_source=None, on_target=None):

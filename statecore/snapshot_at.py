@@ -19,14 +19,16 @@ __all__ = ["write_snapshot_at", "start_empty", "start_store_empty"]
 
 
 def write_snapshot_at(files, version, commit_id, key_schema, value_schema, chunks, row_count, compression,
-                      schema_bytes=None):
+                      schema_bytes=None, schema_file=True):
     """Write the rows of ``chunks`` (``row_count`` in all) as attempt ``commit_id`` (8 bytes)
     of ``version`` of the store directory ``files``, and check the file whole. The schema file
     is written first if there is none (``schema_bytes``, by default the provider's record of
-    the schemas); one that records other schemas is StateCorruptionError, nothing written."""
+    the schemas); one that records other schemas is StateCorruptionError, nothing written.
+    ``schema_file`` False leaves the schema file alone, unread (a rewrite's snapshots in new
+    schemas, which its caller records in the history once they are switched to)."""
     files.mkdirs()
-    recorded = read_store_schemas(files)
-    if recorded is None:
+    recorded = read_store_schemas(files) if schema_file else None
+    if recorded is None and schema_file:
         payload = schema_bytes if schema_bytes is not None else schema_file_bytes(key_schema, value_schema)
         try:
             files.write_atomic(SCHEMA_FILE, lambda f: f.write(payload), overwrite=False)

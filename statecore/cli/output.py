@@ -65,7 +65,7 @@ class _CommandGroup(click.Group):
 @click.group(cls=_CommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="statecore")
 def main():
-    """Inspect, verify, dump, repartition and import statecore checkpoints."""
+    """Inspect, verify, dump, repartition, rewrite and import statecore checkpoints."""
 
 
 def emit(as_json, data, human):

@@ -254,6 +254,14 @@ def test_repartition_benchmark_runs_small(tmp_path):
     assert [r["name"] for r in tables[1]] == ["numpy keys % n (no hash)", "spark_partition (Spark's hash, pmod)"]
 
 
+def test_rewrite_benchmark_runs_small(tmp_path):
+    """bench_rewrite on a small state: the anchor and the rewrite both timed, their ratio kept."""
+    payload = run_bench("bench.bench_rewrite", ["--keys", "20000", "--repeat", "1"], tmp_path / "rewrite.json")
+    assert payload["keys"] == 20000 and payload["ratio_to_anchor"] > 0
+    rows = [r["name"] for r in next(iter(payload["tables"].values()))]
+    assert rows[0].startswith("anchor") and rows[1].startswith("statecore.rewrite")
+
+
 def test_levels_benchmark_runs_small(tmp_path):
     """bench_levels on a small state: every row timed, the two walks agreed (it asserts so)."""
     payload = run_bench("bench.bench_levels", ["--rows", "20000", "--batch-rows", "2000", "--repeat", "1"],

@@ -1,0 +1,72 @@
+"""``statecore rewrite`` of a StatefulOperator's state through a value-changing transform, on
+this machine, against moving the same bytes.
+
+The state and the anchor are bench_repartition's (an int64 key and two int64 values over 4
+partitions, each one committed delta; the anchor reads every file, lz4-compresses and
+decompresses its bytes and writes as many bytes to new files, fsynced):
+
+- ``statecore.rewrite.rewrite``: the whole protocol (read at the recorded attempts, the
+  transform on every batch, its checks, route, write and verify the new snapshots, switch,
+  record, delete the old files), the transform adding 1 to every sum.
+
+    python -m bench.bench_rewrite --keys 10000000 --repeat 3 [--json PATH]
+
+Each timed run starts from a fresh copy of the checkpoint (copied untimed).
+"""
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from bench._common import Table, arg_parser, measure, print_header, write_json
+from bench.bench_repartition import make_checkpoint, move_bytes, state_files
+from statecore.rewrite import rewrite
+
+
+def add_one_to_sum(keys, values):
+    """The benchmark's transform: every value changed, the schemas kept."""
+    values = values.copy()
+    values["sum"] += 1
+    return keys, values
+
+
+def main():
+    p = arg_parser(__doc__.splitlines()[0], rows=10_000_000, repeat=3)
+    p.add_argument("--keys", type=int, default=None, help="keys in the state (default: --rows)")
+    args = p.parse_args()
+    keys = args.keys or args.rows
+    header = print_header("statecore rewrite, a value-changing transform")
+    work = tempfile.mkdtemp(prefix="bench-rewrite-")
+    try:
+        source = os.path.join(work, "source")
+        make_checkpoint(source, keys, args.seed)
+        files = state_files(source)
+        file_bytes = sum(os.path.getsize(f) for f in files)
+        print(f"# {keys:,} keys of 24-byte rows = {keys * 24 / 1e6:.1f} MB raw, {file_bytes / 1e6:.1f} MB in "
+              f"{len(files)} files")
+        copy = os.path.join(work, "copy")
+        anchor_out = os.path.join(work, "anchor")
+
+        def fresh():
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.rmtree(anchor_out, ignore_errors=True)
+            shutil.copytree(source, copy)
+
+        table = Table(f"rewrite {keys:,} keys", keys, unit="keys")
+        table.add("anchor: read files + lz4 round trip + write as many bytes",
+                  measure(lambda: move_bytes(state_files(copy), anchor_out), args.repeat, fresh))
+        table.add("statecore.rewrite.rewrite (local, sum + 1)",
+                  measure(lambda: rewrite(copy, 0, add_one_to_sum), args.repeat, fresh))
+        table.print()
+        anchor, ours = (np.median(t) for _, t in table.rows)
+        print(f"\nrewrite / anchor: {ours / anchor:.2f}x (target: within 2x)")
+        if args.json:
+            write_json(args.json, header, [table], {"keys": keys, "file_bytes": file_bytes,
+                                                    "ratio_to_anchor": ours / anchor})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
