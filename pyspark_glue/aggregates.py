@@ -8,7 +8,7 @@ from statecore.grouping import group_rows
 from statecore.schema import RowSchema, as_schema
 
 from pyspark_glue.arrow import column, column_to_numpy, columns_from_arrow, spark_schema_of
-from pyspark_glue.operator_fn import OperatorFunction, TaskHandler
+from pyspark_glue.operator_fn import OperatorFunction, TaskHandler, added_aggregate_problems
 
 __all__ = ["RunningAggregate", "group_rows", "PARTIAL_COUNT", "PARTIAL_SUM"]
 
@@ -62,6 +62,9 @@ class RunningAggregate(OperatorFunction):
     value_schema : numpy dtype ``[(count_field, int64), (sum_field, sum_dtype)]``
     output_schema : StructType of the key fields, then count and sum (None if not emit)
     """
+
+    def schema_change_problems(self, plan):
+        return added_aggregate_problems(plan)
 
     def __init__(self, key_schema, value_column, *, key_columns=None, sum_dtype="<i8", count_field="count",
                  sum_field="sum", emit=True, pre_aggregate="auto"):

@@ -3,7 +3,7 @@ runs per partition, and the expiry index their state leaves by (``docs/event-tim
 from statecore.expiry import ExpiryIndex
 
 from pyspark_glue.event_time import parse_duration_us
-from pyspark_glue.operator_fn import OperatorFunction
+from pyspark_glue.operator_fn import OperatorFunction, added_aggregate_problems
 
 __all__ = ["KeyedEventTimeFn"]
 
@@ -16,6 +16,9 @@ class KeyedEventTimeFn(OperatorFunction):
     ``key_widths`` checked once; an :class:`~statecore.expiry.ExpiryIndex` over the
     ``index_key`` schema in two stores of the partition. Each defines ``open`` (its task's
     handler)."""
+
+    def schema_change_problems(self, plan):
+        return added_aggregate_problems(plan)
 
     def __init__(self, key_columns, event_time, delay, key_widths=None):
         if isinstance(key_columns, str):

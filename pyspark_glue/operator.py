@@ -327,12 +327,16 @@ class StatefulOperator:
         if old is None:
             return False
         changes = self.conf.schema_changes_of(self.store_name) or SchemaChanges()
+        where = f"operator {self.operator_id} at {self.operator_dir}"
         try:
             plan = plan_state(*old, self.key_schema, self.value_schema, renames=changes.renames,
                               defaults=changes.defaults)
         except SchemaEvolutionError as e:
-            raise SchemaEvolutionError(e.kind, e.old, e.new, e.problems, also=e.also,
-                                       where=f"operator {self.operator_id} at {self.operator_dir}") from None
+            raise SchemaEvolutionError(e.kind, e.old, e.new, e.problems, also=e.also, where=where) from None
+        problems = self.contract.schema_change_problems(plan)
+        if problems:
+            raise SchemaEvolutionError("value", plan.value.old.describe(), plan.value.new.describe(), problems,
+                                       where=f"{where} ({type(self.contract).__name__})")
         log.info("operator %s: the state's schemas change with batch this run starts at: %s", self.operator_id,
                  "; ".join(plan.describe()))
         return True

@@ -158,6 +158,13 @@ class OperatorFunction:
     def observe(self, progress):
         """On the driver, after each batch: its ``last_progress`` (adapt the next batch to it)."""
 
+    def schema_change_problems(self, plan):
+        """On the driver, when the operator's state schemas change by ``plan`` (a
+        :class:`statecore.schema_evolution.StatePlan` the rules allow): ``(field, rule)`` pairs
+        for each change this fn cannot take (the operator refuses them before anything is
+        written). Default: none."""
+        return []
+
     def open(self, context):
         """In each task, before its rows: the :class:`TaskHandler` that gets them."""
         raise NotImplementedError(f"{type(self).__name__} must define open(context) returning a TaskHandler")
@@ -244,6 +251,16 @@ def open_task(contract, context):
         raise TypeError(f"{type(contract).__name__}.open(context) must return a TaskHandler, got "
                         f"{type(handler).__name__}")
     return handler
+
+
+def added_aggregate_problems(plan):
+    """A built-in's refusal of added value fields (``schema_change_problems``): it keeps no rows
+    once merged, so a new aggregate's value over them is unknown, and a default would be a
+    wrong answer for every key already in the state (``docs/evolution.md``, "The built-ins")."""
+    return [(f.name, "an aggregate added to a built-in: the rows already merged into the state are not kept, so "
+                     "its value over them is unknown (a default would be wrong for every key already there); "
+                     "remove or widen aggregates in place, or compute the new one with `statecore rewrite`")
+            for f in plan.value.fields if f.added]
 
 
 def _from_fn(contract, name, given):

@@ -187,3 +187,54 @@ def test_a_refused_change_fails_before_anything_is_written(spark, tmp_path, key,
     assert "statecore rewrite" in message
     after = file_times(root)
     assert {p: t for p, t in after.items() if "_lock" not in p} == {p: t for p, t in before.items() if "_lock" not in p}
+
+
+def test_a_running_aggregate_whose_sum_widens_carries_its_totals_on(spark, tmp_path):
+    """A built-in whose sum grows from int32 to int64 between runs: a widening, made in place."""
+    from pyspark_glue import RunningAggregate
+
+    root = str(tmp_path / "state")
+    before, after = [events(41, 300)], [events(42, 300)]
+    for tables, first, sum_dtype in ((before, 0, "<i4"), (after, 1, "<i8")):
+        agg = RunningAggregate(KEY_V1, "amount", sum_dtype=sum_dtype, emit=False)
+        op = StatefulOperator(root, 0, 3, ["user", "region"], KEY_V1, agg.value_schema, agg, None, coordinator=False)
+        for i, t in enumerate(tables):
+            op.process(spark.createDataFrame(t.to_pandas(), INPUT_DDL), first + i, read_output=False)
+        op.close()
+    expected = {}
+    for user, region, amount in rows_of(before + after):
+        count, total = expected.get((user, region), (0, 0))
+        expected[(user, region)] = (count + 1, total + amount)
+    got = state_of(spark, root, ("user", "region"), ("count", "sum"))
+    assert {(u, r.decode()): v for (u, r), v in got.items()} == expected
+
+
+def test_an_aggregate_added_to_a_windowed_aggregate_is_refused_naming_it(spark, tmp_path):
+    """The rows already merged into a window are not kept: a new aggregate's value over them is
+    unknown, so the change is refused (the rules alone would add it as zero: a wrong answer)."""
+    from pyspark_glue import WindowedAggregate
+
+    root = str(tmp_path / "state")
+    ddl = "user long, region string, amount long, ts timestamp"
+
+    def frame(seed):
+        t = events(seed, 200).to_pandas()
+        t["ts"] = np.datetime64("2026-01-01T00:00:00") + np.arange(len(t)).astype("timedelta64[s]")
+        return spark.createDataFrame(t, ddl)
+
+    def operator(aggregates):
+        fn = WindowedAggregate(["user"], "ts", "10 minutes", "5 minutes", aggregates=aggregates)
+        return StatefulOperator(root, 0, 2, fn=fn, coordinator=False)
+
+    op = operator({"n": ("count", "*")})
+    op.process(frame(51), 0, read_output=False)
+    op.close()
+    before = file_times(root)
+    op = operator({"n": ("count", "*"), "top": ("max", "amount")})
+    with pytest.raises(SchemaEvolutionError) as e:
+        op.process(frame(52), 1, read_output=False)
+    op.close()
+    assert "(WindowedAggregate)" in str(e.value) and "value field 'top" in str(e.value)
+    assert "aggregate added to a built-in" in str(e.value)
+    after = file_times(root)
+    assert {p: t for p, t in after.items() if "_lock" not in p} == {p: t for p, t in before.items() if "_lock" not in p}
