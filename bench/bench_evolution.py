@@ -1,5 +1,6 @@
 """Converting a store's rows to an evolved schema: ``statecore.schema_evolution.convert``
-against its plain numpy anchor, the same structured-array field copies written by hand.
+against its plain numpy anchor, the same structured-array field copies written by hand; and a
+query's first batch after its state's schemas changed against the same batch without a change.
 
     python -m bench.bench_evolution [--rows 1000000] [--repeat 7] [--json PATH]
 
@@ -9,10 +10,22 @@ schema widened (int32 -> int64, S4 -> S8: a re-key, the result normalized as key
 The anchor copies the fields between structured arrays it already holds; ``convert`` starts
 from and ends with ``(n, width)`` uint8 rows, as stores hold them. The two are checked to
 give the same bytes.
+
+The first batch after a restart: a store of ``--rows`` keys (a snapshot, then three versions
+of 10% upserts) is opened by a fresh provider at its newest version, a batch of 10% upserts
+put and committed. The anchor asks for the schemas the store was written with; the others
+for a changed value schema (the version's rows converted once, as it loads) and a widened
+key (every row re-keyed). Each runs on its own copy of the store.
 """
+import logging
+import os
+import shutil
+import tempfile
+
 import numpy as np
 
 from bench._common import Table, arg_parser, measure, print_header, write_json
+from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.schema import RowSchema
 from statecore.schema_evolution import convert, plan
 
@@ -58,12 +71,78 @@ def conversion_table(title, old, new, defaults, n, repeat, rng, key=False):
     return table
 
 
+STORE_KEY = np.dtype([("user", "<i4")])
+STORE_VALUE = np.dtype([("count", "<i4"), ("sum", "<f4"), ("name", "S8")])
+STORE_VALUE_NEW = np.dtype([("name", "S16"), ("count", "<i8"), ("sum", "<f8"), ("n", "<i4")])
+STORE_KEY_NEW = np.dtype([("user", "<i8")])
+
+
+def _upserts(n, batch, seed, key, value):
+    rng = np.random.default_rng(seed)
+    keys = np.zeros(batch, key)
+    keys["user"] = rng.choice(n, batch, replace=False)
+    values = np.zeros(batch, value)
+    values["count"] = rng.integers(0, 1000, batch)
+    values["sum"] = rng.random(batch)
+    values["name"] = b"upsert"
+    return keys, values
+
+
+def _provider(root, key, value):
+    return create_and_init_provider(StateStoreId(root, 0, 0), key, value, StateStoreConf())
+
+
+def _written_store(root, n):
+    """A store of ``n`` keys under the old schemas: version 1 (snapshotted), then 3 of upserts."""
+    p = create_and_init_provider(StateStoreId(root, 0, 0), STORE_KEY, STORE_VALUE,
+                                 StateStoreConf(min_deltas_for_snapshot=0))
+    keys, values = np.zeros(n, STORE_KEY), np.zeros(n, STORE_VALUE)
+    keys["user"] = np.arange(n)
+    values["count"], values["name"] = 1, b"first"
+    store = p.get_store(0)
+    store.put_batch(keys, values)
+    store.commit()
+    p.do_maintenance()  # the snapshot of version 1
+    for v in range(1, 4):
+        store = p.get_store(v)
+        store.put_batch(*_upserts(n, n // 10, v, STORE_KEY, STORE_VALUE))
+        store.commit()
+    p.close()
+
+
+def first_batch_table(n, repeat):
+    """A query's first batch after a restart, with and without its state's schemas changed."""
+    table = Table(f"first batch after a restart: {n:,} keys, {n // 10:,} upserts", n // 10)
+    logging.getLogger("statecore").setLevel(logging.ERROR)  # each run commits version 5 again: warned of
+    with tempfile.TemporaryDirectory(prefix="bench-evolution-") as tmp:
+        source = os.path.join(tmp, "source")
+        _written_store(source, n)
+        for name, key, value in (("the schemas it was written with (anchor)", STORE_KEY, STORE_VALUE),
+                                 ("a changed value schema: the version converted as it loads", STORE_KEY,
+                                  STORE_VALUE_NEW),
+                                 ("a widened key: every row re-keyed as it loads", STORE_KEY_NEW, STORE_VALUE)):
+            root = os.path.join(tmp, f"copy-{len(table.rows)}")
+            shutil.copytree(source, root)
+            batch = _upserts(n, n // 10, 99, key, value)
+
+            def first_batch():
+                p = _provider(root, key, value)
+                store = p.get_store(4)
+                store.put_batch(*batch)
+                store.commit()
+                p.close()
+
+            table.add(name, measure(first_batch, repeat))
+    return table
+
+
 def main(argv=None):
     args = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
     header = print_header(f"schema evolution: {args.rows:,} rows converted")
     rng = np.random.default_rng(args.seed)
     tables = [conversion_table("value schema", VALUE_OLD, VALUE_NEW, {"n": 1}, args.rows, args.repeat, rng),
-              conversion_table("key schema (a re-key)", KEY_OLD, KEY_NEW, {}, args.rows, args.repeat, rng, key=True)]
+              conversion_table("key schema (a re-key)", KEY_OLD, KEY_NEW, {}, args.rows, args.repeat, rng, key=True),
+              first_batch_table(args.rows, args.repeat)]
     for table in tables:
         table.print()
     if args.json:

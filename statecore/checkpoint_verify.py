@@ -6,8 +6,9 @@ Files are checked by the readers the store loads them with: a delta by
 trailer's counts and blocks checksum, the end of the file; ``deep`` also decompresses every
 block, as a load does), a snapshot by :meth:`statecore.SnapshotReader.verify` (header,
 footer, every data block: rows and slots; ``deep`` also looks every row's key up in the slot
-index), the schema file by :func:`statecore.schema_file.read_store_schemas`; every version file's
-header must name the version and attempt its name does. ``_operator.json`` and the batch
+index), the schema file by :func:`statecore.schema_file.read_schema_history` (every version
+file's schemas must be an entry of it); every version file's header must name the version and
+attempt its name does. ``_operator.json`` and the batch
 records are read by the one metadata reader (:func:`statecore.checkpoint.parse_json`: bounded
 size and nesting, the checksum their last member carries) and then checked for their shape
 (:func:`statecore.operator_files.metadata_problems`, :func:`statecore.operator_files.checked_record`);
@@ -37,7 +38,7 @@ from statecore.checkpoint import CheckpointFiles, parse_json
 from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_name
 from statecore.provider import read_version_header
-from statecore.schema_file import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_store_schemas
+from statecore.schema_file import MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, read_schema_history
 from statecore.repartition import JOURNAL_DIR
 from statecore.schema import RowSchema
 from statecore.snapshot_files import check_snapshot
@@ -109,7 +110,8 @@ class _StoreCheck:
         self.files = ref.files(storage_options)
         self.listing = self.files.list_versions()
         self.sizes = {f.name: self.files.size(f.name) for f in self.listing}
-        self.schemas = self._schema_file()
+        self.history = None  # the store's SchemaHistory, once read
+        self.schemas = self._schema_file()  # its newest (key, value) schemas
         self.attempts = {}  # (kind, version, commit id) -> VersionFile
         self.parents = {}  # delta name -> parent id, from its checked header
         self.sound = {}  # name -> whether the whole file checked out
@@ -153,10 +155,23 @@ class _StoreCheck:
             self.report.add(path, *damage)
             return None
         try:
-            return read_store_schemas(self.files)
+            self.history = read_schema_history(self.files)
         except StateCorruptionError as e:
             self.report.add(path, e.offset, e.reason)
             return None
+        return None if self.history is None else (self.history.newest.key, self.history.newest.value)
+
+    def _check_file_schemas(self, f, path, fingerprints, widths):
+        """SchemaMismatchError unless the store's schema history names the schemas a version
+        file was written with (its header's fingerprints and widths), as a load needs."""
+        if self.history is None:
+            return
+        i = self.history.entry_of(*fingerprints, f.version)
+        entry = None if i is None else self.history.entries[i]
+        if entry is None or (entry.key.width, entry.value.width) != tuple(widths):
+            raise SchemaMismatchError(f"written with schemas the store's schema history does not name (key "
+                                      f"fingerprint 0x{fingerprints[0]:016x}, value fingerprint "
+                                      f"0x{fingerprints[1]:016x})")
 
     @property
     def total_bytes(self):
@@ -166,17 +181,20 @@ class _StoreCheck:
         """Whether version file ``f`` checks out whole (memoized); a problem for each that does not."""
         if f.name in self.sound:
             return self.sound[f.name]
-        key, value = self.schemas if self.schemas is not None else (None, None)
         path = self.files.path(f.name)
         try:
             if f.kind == "delta":
                 with self.files.open_read(f.name) as source:
-                    reader = DeltaReader(source, key, value, path=path)
+                    reader = DeltaReader(source, None, None, path=path)
+                    self._check_file_schemas(f, path, (reader.key_fingerprint, reader.value_fingerprint),
+                                             (reader.key_width, reader.value_width))
                     check_names_agree(f, path, reader.store_version, reader.commit_id)
                     reader.check(decode=self.deep)
                     count = reader.num_keys
             else:
-                header = check_snapshot(self.files, f.name, key, value, deep=self.deep)
+                header = check_snapshot(self.files, f.name, deep=self.deep)
+                self._check_file_schemas(f, path, (header.key_fingerprint, header.value_fingerprint),
+                                         (header.key_schema.width, header.value_schema.width))
                 check_names_agree(f, path, header.store_version, header.commit_id)
                 count = header.row_count
         except (StateCorruptionError, SchemaMismatchError, UnsafeFileError) as e:

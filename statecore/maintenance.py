@@ -16,7 +16,7 @@ from statecore._keyfilter import KeyFilter
 from statecore._snapshot import SnapshotReader
 from statecore._versions import (Spill, bottom_snapshot, changed_since_bottom, is_view_of, snapshot_version,
                                  spilled_base, stands_on_frozen)
-from statecore.errors import StateCorruptionError, UnsafeFileError, VersionNotFoundError
+from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
 from statecore.spill import KEY_FILTER_MAX_ROWS, spill_head, spill_rows
@@ -81,7 +81,8 @@ def _default_chain_down(provider, listing, stop_below):
 def _snapshot_if_due(p):
     """Spill the head if it outgrew its share of the state; then write a snapshot of the
     newest version if more than ``min_deltas_for_snapshot`` versions follow the newest
-    snapshot on the files of the default lineage, or else compact its levels if the changes
+    snapshot on the files of the default lineage (or none follows the store's last schema
+    change: ``docs/evolution.md``), or else compact its levels if the changes
     since the State's bottom image (a snapshot, or a whole spill) passed half the state:
     every row written again as one whole spill, local as any spill (no file of the
     checkpoint, nothing made durable: the deltas are). Both are written from a spill, so
@@ -91,14 +92,18 @@ def _snapshot_if_due(p):
     yet, and is due by the files too (another worker of the store may have written one)."""
     spill_if_outgrown(p)
     min_deltas = p.conf.min_deltas_for_snapshot
+    changed_at = p.schemas_changed_at  # a snapshot at or above it: later loads convert nothing
+
+    def schema_due(since, version):
+        return since < changed_at <= version
 
     def changes_outgrown(base, head_rows, num_keys):
         return p.held.changes_outgrown(head_rows + changed_since_bottom(base), num_keys)
 
     def due(state):
         since = max(snapshot_version(state.base), p.maintenance_record.snapshot_on_files)
-        return state.version > 0 and (state.version - since > min_deltas or changes_outgrown(
-            state.base, len(state.head), state.count(state.version)))
+        return state.version > 0 and (state.version - since > min_deltas or schema_due(since, state.version)
+                                      or changes_outgrown(state.base, len(state.head), state.count(state.version)))
 
     spill = _spill_newest(p, due)
     if spill is None:
@@ -107,7 +112,8 @@ def _snapshot_if_due(p):
     on_files = next((u for u, _, _, snapshot in steps if u <= spill.version and snapshot is not None), 0)
     p.maintenance_record.snapshot_on_files = max(p.maintenance_record.snapshot_on_files, on_files)
     of_default_lineage = any(step[:2] == (spill.version, spill.commit_id) for step in steps)
-    if of_default_lineage and spill.version > on_files and spill.version - on_files > min_deltas:
+    if of_default_lineage and spill.version > on_files and (spill.version - on_files > min_deltas
+                                                            or schema_due(on_files, spill.version)):
         _write_snapshot(p, spill, file_name(spill.version, spill.commit_id, "snapshot"))
     elif changes_outgrown(spill, 0, spill.num_keys):
         _compact(p, spill)
@@ -301,15 +307,18 @@ def _verified(p, f):
     path = p.files.path(f.name)
     try:
         if f.kind == "snapshot":
-            header = check_snapshot(p.files, f.name, p.key_schema, p.value_schema, deep=True)
-            check_names_agree(f, path, header.store_version, header.commit_id)  # as a load would
+            header = check_snapshot(p.files, f.name, deep=True)
+            widths = (header.key_schema.width, header.value_schema.width)
         else:
             with p.files.open_read(f.name) as source:
-                reader = DeltaReader(source, p.key_schema, p.value_schema, path=path)
-                check_names_agree(f, path, reader.store_version, reader.commit_id)
-                for _ in reader:
+                header = DeltaReader(source, None, None, path=path)
+                for _ in header:
                     pass
-    except (StateCorruptionError, UnsafeFileError) as e:  # UnsafeFileError: a FIFO, a device, a directory
+            widths = (header.key_width, header.value_width)
+        check_names_agree(f, path, header.store_version, header.commit_id)  # as a load would
+        # and of schemas the store's history converts to the provider's, as a load would
+        p.schema_plans((header.key_fingerprint, header.value_fingerprint), widths, f.version, path)
+    except (StateCorruptionError, UnsafeFileError, SchemaMismatchError) as e:  # UnsafeFileError: a FIFO, ...
         log.error("%s of %s is damaged; keeping the files that can stand in for it: %s", f.name, p, e)
         return False
     p.maintenance_record.verified_files.add(f.name)

@@ -414,6 +414,18 @@ class FileStateStoreProvider(StateStoreProvider):
             self._plans = {}
             self._schema_written = True
 
+    @property
+    def schemas_changed_at(self):
+        """The first version written under this provider's schemas, when they are the store's
+        newest and replaced others; else 0. Maintenance snapshots a version at or above it at
+        its next pass, so that the loads after it convert nothing (``docs/evolution.md``)."""
+        history = self._history
+        if not self._schema_written or len(history.entries) < 2:
+            return 0
+        newest = history.newest
+        own = newest.key == self._key_schema and newest.value == self._value_schema
+        return newest.from_version if own else 0
+
     def schema_plans(self, fingerprints, widths, version, path):
         """The :class:`~statecore.schema_evolution.StatePlan` s that convert the rows of a
         version file (of ``version``, at ``path``) whose header names its key and value schemas
