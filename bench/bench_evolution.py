@@ -133,7 +133,21 @@ def first_batch_table(n, repeat):
                 p.close()
 
             table.add(name, measure(first_batch, repeat))
+            _check_first_batch(root, key, value, batch, n)
     return table
+
+
+def _check_first_batch(root, key, value, batch, n):
+    """The version the runs committed holds every key, the batch's values for its keys."""
+    p = _provider(root, key, value)
+    store = p.get_read_store(5)
+    try:
+        values, found = store.get_batch(batch[0])
+        assert found.all() and np.array_equal(values, batch[1])
+        assert sum(len(k) for k, _ in store.iter_batches(1 << 20)) == n
+    finally:
+        store.abort()
+        p.close()
 
 
 def main(argv=None):

@@ -15,7 +15,8 @@ from statecore.conf import StateStoreConf
 from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import Chain
 from statecore.provider import read_version_header
-from statecore.schema_file import SCHEMA_FILE, read_store_schemas
+from statecore.schema_evolution import plan_state
+from statecore.schema_file import SCHEMA_FILE, read_schema_history
 from statecore.contracts import create_and_init_provider
 
 __all__ = ["inspect_checkpoint"]
@@ -52,20 +53,40 @@ def _newest_named(records, store_name, partition_id):
     return None
 
 
+def _schema_changes(history):
+    """Each entry of a store's schema history after the first: the version it starts at and
+    its changes in plain words (docs/evolution.md)."""
+    out = []
+    for before, entry in zip(history.entries, history.entries[1:]):
+        if entry.rewritten:
+            changes = ["rewritten by `statecore rewrite`"]
+        else:
+            try:
+                changes = plan_state(before.key, before.value, entry.key, entry.value, renames=dict(entry.renames),
+                                     defaults=dict(entry.defaults)).describe()
+            except SchemaMismatchError as e:  # a history written by hand: said, not raised
+                changes = [f"not a change the rules allow: {e}"]
+        out.append({"from_version": entry.from_version, "key_schema": entry.key.describe(),
+                    "value_schema": entry.value.describe(), "changes": changes})
+    return out
+
+
 def _store(ref, records):
     files = ref.files()
     listing = files.list_versions()
     out = {"operator_id": ref.operator_id, "partition_id": ref.partition_id, "store_name": ref.store_name,
-           "location": ref.location, "key_schema": None, "value_schema": None, "versions": [], "files": 0,
-           "bytes": 0, "newest_version": None, "newest_commit_id": None, "newest_snapshot": None, "rows": None,
+           "location": ref.location, "key_schema": None, "value_schema": None, "schema_history": [], "versions": [],
+           "files": 0, "bytes": 0, "newest_version": None, "newest_commit_id": None, "newest_snapshot": None, "rows": None,
            "errors": []}
     try:
-        schemas = read_store_schemas(files)
+        history = read_schema_history(files)
     except (StateCorruptionError, UnsafeFileError) as e:
-        schemas = None
+        history = None
         out["errors"].append(str(e))
+    schemas = None if history is None else (history.newest.key, history.newest.value)
     if schemas is not None:
         out["key_schema"], out["value_schema"] = schemas[0].describe(), schemas[1].describe()
+        out["schema_history"] = _schema_changes(history)
         out["files"] += 1
         out["bytes"] += files.size(SCHEMA_FILE)
     headers = {}
@@ -195,6 +216,10 @@ def _print(data):
                   s["files"], s["bytes"],
                   "-" if s["newest_version"] is None else f"{s['newest_version']} ({s['newest_commit_id']})",
                   "-" if s["rows"] is None else s["rows"]) for s in data["stores"]])
+    changed = {(entry["from_version"], "; ".join(entry["changes"])) for s in data["stores"]
+               for entry in s.get("schema_history", ())}
+    for from_version, changes in sorted(changed):
+        click.echo(f"schema changed from version {from_version}: {changes}")
     for s in data["stores"]:
         for error in s["errors"]:
             click.echo(f"{s['location']}: {error}")

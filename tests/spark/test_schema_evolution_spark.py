@@ -238,3 +238,51 @@ def test_an_aggregate_added_to_a_windowed_aggregate_is_refused_naming_it(spark, 
     assert "aggregate added to a built-in" in str(e.value)
     after = file_times(root)
     assert {p: t for p, t in after.items() if "_lock" not in p} == {p: t for p, t in before.items() if "_lock" not in p}
+
+
+def test_a_processor_state_variable_retyped_between_runs_carries_on(spark, tmp_path):
+    """A StatefulProcessor's ValueState is a store of its own: its value widened (sum int32 ->
+    int64) with a field added (rows, declared default 0 under the variable's store name) at a
+    restart; a variable added at the same time starts empty."""
+    from pyspark_glue import StatefulProcessor
+
+    key = np.dtype([("user", "<i8")])
+
+    class Sums(StatefulProcessor):
+        key_columns, key_schema, time_mode = ["user"], key, "none"
+        value = np.dtype([("sum", "<i4")])
+
+        def init(self, state):
+            self.total = state.value("total", self.value)
+            if "rows" in self.value.names:
+                self.seen = state.value("seen", [("first_amount", "<i8")])
+
+        def handle_input(self, groups, timers):
+            amounts = groups.column("amount")
+            old, found = self.total.get(groups.keys)
+            new = np.zeros(len(groups), self.total.dtype)
+            new["sum"] = np.where(found, old["sum"], 0) + np.add.reduceat(amounts, groups.starts)
+            if "rows" in self.value.names:
+                new["rows"] = np.where(found, old["rows"], 0) + groups.sizes
+                _, had = self.seen.get(groups.keys)
+                first = np.zeros(int((~had).sum()), self.seen.dtype)
+                first["first_amount"] = amounts[groups.starts][~had]
+                self.seen.put(groups.keys[~had], first)
+            self.total.put(groups.keys, new)
+
+    class SumsWithRows(Sums):
+        value = np.dtype([("rows", "<i8"), ("sum", "<i8")])
+        schema_changes = {"total": SchemaChanges(defaults={"rows": 0})}
+
+    root = str(tmp_path / "state")
+    before, after = [events(61, 300)], [events(62, 300)]
+    run(spark, root, Sums(), before, 0)
+    run(spark, root, SumsWithRows(), after, 1)
+    expected = {}
+    for i, (user, _, amount) in enumerate(rows_of(before + after)):
+        rows, total = expected.get(user, (0, 0))
+        expected[user] = (rows + (i >= before[0].num_rows), total + amount)
+    got = read_state(spark, root, 0, store_name="total").collect()
+    assert {r["user"]: (r["rows"], r["sum"]) for r in got} == expected
+    seen = read_state(spark, root, 0, store_name="seen").collect()
+    assert {r["user"] for r in seen} == {user for user, _, _ in rows_of(after)}
