@@ -347,8 +347,10 @@ class StatefulOperator:
         changed schemas, replace what was recorded."""
         if ours is None:
             return
-        if self._recorded is not None:
-            self._recorded = operator_files.replace_metadata(self.operator_dir, ours, self.conf.storage_options)
+        if self._recorded is not None:  # what else was recorded (a repartition's switch) stays
+            changed = {part: ours[part] for part in ("key_schema", "value_schema", "key_columns")}
+            self._recorded = operator_files.replace_metadata(self.operator_dir, {**self._recorded, **changed},
+                                                             self.conf.storage_options)
         else:
             self._recorded = operator_files.check_metadata(self.operator_dir, ours, self.conf.storage_options)
 
@@ -533,9 +535,9 @@ class StatefulOperator:
         batch_id += self.batch_id_offset
         moved = operator_files.repartitioned(self._recorded)
         if moved is not None and batch_id <= moved["batch_id"]:
-            raise ValueError(f"operator {self.operator_id} was repartitioned to {self.num_partitions} partitions "
+            raise ValueError(f"operator {self.operator_id} was {operator_files.moved_how(moved, self._recorded)} "
                              f"after batch {moved['batch_id']}: batch {batch_id} cannot run again (its state was "
-                             f"not kept at the new partitioning)")
+                             f"not kept)")
         query_id, query_run_id, query_session = query_runs.streaming_query(df, self._own_run_id)
         if self._known_records is None:
             self._known_records = operator_files.KnownRecords(self.commit_log())

@@ -12,7 +12,7 @@ from statecore.schema import RowSchema, as_schema
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
-           "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
+           "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "moved_how", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
            "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
            "WRITER_REPARTITION", "WRITER_REWRITE", "WRITERS"]
@@ -252,6 +252,15 @@ def repartitioned(metadata):
     """The metadata's last repartition (see :data:`REPARTITION_KEY`), or None."""
     moved = (metadata or {}).get(REPARTITION_KEY)
     return moved if isinstance(moved, dict) else None
+
+
+def moved_how(moved, metadata):
+    """What the switch ``moved`` (:func:`repartitioned`) did, in words for errors: "rewritten
+    by `statecore rewrite`" or "repartitioned from N to M partitions"."""
+    if "rewrite" in moved:  # statecore.repartition.REWRITE_KEY: a rewrite runs repartition's protocol
+        return "rewritten by `statecore rewrite`"
+    return (f"repartitioned from {moved.get('from_partitions')} to {(metadata or {}).get('num_partitions')} "
+            f"partitions")
 
 
 def read_commit_record(records, batch_id, metadata=None):

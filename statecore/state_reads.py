@@ -94,8 +94,9 @@ def recorded_attempts(checkpoint_root, operator_id, store_name, version, storage
         metadata = None  # partition_ids logged it
     moved = operator_files.repartitioned(metadata)
     if moved is not None and version is not None and version < moved["version"]:
-        raise ValueError(f"operator {operator_id} under {checkpoint_root} was repartitioned at version "
-                         f"{moved['version']}: version {version} was not kept at the new partitioning")
+        raise ValueError(f"operator {operator_id} under {checkpoint_root} was "
+                         f"{operator_files.moved_how(moved, metadata)} at version {moved['version']}: version "
+                         f"{version} was not kept")
     if version is None:
         newest = records.latest()
         if newest is None:
@@ -209,10 +210,9 @@ def plan_changes(checkpoint_root, operator_id, store_name="default", start_versi
     first = 1 if moved is None else moved["version"] + 1
     if start_version is not None and start_version < first:
         raise ValueError(
-            f"operator {operator_id} under {checkpoint_root} was repartitioned from {moved.get('from_partitions')} to "
-            f"{metadata.get('num_partitions')} partitions after batch {moved['batch_id']}: its change feed can start "
-            f"at batch {moved['batch_id'] + 1} (start_version {first}) at the earliest, not at batch "
-            f"{start_version - 1} (the changes before were of the old partitioning)")
+            f"operator {operator_id} under {checkpoint_root} was {operator_files.moved_how(moved, metadata)} after "
+            f"batch {moved['batch_id']}: its change feed can start at batch {moved['batch_id'] + 1} (start_version "
+            f"{first}) at the earliest, not at batch {start_version - 1} (the changes before were not kept)")
     plan = plan_read(checkpoint_root, operator_id, store_name, end_version, commit_ids, conf)
     if start_version is not None:
         if start_version > plan.version:

@@ -286,3 +286,27 @@ def test_a_processor_state_variable_retyped_between_runs_carries_on(spark, tmp_p
     assert {r["user"]: (r["rows"], r["sum"]) for r in got} == expected
     seen = read_state(spark, root, 0, store_name="seen").collect()
     assert {r["user"] for r in seen} == {user for user, _, _ in rows_of(after)}
+
+
+def test_a_schema_change_after_a_repartition_keeps_its_record(spark, tmp_path):
+    """_operator.json replaced after the first batch under new schemas keeps what else it
+    recorded: here the repartition's switch (a batch at or before it still may not run again,
+    and the record of its batch is still the switch's)."""
+    import json
+
+    from statecore.operator_files import REPARTITION_KEY, read_commit_record, commit_log
+    from statecore.repartition import repartition
+
+    root = str(tmp_path / "state")
+    run(spark, root, Totals(KEY_V1, VALUE_V1, {"count": "count", "sum": "sum"}), [events(71, 200)], 0)
+    repartition(root, 0, 3)
+    wide = np.dtype([("count", "<i8"), ("sum", "<i8")])
+    run(spark, root, Totals(KEY_V1, wide, {"count": "count", "sum": "sum"}), [events(72, 200)], 1)
+    with open(os.path.join(root, "0", "_operator.json")) as f:
+        metadata = json.load(f)
+    assert REPARTITION_KEY in metadata and metadata["value_schema"] == [["count", "<i8"], ["sum", "<i8"]]
+    assert read_commit_record(commit_log(os.path.join(root, "0")), 0, metadata) is not None
+    op = StatefulOperator(root, 0, 3, fn=Totals(KEY_V1, wide, {"count": "count", "sum": "sum"}), coordinator=False)
+    with pytest.raises(ValueError, match="repartitioned from 3 to 3 partitions after batch 0: batch 0 cannot run"):
+        op.process(spark.createDataFrame(events(73, 10).to_pandas(), INPUT_DDL), 0, read_output=False)
+    op.close()
