@@ -25,7 +25,10 @@ from statecore import operator_files, operator_lock
 from statecore.checkpoint import CheckpointFiles
 from statecore.checkpoint_scan import NotACheckpointError, scan_checkpoint
 from statecore.rpc import CALL_ERRORS
+from statecore.files import open_store_files
+from statecore.ids import StateStoreId
 from statecore.schema_evolution import SchemaChanges, SchemaEvolutionError, plan_state
+from statecore.schema_file import plan_change, read_schema_history
 
 from pyspark_glue import query_runs, spark_internals
 from pyspark_glue.clocks import WallClock, as_millis
@@ -312,6 +315,7 @@ class StatefulOperator:
             operator_files.compare_metadata(ours, recorded, self.operator_dir, self.conf.storage_options,
                                             schemas=False, renames=declared.renames)
             self._recorded = recorded
+            self._check_other_stores_change()
             if self._plan_schema_change(ours, recorded):
                 return ours
         elif ours["key_column_types"] != self._recorded["key_column_types"]:
@@ -340,6 +344,23 @@ class StatefulOperator:
         log.info("operator %s: the state's schemas change with batch this run starts at: %s", self.operator_id,
                  "; ".join(plan.describe()))
         return True
+
+    def _check_other_stores_change(self):
+        """The stores ``fn.state_stores`` declares (a processor's state variables) whose schemas
+        changed, each planned from partition 0's schema history before any job runs: a change
+        the rules refuse is a SchemaEvolutionError naming the store, nothing written. Each
+        task's provider plans it again (and converts); a store without a history yet is new."""
+        for name, (key, value) in self._settings.extra_stores(self.store_name).items():
+            location = StateStoreId(self.checkpoint_location, self.operator_id, 0, name).store_checkpoint_location()
+            history = read_schema_history(open_store_files(location, self.conf.storage_options))
+            if history is None:
+                continue
+            try:
+                plan_change(history, key, value, self.conf.schema_changes_of(name))
+            except SchemaEvolutionError as e:
+                raise SchemaEvolutionError(e.kind, e.old, e.new, e.problems, also=e.also,
+                                           where=f"operator {self.operator_id}, store {name!r} at {location}") \
+                    from None
 
     def _record_metadata(self, ours):
         """Record ``ours`` (from :meth:`_check_metadata`) after the first successful batch, or

@@ -31,8 +31,7 @@ from statecore.lineage import ROOT_COMMIT_ID, Chain, check_names_agree, file_nam
 from statecore.maintenance import MaintenanceRecord
 from statecore.metrics import FILE_PROVIDER_CUSTOM_METRICS, StateStoreMetrics
 from statecore.schema import key_value_schemas
-from statecore.schema_evolution import SchemaChanges, plan_state
-from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, SchemaHistory,
+from statecore.schema_file import (MAX_SCHEMA_FILE_BYTES, SCHEMA_FILE, SchemaEntry, SchemaHistory, plan_change,
                                    read_schema_history, read_store_schemas, record_schemas, schema_file_bytes)
 from statecore.snapshot_files import read_header as read_snapshot_file_header
 from statecore.stores import FileReadStore, FileStore, View
@@ -91,19 +90,17 @@ class FileStateStoreProvider(StateStoreProvider):
         """Whether the store records this provider's schemas as its newest (nothing to record
         at the first commit). When its newest differ, the change is planned now, before
         anything is written (SchemaEvolutionError if the rules refuse it), with the store's
-        declared :class:`SchemaChanges` (``conf.schema_changes``), and added to the history
+        declared :class:`~statecore.schema_evolution.SchemaChanges` (``conf.schema_changes``), and added to the history
         held; the first commit records it (``docs/evolution.md``). A store without a schema
         file is held as a history of these schemas alone."""
         history = self._history
         if history is None:
             self._history = SchemaHistory([SchemaEntry(self._key_schema, self._value_schema, 0)])
             return False
-        newest = history.newest
-        if newest.key == self._key_schema and newest.value == self._value_schema:
+        plan = plan_change(history, self._key_schema, self._value_schema,
+                           self._conf.schema_changes_of(self._store_id.store_name))
+        if plan is None:
             return True
-        changes = self._conf.schema_changes_of(self._store_id.store_name) or SchemaChanges()
-        plan = plan_state(newest.key, newest.value, self._key_schema, self._value_schema,
-                          renames=changes.renames, defaults=changes.defaults)
         declared = plan.declared()
         log.info("the schemas of %s change: %s", self, "; ".join(plan.describe()))
         self._history = history.with_entry(SchemaEntry(

@@ -14,7 +14,7 @@ from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFi
 from statecore.schema import RowSchema, as_schema
 from statecore.schema_evolution import plan_state
 
-__all__ = ["SCHEMA_FILE", "MAX_SCHEMA_FILE_BYTES", "SchemaEntry", "SchemaHistory", "schema_file_bytes",
+__all__ = ["SCHEMA_FILE", "MAX_SCHEMA_FILE_BYTES", "SchemaEntry", "SchemaHistory", "plan_change", "schema_file_bytes",
            "read_store_schemas", "read_schema_history", "check_schema_file", "write_schema_file",
            "record_schemas"]
 
@@ -135,6 +135,19 @@ class SchemaHistory:
 
     def describe(self):
         return {"format": FORMAT, "schemas": [e.describe() for e in self.entries]}
+
+
+def plan_change(history, key_schema, value_schema, changes=None):
+    """The :class:`~statecore.schema_evolution.StatePlan` from ``history``'s newest schemas to
+    ``key_schema`` and ``value_schema`` (RowSchemas) with the declared ``changes``
+    (a SchemaChanges, or None), or None when they are the newest already.
+    SchemaEvolutionError if the rules refuse the change."""
+    newest = history.newest
+    if newest.key == key_schema and newest.value == value_schema:
+        return None
+    return plan_state(newest.key, newest.value, key_schema, value_schema,
+                      renames=None if changes is None else changes.renames,
+                      defaults=None if changes is None else changes.defaults)
 
 
 def schema_file_bytes(key_schema, value_schema):

@@ -310,3 +310,37 @@ def test_a_schema_change_after_a_repartition_keeps_its_record(spark, tmp_path):
     with pytest.raises(ValueError, match="repartitioned from 3 to 3 partitions after batch 0: batch 0 cannot run"):
         op.process(spark.createDataFrame(events(73, 10).to_pandas(), INPUT_DDL), 0, read_output=False)
     op.close()
+
+
+def test_a_refused_change_of_a_processor_variable_fails_on_the_driver_writing_nothing(spark, tmp_path):
+    """A state variable's value narrowed (int64 -> int32): refused before the job, naming the
+    variable's store, with no file written (its stores are not the operator's own, whose
+    schemas _operator.json records: the driver reads partition 0's schema history)."""
+    from pyspark_glue import StatefulProcessor
+
+    class Counter(StatefulProcessor):
+        key_columns, key_schema, time_mode = ["user"], np.dtype([("user", "<i8")]), "none"
+        value = np.dtype([("n", "<i8")])
+
+        def init(self, state):
+            self.counts = state.value("counts", self.value)
+
+        def handle_input(self, groups, timers):
+            old, found = self.counts.get(groups.keys)
+            new = np.zeros(len(groups), self.counts.dtype)
+            new["n"] = np.where(found, old["n"], 0) + groups.sizes
+            self.counts.put(groups.keys, new)
+
+    class Narrowed(Counter):
+        value = np.dtype([("n", "<i4")])
+
+    root = str(tmp_path / "state")
+    run(spark, root, Counter(), [events(81, 100)], 0)
+    before = file_times(root)
+    op = StatefulOperator(root, 0, 3, fn=Narrowed(), coordinator=False)
+    with pytest.raises(SchemaEvolutionError) as e:
+        op.process(spark.createDataFrame(events(82, 100).to_pandas(), INPUT_DDL), 1, read_output=False)
+    op.close()
+    assert "store 'counts'" in str(e.value) and "value field 'n'" in str(e.value)
+    after = file_times(root)
+    assert {p: t for p, t in after.items() if "_lock" not in p} == {p: t for p, t in before.items() if "_lock" not in p}
