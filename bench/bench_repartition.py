@@ -84,6 +84,35 @@ def move_bytes(files, out_dir):
             os.fsync(f.fileno())
 
 
+def against_anchor(work, keys, seed, repeat, command, title, name, run):
+    """A checkpoint of ``keys`` keys made under ``work``, then ``run(copy)`` (a command over a
+    fresh copy of it: ``name`` in the table) timed beside the anchor (its files read, lz4 round
+    trip, as many bytes written); the table printed with the ratio of the medians. Returns
+    ``(table, bytes of the state's files, ratio)``."""
+    source = os.path.join(work, "source")
+    make_checkpoint(source, keys, seed)
+    files = state_files(source)
+    file_bytes = sum(os.path.getsize(f) for f in files)
+    print(f"# {keys:,} keys of 24-byte rows = {keys * 24 / 1e6:.1f} MB raw, {file_bytes / 1e6:.1f} MB in "
+          f"{len(files)} files")
+    copy = os.path.join(work, "copy")
+    anchor_out = os.path.join(work, "anchor")
+
+    def fresh():
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.rmtree(anchor_out, ignore_errors=True)
+        shutil.copytree(source, copy)
+
+    table = Table(title, keys, unit="keys")
+    table.add("anchor: read files + lz4 round trip + write as many bytes",
+              measure(lambda: move_bytes(state_files(copy), anchor_out), repeat, fresh))
+    table.add(name, measure(lambda: run(copy), repeat, fresh))
+    table.print()
+    anchor, ours = (np.median(t) for _, t in table.rows)
+    print(f"\n{command} / anchor: {ours / anchor:.2f}x (target: within 2x)")
+    return table, file_bytes, ours / anchor
+
+
 def main():
     p = arg_parser(__doc__.splitlines()[0], rows=10_000_000, repeat=3)
     p.add_argument("--keys", type=int, default=None, help="keys in the state (default: --rows)")
@@ -92,29 +121,10 @@ def main():
     header = print_header(f"statecore repartition {FROM} -> {TO} partitions")
     work = tempfile.mkdtemp(prefix="bench-repartition-")
     try:
-        source = os.path.join(work, "source")
-        make_checkpoint(source, keys, args.seed)
-        files = state_files(source)
-        file_bytes = sum(os.path.getsize(f) for f in files)
-        print(f"# {keys:,} keys of 24-byte rows = {keys * 24 / 1e6:.1f} MB raw, {file_bytes / 1e6:.1f} MB in "
-              f"{len(files)} files")
-        copy = os.path.join(work, "copy")
-        anchor_out = os.path.join(work, "anchor")
-
-        def fresh():
-            shutil.rmtree(copy, ignore_errors=True)
-            shutil.rmtree(anchor_out, ignore_errors=True)
-            shutil.copytree(source, copy)
-
-        table = Table(f"repartition {keys:,} keys {FROM} -> {TO}", keys, unit="keys")
-        table.add("anchor: read files + lz4 round trip + write as many bytes",
-                  measure(lambda: move_bytes(state_files(copy), anchor_out), args.repeat, fresh))
-        table.add("statecore.repartition.repartition (local)",
-                  measure(lambda: repartition(copy, 0, TO), args.repeat, fresh))
-        table.print()
-        anchor, ours = (np.median(t) for _, t in table.rows)
-        print(f"\nrepartition / anchor: {ours / anchor:.2f}x (target: within 2x)")
-
+        table, file_bytes, ratio = against_anchor(work, keys, args.seed, args.repeat, "repartition",
+                                                  f"repartition {keys:,} keys {FROM} -> {TO}",
+                                                  "statecore.repartition.repartition (local)",
+                                                  lambda copy: repartition(copy, 0, TO))
         route = np.random.default_rng(args.seed).integers(-(1 << 62), 1 << 62, keys)
         routing = Table(f"route {keys:,} int64 keys to {TO} partitions", keys, unit="keys")
         routing.add("numpy keys % n (no hash)", measure(lambda: np.mod(route, TO), args.repeat * 3))
@@ -123,7 +133,7 @@ def main():
         routing.print()
         if args.json:
             write_json(args.json, header, [table, routing], {"keys": keys, "file_bytes": file_bytes,
-                                                             "ratio_to_anchor": ours / anchor})
+                                                             "ratio_to_anchor": ratio})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -13,14 +13,11 @@ decompresses its bytes and writes as many bytes to new files, fsynced):
 
 Each timed run starts from a fresh copy of the checkpoint (copied untimed).
 """
-import os
 import shutil
 import tempfile
 
-import numpy as np
-
-from bench._common import Table, arg_parser, measure, print_header, write_json
-from bench.bench_repartition import make_checkpoint, move_bytes, state_files
+from bench._common import arg_parser, print_header, write_json
+from bench.bench_repartition import against_anchor
 from statecore.rewrite import rewrite
 
 
@@ -39,31 +36,11 @@ def main():
     header = print_header("statecore rewrite, a value-changing transform")
     work = tempfile.mkdtemp(prefix="bench-rewrite-")
     try:
-        source = os.path.join(work, "source")
-        make_checkpoint(source, keys, args.seed)
-        files = state_files(source)
-        file_bytes = sum(os.path.getsize(f) for f in files)
-        print(f"# {keys:,} keys of 24-byte rows = {keys * 24 / 1e6:.1f} MB raw, {file_bytes / 1e6:.1f} MB in "
-              f"{len(files)} files")
-        copy = os.path.join(work, "copy")
-        anchor_out = os.path.join(work, "anchor")
-
-        def fresh():
-            shutil.rmtree(copy, ignore_errors=True)
-            shutil.rmtree(anchor_out, ignore_errors=True)
-            shutil.copytree(source, copy)
-
-        table = Table(f"rewrite {keys:,} keys", keys, unit="keys")
-        table.add("anchor: read files + lz4 round trip + write as many bytes",
-                  measure(lambda: move_bytes(state_files(copy), anchor_out), args.repeat, fresh))
-        table.add("statecore.rewrite.rewrite (local, sum + 1)",
-                  measure(lambda: rewrite(copy, 0, add_one_to_sum), args.repeat, fresh))
-        table.print()
-        anchor, ours = (np.median(t) for _, t in table.rows)
-        print(f"\nrewrite / anchor: {ours / anchor:.2f}x (target: within 2x)")
+        table, file_bytes, ratio = against_anchor(work, keys, args.seed, args.repeat, "rewrite",
+                                                  f"rewrite {keys:,} keys", "statecore.rewrite.rewrite (local, sum + 1)",
+                                                  lambda copy: rewrite(copy, 0, add_one_to_sum))
         if args.json:
-            write_json(args.json, header, [table], {"keys": keys, "file_bytes": file_bytes,
-                                                    "ratio_to_anchor": ours / anchor})
+            write_json(args.json, header, [table], {"keys": keys, "file_bytes": file_bytes, "ratio_to_anchor": ratio})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
