@@ -36,9 +36,9 @@ def main():
     header = print_header("statecore rewrite, a value-changing transform")
     work = tempfile.mkdtemp(prefix="bench-rewrite-")
     try:
-        table, file_bytes, ratio = against_anchor(work, keys, args.seed, args.repeat, "rewrite",
-                                                  f"rewrite {keys:,} keys", "statecore.rewrite.rewrite (local, sum + 1)",
-                                                  lambda copy: rewrite(copy, 0, add_one_to_sum))
+        table, file_bytes, ratio = against_anchor(
+            work, keys, args.seed, args.repeat, "rewrite", f"rewrite {keys:,} keys",
+            "statecore.rewrite.rewrite (local, sum + 1)", lambda copy: rewrite(copy, 0, add_one_to_sum))
         if args.json:
             write_json(args.json, header, [table], {"keys": keys, "file_bytes": file_bytes, "ratio_to_anchor": ratio})
     finally:

@@ -12,7 +12,8 @@ from statecore.schema import RowSchema, as_schema
 
 __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORMAT", "RECORD_FORMAT",
            "operator_dir", "output_dir", "delete_outputs_before", "read_metadata", "metadata_problems",
-           "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "moved_how", "commit_log", "KnownRecords", "commit_record", "read_commit_record",
+           "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "moved_how", "commit_log",
+           "KnownRecords", "commit_record", "read_commit_record",
            "checked_record",
            "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
            "WRITER_REPARTITION", "WRITER_REWRITE", "WRITERS"]

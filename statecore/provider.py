@@ -90,9 +90,9 @@ class FileStateStoreProvider(StateStoreProvider):
         """Whether the store records this provider's schemas as its newest (nothing to record
         at the first commit). When its newest differ, the change is planned now, before
         anything is written (SchemaEvolutionError if the rules refuse it), with the store's
-        declared :class:`~statecore.schema_evolution.SchemaChanges` (``conf.schema_changes``), and added to the history
-        held; the first commit records it (``docs/evolution.md``). A store without a schema
-        file is held as a history of these schemas alone."""
+        declared :class:`~statecore.schema_evolution.SchemaChanges` (``conf.schema_changes``),
+        and added to the history held; the first commit records it (``docs/evolution.md``). A
+        store without a schema file is held as a history of these schemas alone."""
         history = self._history
         if history is None:
             self._history = SchemaHistory([SchemaEntry(self._key_schema, self._value_schema, 0)])

@@ -76,8 +76,8 @@ def _store(ref, records):
     listing = files.list_versions()
     out = {"operator_id": ref.operator_id, "partition_id": ref.partition_id, "store_name": ref.store_name,
            "location": ref.location, "key_schema": None, "value_schema": None, "schema_history": [], "versions": [],
-           "files": 0, "bytes": 0, "newest_version": None, "newest_commit_id": None, "newest_snapshot": None, "rows": None,
-           "errors": []}
+           "files": 0, "bytes": 0, "newest_version": None, "newest_commit_id": None, "newest_snapshot": None,
+           "rows": None, "errors": []}
     try:
         history = read_schema_history(files)
     except (StateCorruptionError, UnsafeFileError) as e:

@@ -282,8 +282,8 @@ def test_verify_inspect_and_dump_read_a_store_whose_schemas_changed(tmp_path):
     result = run("inspect", tmp_path / "0" / "0", "--json")
     assert result.exit_code == 0, result.output
     changes = json.loads(result.output)["stores"][0]["schema_history"]
-    assert [(c["from_version"], c["value_schema"]) for c in changes] == [(4, [list(f) for f in
-                                                                              open_new(tmp_path).value_schema.describe()])]
+    new_value = [list(f) for f in open_new(tmp_path).value_schema.describe()]
+    assert [(c["from_version"], c["value_schema"]) for c in changes] == [(4, new_value)]
     assert "value field 'count' renamed to 'n', widened int32 -> int64" in changes[0]["changes"]
     assert "schema changed from version 4: " in run("inspect", tmp_path / "0" / "0").output
     out = tmp_path / "dump.csv"
