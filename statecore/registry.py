@@ -26,6 +26,7 @@ import time
 from statecore.conf import StateStoreConf
 from statecore.coordinator import parse_executor_location, same_executor
 from statecore.errors import IllegalStateError
+from statecore.schema import key_value_schemas
 from statecore.contracts import create_and_init_provider
 
 __all__ = ["get", "get_read_only", "unload", "is_loaded", "is_maintenance_running", "set_coordinator",
@@ -75,10 +76,28 @@ def _request_maintenance():
         thread.wakeup.set()
 
 
+def _serves(provider, key_schema, value_schema):
+    """Whether a loaded ``provider`` holds rows of these schemas (a provider class without
+    schema attributes is taken to)."""
+    have = (getattr(provider, "key_schema", None), getattr(provider, "value_schema", None))
+    if None in have:
+        return True
+    if have[0].dtype == key_schema and have[1].dtype == value_schema:  # the usual case, without new RowSchemas
+        return True
+    return have == key_value_schemas(key_schema, value_schema)
+
+
 def _provider_for(provider_id, key_schema, value_schema, version, conf, key_index_ordinal):
     if not isinstance(version, int) or version < 0:
         raise ValueError(f"Version cannot be less than 0, got {version}")  # before anything loads
     conf = conf or StateStoreConf()
+    with _lock:
+        loaded = _providers.get(provider_id)
+    if loaded is not None and not _serves(loaded, key_schema, value_schema):
+        # the same store asked for with other schemas (a changed query in this process): its
+        # provider is opened again, planning the change (docs/evolution.md)
+        log.info("%s is asked for with other schemas: opening it again", loaded)
+        unload(provider_id)
     with _lock:
         _start_maintenance_if_needed(conf)
         provider = _providers.get(provider_id)

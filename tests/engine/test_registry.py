@@ -219,3 +219,18 @@ def test_a_commit_asking_for_a_spill_wakes_the_thread_to_spill_only(tmp_path, mo
     assert registry.maintenance_passes() == passes
     assert not any(name.endswith(".snapshot") for name in version_names(str(tmp_path / "0" / "0")))
     assert registry.get_read_only(p, KEY, VALUE, 1, conf).get(5) == (0,)
+
+
+def test_the_same_store_asked_for_with_other_schemas_is_opened_again_and_evolves(tmp_path):
+    """A query changed and run again in this process under the same run id: the provider
+    loaded with the old schemas is not handed out for the new ones (its rows are of another
+    layout); a new one plans the change and reads the old state converted."""
+    conf = StateStoreConf(maintenance_interval_s=3600)
+    p = pid(tmp_path)
+    assert commit(p, 0, conf, key=7) == 1
+    wider = np.dtype([("v", "<i8"), ("seen", "<i4")])
+    store = registry.get(p, KEY, wider, 1, conf)
+    assert store.get(7) == (0, 0)
+    store.put(8, (1, 1))
+    assert store.commit() == 2
+    assert registry.get_read_only(p, KEY, wider, 2, conf).get(8) == (1, 1)
