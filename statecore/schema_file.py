@@ -15,8 +15,7 @@ from statecore.schema import RowSchema, as_schema
 from statecore.schema_evolution import plan_state
 
 __all__ = ["SCHEMA_FILE", "MAX_SCHEMA_FILE_BYTES", "SchemaEntry", "SchemaHistory", "plan_change", "schema_file_bytes",
-           "read_store_schemas", "read_schema_history", "check_schema_file", "write_schema_file",
-           "record_schemas"]
+           "read_store_schemas", "read_schema_history", "record_schemas"]
 
 SCHEMA_FILE = "_statecore.schema.json"  # not a version file: ignored by listings
 MAX_SCHEMA_FILE_BYTES = 1 << 20
@@ -187,30 +186,6 @@ def read_store_schemas(files):
     schema file is unreadable."""
     history = read_schema_history(files)
     return None if history is None else (history.newest.key, history.newest.value)
-
-
-def check_schema_file(files, key_schema, value_schema, where):
-    """Whether the store directory ``files`` (``where`` names it) records its schemas yet;
-    SchemaMismatchError if its newest are not ``key_schema`` and ``value_schema``."""
-    stored = read_store_schemas(files)
-    if stored is None:
-        return False
-    for part, recorded, given in (("key", stored[0], key_schema), ("value", stored[1], value_schema)):
-        if recorded != given:
-            raise SchemaMismatchError(
-                f"the {part} schema {given.describe()} differs from the one the store at "
-                f"{where} was written with: {recorded.describe()}")
-    return True
-
-
-def write_schema_file(files, key_schema, value_schema, where):
-    """Record the schemas in the store directory ``files`` unless another writer did first (then
-    check them against its record, as :func:`check_schema_file`)."""
-    payload = schema_file_bytes(key_schema, value_schema)
-    try:
-        files.write_atomic(SCHEMA_FILE, lambda f: f.write(payload), overwrite=False)
-    except FileExistsError:
-        check_schema_file(files, key_schema, value_schema, where)
 
 
 def record_schemas(files, entry, where):
