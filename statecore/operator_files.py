@@ -15,7 +15,7 @@ __all__ = ["OPERATOR_METADATA_FILE", "OUTPUT_DIR", "COMMITS_DIR", "METADATA_FORM
            "check_metadata", "compare_metadata", "schema_change", "replace_metadata", "moved_how", "commit_log",
            "KnownRecords", "commit_record", "read_commit_record",
            "checked_record",
-           "store_ids", "REPARTITION_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
+           "store_ids", "REPARTITION_KEY", "REWRITE_KEY", "repartitioned", "WRITER_OPERATOR", "WRITER_IMPORT_SPARK",
            "WRITER_REPARTITION", "WRITER_REWRITE", "WRITERS"]
 
 OPERATOR_METADATA_FILE = "_operator.json"  # in <checkpoint>/<operator_id>/
@@ -25,6 +25,9 @@ METADATA_FORMAT = "statecore-operator-1"
 # In _operator.json after `statecore repartition`: {"batch_id", "version", "from_partitions",
 # "record" (the record of batch_id at the new partitioning), "journal"} (docs/operating.md).
 REPARTITION_KEY = "repartition"
+# In the repartition block of a rewrite (statecore.rewrite runs repartition's protocol):
+# {"key_schema", "value_schema"} of its default store.
+REWRITE_KEY = "rewrite"
 RECORD_FORMAT = "statecore-operator-commit-1"
 
 
@@ -258,7 +261,7 @@ def repartitioned(metadata):
 def moved_how(moved, metadata):
     """What the switch ``moved`` (:func:`repartitioned`) did, in words for errors: "rewritten
     by `statecore rewrite`" or "repartitioned from N to M partitions"."""
-    if "rewrite" in moved:  # statecore.repartition.REWRITE_KEY: a rewrite runs repartition's protocol
+    if REWRITE_KEY in moved:
         return "rewritten by `statecore rewrite`"
     return (f"repartitioned from {moved.get('from_partitions')} to {(metadata or {}).get('num_partitions')} "
             f"partitions")

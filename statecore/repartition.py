@@ -57,8 +57,7 @@ log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "_repartition"  # <checkpoint>/<operator>/_repartition/<token>.json
 JOURNAL_FORMAT = "statecore-repartition-1"
-# In the repartition block of a rewrite: {"key_schema", "value_schema"} of its default store.
-REWRITE_KEY = "rewrite"
+REWRITE_KEY = operator_files.REWRITE_KEY  # re-exported: the repartition block's entry of a rewrite
 ROWS_PER_READ = 1 << 20
 # The most partitions an operator may have, old or new: every partition is a directory per store
 # and a commit id in every batch record, and each new one a random id made before anything is
