@@ -36,6 +36,7 @@ import numpy as np
 from statecore import files as files_module
 from statecore import operator_files, operator_lock
 from statecore._rowtable import RowTable
+from statecore._versions import take_rows
 from statecore.checkpoint import MAX_PARTITIONS, CheckpointFiles
 from statecore.conf import StateStoreConf
 from statecore.contracts import create_and_init_provider
@@ -336,7 +337,7 @@ def read_sources(plan, targets=None, on_source=None, transform=None):
                 # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
                 order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64),
                                    kind="stable")
-                rows = _rows_of(keys, values)[order]
+                rows = take_rows(_rows_of(keys, values), order)
                 bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
                 for q in targets:
                     if bounds[q + 1] > bounds[q]:

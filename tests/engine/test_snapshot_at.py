@@ -139,3 +139,30 @@ def test_a_schema_file_of_other_schemas_is_refused_before_the_snapshot(tmp_path)
     with pytest.raises(StateCorruptionError, match="_statecore.schema.json.*other schemas"):
         seed(tmp_path, 4)
     assert not [n for n in os.listdir(location) if n.endswith(".snapshot")]
+
+
+@pytest.mark.parametrize("compression", ["lz4", "none"])
+def test_a_snapshot_damaged_on_its_way_to_disk_is_caught_by_the_check_after_writing(tmp_path, monkeypatch,
+                                                                                     compression):
+    """The check after writing reads the file back (every checksum: the packed blocks, or the
+    image's blocks): a byte changed between the writer and the disk raises, naming the file."""
+    import statecore.snapshot_at as snapshot_at
+
+    written = snapshot_at.write_snapshot_file
+
+    def write_then_damage(files, name, *args, **kwargs):
+        size = written(files, name, *args, **kwargs)
+        path = files.path(name)
+        with open(path, "r+b") as f:  # a byte in the middle of the rows
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0x40]))
+        return size
+
+    monkeypatch.setattr(snapshot_at, "write_snapshot_file", write_then_damage)
+    key, value = key_value_schemas(KEY, VALUE)
+    keys, values = rows(50_000)
+    chunk = np.concatenate([key.rows(keys), value.rows(values)], axis=1)
+    with pytest.raises(StateCorruptionError, match=file_name(3, b"\1" * 8, "snapshot")):
+        snapshot_at.write_snapshot_at(files_of(tmp_path), 3, b"\1" * 8, key, value, [chunk], len(chunk), compression)
