@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 MODULES = ["_hash", "_rowtable", "_snapshot", "_snapshot_format", "_snapshot_writer", "_snapshot_reader",
            "_snapshot_pack", "_snapshot_image", "_mapping", "_delta", "_delta_format", "_rowcodec", "_rowcalls",
            "_keyfilter", "_image_walk", "_versions", "_lock", "_grouping", "_spark_hash",
-           "_float_keys"]
+           "_float_keys", "_row_convert", "_converted_image"]
 
 # Warnings that Cython's generated code raises on its own; silenced by name so that
 # -Werror still catches ours.

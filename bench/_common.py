@@ -72,6 +72,18 @@ def measure(fn, repeat, setup=None):
     return times
 
 
+def measure_alternated(fns, repeat):
+    """``measure`` of each of ``fns`` in turn, round by round (one call of each per round), so
+    that a drift of the machine's load falls on all of them alike: a list of times per fn."""
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return times
+
+
 class Table:
     """Rows of (name, times) for one operation over ``n`` items; prints best/median/stdev."""
 

@@ -14,9 +14,11 @@ give the same bytes.
 The first batch after a restart: a store of ``--rows`` keys (a snapshot, then three versions
 of 10% upserts) is opened by a fresh provider at its newest version, a batch of 10% upserts
 put and committed. The anchor asks for the schemas the store was written with; the others
-for a changed value schema (the version's rows converted once, as it loads) and a widened
-key (every row re-keyed). Each runs on its own copy of the store.
+for a changed value schema (the snapshot read in place, each value converted as it is read)
+and a widened key (every row re-keyed as it loads). Each runs on its own copy of the store;
+the three run in turn, round by round.
 """
+import functools
 import logging
 import os
 import shutil
@@ -24,7 +26,7 @@ import tempfile
 
 import numpy as np
 
-from bench._common import Table, arg_parser, measure, print_header, write_json
+from bench._common import Table, arg_parser, measure, measure_alternated, print_header, write_json
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.schema import RowSchema
 from statecore.schema_evolution import convert, plan
@@ -111,30 +113,35 @@ def _written_store(root, n):
 
 
 def first_batch_table(n, repeat):
-    """A query's first batch after a restart, with and without its state's schemas changed."""
+    """A query's first batch after a restart, with and without its state's schemas changed,
+    the three run in turn round by round."""
     table = Table(f"first batch after a restart: {n:,} keys, {n // 10:,} upserts", n // 10)
     logging.getLogger("statecore").setLevel(logging.ERROR)  # each run commits version 5 again: warned of
+    cases = (("the schemas it was written with (anchor)", STORE_KEY, STORE_VALUE),
+             ("a changed value schema: the snapshot read in place, its values converted as read", STORE_KEY,
+              STORE_VALUE_NEW),
+             ("a widened key: every row re-keyed as it loads", STORE_KEY_NEW, STORE_VALUE))
     with tempfile.TemporaryDirectory(prefix="bench-evolution-") as tmp:
         source = os.path.join(tmp, "source")
         _written_store(source, n)
-        for name, key, value in (("the schemas it was written with (anchor)", STORE_KEY, STORE_VALUE),
-                                 ("a changed value schema: the version converted as it loads", STORE_KEY,
-                                  STORE_VALUE_NEW),
-                                 ("a widened key: every row re-keyed as it loads", STORE_KEY_NEW, STORE_VALUE)):
-            root = os.path.join(tmp, f"copy-{len(table.rows)}")
+        runs = []
+        for i, (_, key, value) in enumerate(cases):
+            root = os.path.join(tmp, f"copy-{i}")
             shutil.copytree(source, root)
-            batch = _upserts(n, n // 10, 99, key, value)
-
-            def first_batch():
-                p = _provider(root, key, value)
-                store = p.get_store(4)
-                store.put_batch(*batch)
-                store.commit()
-                p.close()
-
-            table.add(name, measure(first_batch, repeat))
-            _check_first_batch(root, key, value, batch, n)
+            runs.append(functools.partial(_first_batch, root, key, value, _upserts(n, n // 10, 99, key, value)))
+        for (name, key, value), run, times in zip(cases, runs, measure_alternated(runs, repeat)):
+            table.add(name, times)
+            _check_first_batch(run.args[0], key, value, run.args[3], n)
     return table
+
+
+def _first_batch(root, key, value, batch):
+    """A fresh provider of the store at ``root`` opens its newest version, puts ``batch``, commits."""
+    p = _provider(root, key, value)
+    store = p.get_store(4)
+    store.put_batch(*batch)
+    store.commit()
+    p.close()
 
 
 def _check_first_batch(root, key, value, batch, n):

@@ -6,6 +6,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from statecore._rowtable cimport RowTable, table_may_hold
+from statecore._converted_image cimport ConvertedImage
 from statecore._snapshot_reader cimport SnapshotReader
 
 
@@ -83,11 +84,14 @@ cdef class FrozenView:
 cdef class Sources:
     cdef readonly tuple layers        # non-empty Layers, newest first
     cdef readonly tuple levels        # Spills standing on something, newest first
-    cdef readonly SnapshotReader bottom
+    cdef readonly object bottom       # the bottom image: a SnapshotReader or a ConvertedImage, or None
+    cdef SnapshotReader bottom_image  # the bottom, when it is a SnapshotReader
+    cdef ConvertedImage bottom_converted  # the bottom, when it is a ConvertedImage
     cdef list tables                  # the layers' RowTables: puts, dels, puts, dels, ...
     cdef list images                  # the levels' images: puts, dels (or None), ...
 
     cdef int find(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1
+    cdef int find_in_images(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1
 
 
 cdef Sources state_sources(State state, int64_t version)

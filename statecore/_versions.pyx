@@ -64,6 +64,8 @@ import numpy as np
 from statecore._hash cimport slot_tag
 from statecore._image_walk cimport images_lookup
 from statecore._rowtable cimport RowTable
+from statecore._converted_image cimport ConvertedImage
+from statecore._hash cimport key_hash
 from statecore._snapshot_reader cimport SnapshotReader
 
 __all__ = ["Layer", "State", "Sources", "FrozenView", "Spill", "sources_of", "base_lookup", "base_sources",
@@ -245,8 +247,8 @@ cdef class Spill:
 
     def __init__(self, SnapshotReader puts not None, SnapshotReader dels, lower, int64_t version, bytes commit_id,
                  int64_t num_keys):
-        if not (lower is None or type(lower) is SnapshotReader or type(lower) is Spill):
-            raise TypeError(f"a Spill stands on a SnapshotReader, a Spill or nothing, not {type(lower).__name__}")
+        if not (lower is None or _is_snapshot(lower) or type(lower) is Spill):
+            raise TypeError(f"a Spill stands on a snapshot, a Spill or nothing, not {type(lower).__name__}")
         self.puts = puts
         self.dels = dels
         self.lower = lower
@@ -309,8 +311,13 @@ cdef class FrozenView:
         return f"FrozenView(version={self.version})"
 
 
+cdef inline bint _is_snapshot(base):
+    """A mapped snapshot: a SnapshotReader, or a ConvertedImage (one of an older value schema)."""
+    return type(base) is SnapshotReader or type(base) is ConvertedImage
+
+
 cdef inline bint _is_base(base):
-    return base is None or type(base) is SnapshotReader or type(base) is Spill or type(base) is FrozenView
+    return base is None or _is_snapshot(base) or type(base) is Spill or type(base) is FrozenView
 
 
 @cython.final
@@ -373,7 +380,7 @@ cdef class State:
 
     cdef int _set_base(self, base) except -1:
         if not _is_base(base):
-            raise TypeError(f"a State stands on a SnapshotReader, a Spill, a FrozenView or nothing, "
+            raise TypeError(f"a State stands on a snapshot, a Spill, a FrozenView or nothing, "
                             f"not {type(base).__name__}")
         self._count_base_change()
         self._base = base
@@ -665,6 +672,10 @@ cdef class Sources:
         self.layers = tuple(layers)
         self.levels = tuple(levels)
         self.bottom = bottom
+        if type(bottom) is ConvertedImage:
+            self.bottom_converted = bottom
+        elif bottom is not None:
+            self.bottom_image = <SnapshotReader?>bottom
         self.tables = []
         for layer in self.layers:  # an undo layer kept as arrays gets its tables here, once
             self.tables.append((<Layer?>layer).puts_table())
@@ -686,22 +697,29 @@ cdef class Sources:
         cdef uint32_t tag = slot_tag(h)
         cdef Py_ssize_t i, n = len(self.tables)
         cdef RowTable puts
-        cdef list tables = self.tables, images = self.images
+        cdef list tables = self.tables
         for i in range(0, n, 2):
             puts = <RowTable>tables[i]
             if table_find_value(puts, key, tag, value_out if puts.value_width else NULL):
                 return 1
             if table_find_value(<RowTable>tables[i + 1], key, tag, NULL):
                 return 0
-        n = len(images)
-        for i in range(0, n, 2):
+        return self.find_in_images(key, h, value_out)
+
+    cdef int find_in_images(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
+        """``find`` below the tables: the levels' images, then the bottom image."""
+        cdef Py_ssize_t i
+        cdef list images = self.images
+        for i in range(0, len(images), 2):
             if (<SnapshotReader>images[i]).find_into(key, h, value_out):
                 return 1
             dels = images[i + 1]
             if dels is not None and (<SnapshotReader>dels).find_into(key, h, NULL):
                 return 0
-        if self.bottom is not None:
-            return self.bottom.find_into(key, h, value_out)
+        if self.bottom_image is not None:
+            return self.bottom_image.find_into(key, h, value_out)
+        if self.bottom_converted is not None:
+            return self.bottom_converted.find_into(key, h, value_out)
         return 0
 
     def lookup(self, key_rows, Py_ssize_t vw, extra_layers=()):
@@ -745,11 +763,23 @@ cdef class Sources:
         n = key_rows.shape[0]
         values = np.empty((n, vw), dtype=np.uint8)  # every row written: zeros where not found
         found = np.empty(n, dtype=np.uint8)
-        if self.levels:
-            images_lookup(self.images, self.bottom, key_rows, values, found)
-        else:
+        if not self.levels:
             self.bottom.get_rows(key_rows, values, found)
+        elif self.bottom_converted is None:
+            images_lookup(self.images, self.bottom_image, key_rows, values, found)
+        else:  # levels over a converted snapshot (until maintenance snapshots the change): the per-row rule
+            self._each_in_images(key_rows, values, found)
         return values, found.view(np.bool_)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _each_in_images(self, const uint8_t[:, ::1] key_rows, uint8_t[:, ::1] values, uint8_t[::1] found):
+        cdef Py_ssize_t i, n = key_rows.shape[0], kw = key_rows.shape[1], vw = values.shape[1]
+        for i in range(n):
+            found[i] = self.find_in_images(&key_rows[i, 0], key_hash(&key_rows[i, 0], <size_t>kw),
+                                           &values[i, 0] if vw else NULL)
+            if not found[i] and vw:
+                values[i, :] = 0
 
     def rows(self, chunk_rows=CHUNK_ROWS, extra_layers=()):
         """Yield ``(n, row_width)`` uint8 chunks of every row, each key once: each table's
@@ -875,8 +905,8 @@ def base_count(base):
     """Keys in the version ``base`` holds (0: no base)."""
     if base is None:
         return 0
-    if type(base) is SnapshotReader:
-        return (<SnapshotReader>base).row_count
+    if _is_snapshot(base):
+        return base.row_count
     if type(base) is Spill:
         return (<Spill>base).num_keys
     return (<FrozenView?>base).num_keys
@@ -886,7 +916,7 @@ def bottom_snapshot(base):
     """The mapped snapshot at the bottom of ``base`` (a SnapshotReader, or a Spill over
     one), or None (nothing under the levels, or another kind of base)."""
     node = spill_chain(base)[1]
-    return node if type(node) is SnapshotReader else None
+    return node if _is_snapshot(node) else None
 
 
 def snapshot_version(base):
@@ -894,7 +924,7 @@ def snapshot_version(base):
     while type(base) is FrozenView:
         base = (<FrozenView>base).state._base
     node = spill_chain(base)[1]
-    return (<SnapshotReader>node).store_version if type(node) is SnapshotReader else 0
+    return node.store_version if _is_snapshot(node) else 0
 
 
 def filter_bytes(base):
@@ -902,7 +932,7 @@ def filter_bytes(base):
     under it, or anything else: 0)."""
     if type(base) is Spill:
         return filter_bytes((<Spill>base).puts) + filter_bytes((<Spill>base).dels) + filter_bytes((<Spill>base).lower)
-    if type(base) is SnapshotReader:
+    if _is_snapshot(base):
         keys = base.key_filter
         return keys.nbytes if keys is not None else 0
     return 0
@@ -964,9 +994,12 @@ def describe_base(base):
     """What ``base`` is, as a dict (for ``State.describe``)."""
     if base is None:
         return {"kind": "none"}
-    if type(base) is SnapshotReader:
-        return {"kind": "snapshot", "version": base.store_version, "rows": base.row_count,
-                "filter": base.key_filter is not None}
+    if _is_snapshot(base):
+        described = {"kind": "snapshot", "version": base.store_version, "rows": base.row_count,
+                     "filter": base.key_filter is not None}
+        if type(base) is ConvertedImage:  # read in the State's value schema, converted as it is read
+            described["converted_from"] = (<ConvertedImage>base).image.value_schema.describe()
+        return described
     if type(base) is FrozenView:
         return {"kind": "frozen", "version": (<FrozenView>base).version,
                 "state": (<FrozenView>base).state.describe()}

@@ -7,7 +7,9 @@ import logging
 
 import numpy as np
 
+from statecore._converted_image import ConvertedImage
 from statecore._delta import BLOCK_PUTS, DeltaReader
+from statecore._row_convert import RowConverter
 from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
 from statecore._versions import Spill, State, take_rows
@@ -113,8 +115,9 @@ def _published_state(p, version, commit_id, delta):
 
 
 def _open_snapshot(p, f, commit_id):
-    """A State over snapshot ``f``, in the provider's schemas: a snapshot written under older
-    ones (it records its own) is converted whole, once (``docs/evolution.md``)."""
+    """A State over snapshot ``f``, in the provider's schemas. A snapshot written under older
+    ones (it records its own) is read in place through a ConvertedImage when one plan leads
+    from them and keeps the keys' bytes, else converted whole, once (``docs/evolution.md``)."""
     path = p.files.path(f.name)
     reader = open_snapshot(p.files, f.name)
     try:
@@ -129,6 +132,11 @@ def _open_snapshot(p, f, commit_id):
         raise
     if not plans:
         return State(p.key_schema, p.value_schema, reader, f.version, commit_id, reader.row_count, p.held.changes)
+    if len(plans) == 1 and not plans[0].rekeys:  # its keys as they are: read in place, values converted
+        image = ConvertedImage(reader, RowConverter(plans[0].value), p.key_schema, p.value_schema)
+        log.info("version %d of %s read from its snapshot of value schema %s, each value converted as it is read",
+                 f.version, p, reader.value_schema.describe())
+        return State(p.key_schema, p.value_schema, image, f.version, commit_id, reader.row_count, p.held.changes)
     state = State(reader.key_schema, reader.value_schema, reader, f.version, commit_id, reader.row_count,
                   p.held.changes)
     return _converted_state(p, state, plans)

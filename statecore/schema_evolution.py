@@ -3,14 +3,15 @@
 :func:`plan` compares the schema a store was written with (``old``) to the one a query now
 asks for (``new``) and either returns an :class:`EvolutionPlan` (where each new field comes
 from) or raises one :class:`SchemaEvolutionError` listing every field that breaks a rule.
-:func:`convert` turns old rows into new rows by that plan, a field at a time over whole
-columns. The rules and why (exact widenings only; a key keeps its identity) are in
+:func:`convert` turns old rows into new rows by that plan (compiled into byte moves,
+``_row_convert``). The rules and why (exact widenings only; a key keeps its identity) are in
 docs/evolution.md. This module decides and converts; it reads and writes no file.
 """
 import dataclasses
 
 import numpy as np
 
+from statecore._row_convert import RowConverter
 from statecore.errors import SchemaMismatchError
 from statecore.schema import RowSchema, as_schema
 
@@ -177,20 +178,14 @@ def plan(old, new, *, renames=None, defaults=None, key=False):
 
 def convert(plan, rows):
     """``(n, plan.old.width)`` uint8 rows as ``(n, plan.new.width)`` rows of ``plan.new``:
-    each field copied as a whole column (cast where widened, NUL-padded where bytes widen),
-    added fields filled with their default. Rows whose bytes the plan keeps come back as
-    they are; key rows come back normalized as ``RowSchema(key=True)`` rows are."""
+    each field moved (widened where the plan widens it, NUL-padded where bytes widen), added
+    fields set to their default, by the plan's :class:`~statecore._row_convert.RowConverter`.
+    Rows whose bytes the plan keeps come back as they are; key rows come back normalized as
+    ``RowSchema(key=True)`` rows are."""
     rows = _checked_rows(plan.old, rows)
-    if not plan.changes_bytes:
-        return plan.new.rows(plan.new.from_rows(rows))
-    src = plan.old.from_rows(rows)
-    out = np.zeros(rows.shape[0], dtype=plan.new.dtype)
-    for f in plan.fields:
-        if f.added:
-            out[f.name] = f.default
-        else:
-            np.copyto(out[f.name], src[f.source], casting="safe")
-    return plan.new.rows(out)
+    if plan.changes_bytes:
+        rows = RowConverter(plan).convert_rows(rows)
+    return plan.new.rows(plan.new.from_rows(rows))
 
 
 @dataclasses.dataclass(frozen=True)
