@@ -37,8 +37,9 @@ A version's *sources* are flattened once into a :class:`Sources`, newest first:
   that version, and so on down;
 - *levels*: the Spills at the bottom of that chain that stand on something (each two mapped
   images: the rows it puts, the keys it removes);
-- the *bottom image*: the mapped snapshot under them, or a whole spill's image (every row
-  of its version), or nothing.
+- the *bottom image*: the mapped snapshot under them (a SnapshotReader, or a ConvertedImage:
+  a snapshot of an older value schema whose values are converted as they are read), or a
+  whole spill's image (every row of its version), or nothing.
 
 Tables always come before images: a Spill never stands over a table. The rule is: **the
 first source that decides a key wins** (a put gives its value; a removal, absence); a key no
