@@ -2,7 +2,7 @@
 against its plain numpy anchor, the same structured-array field copies written by hand; and a
 query's first batch after its state's schemas changed against the same batch without a change.
 
-    python -m bench.bench_evolution [--rows 1000000] [--repeat 7] [--json PATH]
+    python -m bench.bench_evolution [--rows 1000000] [--repeat 7] [--rekey-keys N] [--json PATH]
 
 Two changes, each over ``--rows`` rows: a value schema widened (int32 -> int64, float32 ->
 float64, S8 -> S16), reordered, a field dropped and one added with a default; and a key
@@ -17,6 +17,11 @@ put and committed. The anchor asks for the schemas the store was written with; t
 for a changed value schema (the snapshot read in place, each value converted as it is read)
 and a widened key (every row re-keyed as it loads). Each runs on its own copy of the store;
 the three run in turn, round by round.
+
+An eager re-key (``--rekey-keys``, default ``--rows``): a store of one snapshot opened with its
+key widened (every row re-keyed as it loads), a batch committed and maintenance's snapshot of
+it written, against bench_repartition's anchor over the store's files (read, lz4 round trip,
+write as many bytes, fsynced). Each run starts from a fresh copy.
 """
 import functools
 import logging
@@ -27,6 +32,7 @@ import tempfile
 import numpy as np
 
 from bench._common import Table, arg_parser, measure, measure_alternated, print_header, write_json
+from bench.bench_repartition import move_bytes
 from statecore import StateStoreConf, StateStoreId, create_and_init_provider
 from statecore.schema import RowSchema
 from statecore.schema_evolution import convert, plan
@@ -157,13 +163,63 @@ def _check_first_batch(root, key, value, batch, n):
         p.close()
 
 
+def rekey_table(n, repeat):
+    """A key widened over a store of ``n`` keys (one snapshot): the first load re-keys every row,
+    a batch commits, and maintenance writes the snapshot under the new schemas; against reading,
+    lz4 round-tripping and writing the store's files' bytes (bench_repartition's anchor)."""
+    table = Table(f"an eager re-key: {n:,} keys, int32 -> int64, to its new snapshot", n, unit="keys")
+    logging.getLogger("statecore").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="bench-evolution-rekey-") as tmp:
+        source, copy, anchor_out = (os.path.join(tmp, name) for name in ("source", "copy", "anchor"))
+        p = create_and_init_provider(StateStoreId(source, 0, 0), STORE_KEY, STORE_VALUE,
+                                     StateStoreConf(min_deltas_for_snapshot=0))
+        keys, values = np.zeros(n, STORE_KEY), np.zeros(n, STORE_VALUE)
+        keys["user"] = np.arange(n)
+        values["count"], values["name"] = 1, b"first"
+        store = p.get_store(0)
+        store.put_batch(keys, values)
+        store.commit()
+        p.do_maintenance()
+        p.close()
+        files = [os.path.join(source, "0", "0", name) for name in os.listdir(os.path.join(source, "0", "0"))
+                 if name.endswith((".snapshot", ".delta"))]
+
+        def fresh():
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.rmtree(anchor_out, ignore_errors=True)
+            shutil.copytree(source, copy)
+
+        def rekey():
+            q = _provider(copy, STORE_KEY_NEW, STORE_VALUE)
+            q.get_store(1).commit()  # version 2: the first under the new schemas
+            q.do_maintenance()  # its snapshot, the change made durable whole
+            q.close()
+
+        table.add("anchor: read files + lz4 round trip + write as many bytes",
+                  measure(lambda: move_bytes(files, anchor_out), repeat, fresh))
+        table.add("load re-keying every row, commit, maintenance's snapshot", measure(rekey, repeat, fresh))
+        q = _provider(copy, STORE_KEY_NEW, STORE_VALUE)  # the last run's state: every key, re-keyed
+        store = q.get_read_store(2)
+        try:
+            values, found = store.get_batch(keys.astype(STORE_KEY_NEW))
+            assert found.all() and (values["count"] == 1).all()
+            assert "converted_from" not in str(q.describe())  # loaded from the new snapshot
+        finally:
+            store.abort()
+            q.close()
+    return table
+
+
 def main(argv=None):
-    args = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rekey-keys", type=int, default=None, help="keys of the re-key table (default: --rows)")
+    args = parser.parse_args(argv)
     header = print_header(f"schema evolution: {args.rows:,} rows converted")
     rng = np.random.default_rng(args.seed)
     tables = [conversion_table("value schema", VALUE_OLD, VALUE_NEW, {"n": 1}, args.rows, args.repeat, rng),
               conversion_table("key schema (a re-key)", KEY_OLD, KEY_NEW, {}, args.rows, args.repeat, rng, key=True),
-              first_batch_table(args.rows, args.repeat)]
+              first_batch_table(args.rows, args.repeat),
+              rekey_table(args.rekey_keys or args.rows, args.repeat)]
     for table in tables:
         table.print()
     if args.json:

@@ -17,6 +17,7 @@ from statecore.errors import SchemaMismatchError, StateCorruptionError, VersionN
 from statecore.lineage import ROOT_COMMIT_ID, VersionFile, check_names_agree, file_name
 from statecore.schema_evolution import convert
 from statecore.snapshot_files import open_snapshot
+from statecore.spill import spill_file_maker, spill_rows
 
 __all__ = ["load", "deltas_to_roll_forward", "roll_newest_forward", "read_checked_delta", "checked_deltas"]
 
@@ -144,17 +145,18 @@ def _open_snapshot(p, f, commit_id):
 
 def _converted_state(p, state, plans):
     """A State of ``state``'s version in the provider's schemas: every row converted by
-    ``plans`` (:meth:`FileStateStoreProvider.schema_plans`), a chunk at a time, into a new head."""
+    ``plans`` (:meth:`FileStateStoreProvider.schema_plans`), a chunk at a time, into a whole
+    spill (a local image of the version, as maintenance writes one), which the State stands on."""
     version = state.version
     commit_id, count = state.commit_ids[version], state.count(version)
-    converted = State(p.key_schema, p.value_schema, None, version, commit_id, count, p.held.changes)
     key_width = state.key_schema.width
-    for chunk in state.iter_rows(version):
-        converted.replay(True, *_converted_rows(plans, chunk[:, :key_width], chunk[:, key_width:]))
-    converted.advance(version, commit_id, count)
+    chunks = (np.concatenate(_converted_rows(plans, chunk[:, :key_width], chunk[:, key_width:]), axis=1)
+              for chunk in state.iter_rows(version))
+    whole = spill_rows(spill_file_maker(p.files, version), p.key_schema, p.value_schema, version, commit_id, chunks,
+                       count)
     log.info("version %d of %s converted to its schemas from key %s, value %s (%d keys)", version, p,
              state.key_schema.describe(), state.value_schema.describe(), count)
-    return converted
+    return State(p.key_schema, p.value_schema, whole, version, commit_id, count, p.held.changes)
 
 
 def _converted_rows(plans, keys, values):

@@ -19,7 +19,7 @@ from statecore._versions import (Spill, bottom_snapshot, changed_since_bottom, i
 from statecore.errors import SchemaMismatchError, StateCorruptionError, UnsafeFileError, VersionNotFoundError
 from statecore.lineage import check_names_agree, file_name, image_lineage
 from statecore.snapshot_files import check_snapshot, open_snapshot, write_snapshot_file
-from statecore.spill import KEY_FILTER_MAX_ROWS, spill_head, spill_rows
+from statecore.spill import KEY_FILTER_MAX_ROWS, spill_file_maker, spill_head, spill_rows
 
 __all__ = ["run_maintenance", "spill_if_outgrown", "MaintenanceRecord", "TEMPORARY_FILE_MAX_AGE_S"]
 
@@ -124,7 +124,7 @@ def _compact(p, spill):
     ``spill`` stood: its levels are let go (lookups probe one image where they walked
     several, and later spills take it in or stack over it as over a snapshot)."""
     with _rewriting(p, spill) as rows:
-        whole = spill_rows(_spill_file_maker(p, spill.version), p.key_schema, p.value_schema, spill.version,
+        whole = spill_rows(spill_file_maker(p.files, spill.version), p.key_schema, p.value_schema, spill.version,
                            spill.commit_id, rows, spill.num_keys, _publisher(p, spill.version, spill.commit_id))
         if not p.held.replace_base(lambda b: b is spill, whole):
             whole.puts.close()
@@ -149,11 +149,6 @@ def _rewriting(p, spill):
     finally:
         with p.held.lock:
             p.held.snapshot_source = None
-
-
-def _spill_file_maker(p, version):
-    """``new_file()`` for a spill of ``version``: a new local image file, open for writing."""
-    return lambda: p.files.new_image_file(f"spill-{version}")
 
 
 def _publisher(p, version, commit_id):
@@ -184,7 +179,7 @@ def _spill(p, state, written):
     its base's spills, but not ``written``, the spill a snapshot is being written from) and
     make it the base of the State built over the frozen one."""
     version = state.version
-    new_file = _spill_file_maker(p, version)
+    new_file = spill_file_maker(p.files, version)
     commit_id, num_keys = state.commit_ids[version], state.count(version)
     publish = _publisher(p, version, commit_id)
     if stands_on_frozen(state.base):  # no mapped base to tell changes from: every row
@@ -254,8 +249,9 @@ def spill_if_outgrown(p, ratio=None, after_failure_wait=False):
 
 def _spill_newest(p, wanted):
     """The Spill the newest State stands on once spilled, if ``wanted(state)``: its base
-    already when that is a spill and its head is empty; else None. One spill at a time, and
-    never taking in the spill a snapshot is being written from."""
+    already when that is a spill of the State's version (its head empty, no commit since);
+    else None. One spill at a time, and never taking in the spill a snapshot is being written
+    from."""
     held = p.held
     with held.spilling:
         with held.lock:
@@ -263,7 +259,7 @@ def _spill_newest(p, wanted):
             if state is None:
                 return None
             spilled = spilled_base(state.base)
-            if spilled is not None and not len(state.head):
+            if spilled is not None and not len(state.head) and spilled.version == state.version:
                 return spilled
             held.freeze_newest()
             written = held.snapshot_source

@@ -27,7 +27,7 @@ from statecore._snapshot import SnapshotReader, SnapshotWriter
 from statecore._versions import Spill, bottom_snapshot, cursor_chunks, filter_bytes, spill_chain, unshadowed
 from statecore.lineage import image_lineage
 
-__all__ = ["Spill", "bottom_snapshot", "filter_bytes", "spill_head", "spill_rows"]
+__all__ = ["Spill", "bottom_snapshot", "filter_bytes", "spill_file_maker", "spill_head", "spill_rows"]
 
 CHUNK_ROWS = 1 << 16
 # An image of more rows gets no KeyFilter (a whole spill of a large state; levels are
@@ -39,6 +39,12 @@ KEY_FILTER_MAX_ROWS = 1 << 23
 # binary counter) heads of nearly equal sizes stack without end (each a few keys smaller
 # than the level below); at 2 a level is always taken in by two heads of its size.
 TAKE_IN_RATIO = 2
+
+
+def spill_file_maker(files, version):
+    """``new_file()`` for a spill of ``version`` of the store whose StoreFiles are ``files``: a
+    new local image file in its cache directory, open for writing."""
+    return lambda: files.new_image_file(f"spill-{version}")
 
 
 def spill_rows(new_file, key_schema, value_schema, version, commit_id, chunks, num_keys, publish=None):
