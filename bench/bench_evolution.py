@@ -101,9 +101,9 @@ def _provider(root, key, value):
     return create_and_init_provider(StateStoreId(root, 0, 0), key, value, StateStoreConf())
 
 
-def _written_store(root, n, value=STORE_VALUE):
+def _written_store(root, n, value=STORE_VALUE, upsert_versions=3):
     """A store of ``n`` keys under schemas (STORE_KEY, ``value``): version 1 (snapshotted),
-    then 3 of upserts."""
+    then ``upsert_versions`` of 10% upserts."""
     p = create_and_init_provider(StateStoreId(root, 0, 0), STORE_KEY, value,
                                  StateStoreConf(min_deltas_for_snapshot=0))
     keys, values = np.zeros(n, STORE_KEY), np.zeros(n, value)
@@ -113,7 +113,7 @@ def _written_store(root, n, value=STORE_VALUE):
     store.put_batch(keys, values)
     store.commit()
     p.do_maintenance()  # the snapshot of version 1
-    for v in range(1, 4):
+    for v in range(1, 1 + upsert_versions):
         store = p.get_store(v)
         store.put_batch(*_upserts(n, n // 10, v, STORE_KEY, value))
         store.commit()
@@ -177,16 +177,7 @@ def rekey_table(n, repeat):
     logging.getLogger("statecore").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="bench-evolution-rekey-") as tmp:
         source, copy, anchor_out = (os.path.join(tmp, name) for name in ("source", "copy", "anchor"))
-        p = create_and_init_provider(StateStoreId(source, 0, 0), STORE_KEY, STORE_VALUE,
-                                     StateStoreConf(min_deltas_for_snapshot=0))
-        keys, values = np.zeros(n, STORE_KEY), np.zeros(n, STORE_VALUE)
-        keys["user"] = np.arange(n)
-        values["count"], values["name"] = 1, b"first"
-        store = p.get_store(0)
-        store.put_batch(keys, values)
-        store.commit()
-        p.do_maintenance()
-        p.close()
+        _written_store(source, n, upsert_versions=0)
         files = [os.path.join(source, "0", "0", name) for name in os.listdir(os.path.join(source, "0", "0"))
                  if name.endswith((".snapshot", ".delta"))]
 
@@ -207,7 +198,9 @@ def rekey_table(n, repeat):
         q = _provider(copy, STORE_KEY_NEW, STORE_VALUE)  # the last run's state: every key, re-keyed
         store = q.get_read_store(2)
         try:
-            values, found = store.get_batch(keys.astype(STORE_KEY_NEW))
+            keys = np.zeros(n, STORE_KEY_NEW)
+            keys["user"] = np.arange(n)
+            values, found = store.get_batch(keys)
             assert found.all() and (values["count"] == 1).all()
             snapshots = [name for name in os.listdir(os.path.join(copy, "0", "0")) if name.endswith(".snapshot")]
             assert any(name.startswith("2_") for name in snapshots), snapshots  # the change made durable whole
