@@ -25,6 +25,7 @@ finishes first what an interrupted run left switched (:func:`finish_pending`).
 transform applied as the rows are read; its switch also records the new schemas, which
 :func:`finish` adds to each store directory's schema history (``docs/rewrite.md``).
 """
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -60,6 +61,7 @@ JOURNAL_DIR = "_repartition"  # <checkpoint>/<operator>/_repartition/<token>.jso
 JOURNAL_FORMAT = "statecore-repartition-1"
 REWRITE_KEY = operator_files.REWRITE_KEY  # re-exported: the repartition block's entry of a rewrite
 ROWS_PER_READ = 1 << 20
+WRITERS = min(os.cpu_count() or 1, 4)  # new snapshots written at once
 # The most partitions an operator may have, old or new: every partition is a directory per store
 # and a commit id in every batch record, and each new one a random id made before anything is
 # written. A count from --to, _operator.json or a journal is checked against it before it sizes
@@ -437,14 +439,21 @@ class _TableStore:
 
 def write_targets(plan, routed, on_target=None):
     """Write the snapshot of each new partition and store in ``routed`` (from
-    :func:`read_sources`); returns ``{(store, partition): rows}``. ``on_target()`` after each."""
-    written = {}
-    for (name, q), chunks in sorted(routed.items()):
+    :func:`read_sources`), one per core at a time (the writer and its packing release the
+    GIL); returns ``{(store, partition): rows}``. ``on_target()`` after each, on this thread."""
+    def write(target):
+        (name, q), chunks = target
         store = next(s for s in plan.stores if s.name == name)
-        written[(name, q)] = _write_snapshot(plan, store, q, chunks)
+        rows = _write_snapshot(plan, store, q, chunks)
         chunks.clear()  # the rows are on disk: let them go
-        if on_target is not None:
-            on_target()
+        return (name, q), rows
+
+    written = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=WRITERS) as pool:
+        for target, rows in pool.map(write, sorted(routed.items())):
+            written[target] = rows
+            if on_target is not None:
+                on_target()
     return written
 
 
