@@ -46,39 +46,12 @@ cdef class ConvertedImage(RowSource):
         return f"ConvertedImage({self.image!r}, values {self.image.value_schema.describe()} -> " \
                f"{self.value_schema.describe()})"
 
-    # -- what the image answers as it is --------------------------------------------------
-    @property
-    def row_count(self):
-        return self.image.row_count
-
-    @property
-    def key_filter(self):
-        return self.image.key_filter
-
-    @property
-    def closed(self):
-        return self.image.closed
-
+    # -- what the image answers as it is: its keys, the key filter, marks, verify, close ------
     def __len__(self):
         return self.image.row_count
 
-    def __getattr__(self, name):  # the header's fields (store_version, commit_id, ...), the path
+    def __getattr__(self, name):  # row_count, key_filter, mark_rows, verify, close, the header's fields...
         return getattr(self.image, name)
-
-    def build_key_filter(self, Py_ssize_t chunk_rows=1 << 16):
-        return self.image.build_key_filter(chunk_rows)
-
-    def set_key_filter(self, key_filter):
-        self.image.set_key_filter(key_filter)
-
-    def mark_rows(self, keys, mask):
-        return self.image.mark_rows(keys, mask)
-
-    def verify(self, bint index=True):
-        self.image.verify(index)
-
-    def close(self):
-        self.image.close()
 
     # -- values, converted ----------------------------------------------------------------
     cdef int find_into(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1:
@@ -112,13 +85,12 @@ cdef class ConvertedImage(RowSource):
         cdef const uint8_t* src = <const uint8_t*>rows_ptr(old_values)
         cdef uint8_t* dst = <uint8_t*>rows_ptr(values)
         cdef Py_ssize_t ow = self.values.old_width, nw = self.value_width
-        if nw == 0:
+        if n == 0 or nw == 0:
             return
-        with nogil:
+        with nogil:  # every row converted column by column, then the keys not found zeroed
+            self.values.convert_many(src, ow, dst, nw, n)
             for i in range(n):
-                if found[i]:
-                    self.values.convert_row(src + i * ow, dst + i * nw)
-                else:
+                if not found[i]:
                     memset(dst + i * nw, 0, <size_t>nw)
 
     def get_row(self, key):
