@@ -28,6 +28,7 @@ transform applied as the rows are read; its switch also records the new schemas,
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -37,7 +38,7 @@ import numpy as np
 from statecore import files as files_module
 from statecore import operator_files, operator_lock
 from statecore._rowtable import RowTable
-from statecore._versions import take_rows
+from statecore._versions import join_rows
 from statecore.checkpoint import MAX_PARTITIONS, CheckpointFiles
 from statecore.conf import StateStoreConf
 from statecore.contracts import create_and_init_provider
@@ -62,6 +63,7 @@ JOURNAL_FORMAT = "statecore-repartition-1"
 REWRITE_KEY = operator_files.REWRITE_KEY  # re-exported: the repartition block's entry of a rewrite
 ROWS_PER_READ = 1 << 20
 WRITERS = min(os.cpu_count() or 1, 4)  # new snapshots written at once
+READERS = min(os.cpu_count() or 1, 4)  # old partitions read at once
 # The most partitions an operator may have, old or new: every partition is a directory per store
 # and a commit id in every batch record, and each new one a random id made before anything is
 # written. A count from --to, _operator.json or a journal is checked against it before it sizes
@@ -95,11 +97,17 @@ class StorePlan:
 
     @property
     def key_schema(self):
-        return key_value_schemas(self.key_dtype, self.value_dtype)[0]
+        return _schemas_of(self.key_dtype, self.value_dtype)[0]
 
     @property
     def value_schema(self):
-        return key_value_schemas(self.key_dtype, self.value_dtype)[1]
+        return _schemas_of(self.key_dtype, self.value_dtype)[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _schemas_of(key_dtype, value_dtype):
+    """A plan's schemas, built once per pair of dtypes (they are asked for on every batch)."""
+    return key_value_schemas(key_dtype, value_dtype)
 
 
 @dataclasses.dataclass
@@ -304,46 +312,34 @@ def _discard(plan, journal):
 
 # -- 3. the new partitions -------------------------------------------------------------------------
 
-def _rows_of(keys, values):
-    """``(n, key width + value width)`` uint8 rows of a batch the store handed out."""
+def _rows_of(keys, values, order=None):
+    """``(n, key width + value width)`` uint8 rows of a batch the store handed out (structured
+    arrays in their schemas' canonical layout), in ``order`` if given: one pass."""
     n = len(keys)
-    kw, vw = keys.dtype.itemsize, values.dtype.itemsize
-    rows = np.empty((n, kw + vw), dtype=np.uint8)
-    rows[:, :kw] = keys.view(np.uint8).reshape(n, kw)
-    if vw:
-        rows[:, kw:] = values.view(np.uint8).reshape(n, vw)
-    return rows
+    return join_rows(keys.view(np.uint8).reshape(n, keys.dtype.itemsize),
+                     values.view(np.uint8).reshape(n, values.dtype.itemsize) if values.dtype.itemsize
+                     else np.empty((n, 0), dtype=np.uint8), order)
 
 
 def read_sources(plan, targets=None, on_source=None, transform=None):
     """Read every old partition of every store at the plan's version and route its rows:
     ``{(store name, new partition): [row arrays]}`` for the new partitions in ``targets``
-    (default: all). ``on_source()`` is called after each old store is read. ``transform(store,
+    (default: all). Old partitions are read one per core at a time (decoding, hashing and
+    routing release the GIL); their rows are gathered in partition order, and ``on_source()``
+    is called after each old store is read, on this thread, in that order. ``transform(store,
     partition, keys, values)`` (a rewrite's) returns each batch of the keyed stores as it is
-    to be written: structured arrays in their schemas' canonical layout."""
+    to be written: structured arrays in their schemas' canonical layout; it may be called from
+    any reading thread (the rewrite's makes one call at a time)."""
     targets = range(plan.to_partitions) if targets is None else sorted(targets)
     wanted = np.zeros(plan.to_partitions, dtype=bool)
     wanted[list(targets)] = True
     out = {(s.name, q): [] for s in plan.stores for q in targets}
-    for store in plan.stores:
-        if store.role != "keyed":
-            continue
-        for p in range(plan.from_partitions):
-            for keys, values in _version_rows(plan, store, p):
-                if transform is not None:
-                    keys, values = transform(store, p, keys, values)
-                dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
-                keep = wanted[dest]
-                if not keep.all():
-                    keys, values, dest = keys[keep], values[keep], dest[keep]
-                # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
-                order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64),
-                                   kind="stable")
-                rows = take_rows(_rows_of(keys, values), order)
-                bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
-                for q in targets:
-                    if bounds[q + 1] > bounds[q]:
-                        out[(store.name, q)].append(rows[bounds[q]:bounds[q + 1]])
+    keyed = [(store, p) for store in plan.stores if store.role == "keyed" for p in range(plan.from_partitions)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=READERS) as pool:
+        for (store, _), routed in zip(keyed, pool.map(lambda source: _read_partition(plan, *source, wanted,
+                                                                                     transform), keyed)):
+            for q, rows in routed:
+                out[(store.name, q)].append(rows)
             if on_source is not None:
                 on_source()
     for entries in (s for s in plan.stores if s.role == "index_entries"):
@@ -352,6 +348,30 @@ def read_sources(plan, targets=None, on_source=None, transform=None):
             for _ in range(2 * plan.from_partitions):  # both stores of the index
                 on_source()
     return out
+
+
+def _read_partition(plan, store, p, wanted, transform):
+    """The rows of old partition ``p``'s ``store`` routed: ``[(new partition, rows)]`` for
+    the new partitions ``wanted`` marks, in the order read."""
+    routed = []
+    for keys, values in _version_rows(plan, store, p):
+        if transform is not None:
+            keys, values = transform(store, p, keys, values)
+        dest = spark_partition([keys[c] for c in plan.key_columns], plan.key_types, plan.to_partitions)
+        keep = wanted[dest]
+        if not keep.all():
+            keys, values, dest = keys[keep], values[keep], dest[keep]
+        if not len(dest):
+            continue
+        if dest.min() == dest.max():  # one partition (a rewrite in place): no sort
+            routed.append((int(dest[0]), _rows_of(keys, values)))
+            continue
+        # a stable sort of small ints is a radix sort in numpy: linear, no comparisons
+        order = np.argsort(dest.astype(np.uint16 if plan.to_partitions <= 1 << 16 else np.int64), kind="stable")
+        rows = _rows_of(keys, values, order)
+        bounds = np.searchsorted(dest[order], np.arange(plan.to_partitions + 1))
+        routed.extend((q, rows[bounds[q]:bounds[q + 1]]) for q in np.flatnonzero(np.diff(bounds)).tolist())
+    return routed
 
 
 def _route_index(plan, entries, heads, targets, out):

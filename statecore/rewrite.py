@@ -13,6 +13,7 @@ returns, unique keys) is made before anything is written. The contract and the p
 """
 import dataclasses
 import importlib
+import threading
 
 import numpy as np
 
@@ -56,7 +57,8 @@ class _Transformer:
     """The user's function called on every batch of the operator's default store, and what it
     returns checked: two 1-D structured arrays of equal length, the same dtypes for every batch
     (the new schemas, taken from the first), the operator's key columns kept as they were (they
-    route the key). Other stores' batches pass unchanged. Counts each partition's rows in."""
+    route the key). Other stores' batches pass unchanged. Counts each partition's rows in.
+    Partitions are read on several threads; ``fn`` is called once at a time all the same."""
 
     def __init__(self, fn, name, plan):
         self.fn, self.name, self.plan = fn, name, plan
@@ -66,10 +68,15 @@ class _Transformer:
         # Whether some batch came back with other keys than it went in with; while none did,
         # every partition's keys are the store's own, unique, and need no check.
         self.keys_changed = False
+        self._one_call = threading.Lock()
 
     def __call__(self, store, partition, keys, values):
         if store.name != self.default.name:
             return keys, values
+        with self._one_call:  # partitions are read on several threads; the user's fn sees one call at a time
+            return self._call(partition, keys, values)
+
+    def _call(self, partition, keys, values):
         self.rows_in[partition] += len(keys)
         where = f"on a batch of partition {partition}"
         try:

@@ -14,10 +14,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from statecore._lock import ProviderLock
 from statecore._rowcalls import RowCalls
-from statecore._versions import FrozenView, Layer, Spill, State, replace_in_chain
+from statecore._versions import FrozenView, Layer, Spill, State, join_rows, replace_in_chain
 from statecore.schema import key_value_schemas
 from statecore.spill import spill_rows
 from tests.paths import REPO_ROOT
@@ -213,3 +215,35 @@ def test_lock_requirements_are_checked_with_statecore_debug_locks(tmp_path):
                           env=env, timeout=300, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "HeldVersions.retain needs the provider's lock" in done.stdout, done.stdout
+
+
+# -- join_rows: a key row and its value row side by side -----------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.sampled_from([1, 3, 4, 8, 12, 16, 24, 33]), st.sampled_from([0, 1, 4, 8, 16, 24, 40]),
+       st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_join_rows_is_numpys_concatenate_and_take(n, kw, vw, gather, strided, seed):
+    """Every key and value width (the inlined ones and others, a set's empty value), with and
+    without an index (repeats allowed), over contiguous rows and over rows sliced out of a
+    wider array: numpy's concatenate, then take."""
+    rng = np.random.default_rng(seed)
+    wide = rng.integers(0, 256, (n, kw + vw + 5), dtype=np.uint8)
+    keys = wide[:, 2:2 + kw] if strided else np.ascontiguousarray(wide[:, 2:2 + kw])
+    values = wide[:, 2 + kw:2 + kw + vw] if strided else np.ascontiguousarray(wide[:, 2 + kw:2 + kw + vw])
+    index = rng.integers(0, n, 3 * n) if gather and n else None
+    want = np.concatenate([keys, values], axis=1)
+    got = join_rows(keys, values, index)
+    assert got.dtype == np.uint8 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, want if index is None else want[index])
+
+
+def test_join_rows_refuses_an_index_outside_the_rows_and_unequal_counts():
+    keys, values = np.zeros((4, 8), np.uint8), np.zeros((4, 16), np.uint8)
+    with pytest.raises(IndexError, match="row index 4 is outside the 4 rows"):
+        join_rows(keys, values, np.array([0, 4]))
+    with pytest.raises(IndexError, match="row index -1"):
+        join_rows(keys, values, np.array([-1]))
+    with pytest.raises(ValueError, match="4 key rows and 3 value rows"):
+        join_rows(keys, values[:3])
+    with pytest.raises(ValueError, match="contiguous within a row"):
+        join_rows(np.zeros((4, 16), np.uint8)[:, ::2], values)

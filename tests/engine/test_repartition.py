@@ -357,11 +357,12 @@ def test_a_store_not_keyed_by_the_key_columns_is_refused_by_name(tmp_path):
 
 
 
-def test_a_repartition_on_s3_writes_its_snapshots_from_several_threads(s3_env, monkeypatch):
+def test_a_repartition_on_s3_reads_and_writes_from_several_threads(s3_env, monkeypatch):
     """A checkpoint in a bucket (the local S3 server), repartitioned 4 -> 7 with the new
-    snapshots written four at a time: every key routed, every value kept, read back at the
-    record as the operator reads it."""
+    snapshots written four at a time (and the old partitions read four at a time): every key
+    routed, every value kept, read back at the record as the operator reads it."""
     monkeypatch.setattr(engine, "WRITERS", 4)
+    monkeypatch.setattr(engine, "READERS", 4)
     root = s3_env + "/state"
     expected = make_checkpoint(root, partitions=4, batches=2)
     result = cli("repartition", root, "--operator", "0", "--to", "7", "--json")

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -152,6 +153,64 @@ def test_a_python_caller_passes_the_function_itself(tmp_path):
     assert read_state(root, KEY, VALUE) == {0: {}, 1: {}}
     again = rewrite(root, 0, rewrite_support.drop_and_double)
     assert (again["rows_in"], again["rows_out"]) == (0, 0)
+
+
+def test_partitions_read_at_once_still_call_the_transform_one_at_a_time(tmp_path, monkeypatch):
+    """Two old partitions are read on two threads at once (both reach their first batch before
+    either goes on: a barrier, asserted passed), and the transform's first call waits up to two
+    seconds for a second call to enter beside it: none does, the state is the rule applied."""
+    root = str(tmp_path / "state")
+    expected = make_checkpoint(root, partitions=2, batches=2, seed=11)
+    monkeypatch.setattr(protocol, "READERS", 2)
+    both_reading = threading.Barrier(2, timeout=60)
+    read = protocol._version_rows
+
+    def reading_together(plan, store, p):
+        if store.name == "default":
+            both_reading.wait()
+        yield from read(plan, store, p)
+
+    monkeypatch.setattr(protocol, "_version_rows", reading_together)
+    inside, most, second_entered = [0], [0], threading.Event()
+    guard = threading.Lock()
+
+    def transform(keys, values):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            first = most[0] == 1 and not second_entered.is_set()
+            if inside[0] > 1:
+                second_entered.set()
+        if first:
+            second_entered.wait(timeout=2)
+        with guard:
+            inside[0] -= 1
+        return rewrite_support.drop_and_double(keys, values)
+
+    rewrite(root, 0, transform)
+    assert not both_reading.broken and both_reading.n_waiting == 0
+    assert most[0] == 1 and not second_entered.is_set()
+    assert merged_and_routed(read_state(root, KEY, VALUE)) == applied(rewrite_support.drop_and_double_rule,
+                                                                      expected)
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_routed_rows_come_in_partition_order_whatever_the_readers(tmp_path, monkeypatch, readers):
+    """read_sources gives the same chunks in the same order read one partition at a time or
+    three at once (the new snapshots' row order does not depend on the threads)."""
+    root = str(tmp_path / "state")
+    make_checkpoint(root, partitions=4, batches=3, seed=12)
+    monkeypatch.setattr(protocol, "ROWS_PER_READ", 16)  # many batches per partition
+    monkeypatch.setattr(protocol, "READERS", 1)
+    plan = protocol.plan_repartition(root, 0, 3)
+    one = protocol.read_sources(plan)
+    monkeypatch.setattr(protocol, "READERS", readers)
+    many = protocol.read_sources(plan)
+    assert one.keys() == many.keys() and sum(len(c) for c in one.values()) > 3
+    for target, chunks in one.items():
+        assert len(chunks) == len(many[target])
+        for a, b in zip(chunks, many[target]):
+            np.testing.assert_array_equal(a, b)
 
 
 # -- refusals: a clear error, nothing written ------------------------------------------------------
