@@ -17,8 +17,11 @@ cdef class PackWriter:
     cdef readonly uint64_t bytes_out      # packed bytes written
     cdef uint64_t image_size
     cdef bint done
+    cdef object packer            # the packing thread (a one-worker executor), from the first block on
+    cdef object in_flight         # (block, future of its packing) not yet written, oldest first
 
     cdef _emit(self, data)
     cdef _pack_block(self, block)
+    cdef _write_packed(self)
     cdef _take(self, view)
     cdef _close_image(self)

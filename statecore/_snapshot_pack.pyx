@@ -16,6 +16,8 @@ from libc.stdint cimport uint8_t, uint64_t
 
 from statecore._hash cimport xxh64
 
+import collections
+import concurrent.futures
 import os
 
 import lz4.block
@@ -34,6 +36,9 @@ _LZ4BlockError = lz4.block.LZ4BlockError
 # Bytes read from the source at a time while unpacking (several blocks per read on a
 # remote file system).
 _READ_AHEAD = 4 << 20
+# Blocks handed to a PackWriter's packing thread and not yet written: the writer's caller
+# (indexing and checksumming the rows) runs beside lz4 on another core.
+PACK_AHEAD = 16
 
 
 cdef uint64_t _checksum(const uint8_t[::1] data):
@@ -41,6 +46,15 @@ cdef uint64_t _checksum(const uint8_t[::1] data):
     with nogil:
         h = xxh64(&data[0] if data.shape[0] else NULL, <size_t>data.shape[0], 0)
     return h
+
+
+def _packed_block(block):
+    """``(stored bytes, method, checksum)`` of one block: lz4, or the block as it is where
+    lz4 would not shrink it. On the packing thread; lz4 and the checksum release the GIL."""
+    packed = _lz4_compress(block, store_size=False)
+    if len(packed) < len(block):
+        return packed, PACK_STORED_LZ4, _checksum(packed)
+    return block, PACK_STORED_RAW, _checksum(block)
 
 
 @cython.final
@@ -51,7 +65,9 @@ cdef class PackWriter:
     writes it first): the container header and that page go out at once, then every
     ``block_size`` bytes of the image are compressed and written as they complete; the
     image's last byte writes the last block, the block table and the footer. :meth:`finish`
-    checks that the whole image came. The file object is neither flushed nor closed.
+    checks that the whole image came. The file object is neither flushed nor closed. Blocks
+    are compressed on a thread of the writer's own (PACK_AHEAD in flight) while the caller
+    goes on; they are written in order, from the caller's thread.
     """
     def __cinit__(self, fileobj, block_size=DEFAULT_PACK_BLOCK_SIZE):
         if not callable(getattr(fileobj, "write", None)):
@@ -64,6 +80,7 @@ cdef class PackWriter:
         self.pending = bytearray()
         self.table = []
         self.tail = b""
+        self.in_flight = collections.deque()
 
     def writable(self):
         return True
@@ -80,15 +97,21 @@ cdef class PackWriter:
             view = view[done:]
 
     cdef _pack_block(self, block):
-        """Compress one block of image bytes (lz4, or as it is where lz4 would not shrink
-        it) and write it; its entry goes to the table."""
-        packed = _lz4_compress(block, store_size=False)  # releases the GIL
-        if len(packed) < len(block):
-            method = PACK_STORED_LZ4
-        else:
-            packed, method = block, PACK_STORED_RAW
-        self.table.append(pack_entry_bytes(len(packed), method, _checksum(packed)))
-        self.tail = (self.tail + bytes(block[-8:]))[-8:]
+        """Hand one block of image bytes (copied: the caller's buffer is reused) to the
+        packing thread; the oldest of more than PACK_AHEAD blocks in flight is written."""
+        block = bytes(block)
+        if self.packer is None:
+            self.packer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="statecore-pack")
+        self.in_flight.append((block, self.packer.submit(_packed_block, block)))
+        if len(self.in_flight) > PACK_AHEAD:
+            self._write_packed()
+
+    cdef _write_packed(self):
+        """Write the oldest block in flight once packed; its entry goes to the table."""
+        block, done = self.in_flight.popleft()
+        packed, method, checksum = done.result()
+        self.table.append(pack_entry_bytes(len(packed), method, checksum))
+        self.tail = (self.tail + block[-8:])[-8:]
         self._emit(packed)
 
     def write(self, data):
@@ -143,6 +166,11 @@ cdef class PackWriter:
         if len(self.pending):
             self._pack_block(self.pending)
             self.pending = bytearray()
+        while self.in_flight:
+            self._write_packed()
+        if self.packer is not None:
+            self.packer.shutdown()
+            self.packer = None
         if len(self.table) != self.packed.n_blocks:
             raise AssertionError(f"PackWriter made {len(self.table)} blocks, not {self.packed.n_blocks}")
         table = b"".join(self.table)
