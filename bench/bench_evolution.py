@@ -16,12 +16,12 @@ of 10% upserts) is opened by a fresh provider at its newest version, a batch of 
 put and committed. The anchors: the schemas the store was written with, and a store written
 under the new value schema from the start (no evolution, rows as wide); the others ask for a
 changed value schema (the snapshot read in place, each value converted as it is read)
-and a widened key (every row re-keyed as it loads). Each runs on its own copy of the store;
+and a widened key (the snapshot read in place too, each key narrowed back to probe it). Each runs on its own copy of the store;
 the four run in turn, round by round.
 
 An eager re-key (``--rekey-keys``, default ``--rows``): a store of one snapshot opened with its
-key widened (every row re-keyed as it loads), a batch committed and maintenance's snapshot of
-it written, against bench_repartition's anchor over the store's files (read, lz4 round trip,
+key widened (read in place), a batch committed and maintenance's snapshot of it written (every
+row re-keyed), against bench_repartition's anchor over the store's files (read, lz4 round trip,
 write as many bytes, fsynced). Each run starts from a fresh copy.
 """
 import functools
@@ -131,7 +131,8 @@ def first_batch_table(n, repeat):
              ("a store of the new value schema from the start, no evolution", STORE_KEY, STORE_VALUE_NEW, True),
              ("a changed value schema: the snapshot read in place, its values converted as read", STORE_KEY,
               STORE_VALUE_NEW, False),
-             ("a widened key: every row re-keyed as it loads", STORE_KEY_NEW, STORE_VALUE, False))
+             ("a widened key: the snapshot read in place, each key narrowed to probe it", STORE_KEY_NEW, STORE_VALUE,
+              False))
     with tempfile.TemporaryDirectory(prefix="bench-evolution-") as tmp:
         source, native = os.path.join(tmp, "source"), os.path.join(tmp, "native")
         _written_store(source, n)
@@ -170,8 +171,9 @@ def _check_first_batch(root, key, value, batch, n):
 
 
 def rekey_table(n, repeat):
-    """A key widened over a store of ``n`` keys (one snapshot): the first load re-keys every row,
-    a batch commits, and maintenance writes the snapshot under the new schemas; against reading,
+    """A key widened over a store of ``n`` keys (one snapshot): the first load reads it in place,
+    a batch commits, and maintenance writes the snapshot under the new schemas, every row
+    re-keyed; against reading,
     lz4 round-tripping and writing the store's files' bytes (bench_repartition's anchor)."""
     table = Table(f"an eager re-key: {n:,} keys, int32 -> int64, to its new snapshot", n, unit="keys")
     logging.getLogger("statecore").setLevel(logging.ERROR)
@@ -194,7 +196,8 @@ def rekey_table(n, repeat):
 
         table.add("anchor: read files + lz4 round trip + write as many bytes",
                   measure(lambda: move_bytes(files, anchor_out), repeat, fresh))
-        table.add("load re-keying every row, commit, maintenance's snapshot", measure(rekey, repeat, fresh))
+        table.add("load (read in place), commit, maintenance's snapshot re-keying every row",
+                  measure(rekey, repeat, fresh))
         q = _provider(copy, STORE_KEY_NEW, STORE_VALUE)  # the last run's state: every key, re-keyed
         store = q.get_read_store(2)
         try:

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""ConvertedImage: a mapped snapshot of an older value schema read in a newer one (see _converted_image.pyx)."""
+"""ConvertedImage: a mapped snapshot of older schemas read in newer ones (see _converted_image.pyx)."""
 cimport cython
 from libc.stdint cimport uint8_t, uint64_t
 
@@ -12,8 +12,10 @@ from statecore._snapshot_reader cimport SnapshotReader
 cdef class ConvertedImage(RowSource):
     cdef readonly SnapshotReader image    # the snapshot, in the schemas it was written with
     cdef readonly RowConverter values     # its values to the schema read in
+    cdef readonly RowConverter keys       # its keys to the key schema read in (a re-key), or None
 
     cdef int find_into(self, const uint8_t* key, uint64_t h, uint8_t* value_out) except -1
+    cdef int _find_old(self, const uint8_t* old_key, uint64_t h, uint8_t* value_out) except -1
 
 
 @cython.final

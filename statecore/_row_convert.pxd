@@ -20,7 +20,10 @@ cdef class RowConverter:
     cdef Py_ssize_t n_moves
     cdef bytes template               # a new row: each added field's default, zeros elsewhere
     cdef const uint8_t* template_row  # its bytes (alive as long as ``template``)
+    cdef readonly bint invertible     # each new row tells the old row it came from (narrow_many)
 
     cdef void convert_row(self, const uint8_t* src, uint8_t* dst) noexcept nogil
     cdef void convert_many(self, const uint8_t* src, Py_ssize_t src_stride, uint8_t* dst, Py_ssize_t dst_stride,
                            Py_ssize_t n) noexcept nogil
+    cdef void narrow_many(self, const uint8_t* src, Py_ssize_t src_stride, uint8_t* dst, Py_ssize_t dst_stride,
+                          uint8_t* ok, Py_ssize_t n) noexcept nogil

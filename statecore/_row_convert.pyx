@@ -61,6 +61,23 @@ cdef inline uint64_t _unsigned(const uint8_t* p, Py_ssize_t size) noexcept nogil
     return v
 
 
+cdef inline int64_t _signed_n(const uint8_t* p, Py_ssize_t size) noexcept nogil:
+    """The little-endian signed int of ``size`` (1 to 8) bytes at ``p``."""
+    cdef uint64_t u = 0
+    memcpy(&u, p, <size_t>size)
+    if size < 8 and (u >> (8 * size - 1)) & 1:
+        u |= (<uint64_t>-1) << (8 * size)
+    return <int64_t>u
+
+
+cdef inline bint _all_zero(const uint8_t* p, Py_ssize_t size) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(size):
+        if p[i]:
+            return False
+    return True
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef void _move_column(const FieldMove* m, const uint8_t* src, Py_ssize_t ss, uint8_t* dst, Py_ssize_t ds,
@@ -128,6 +145,11 @@ cdef class RowConverter:
             self.moves[i].kind, self.moves[i].src, self.moves[i].dst = kind, src, dst
             self.moves[i].src_size, self.moves[i].dst_size = src_size, dst_size
         self.n_moves = len(moves)
+        # Every old field carried exactly once, copied or sign-extended, nothing added: each new
+        # row that some old row becomes tells that old row back (narrow_many).
+        self.invertible = (not any(f.added for f in plan.fields)
+                           and sum(m[3] for m in moves) == self.old_width
+                           and all(m[0] in (MOVE_COPY, MOVE_SIGNED) for m in moves))
 
     def __dealloc__(self):
         PyMem_Free(self.moves)
@@ -159,6 +181,38 @@ cdef class RowConverter:
         for j in range(self.n_moves):
             _move_column(&self.moves[j], src, src_stride, dst, dst_stride, n)
 
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef void narrow_many(self, const uint8_t* src, Py_ssize_t src_stride, uint8_t* dst, Py_ssize_t dst_stride,
+                          uint8_t* ok, Py_ssize_t n) noexcept nogil:
+        """The inverse, for an ``invertible`` converter: ``n`` new rows as the old rows they
+        come from, ``ok[i]`` 0 where new row i is no old row's conversion (an int out of the
+        old field's range, a bytes field longer than the old one), its old row then
+        meaningless. REQUIRES: ``invertible``."""
+        cdef Py_ssize_t i, j
+        cdef const FieldMove* m
+        cdef const uint8_t* new_field
+        cdef uint8_t* old_field
+        cdef int64_t v, low
+        for i in range(n):
+            ok[i] = 1
+        for j in range(self.n_moves):
+            m = &self.moves[j]
+            for i in range(n):
+                new_field = src + i * src_stride + m.dst
+                old_field = dst + i * dst_stride + m.src
+                memcpy(old_field, new_field, <size_t>m.src_size)  # little-endian: the low bytes
+                if m.src_size == m.dst_size:
+                    continue
+                if m.kind == MOVE_COPY:  # zero-extended: the rest must be zeros
+                    if not _all_zero(new_field + m.src_size, m.dst_size - m.src_size):
+                        ok[i] = 0
+                else:  # sign-extended: the value must be the old bytes' sign extension
+                    v = _signed_n(new_field, m.dst_size)
+                    low = _signed_n(new_field, m.src_size)
+                    if v != low:
+                        ok[i] = 0
+
     def convert_rows(self, const uint8_t[:, ::1] rows not None):
         """``(n, old_width)`` uint8 rows as a new ``(n, new_width)`` uint8 array."""
         if rows.shape[1] != self.old_width:
@@ -188,3 +242,21 @@ def convert_store_rows(RowConverter key not None, RowConverter value not None, c
             key.convert_many(&rows[0, 0], old_width, &dst[0, 0], new_width, n)
             value.convert_many(&rows[0, 0] + key.old_width, old_width, &dst[0, 0] + key.new_width, new_width, n)
     return out
+
+
+def narrow_rows(RowConverter converter not None, const uint8_t[:, ::1] rows not None):
+    """``(old rows, ok)`` of ``(n, new_width)`` rows: :meth:`RowConverter.narrow_many` over an
+    array. ValueError if ``converter`` is not invertible or the rows are of another width."""
+    if not converter.invertible:
+        raise ValueError("this conversion cannot be undone: it drops, adds or converts a field")
+    if rows.shape[1] != converter.new_width:
+        raise ValueError(f"rows are {rows.shape[1]} bytes wide; the new rows are {converter.new_width}")
+    cdef Py_ssize_t n = rows.shape[0]
+    old = np.empty((n, converter.old_width), dtype=np.uint8)
+    ok = np.empty(n, dtype=np.uint8)
+    cdef uint8_t[:, ::1] dst = old
+    cdef uint8_t[::1] flags = ok
+    if n:
+        with nogil:
+            converter.narrow_many(&rows[0, 0], converter.new_width, &dst[0, 0], converter.old_width, &flags[0], n)
+    return old, ok.view(np.bool_)

@@ -1051,8 +1051,10 @@ def describe_base(base):
     if _is_snapshot(base):
         described = {"kind": "snapshot", "version": base.store_version, "rows": base.row_count,
                      "filter": base.key_filter is not None}
-        if type(base) is ConvertedImage:  # read in the State's value schema, converted as it is read
+        if type(base) is ConvertedImage:  # read in the State's schemas, converted as it is read
             described["converted_from"] = (<ConvertedImage>base).image.value_schema.describe()
+            if (<ConvertedImage>base).keys is not None:
+                described["keys_converted_from"] = (<ConvertedImage>base).image.key_schema.describe()
         return described
     if type(base) is FrozenView:
         return {"kind": "frozen", "version": (<FrozenView>base).version,

@@ -118,7 +118,8 @@ def _published_state(p, version, commit_id, delta):
 def _open_snapshot(p, f, commit_id):
     """A State over snapshot ``f``, in the provider's schemas. A snapshot written under older
     ones (it records its own) is read in place through a ConvertedImage when one plan leads
-    from them and keeps the keys' bytes, else converted whole, once (``docs/evolution.md``)."""
+    from them (keeping the keys' bytes, or widening int and bytes key fields), else converted
+    whole, once (``docs/evolution.md``)."""
     path = p.files.path(f.name)
     reader = open_snapshot(p.files, f.name)
     try:
@@ -133,14 +134,31 @@ def _open_snapshot(p, f, commit_id):
         raise
     if not plans:
         return State(p.key_schema, p.value_schema, reader, f.version, commit_id, reader.row_count, p.held.changes)
-    if len(plans) == 1 and not plans[0].rekeys:  # its keys as they are: read in place, values converted
-        image = ConvertedImage(reader, RowConverter(plans[0].value), p.key_schema, p.value_schema)
-        log.info("version %d of %s read from its snapshot of value schema %s, each value converted as it is read",
-                 f.version, p, reader.value_schema.describe())
+    keys = _key_converter(p, plans)
+    if keys is not False:  # read in place, each row converted as it is read
+        image = ConvertedImage(reader, RowConverter(plans[0].value), p.key_schema, p.value_schema, keys=keys)
+        log.info("version %d of %s read from its snapshot of %s, each row converted as it is read", f.version, p,
+                 f"key schema {reader.key_schema.describe()}, value schema {reader.value_schema.describe()}"
+                 if keys is not None else f"value schema {reader.value_schema.describe()}")
         return State(p.key_schema, p.value_schema, image, f.version, commit_id, reader.row_count, p.held.changes)
     state = State(reader.key_schema, reader.value_schema, reader, f.version, commit_id, reader.row_count,
                   p.held.changes)
     return _converted_state(p, state, plans)
+
+
+def _key_converter(p, plans):
+    """How a snapshot that ``plans`` lead from can be read in place: None (its keys as they are),
+    an invertible RowConverter of its keys (a re-key of int and bytes key fields, each new key
+    narrowed back to probe the snapshot), or False (it cannot: two recorded changes, or a key
+    of floats or bools, whose new rows would need normalizing)."""
+    if len(plans) != 1:
+        return False
+    if not plans[0].rekeys:
+        return None
+    if not all(f.kind in "iuS" for _, f in p.key_schema.fields):
+        return False
+    keys = RowConverter(plans[0].key)
+    return keys if keys.invertible else False
 
 
 def _converted_state(p, state, plans):

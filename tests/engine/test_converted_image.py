@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore import StateCorruptionError, StateStoreConf, StateStoreId, create_and_init_provider
-from statecore._row_convert import RowConverter
+from statecore._row_convert import RowConverter, convert_store_rows, narrow_rows
 from statecore.schema import RowSchema
 from statecore.schema_evolution import SchemaChanges, plan
 from tests.store_support import commit_batch, contents, open_provider, snapshot_now, the_file
@@ -71,6 +71,68 @@ def test_row_converter_gives_what_numpy_field_copies_give(case):
     got = RowConverter(evolution).convert_rows(old_rows)
     assert got.shape == (len(rows), evolution.new.width)
     assert got.tobytes() == expected.tobytes()
+
+
+@settings(max_examples=150, deadline=None)
+@given(evolutions(), evolutions())
+def test_store_rows_convert_as_their_keys_and_values_do_apart(key_case, value_case):
+    """convert_store_rows (a re-key's load: key and value side by side in one pass) gives each
+    row its key converted, then its value converted, as RowConverter gives them apart."""
+    key_old, key_new, _, keys = key_case
+    value_old, value_new, defaults, values = value_case
+    n = min(len(keys), len(values))
+    key_plan, value_plan = plan(key_old, key_new), plan(value_old, value_new, defaults=defaults)
+    if key_plan.old.width == 0:  # a store's key has a field
+        return
+    old_keys = key_plan.old.rows(keys[:n]) if n else np.zeros((0, key_plan.old.width), np.uint8)
+    old_values = value_plan.old.rows(values[:n]) if n else np.zeros((0, value_plan.old.width), np.uint8)
+    key, value = RowConverter(key_plan), RowConverter(value_plan)
+    got = convert_store_rows(key, value, np.ascontiguousarray(np.concatenate([old_keys, old_values], axis=1)))
+    want = np.concatenate([key.convert_rows(old_keys), value.convert_rows(old_values)], axis=1)
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="bytes wide; the old rows are"):
+        convert_store_rows(key, value, np.zeros((1, key_plan.old.width + value_plan.old.width + 1), np.uint8))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_key_widening_narrows_back_exactly_where_a_new_key_is_an_old_one(data):
+    """For every widening of int and bytes fields (a key's): narrowing a converted row gives
+    the old row back; and a new row of any bytes narrows (ok) exactly when converting what it
+    narrows to gives it back, which is when some old row becomes it."""
+    kinds = [t for t in sorted(WIDENINGS) if np.dtype(t).kind in "iuS"]
+    old_types = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=4))
+    old = np.dtype([(f"k{i}", t) for i, t in enumerate(old_types)])
+    new = np.dtype([(f"k{i}", data.draw(st.sampled_from([w for w in WIDENINGS[t] if np.dtype(w).kind != "f"])))
+                    for i, t in enumerate(old_types)])
+    evolution = plan(old, new, key=True)
+    converter = RowConverter(evolution)
+    assert converter.invertible
+    n = data.draw(st.integers(0, 30))
+    old_rows = np.frombuffer(data.draw(st.binary(min_size=n * old.itemsize, max_size=n * old.itemsize)),
+                             np.uint8).reshape(n, old.itemsize).copy()
+    for name in old.names:  # bytes NUL-padded, as key rows hold them
+        if old[name].kind == "S":
+            view = evolution.old.from_rows(old_rows)
+            view[name] = [bytes(v).split(b"\0")[0] for v in view[name]]
+    new_rows = converter.convert_rows(old_rows)
+    back, ok = narrow_rows(converter, new_rows)
+    assert ok.all() and back.tobytes() == old_rows.tobytes()
+    anything = np.frombuffer(data.draw(st.binary(min_size=n * new.itemsize, max_size=n * new.itemsize)),
+                             np.uint8).reshape(n, new.itemsize)
+    back, ok = narrow_rows(converter, np.ascontiguousarray(anything))
+    again = converter.convert_rows(back)
+    assert ok.tolist() == [again[i].tobytes() == anything[i].tobytes() for i in range(n)]
+
+
+def test_a_conversion_that_drops_adds_or_makes_floats_cannot_be_undone():
+    for old, new in ((np.dtype([("a", "<i4"), ("b", "<i4")]), np.dtype([("a", "<i4")])),
+                     (np.dtype([("a", "<i4")]), np.dtype([("a", "<i4"), ("b", "<i4")])),
+                     (np.dtype([("a", "<i4")]), np.dtype([("a", "<f8")]))):
+        converter = RowConverter(plan(old, new))
+        assert not converter.invertible
+        with pytest.raises(ValueError, match="cannot be undone"):
+            narrow_rows(converter, np.zeros((1, converter.new_width), np.uint8))
 
 
 def test_negative_ints_widen_with_their_sign_and_to_float_exactly():
@@ -140,7 +202,8 @@ def test_a_value_change_reads_the_snapshot_in_place_by_every_path(tmp_path, capl
     base = base_of(p)
     assert (base["kind"], base["version"], base["rows"]) == ("snapshot", 1, N_KEYS)
     assert base["converted_from"] == RowSchema(OLD).describe()
-    assert any("each value converted as it is read" in r.getMessage() for r in caplog.records)
+    assert any("each row converted as it is read" in r.getMessage() for r in caplog.records)
+    assert "keys_converted_from" not in base
     assert not any("converted to its schemas from" in r.getMessage() for r in caplog.records)  # not whole
     # per row (the compiled row calls), in a batch, whole
     for k in (0, 99, 100, 149, 150, 2999, 3000, -1):
@@ -228,31 +291,136 @@ def test_a_damaged_block_of_the_old_snapshot_raises_when_read_through_the_conver
     p.close()
 
 
-def test_a_widened_key_still_converts_the_snapshot_whole_and_maintenance_makes_it_durable(tmp_path, caplog):
-    """A re-key changes every key's bytes and hash: the snapshot cannot be probed with the
-    new keys, so it is converted whole into a spill of the provider's schemas, once; after an
-    empty batch (no change to the rows) maintenance still snapshots the newest version under
-    the new schemas, and a restart converts nothing."""
-    q = open_provider(tmp_path, np.dtype([("id", "<i4")]), OLD)
+def test_a_snapshot_two_key_changes_old_is_converted_whole_and_maintenance_makes_it_durable(tmp_path, caplog):
+    """A key widened twice (int16 -> int32 at version 2, with no snapshot, then -> int64): the
+    snapshot of version 1 is two recorded changes old, so it is converted whole into a spill
+    of the provider's schemas, once; after an empty batch (no change to the rows) maintenance
+    still snapshots the newest version under the new schemas, and a restart converts nothing."""
+    q = open_provider(tmp_path, np.dtype([("id", "<i2")]), OLD)
     commit_batch(q, 0, [(k, old_value(k)) for k in range(100)])
     snapshot_now(q)
     q.close()
-    expected = {k: old_value(k) for k in range(100)}
+    q = open_provider(tmp_path, np.dtype([("id", "<i4")]), OLD, maintenance_interval_s=3600)
+    commit_batch(q, 1, [(100, old_value(100))])
+    q.close()
+    expected = {k: old_value(k) for k in range(101)}
     p = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), KEY, OLD, StateStoreConf())
     with caplog.at_level(logging.INFO, logger="statecore"):
-        store = p.get_store(1)
+        store = p.get_store(2)
     assert any("converted to its schemas from" in r.getMessage() for r in caplog.records)
     assert "converted_from" not in str(p.describe())
     assert contents(store) == expected
-    assert store.commit() == 2  # nothing changed in it
+    assert store.commit() == 3  # nothing changed in it
     p.do_maintenance()
-    assert os.path.exists(the_file(tmp_path, 2, "snapshot"))
+    assert os.path.exists(the_file(tmp_path, 3, "snapshot"))
     p.close()
     caplog.clear()
     p = create_and_init_provider(StateStoreId(str(tmp_path), 0, 0), KEY, OLD, StateStoreConf())
     with caplog.at_level(logging.INFO, logger="statecore"):
-        store = p.get_read_store(2)
+        store = p.get_read_store(3)
     assert not any("converted" in r.getMessage() for r in caplog.records)
     assert contents(store) == expected
+    store.abort()
+    p.close()
+
+
+# -- a re-key read in place: int and bytes key fields widened --------------------------------------
+OLD_KEY = np.dtype([("id", "<i4"), ("tag", "S4")])
+NEW_KEY = np.dtype([("id", "<i8"), ("tag", "S8")])
+
+
+def rekey_store(root):
+    """Version 1: keys (id, tag) with ids of both signs, snapshotted; version 2: 100 updated,
+    50 removed (a delta). Returns the model in the new schemas: {(id, tag): NEW value}."""
+    p = open_provider(root, OLD_KEY, OLD)
+    keys = [(k - 1500, b"t%d" % (k % 7)) for k in range(N_KEYS)]
+    commit_batch(p, 0, [(key, old_value(i)) for i, key in enumerate(keys)])
+    snapshot_now(p)
+    commit_batch(p, 1, [(key, old_value(i + 1)) for i, key in enumerate(keys[:100])], keys[100:150])
+    p.close()
+    model = {key: as_new(old_value(i + 1 if i < 100 else i)) for i, key in enumerate(keys)}
+    for key in keys[100:150]:
+        del model[key]
+    return model
+
+
+def open_rekeyed(root, **conf):
+    conf = StateStoreConf(schema_changes={"default": CHANGES}, **conf)
+    return create_and_init_provider(StateStoreId(str(root), 0, 0), NEW_KEY, NEW, conf)
+
+
+# New keys no old key becomes: an id beyond int32 whose low bytes are an old id, a tag longer
+# than the old S4 whose first bytes are an old tag. A narrowing that only kept the low bytes
+# would find the old rows.
+OUT_OF_RANGE = [(2**32 - 1500 + 1, b"t1"), (-(2**32) - 1499, b"t1"), (-1499, b"t1xxxx"), (1, b"t3\0\0z")]
+
+
+def test_a_widened_key_reads_the_snapshot_in_place_by_every_path(tmp_path, caplog):
+    """int32 -> int64 and S4 -> S8: the snapshot is probed in place, each
+    new key narrowed back to the old one it comes from: per row, in a batch and whole, keys out
+    of the old fields' ranges are not found, a batch commits over it, and a restart reads it."""
+    model = rekey_store(tmp_path)
+    p = open_rekeyed(tmp_path)
+    with caplog.at_level(logging.INFO, logger="statecore"):
+        store = p.get_store(2)
+    base = base_of(p)
+    assert (base["kind"], base["version"], base["rows"]) == ("snapshot", 1, N_KEYS)
+    assert base["keys_converted_from"] == RowSchema(OLD_KEY).describe()
+    assert not any("converted to its schemas from" in r.getMessage() for r in caplog.records)  # not whole
+    probes = list(model)[::37] + [(-1399, b"t1"), (-1400, b"t2")] + OUT_OF_RANGE
+    for key in probes:
+        assert store.get(key) == model.get(key), key
+    keys = np.array(probes, dtype=NEW_KEY)
+    values, found = store.get_batch(keys)
+    assert found.tolist() == [key in model for key in probes]
+    assert [tuple(v) for v, f in zip(values.tolist(), found) if f] == [model[k] for k in probes if k in model]
+    assert not values[~found].tobytes().strip(b"\0")
+    assert contents(store) == model
+    store.put((-1499, b"t1xxxx"), (b"new", 1, 1.0, True))  # beside (-1499, b"t1"), not over it
+    store.put((-1499, b"t1"), (b"upd", 2, 2.0, False))
+    store.remove((-1498, b"t2"))
+    assert store.commit() == 3
+    model[(-1499, b"t1xxxx")] = (b"new", 1, 1.0, True)
+    model[(-1499, b"t1")] = (b"upd", 2, 2.0, False)
+    del model[(-1498, b"t2")]
+    p.close()
+    p = open_rekeyed(tmp_path)
+    store = p.get_read_store(3)
+    assert contents(store) == model
+    store.abort()
+    p.close()
+
+
+def test_levels_spilled_over_a_rekeyed_snapshot_and_its_key_filter(tmp_path, monkeypatch):
+    """Levels spilled over the re-keyed snapshot hide its rows they change or remove (its rows
+    are marked through the narrowed keys), and the snapshot offers no key filter (its own is of
+    the old keys), even when maintenance is asked to build one."""
+    from statecore.maintenance import _filter_bottom
+    model = rekey_store(tmp_path)
+    p = open_rekeyed(tmp_path, maintenance_interval_s=3600)
+    some = list(model)[1000:1600]
+    updates = {key: (b"u", i, 1.0, False) for i, key in enumerate(some[:500])}
+    commit_batch(p, 2, list(updates.items()) + [((2**40, b"t9xxxx"), (b"far", 0, 0.0, True))], some[500:])
+    model.update(updates)
+    model[(2**40, b"t9xxxx")] = (b"far", 0, 0.0, True)
+    for key in some[500:]:
+        del model[key]
+    monkeypatch.setattr("statecore.held_versions.SPILL_MIN_ROWS", 16)
+    p.spill_if_outgrown(ratio=0.0)
+    _filter_bottom(p)
+    described = p.describe()["latest"]["base"]
+    assert described["kind"] == "spill" and described["below"].get("keys_converted_from")
+    assert described["below"]["filter"] is False
+    store = p.get_read_store(3)
+    probes = list(model) + some[500:] + OUT_OF_RANGE
+    values, found = store.get_batch(np.array(probes, dtype=NEW_KEY))
+    assert {key: tuple(v) for key, v, f in zip(probes, values.tolist(), found) if f} == model
+    assert all(store.get(key) == model.get(key) for key in probes[::11])
+    assert contents(store) == model
+    store.abort()
+    p.do_maintenance()  # the change snapshotted: a plain snapshot under it from then on
+    assert "keys_converted_from" not in base_of(p)
+    store = p.get_read_store(3)
+    assert contents(store) == model
     store.abort()
     p.close()

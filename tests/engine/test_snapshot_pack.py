@@ -3,8 +3,10 @@ schemas and sizes (block boundaries included), a flipped byte in every region na
 and offset before any of its bytes is used, snapshot_files on both layouts and on a remote
 filesystem, the image cache (reused, remade when damaged, dropped with its snapshot), and a
 provider switching compression over one checkpoint."""
+import gc
 import io
 import os
+import threading
 import time
 import uuid
 
@@ -17,6 +19,7 @@ from statecore._snapshot import (
     HEADER_SIZE, PACK_FOOTER_SIZE, PACK_HEADER_SIZE, SNAPSHOT_HEADER_SIZE, PackWriter, SnapshotReader, SnapshotWriter,
     read_snapshot_header, unpack_snapshot, write_snapshot,
 )
+from statecore import _snapshot_pack as snapshot_pack
 from statecore._rowtable import RowTable
 from statecore.errors import SchemaMismatchError, StateCorruptionError
 from statecore.files import StoreFiles
@@ -124,6 +127,68 @@ def test_packwriter_refuses_a_short_image_and_bytes_past_its_end():
         packer.write(b"xx")
     with pytest.raises(ValueError, match="power of two"):
         PackWriter(io.BytesIO(), 1000)
+
+
+def test_the_packed_bytes_do_not_depend_on_how_many_blocks_are_in_flight(monkeypatch):
+    """Blocks packed on the writer's thread one by one (PACK_AHEAD 0) or many in flight on
+    its packing thread: the same file, byte for byte."""
+    table = table_of("bytes key and value", 6000, seed=4)
+    files = []
+    for ahead in (0, 1, 16):
+        monkeypatch.setattr(snapshot_pack, "PACK_AHEAD", ahead)
+        files.append(image_and_packed(table)[1])
+    assert files[0] == files[1] == files[2] and len(files[0]) > 20 * BLOCK
+
+
+def pack_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("statecore-pack")]
+
+
+def no_pack_thread_left():
+    """Wait (deadline 30 s) for every packing thread to end; whether they did."""
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while pack_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not pack_threads()
+
+
+class FailingFile:
+    """A file object whose write fails once ``limit`` bytes went in (a full disk)."""
+
+    def __init__(self, limit):
+        self.limit, self.taken = limit, 0
+
+    def write(self, data):
+        n = len(memoryview(data).cast("B"))
+        if self.taken + n > self.limit:
+            raise OSError(28, "No space left on device")
+        self.taken += n
+        return n
+
+
+def test_a_failing_file_or_packing_error_reaches_the_writer_and_leaves_no_thread(monkeypatch):
+    """A write that fails half-way through the image (a full disk), or lz4 failing on the
+    packing thread: the error reaches the caller of write() as it was raised, and the packing
+    thread ends once the abandoned writer is dropped."""
+    assert no_pack_thread_left()
+    table = table_of("int64->count,sum", 5000)
+    image, _ = image_and_packed(table)
+    packer = PackWriter(FailingFile(len(image) // 3), BLOCK)
+    with pytest.raises(OSError, match="No space left"):
+        packer.write(image)
+    del packer
+    assert no_pack_thread_left()
+
+    def lz4_fails(block):
+        raise MemoryError("lz4 could not allocate")
+
+    monkeypatch.setattr(snapshot_pack, "_packed_block", lz4_fails)
+    packer = PackWriter(io.BytesIO(), BLOCK)
+    with pytest.raises(MemoryError, match="lz4 could not allocate"):
+        packer.write(image)
+    del packer
+    assert no_pack_thread_left()
 
 
 def test_snapshot_reader_refuses_a_packed_file_by_name(tmp_path):
