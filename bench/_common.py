@@ -72,12 +72,15 @@ def measure(fn, repeat, setup=None):
     return times
 
 
-def measure_alternated(fns, repeat):
+def measure_alternated(fns, repeat, setup=None):
     """``measure`` of each of ``fns`` in turn, round by round (one call of each per round), so
-    that a drift of the machine's load falls on all of them alike: a list of times per fn."""
+    that a drift of the machine's load falls on all of them alike: a list of times per fn.
+    ``setup()`` before each call, untimed."""
     times = [[] for _ in fns]
     for _ in range(repeat):
         for fn, out in zip(fns, times):
+            if setup is not None:
+                setup()
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)

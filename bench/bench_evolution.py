@@ -173,8 +173,9 @@ def _check_first_batch(root, key, value, batch, n):
 def rekey_table(n, repeat):
     """A key widened over a store of ``n`` keys (one snapshot): the first load reads it in place,
     a batch commits, and maintenance writes the snapshot under the new schemas, every row
-    re-keyed; against reading,
-    lz4 round-tripping and writing the store's files' bytes (bench_repartition's anchor)."""
+    re-keyed; against reading, lz4 round-tripping and writing the store's files' bytes
+    (bench_repartition's anchor), and against the same steps with no schema change (a snapshot
+    of the same state: what any snapshot of it costs). The three alternate round by round."""
     table = Table(f"an eager re-key: {n:,} keys, int32 -> int64, to its new snapshot", n, unit="keys")
     logging.getLogger("statecore").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="bench-evolution-rekey-") as tmp:
@@ -195,10 +196,18 @@ def rekey_table(n, repeat):
             q.do_maintenance()  # its snapshot, the change made durable whole
             q.close()
 
-        table.add("anchor: read files + lz4 round trip + write as many bytes",
-                  measure(lambda: move_bytes(files, anchor_out), repeat, fresh))
-        table.add("load (read in place), commit, maintenance's snapshot re-keying every row",
-                  measure(rekey, repeat, fresh))
+        def unchanged():
+            q = create_and_init_provider(StateStoreId(copy, 0, 0), STORE_KEY, STORE_VALUE,
+                                         StateStoreConf(min_deltas_for_snapshot=0))
+            q.get_store(1).commit()
+            q.do_maintenance()  # a snapshot of version 2, due at once
+            q.close()
+
+        cases = (("anchor: read files + lz4 round trip + write as many bytes", lambda: move_bytes(files, anchor_out)),
+                 ("the same steps, no schema change: a snapshot of the same state", unchanged),
+                 ("load (read in place), commit, maintenance's snapshot re-keying every row", rekey))
+        for (name, _), times in zip(cases, measure_alternated([fn for _, fn in cases], repeat, fresh)):
+            table.add(name, times)
         q = _provider(copy, STORE_KEY_NEW, STORE_VALUE)  # the last run's state: every key, re-keyed
         store = q.get_read_store(2)
         try:
