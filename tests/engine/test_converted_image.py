@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from statecore import StateCorruptionError, StateStoreConf, StateStoreId, create_and_init_provider
 from statecore._row_convert import RowConverter, convert_store_rows, narrow_rows
+from statecore.maintenance import _filter_bottom
 from statecore.schema import RowSchema
 from statecore.schema_evolution import SchemaChanges, plan
 from tests.store_support import commit_batch, contents, open_provider, snapshot_now, the_file
@@ -187,6 +188,16 @@ def open_new(root, **conf):
     return create_and_init_provider(StateStoreId(str(root), 0, 0), KEY, NEW, conf)
 
 
+def assert_restart_reads(p, version, model):
+    """A provider opened afresh (``p``) reads ``version`` as ``model``; closed after."""
+    store = p.get_read_store(version)
+    try:
+        assert contents(store) == model
+    finally:
+        store.abort()
+        p.close()
+
+
 def base_of(p):
     base = p.describe()["latest"]["base"]
     while base["kind"] == "spill":
@@ -221,11 +232,7 @@ def test_a_value_change_reads_the_snapshot_in_place_by_every_path(tmp_path, capl
     model[7] = (b"later", 70, 0.5, False)
     del model[8]
     p.close()
-    p = open_new(tmp_path)
-    store = p.get_read_store(3)
-    assert contents(store) == model
-    store.abort()
-    p.close()
+    assert_restart_reads(open_new(tmp_path), 3, model)
 
 
 def test_levels_spilled_over_a_converted_snapshot_read_through_it_key_by_key(tmp_path, monkeypatch):
@@ -384,18 +391,13 @@ def test_a_widened_key_reads_the_snapshot_in_place_by_every_path(tmp_path, caplo
     model[(-1499, b"t1")] = (b"upd", 2, 2.0, False)
     del model[(-1498, b"t2")]
     p.close()
-    p = open_rekeyed(tmp_path)
-    store = p.get_read_store(3)
-    assert contents(store) == model
-    store.abort()
-    p.close()
+    assert_restart_reads(open_rekeyed(tmp_path), 3, model)
 
 
 def test_levels_spilled_over_a_rekeyed_snapshot_and_its_key_filter(tmp_path, monkeypatch):
     """Levels spilled over the re-keyed snapshot hide its rows they change or remove (its rows
     are marked through the narrowed keys), and the snapshot offers no key filter (its own is of
     the old keys), even when maintenance is asked to build one."""
-    from statecore.maintenance import _filter_bottom
     model = rekey_store(tmp_path)
     p = open_rekeyed(tmp_path, maintenance_interval_s=3600)
     some = list(model)[1000:1600]
