@@ -227,23 +227,6 @@ cdef class RowConverter:
         return out
 
 
-def convert_store_rows(RowConverter key not None, RowConverter value not None, const uint8_t[:, ::1] rows not None):
-    """``(n, key + value old width)`` rows of a store as ``(n, key + value new width)`` rows:
-    each row's key converted by ``key`` and its value by ``value``, side by side, one pass per
-    field without the GIL (no split into key and value arrays, no join after)."""
-    cdef Py_ssize_t old_width = key.old_width + value.old_width, new_width = key.new_width + value.new_width
-    if rows.shape[1] != old_width:
-        raise ValueError(f"rows are {rows.shape[1]} bytes wide; the old rows are {old_width}")
-    cdef Py_ssize_t n = rows.shape[0]
-    out = np.empty((n, new_width), dtype=np.uint8)
-    cdef uint8_t[:, ::1] dst = out
-    if n and new_width:
-        with nogil:
-            key.convert_many(&rows[0, 0], old_width, &dst[0, 0], new_width, n)
-            value.convert_many(&rows[0, 0] + key.old_width, old_width, &dst[0, 0] + key.new_width, new_width, n)
-    return out
-
-
 def narrow_rows(RowConverter converter not None, const uint8_t[:, ::1] rows not None):
     """``(old rows, ok)`` of ``(n, new_width)`` rows: :meth:`RowConverter.narrow_many` over an
     array. ValueError if ``converter`` is not invertible or the rows are of another width."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from statecore._converted_image import ConvertedImage
 from statecore._delta import BLOCK_PUTS, DeltaReader
-from statecore._row_convert import RowConverter, convert_store_rows
+from statecore._row_convert import RowConverter
 from statecore._lock import requires_lock
 from statecore._snapshot import SnapshotReader
 from statecore._versions import Spill, State, join_rows, take_rows
@@ -155,7 +155,7 @@ def _key_converter(p, plans):
         return False
     if not plans[0].rekeys:
         return None
-    if not all(f.kind in "iuS" for _, f in p.key_schema.fields):
+    if p.key_schema.normalizes:
         return False
     keys = RowConverter(plans[0].key)
     return keys if keys.invertible else False
@@ -168,12 +168,8 @@ def _converted_state(p, state, plans):
     version = state.version
     commit_id, count = state.commit_ids[version], state.count(version)
     key_width = state.key_schema.width
-    if len(plans) == 1 and all(f.kind in "iuS" for _, f in p.key_schema.fields):  # no key field to normalize
-        key, value = RowConverter(plans[0].key), RowConverter(plans[0].value)
-        chunks = (convert_store_rows(key, value, chunk) for chunk in state.iter_rows(version))
-    else:
-        chunks = (join_rows(*_converted_rows(plans, chunk[:, :key_width], chunk[:, key_width:]))
-                  for chunk in state.iter_rows(version))
+    chunks = (join_rows(*_converted_rows(plans, chunk[:, :key_width], chunk[:, key_width:]))
+              for chunk in state.iter_rows(version))
     whole = spill_rows(spill_file_maker(p.files, version), p.key_schema, p.value_schema, version, commit_id, chunks,
                        count)
     log.info("version %d of %s converted to its schemas from key %s, value %s (%d keys)", version, p,

@@ -133,6 +133,12 @@ class RowSchema:
             self._codec = RowCodec(self)
         return self._codec
 
+    @property
+    def normalizes(self):
+        """Whether rows of this (key) schema are normalized as they are made: a float field
+        (-0.0, NaNs) or a bool field. Bytes of such rows are not simply moved between schemas."""
+        return self._normalizes
+
     # -- identity -------------------------------------------------------------------------
     def describe(self):
         """``[[name, dtype.str], ...]``: what files record and fingerprints hash."""

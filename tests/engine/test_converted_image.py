@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore import StateCorruptionError, StateStoreConf, StateStoreId, create_and_init_provider
-from statecore._row_convert import RowConverter, convert_store_rows, narrow_rows
+from statecore._row_convert import RowConverter, narrow_rows
 from statecore.maintenance import _filter_bottom
 from statecore.schema import RowSchema
 from statecore.schema_evolution import SchemaChanges, plan
@@ -72,27 +72,6 @@ def test_row_converter_gives_what_numpy_field_copies_give(case):
     got = RowConverter(evolution).convert_rows(old_rows)
     assert got.shape == (len(rows), evolution.new.width)
     assert got.tobytes() == expected.tobytes()
-
-
-@settings(max_examples=150, deadline=None)
-@given(evolutions(), evolutions())
-def test_store_rows_convert_as_their_keys_and_values_do_apart(key_case, value_case):
-    """convert_store_rows (a re-key's load: key and value side by side in one pass) gives each
-    row its key converted, then its value converted, as RowConverter gives them apart."""
-    key_old, key_new, _, keys = key_case
-    value_old, value_new, defaults, values = value_case
-    n = min(len(keys), len(values))
-    key_plan, value_plan = plan(key_old, key_new), plan(value_old, value_new, defaults=defaults)
-    if key_plan.old.width == 0:  # a store's key has a field
-        return
-    old_keys = key_plan.old.rows(keys[:n]) if n else np.zeros((0, key_plan.old.width), np.uint8)
-    old_values = value_plan.old.rows(values[:n]) if n else np.zeros((0, value_plan.old.width), np.uint8)
-    key, value = RowConverter(key_plan), RowConverter(value_plan)
-    got = convert_store_rows(key, value, np.ascontiguousarray(np.concatenate([old_keys, old_values], axis=1)))
-    want = np.concatenate([key.convert_rows(old_keys), value.convert_rows(old_values)], axis=1)
-    assert got.shape == want.shape and got.tobytes() == want.tobytes()
-    with pytest.raises(ValueError, match="bytes wide; the old rows are"):
-        convert_store_rows(key, value, np.zeros((1, key_plan.old.width + value_plan.old.width + 1), np.uint8))
 
 
 @settings(max_examples=200, deadline=None)
