@@ -20,7 +20,8 @@ import tracemalloc
 
 import numpy as np
 
-from bench._common import Table, arg_parser, measure, print_header, write_json
+from bench._common import Table, arg_parser, measure, measure_alternated, print_header, write_json
+from statecore import _snapshot_writer
 from statecore._rowtable import RowTable
 from statecore._snapshot import SnapshotReader, SnapshotWriter, write_snapshot
 
@@ -68,6 +69,40 @@ def write_big_snapshot(path, n, seed):
         for start in range(0, n, CHUNK):
             writer.write_rows(rows_of(*batch(start, min(n, start + CHUNK), seed)))
         return writer.finish()
+
+
+class NullSink:
+    """A file object that takes every write and keeps nothing."""
+
+    def write(self, data):
+        return None
+
+
+def scratch_table(n, repeat, seed):
+    """The writer's working buffers (slot index, key hashes) on the heap or mapped from an
+    unlinked file, one big snapshot to a null sink: the rows alone are hashed, indexed and
+    checksummed. The two alternate round by round."""
+    rows = np.concatenate([rows_of(*batch(start, min(n, start + CHUNK), seed)) for start in range(0, n, CHUNK)])
+
+    def write(threshold):
+        def run():
+            saved = _snapshot_writer.FILE_BACKED_SCRATCH_BYTES
+            _snapshot_writer.FILE_BACKED_SCRATCH_BYTES = threshold
+            try:
+                writer = SnapshotWriter(NullSink(), KEY_DTYPE, VALUE_DTYPE, n, 1)
+                for start in range(0, n, CHUNK):
+                    writer.write_rows(rows[start:start + CHUNK])
+                writer.finish()
+            finally:
+                _snapshot_writer.FILE_BACKED_SCRATCH_BYTES = saved
+        return run
+
+    t = Table(f"write {n:,} rows to a null sink: where the writer's scratch lives", n)
+    cases = (("scratch on the heap (the default below an eighth of memory)", write(1 << 62)),
+             ("scratch mapped from an unlinked file (every size)", write(0)))
+    for (name, _), times in zip(cases, measure_alternated([fn for _, fn in cases], repeat)):
+        t.add(name, times)
+    return t
 
 
 def main():
@@ -228,6 +263,11 @@ def main():
         tables.append(t)
         plain.close()
         filtered.close()
+
+        if args.big_rows:
+            t = scratch_table(args.big_rows, repeat, args.seed)
+            t.print()
+            tables.append(t)
 
         if args.json:
             write_json(args.json, header, tables, extra)

@@ -7,6 +7,8 @@ from libc.stdint cimport uint64_t
 @cython.final
 cdef class PackWriter:
     cdef object fileobj
+    cdef object image             # a file object given the image as it is, or None
+    cdef object image_head        # the header page, for ``image`` with the first block
     cdef object header            # the image's checked SnapshotHeader, once its page came
     cdef object packed            # its PackedHeader
     cdef bytearray pending        # image bytes not yet packed (less than a block, or the page)
@@ -17,6 +19,7 @@ cdef class PackWriter:
     cdef readonly uint64_t bytes_out      # packed bytes written
     cdef uint64_t image_size
     cdef bint done
+    cdef bint abandoned           # after an error: takes no more bytes
     cdef object packer            # the packing thread (a one-worker executor), from the first block on
     cdef object in_flight         # (block, future of its packing) not yet written, oldest first
 

@@ -48,9 +48,26 @@ cdef uint64_t _checksum(const uint8_t[::1] data):
     return h
 
 
-def _packed_block(block):
+def _write_all(fileobj, data):
+    """``fileobj.write(data)``, again for what a partial write left over."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        done = fileobj.write(view)
+        if done is None or done >= len(view):
+            return
+        if done <= 0:
+            raise OSError(f"{type(fileobj).__name__}.write() wrote nothing")
+        view = view[done:]
+
+
+def _packed_block(block, image=None, head=None):
     """``(stored bytes, method, checksum)`` of one block: lz4, or the block as it is where
-    lz4 would not shrink it. On the packing thread; lz4 and the checksum release the GIL."""
+    lz4 would not shrink it. ``head`` (if any), then the block, go to ``image`` (if any)
+    first. On the packing thread; lz4, the checksum and a file's write release the GIL."""
+    if image is not None:
+        if head is not None:
+            _write_all(image, head)
+        _write_all(image, block)
     packed = _lz4_compress(block, store_size=False)
     if len(packed) < len(block):
         return packed, PACK_STORED_LZ4, _checksum(packed)
@@ -65,17 +82,25 @@ cdef class PackWriter:
     writes it first): the container header and that page go out at once, then every
     ``block_size`` bytes of the image are compressed and written as they complete; the
     image's last byte writes the last block, the block table and the footer. :meth:`finish`
-    checks that the whole image came. The file object is neither flushed nor closed. Blocks
+    checks that the whole image came. The file objects are neither flushed nor closed. Blocks
     are compressed on a thread of the writer's own (PACK_AHEAD in flight) while the caller
     goes on; they are written in order, from the caller's thread.
+
+    ``image``, a second file object (or None), is given the image itself, byte for byte, from
+    the packing thread, block by block before each is compressed: the local image of the new
+    snapshot (statecore/snapshot_files.py), written beside the caller's indexing instead of
+    after it. Its errors reach the caller as the packing's do.
     """
-    def __cinit__(self, fileobj, block_size=DEFAULT_PACK_BLOCK_SIZE):
+    def __cinit__(self, fileobj, block_size=DEFAULT_PACK_BLOCK_SIZE, image=None):
         if not callable(getattr(fileobj, "write", None)):
             raise TypeError(f"fileobj must have a write() method, got {type(fileobj).__name__}")
+        if image is not None and not callable(getattr(image, "write", None)):
+            raise TypeError(f"image must have a write() method, got {type(image).__name__}")
         if not (block_size & (block_size - 1) == 0 and MIN_PACK_BLOCK_SIZE <= block_size <= MAX_PACK_BLOCK_SIZE):
             raise ValueError(f"block_size must be a power of two in [{MIN_PACK_BLOCK_SIZE}, "
                              f"{MAX_PACK_BLOCK_SIZE}], got {block_size}")
         self.fileobj = fileobj
+        self.image = image
         self.block_size = block_size
         self.pending = bytearray()
         self.table = []
@@ -86,15 +111,8 @@ cdef class PackWriter:
         return True
 
     cdef _emit(self, data):
-        view = memoryview(data).cast("B")
-        self.bytes_out += len(view)
-        while len(view):
-            done = self.fileobj.write(view)
-            if done is None or done >= len(view):
-                return
-            if done <= 0:
-                raise OSError(f"{type(self.fileobj).__name__}.write() wrote nothing")
-            view = view[done:]
+        self.bytes_out += len(memoryview(data).cast("B"))
+        _write_all(self.fileobj, data)
 
     cdef _pack_block(self, block):
         """Hand one block of image bytes (copied: the caller's buffer is reused) to the
@@ -102,20 +120,27 @@ cdef class PackWriter:
         block = bytes(block)
         if self.packer is None:
             self.packer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="statecore-pack")
-        self.in_flight.append((block, self.packer.submit(_packed_block, block)))
+        self.in_flight.append((block, self.packer.submit(_packed_block, block, self.image, self.image_head)))
+        self.image_head = None
         if len(self.in_flight) > PACK_AHEAD:
             self._write_packed()
 
     cdef _write_packed(self):
         """Write the oldest block in flight once packed; its entry goes to the table."""
         block, done = self.in_flight.popleft()
-        packed, method, checksum = done.result()
+        try:
+            packed, method, checksum = done.result()
+        except BaseException:
+            self.abandon()
+            raise
         self.table.append(pack_entry_bytes(len(packed), method, checksum))
         self.tail = (self.tail + block[-8:])[-8:]
         self._emit(packed)
 
     def write(self, data):
         """Take image bytes; returns how many (all of them). ValueError past the image's end."""
+        if self.abandoned:
+            raise ValueError("this PackWriter was abandoned after an error")
         if self.done:
             raise ValueError("this PackWriter has written its whole image")
         view = memoryview(data).cast("B")
@@ -133,6 +158,8 @@ cdef class PackWriter:
             self.packed = read_snapshot_header(head + page, "<the snapshot being packed>").packed
             self._emit(head)
             self._emit(page)
+            if self.image is not None:
+                self.image_head = page  # written before the first block, on the packing thread
             rest = memoryview(self.pending)[HEADER_SIZE:]
             self.image_bytes = HEADER_SIZE
             self.pending = bytearray()
@@ -181,8 +208,22 @@ cdef class PackWriter:
                                      int.from_bytes(self.tail, "little")))
         self.done = True
 
+    def abandon(self):
+        """Stop the packing thread after an error, here or in the caller: blocks not yet begun
+        are dropped, the one being packed is waited for, so that neither file object is
+        written once this returns. The writer takes no more bytes."""
+        self.abandoned = True
+        for _, future in self.in_flight:
+            future.cancel()
+        self.in_flight.clear()
+        if self.packer is not None:
+            self.packer.shutdown(wait=True)
+            self.packer = None
+
     def finish(self):
         """Check that the whole image was written; returns the packed size in bytes."""
+        if self.abandoned:
+            raise ValueError("this PackWriter was abandoned after an error")
         if not self.done:
             raise ValueError(f"the image is {self.image_size} bytes, but {self.image_bytes} were written")
         return self.bytes_out

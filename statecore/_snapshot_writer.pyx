@@ -20,6 +20,7 @@ from statecore._snapshot_format cimport footer_bytes, header_page, layout
 
 import mmap
 import operator
+import os
 import tempfile
 
 import numpy as np
@@ -389,8 +390,11 @@ cdef class SnapshotWriter:
 # Working buffers larger than this are mapped from an unlinked temporary file instead of
 # taken from the heap: the kernel can then write them out and drop them under memory
 # pressure, so writing the snapshot of a state larger than memory does not need the slot
-# index of that state in resident memory.
-FILE_BACKED_SCRATCH_BYTES = 64 << 20
+# index of that state in resident memory. Below it they stay on the heap: a file mapping's
+# pages are allocated by the file system as they are first written, and its dirty pages are
+# written back to disk, work that a slot index which fits in memory has no need of
+# (bench_snapshot's scratch table). An eighth of physical memory, and at least 64 MiB.
+FILE_BACKED_SCRATCH_BYTES = max(64 << 20, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
 
 
 def _scratch_array(shape, dtype):

@@ -38,16 +38,19 @@ def write_snapshot_file(files, name, key_schema, value_schema, row_count, versio
     image = files.new_image_file(name) if packed and keep_image else None
 
     def write(f):
-        target = PackWriter(f) if packed else f
-        if image is not None:
-            target = _Tee(target, image)
-        writer = SnapshotWriter(target, key_schema, value_schema, row_count, version, lineage=lineage,
-                                key_filter=key_filter)
-        for chunk in chunks:
-            writer.write_rows(chunk)
-        info = writer.finish()
-        if packed:
-            (target.first if image is not None else target).finish()
+        target = PackWriter(f, image=image) if packed else f
+        try:
+            writer = SnapshotWriter(target, key_schema, value_schema, row_count, version, lineage=lineage,
+                                    key_filter=key_filter)
+            for chunk in chunks:
+                writer.write_rows(chunk)
+            info = writer.finish()
+            if packed:
+                target.finish()
+        except BaseException:
+            if packed:
+                target.abandon()  # its thread done with both files before they are removed
+            raise
         return info
 
     try:
@@ -63,18 +66,6 @@ def write_snapshot_file(files, name, key_schema, value_schema, row_count, versio
             image.close()
             _remove(image.name)  # adopted (renamed away) or abandoned
     return size
-
-
-class _Tee:
-    """A write-only file object handing every write to ``first`` and then ``second``."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def write(self, data):
-        n = self.first.write(data)
-        self.second.write(data)
-        return n
 
 
 def read_header(files, name):

@@ -342,12 +342,16 @@ def test_scale_benchmark_runs_small(tmp_path):
 
 def test_snapshot_benchmark_runs_small(tmp_path):
     """bench_snapshot on a small state: its batch lookups with a tenth of the keys absent
-    found exactly the others, with and without the key filter (it asserts so)."""
+    found exactly the others, with and without the key filter (it asserts so), and the
+    writer's scratch table has its two rows."""
     payload = run_bench("bench.bench_snapshot", ["--rows", "20000", "--repeat", "1", "--big-rows", "20000"],
                         tmp_path / "snapshot.json")
-    rows = [r["name"] for r in list(payload["tables"].values())[-1]]
+    tables = list(payload["tables"].values())
+    rows = [r["name"] for r in tables[-2]]
     assert rows == ["dict.get per key (Python loop)", "snapshot get_batch, no key filter",
                     "snapshot get_batch, its key filter asked first"]
+    assert [r["name"] for r in tables[-1]] == ["scratch on the heap (the default below an eighth of memory)",
+                                               "scratch mapped from an unlinked file (every size)"]
 
 
 @pytest.mark.spark

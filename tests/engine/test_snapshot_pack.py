@@ -55,10 +55,11 @@ def table_of(layout, n, seed=0):
 def image_and_packed(table, block_size=BLOCK):
     image = io.BytesIO()
     write_snapshot(image, table, 5, lineage=b"L" * 16)
-    out = io.BytesIO()
-    packer = PackWriter(out, block_size)
+    out, copy = io.BytesIO(), io.BytesIO()
+    packer = PackWriter(out, block_size, image=copy)
     write_snapshot(packer, table, 5, lineage=b"L" * 16)
     assert packer.finish() == len(out.getvalue())
+    assert copy.getvalue() == image.getvalue()  # the image handed on, byte for byte
     return image.getvalue(), out.getvalue()
 
 
@@ -131,7 +132,7 @@ def test_packwriter_refuses_a_short_image_and_bytes_past_its_end():
 
 def test_the_packed_bytes_do_not_depend_on_how_many_blocks_are_in_flight(monkeypatch):
     """Blocks packed on the writer's thread one by one (PACK_AHEAD 0) or many in flight on
-    its packing thread: the same file, byte for byte."""
+    its packing thread: the same file, byte for byte, and the same image handed on."""
     table = table_of("bytes key and value", 6000, seed=4)
     files = []
     for ahead in (0, 1, 16):
@@ -180,7 +181,7 @@ def test_a_failing_file_or_packing_error_reaches_the_writer_and_leaves_no_thread
     del packer
     assert no_pack_thread_left()
 
-    def lz4_fails(block):
+    def lz4_fails(block, image, head):
         raise MemoryError("lz4 could not allocate")
 
     monkeypatch.setattr(snapshot_pack, "_packed_block", lz4_fails)
@@ -189,6 +190,40 @@ def test_a_failing_file_or_packing_error_reaches_the_writer_and_leaves_no_thread
         packer.write(image)
     del packer
     assert no_pack_thread_left()
+
+
+def test_a_failing_image_file_stops_the_packing_thread_before_the_error_is_raised():
+    """The image handed on fails half-way (a full local disk): the error reaches write(), and
+    by then the packing thread is gone and neither file is written again (the caller removes
+    both next); the writer refuses more bytes."""
+    table = table_of("int64->count,sum", 5000)
+    image, _ = image_and_packed(table)
+    out, copy = FailingFile(10 * len(image)), FailingFile(len(image) // 3)
+    packer = PackWriter(out, BLOCK, image=copy)
+    with pytest.raises(OSError, match="No space left"):
+        packer.write(image)
+    assert pack_threads() == []  # at once, not once the writer is dropped: nothing writes after
+    with pytest.raises(ValueError, match="abandoned"):
+        packer.write(b"x")
+    with pytest.raises(ValueError, match="abandoned"):
+        packer.finish()
+
+
+def test_a_snapshot_that_fails_while_its_image_is_kept_leaves_neither_file(tmp_path):
+    """A duplicate key in the last chunk makes the snapshot writer fail with blocks in flight:
+    no snapshot, no image and no temporary file is left, and no packing thread."""
+    files = StoreFiles(str(tmp_path / "store"), local_cache_dir=str(tmp_path / "cache"))
+    table = table_of("int64->count,sum", 100_000)  # 3 MB of rows: a dozen blocks of the default size
+    keys, values = table.export_rows()
+    rows = np.concatenate([keys, values], axis=1)
+    last = rows[-100:].copy()
+    last[50, :8] = last[10, :8]
+    with pytest.raises(ValueError, match="duplicate key"):
+        write_snapshot_file(files, f"5_{'ab' * 8}.snapshot", table.key_schema, table.value_schema, len(rows), 5,
+                            b"C" * 16, [rows[:-100], last], "lz4", keep_image=True)
+    assert pack_threads() == []
+    assert os.listdir(files.location) == []
+    assert os.listdir(files.local_cache_dir) == []
 
 
 def test_snapshot_reader_refuses_a_packed_file_by_name(tmp_path):
