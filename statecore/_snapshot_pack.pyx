@@ -39,6 +39,9 @@ _READ_AHEAD = 4 << 20
 # Blocks handed to a PackWriter's packing thread and not yet written: the writer's caller
 # (indexing and checksumming the rows) runs beside lz4 on another core.
 PACK_AHEAD = 16
+# Blocks unpacked and not yet written to the image: the unpacker decompresses the next blocks
+# while a thread of its own writes them.
+UNPACK_AHEAD = 16
 
 
 cdef uint64_t _checksum(const uint8_t[::1] data):
@@ -229,6 +232,43 @@ cdef class PackWriter:
         return self.bytes_out
 
 
+class _WriteBehind:
+    """Writes to a file object from a thread of its own, in the order given, while the caller
+    goes on; at most UNPACK_AHEAD writes wait. A write's error reaches the caller at a later
+    write or at :meth:`close`, with the thread stopped first (the writes after it dropped)."""
+
+    def __init__(self, fileobj):
+        self.fileobj = fileobj
+        self.thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="statecore-unpack")
+        self.pending = collections.deque()
+
+    def write(self, data):
+        self.pending.append(self.thread.submit(_write_all, self.fileobj, data))
+        if len(self.pending) > UNPACK_AHEAD:
+            self._wait_oldest()
+
+    def _wait_oldest(self):
+        try:
+            self.pending.popleft().result()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def close(self):
+        """Wait for every write; the thread ends, whether or not one failed."""
+        while self.pending:
+            self._wait_oldest()
+        self.thread.shutdown()
+
+    def abandon(self):
+        """Drop the writes not begun and wait for the one running: the file object is not
+        written once this returns."""
+        for future in self.pending:
+            future.cancel()
+        self.pending.clear()
+        self.thread.shutdown(wait=True)
+
+
 def unpack_snapshot(source, dest, path):
     """Check a packed snapshot read from ``source`` and write its image to ``dest``.
 
@@ -253,8 +293,27 @@ def unpack_snapshot(source, dest, path):
     tail = _read_exactly(source, size - table_at, table_at, path)
     table_checksum, image_footer_checksum = check_pack_footer(tail[footer_at - table_at:], size, h, path)
     blocks = pack_table(tail[:footer_at - table_at], size, h, table_checksum, path)
-    if dest is not None:
-        dest.write(head[SNAPSHOT_HEADER_SIZE - HEADER_SIZE:])
+    if dest is None:
+        _unpack_blocks(source, None, path, blocks, table_at, footer_at, image_footer_checksum)
+        return h
+    out = _WriteBehind(dest)
+    try:
+        out.write(head[SNAPSHOT_HEADER_SIZE - HEADER_SIZE:])
+        _unpack_blocks(source, out, path, blocks, table_at, footer_at, image_footer_checksum)
+    except BaseException:
+        # ``dest`` gets the blocks checked before the damage, and nothing once this raises
+        try:
+            out.close()
+        except BaseException:
+            pass  # a write's error too: the first error is the one to report
+        raise
+    out.close()
+    return h
+
+
+cdef _unpack_blocks(source, dest, path, blocks, table_at, footer_at, image_footer_checksum):
+    """unpack_snapshot's blocks, each checked, then decompressed and written to ``dest``
+    (unless None)."""
     source.seek(SNAPSHOT_HEADER_SIZE)
     buf, buf_at = b"", SNAPSHOT_HEADER_SIZE   # bytes read ahead, and where they start
     tail = b""                                 # the image's last 8 bytes so far
@@ -287,7 +346,6 @@ def unpack_snapshot(source, dest, path):
         if int.from_bytes(tail, "little") != image_footer_checksum:
             raise StateCorruptionError(path, footer_at + 32, "the image unpacked does not end with the "
                                                              "footer the container names")
-    return h
 
 
 cdef bytes _read_exactly(source, Py_ssize_t n, at, path):

@@ -209,6 +209,24 @@ def test_a_failing_image_file_stops_the_packing_thread_before_the_error_is_raise
         packer.finish()
 
 
+def unpack_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("statecore-unpack")]
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 16])
+def test_unpacking_writes_in_order_and_a_failing_image_file_stops_its_thread(monkeypatch, ahead):
+    """The unpacker writes the image from a thread of its own, ``ahead`` blocks behind: the
+    image is the same byte for byte. A destination that fails half-way (a full local disk):
+    the error reaches the caller, and by then the thread is gone."""
+    monkeypatch.setattr(snapshot_pack, "UNPACK_AHEAD", ahead)
+    image, packed = image_and_packed(table_of("bytes key and value", 6000, seed=9))
+    assert unpacked(packed) == image and len(image) > 20 * BLOCK
+    assert unpack_threads() == []
+    with pytest.raises(OSError, match="No space left"):
+        unpack_snapshot(io.BytesIO(packed), FailingFile(len(image) // 2), "p.snapshot")
+    assert unpack_threads() == []
+
+
 def test_a_snapshot_that_fails_while_its_image_is_kept_leaves_neither_file(tmp_path):
     """A duplicate key in the last chunk makes the snapshot writer fail with blocks in flight:
     no snapshot, no image and no temporary file is left, and no packing thread."""
