@@ -189,6 +189,12 @@ class CheckpointFiles:
         """Delete files, best effort (missing ones skipped, failures logged)."""
         return self._files.delete(names)
 
+    def temporary_files(self):
+        """The temporary files (``.<name>.<uuid>.tmp``) of writes not renamed into place: what
+        a writer killed in mid-write left, or one writing now. Only a caller that holds the
+        lock every writer of the directory holds may take them for the first."""
+        return self._files.temporary_files(0)
+
     # -- the directory ------------------------------------------------------------------------
 
     def entries(self):

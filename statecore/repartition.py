@@ -256,8 +256,14 @@ def _store_plan(checkpoint, operator_id, name, old, old_ids, new, key_columns, c
 
 def prepare(plan):
     """Finish the roll-forward of a repartition that switched but was interrupted, delete what
-    interrupted runs left (found by their journals), then write this run's journal."""
+    interrupted runs left (found by their journals, and the temporary file of a journal whose
+    write was killed: this run holds the operator's lock, so no live run is writing one), then
+    write this run's journal."""
     journals = CheckpointFiles(f"{plan.operator_dir}/{JOURNAL_DIR}", plan.conf.storage_options)
+    leftovers = journals.temporary_files()
+    if leftovers:
+        log.info("deleting what a killed journal write left in %s: %s", journals.location, leftovers)
+        journals.delete(leftovers)
     moved = operator_files.repartitioned(plan.metadata)
     current = moved.get("journal") if moved else None
     for name, is_dir in journals.entries():
