@@ -459,8 +459,7 @@ class _TableStore:
         self.table.remove_rows(self.key_schema.rows(keys))
 
     def rows(self):
-        keys, values = self.table.export_rows()
-        return np.concatenate([keys, values], axis=1)
+        return join_rows(*self.table.export_rows())
 
 
 def write_targets(plan, routed, on_target=None):
